@@ -1,0 +1,85 @@
+"""Load a YAML config, apply ``dotted.key=value`` overrides, validate, report by dotted path."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import ValidationError
+
+from megathunder.config.schema import Config
+
+
+class ConfigError(ValueError):
+    """A configuration that does not parse or validate; each line names a dotted field."""
+
+
+def parse_overrides(overrides: Sequence[str]) -> dict[str, Any]:
+    """``["a.b=1", "c=x"]`` -> nested dict; values are parsed as YAML scalars (1, 1e-3, true, null)."""
+    tree: dict[str, Any] = {}
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key or any(not part for part in key.split(".")):
+            raise ConfigError(f"override {item!r}: expected dotted.key=value")
+        try:
+            value = yaml.safe_load(raw) if raw else ""
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"{key}: cannot parse value {raw!r}: {exc}") from None
+        node = tree
+        parts = key.split(".")
+        for depth, part in enumerate(parts[:-1]):
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ConfigError(f"{'.'.join(parts[: depth + 1])}: is a value, not a section")
+            node = child
+        node[parts[-1]] = value
+    return tree
+
+
+def _merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
+    merged = dict(base)
+    for key, value in update.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = _merge(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def _format(err: ValidationError) -> str:
+    """One line per error, each starting with the dotted path of the field at fault.
+
+    Cross-field validators (``model_validator``) report at their section's location and start
+    their message with the name of the field they blame, relative to that section.
+    """
+    lines = []
+    for e in err.errors():
+        loc = ".".join(str(p) for p in e["loc"])
+        msg = e["msg"].removeprefix("Value error, ")
+        names_field = e["type"] == "value_error" and ": " in msg
+        if not loc:
+            lines.append(msg)
+        elif names_field:
+            lines.append(f"{loc}.{msg}")
+        else:
+            lines.append(f"{loc}: {msg}")
+    return "invalid configuration:\n  " + "\n  ".join(lines)
+
+
+def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> Config:
+    data: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file not found: {path}")
+        loaded = yaml.safe_load(path.read_text())
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ConfigError(f"{path}: top level must be a mapping of sections")
+        data = loaded or {}
+    data = _merge(data, parse_overrides(overrides))
+    try:
+        return Config.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError(_format(err)) from None

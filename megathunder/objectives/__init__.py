@@ -1,0 +1,37 @@
+"""The objective library. Each function is used unchanged by the batch reference and the ledger."""
+
+from megathunder.objectives.advantages import (
+    GroupStats,
+    advantage,
+    batch_divisor,
+    coef_known_before_close,
+    group_stats,
+    keeps_group,
+    size_coef,
+)
+from megathunder.objectives.aggregation import normaliser, sequence_weight
+from megathunder.objectives.dapo import effective_loss_mask, soft_overlong_penalty
+from megathunder.objectives.loss import (
+    LossSpec,
+    num_loss_tokens,
+    token_logprobs_and_entropy,
+    trajectory_loss,
+)
+
+__all__ = [
+    "GroupStats",
+    "LossSpec",
+    "advantage",
+    "batch_divisor",
+    "coef_known_before_close",
+    "effective_loss_mask",
+    "group_stats",
+    "keeps_group",
+    "normaliser",
+    "num_loss_tokens",
+    "sequence_weight",
+    "size_coef",
+    "soft_overlong_penalty",
+    "token_logprobs_and_entropy",
+    "trajectory_loss",
+]

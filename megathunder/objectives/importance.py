@@ -1,0 +1,31 @@
+"""Truncated importance sampling (TIS) between the rollout engine and the learner.
+
+The rollout engine (vLLM) and the learner compute slightly different probabilities for the same
+tokens (kernels, precision). TIS reweights each token's score term by
+``w = min(pi_learner / pi_rollout, cap)``, per token or once per sequence, always detached. The
+weights depend only on the trajectory and the current weights, so they are fixed the moment the
+trajectory finishes and stream like any other per-token factor.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def tis_weights(
+    learner_logp: torch.Tensor,
+    rollout_logp: torch.Tensor | None,
+    mask: torch.Tensor,
+    mode: str,
+    cap: float,
+) -> torch.Tensor | None:
+    if mode == "none":
+        return None
+    if rollout_logp is None:
+        raise ValueError("tis: the trajectory has no rollout_logprobs")
+    log_ratio = (learner_logp.detach() - rollout_logp).masked_fill(~mask, 0.0)
+    if mode == "token":
+        return log_ratio.exp().clamp(max=cap)
+    if mode == "sequence":
+        return log_ratio.sum().exp().clamp(max=cap).expand_as(log_ratio)
+    raise ValueError(f"unknown tis mode {mode!r}")

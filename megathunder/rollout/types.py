@@ -6,9 +6,13 @@ already tokenised, so there is no drift between turns.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import os
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Literal, Protocol
+from typing import TYPE_CHECKING, Literal, Protocol, Union
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True)
@@ -16,8 +20,10 @@ class SamplingParams:
     max_new_tokens: int
     temperature: float = 1.0
     top_p: float = 1.0
+    top_k: int = -1  # -1: no top-k truncation
     stop_token_ids: tuple[int, ...] = ()
     seed: int | None = None
+    ignore_eos: bool = False  # benchmarks: generate exactly max_new_tokens
 
 
 @dataclass(frozen=True)
@@ -28,13 +34,28 @@ class Completion:
     policy_version: int  # weights version that produced every token of this completion
 
 
+WeightSource = Union[str, "os.PathLike[str]", Iterable[tuple[str, "torch.Tensor"]]]
+"""A safetensors checkpoint directory the engine can read, or (checkpoint_name, tensor) pairs."""
+
+
 class RolloutEngine(Protocol):
-    """One inference engine (in-process vLLM, or a pool of vLLM servers behind a load balancer)."""
+    """One inference engine (in-process vLLM, or a pool of vLLM servers behind a load balancer).
+
+    Built by ``megathunder.rollout.engines.start_engine(cfg, model_path)``.
+    """
+
+    @property
+    def policy_version(self) -> int:
+        """Version of the weights new requests are sampled from."""
+        ...
 
     async def generate(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> Completion: ...
 
-    async def update_weights(self, named_tensors_path_or_iter, policy_version: int) -> None:
-        """Load new weights (and reset the prefix cache); later completions carry the new version."""
+    async def update_weights(self, weights: WeightSource, policy_version: int) -> None:
+        """Load new weights and reset the prefix cache; later completions carry the new version.
+
+        Requests already running finish on the old weights; requests arriving meanwhile wait.
+        """
         ...
 
     async def reset_prefix_cache(self) -> None: ...

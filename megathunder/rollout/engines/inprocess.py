@@ -66,8 +66,21 @@ def engine_kwargs(cfg: EngineConfig) -> dict:
         seed=cfg.seed,
         worker_extension_cls=EXTENSION_CLS,
     )
+    chunked = cfg.enable_chunked_prefill
+    if chunked is None and _on_cpu():
+        chunked = False
+    if chunked is not None:
+        kwargs["enable_chunked_prefill"] = chunked
+        if not chunked:  # every prompt must then fit one step
+            kwargs["max_num_batched_tokens"] = max(cfg.max_model_len, 8192)
     kwargs.update(cfg.vllm_kwargs)
     return kwargs
+
+
+def _on_cpu() -> bool:
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
 
 
 class InProcessEngine:
@@ -85,9 +98,10 @@ class InProcessEngine:
         from vllm.v1.engine.async_llm import AsyncLLM
 
         args = AsyncEngineArgs(model=str(model_path), **engine_kwargs(cfg))
-        llm = AsyncLLM.from_engine_args(args)
-        await llm.update_weight_version(str(policy_version))
-        return cls(llm, policy_version)
+        engine = cls(AsyncLLM.from_engine_args(args), policy_version)
+        # no local holds the AsyncLLM: vLLM keeps this frame alive, and close() must free it
+        await engine.llm.update_weight_version(str(policy_version))
+        return engine
 
     @property
     def policy_version(self) -> int:

@@ -48,9 +48,11 @@ def server_command(model_path: str, cfg: EngineConfig, port: int) -> list[str]:
     cmd += ["--host", cfg.host, "--port", str(port), "--enable-scale-out"]  # /inference/v1/generate
     for key, value in engine_kwargs(cfg).items():
         flag = "--" + key.replace("_", "-")
-        if value is None or value is False:
-            if value is False and key == "enable_prefix_caching":
-                cmd.append("--no-enable-prefix-caching")
+        if value is None:
+            continue
+        if value is False:
+            if key in ("enable_prefix_caching", "enable_chunked_prefill"):
+                cmd.append("--no-" + flag[2:])
             continue
         cmd += [flag] if value is True else [flag, str(value)]
     return cmd

@@ -1,0 +1,133 @@
+"""The engine part of ``megathunder bench rollout``: vLLM generation throughput per deployment.
+
+For each deployment (in-process ``AsyncLLM``; OpenAI-compatible servers behind the balancer) it
+measures, on one engine at a time:
+
+- startup: seconds until the engine answers;
+- batch throughput: generated tokens/s with ``concurrency`` requests in flight (each exactly
+  ``max_new_tokens`` long, ``ignore_eos``), the figure that matters for rollouts;
+- single-request decode: tokens/s of one request alone (latency-bound);
+- weight update: seconds for ``update_weights`` from in-memory tensors (pause, load, reset the
+  prefix cache, resume).
+
+Tokens/s counts generated tokens only; prompts are ``prompt_len`` random ids.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from megathunder.config.schema import EngineConfig
+from megathunder.rollout.types import SamplingParams
+
+
+@dataclass(frozen=True)
+class EngineBenchResult:
+    deployment: str
+    num_servers: int
+    startup_s: float
+    batch_tokens_per_s: float
+    batch_requests: int
+    single_tokens_per_s: float
+    weight_update_s: float
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+async def _timed_batch(engine, prompts, params) -> tuple[float, int]:
+    t0 = time.perf_counter()
+    out = await asyncio.gather(*(engine.generate(p, params) for p in prompts))
+    return time.perf_counter() - t0, sum(len(c.token_ids) for c in out)
+
+
+async def bench_deployment(
+    model_dir: Path,
+    cfg: EngineConfig,
+    *,
+    concurrency: int,
+    prompt_len: int,
+    max_new_tokens: int,
+    log_dir: Path,
+    seed: int = 0,
+) -> EngineBenchResult:
+    from safetensors.torch import load_file
+
+    from megathunder.rollout.engines import start_engine
+
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(3, 500) for _ in range(prompt_len)] for _ in range(concurrency)]
+    params = SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True, seed=seed)
+
+    t0 = time.perf_counter()
+    engine = await start_engine(cfg, model_dir, log_dir=log_dir)
+    startup_s = time.perf_counter() - t0
+    try:
+        await _timed_batch(engine, prompts[:2], SamplingParams(max_new_tokens=8))  # warm-up
+        batch_s, batch_tokens = await _timed_batch(engine, prompts, params)
+        single_s, single_tokens = await _timed_batch(engine, prompts[:1], params)
+        weights = load_file(next(model_dir.glob("*.safetensors")))
+        t0 = time.perf_counter()
+        await engine.update_weights(iter(weights.items()), policy_version=1)
+        update_s = time.perf_counter() - t0
+    finally:
+        await engine.close()
+    return EngineBenchResult(
+        deployment=cfg.deployment,
+        num_servers=cfg.num_servers if cfg.deployment == "server" else 0,
+        startup_s=round(startup_s, 2),
+        batch_tokens_per_s=round(batch_tokens / batch_s, 1),
+        batch_requests=concurrency,
+        single_tokens_per_s=round(single_tokens / single_s, 1),
+        weight_update_s=round(update_s, 3),
+    )
+
+
+def run_engine_bench(
+    deployments: list[str],
+    *,
+    model_dir: str | None,
+    num_servers: int,
+    concurrency: int,
+    prompt_len: int,
+    max_new_tokens: int,
+    kv_cache_mib: int,
+    base_port: int,
+) -> list[EngineBenchResult]:
+    """One deployment after the other (never two engines at once on a small machine)."""
+    from megathunder.models.tiny_hf import save_tiny_qwen2
+
+    os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
+    with tempfile.TemporaryDirectory(prefix="mt_bench_rollout_") as tmp:
+        model = Path(model_dir) if model_dir else save_tiny_qwen2(Path(tmp) / "tiny_qwen2")
+        results = []
+        for deployment in deployments:
+            cfg = EngineConfig(
+                deployment=deployment,
+                dtype="float32",
+                max_model_len=max(512, prompt_len + max_new_tokens),
+                enforce_eager=True,
+                gpu_memory_utilization=0.3,
+                kv_cache_memory_bytes=kv_cache_mib * 2**20,
+                num_servers=num_servers,
+                base_port=base_port,
+            )
+            results.append(
+                asyncio.run(
+                    bench_deployment(
+                        model,
+                        cfg,
+                        concurrency=concurrency,
+                        prompt_len=prompt_len,
+                        max_new_tokens=max_new_tokens,
+                        log_dir=Path(tmp) / f"logs_{deployment}",
+                    )
+                )
+            )
+        return results

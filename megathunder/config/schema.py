@@ -142,6 +142,9 @@ class EngineConfig(_Strict):
     server_urls: list[str] = []
     """deployment=server: attach to these already-running servers (e.g. on rollout nodes, started
     with VLLM_SERVER_DEV_MODE=1) instead of launching num_servers locally."""
+    session_affinity_max_imbalance: int = Field(4, ge=0)
+    """A session's next request returns to its server (which caches its prefix) unless that server
+    has more than this many requests in flight above the least loaded one."""
     startup_timeout_s: float = Field(600.0, gt=0)
     request_timeout_s: float = Field(3600.0, gt=0)
     vllm_kwargs: dict[str, str | int | float | bool] = {}

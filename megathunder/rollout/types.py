@@ -7,7 +7,7 @@ already tokenised, so there is no drift between turns.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal, Protocol, Union
 
@@ -49,7 +49,12 @@ class RolloutEngine(Protocol):
         """Version of the weights new requests are sampled from."""
         ...
 
-    async def generate(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> Completion: ...
+    async def generate(
+        self, prompt_token_ids: Sequence[int], params: SamplingParams, *, session_id: Hashable | None = None
+    ) -> Completion:
+        """Sample one completion. ``session_id`` (e.g. the trajectory id) routes an episode's turns
+        to the server that holds its prefix in cache; one in-process engine ignores it."""
+        ...
 
     async def update_weights(self, weights: WeightSource, policy_version: int) -> None:
         """Load new weights and reset the prefix cache; later completions carry the new version.

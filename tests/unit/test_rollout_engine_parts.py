@@ -102,3 +102,20 @@ def test_weight_payload_roundtrip_and_errors(tmp_path):
     assert call.method == "reload_weights" and call.kwargs == {"weights_path": str(tmp_path.resolve())}
     with pytest.raises(ValueError):
         encode_tensors([])
+
+
+def test_balancer_session_affinity_is_bounded():
+    """A session stays on its server while that server is at most max_imbalance requests busier
+    than the least loaded one, then moves, and stays where it moved."""
+    b = LeastOutstandingBalancer(2, max_imbalance=2)
+    servers = [b.acquire(session="traj-7") for _ in range(5)]
+    home = servers[0]
+    assert servers == [home, home, home, 1 - home, 1 - home]
+    assert b.outstanding[home] == 3 and b.acquire() == 1 - home  # unkeyed requests: least loaded
+
+
+def test_balancer_forgets_old_sessions():
+    b = LeastOutstandingBalancer(2, max_sessions=3)
+    for k in range(5):
+        b.release(b.acquire(session=k))
+    assert list(b._sessions) == [2, 3, 4]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from typing import TYPE_CHECKING
 
 from megathunder.rollout.engines.weights import EXTENSION_CLS, weight_load_call
@@ -112,7 +112,9 @@ class InProcessEngine:
         """Tokens per KV-cache block (prefix caching reuses whole blocks)."""
         return self.llm.vllm_config.cache_config.block_size
 
-    async def generate(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> Completion:
+    async def generate(
+        self, prompt_token_ids: Sequence[int], params: SamplingParams, *, session_id: Hashable | None = None
+    ) -> Completion:
         from vllm.inputs import TokensPrompt
 
         request_id = f"mt-{next(self._request_ids)}"

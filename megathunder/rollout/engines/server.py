@@ -22,7 +22,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -164,11 +164,12 @@ class ServerEngine:
         session: aiohttp.ClientSession,
         policy_version: int,
         pool: ServerPool | None = None,
+        max_imbalance: int = 4,
     ) -> None:
         self.urls = list(urls)
         self.session = session
         self.pool = pool
-        self.balancer = LeastOutstandingBalancer(len(self.urls))
+        self.balancer = LeastOutstandingBalancer(len(self.urls), max_imbalance)
         self._policy_version = policy_version
         self._request_ids = itertools.count()
         self._update_lock = asyncio.Lock()
@@ -192,7 +193,7 @@ class ServerEngine:
             connector=aiohttp.TCPConnector(limit=0),
             timeout=aiohttp.ClientTimeout(total=cfg.request_timeout_s),
         )
-        engine = cls(urls, session, policy_version, pool)
+        engine = cls(urls, session, policy_version, pool, cfg.session_affinity_max_imbalance)
         try:
             await engine._on_all("/update_weight_version", json={"new_version": str(policy_version)})
         except BaseException:
@@ -214,7 +215,9 @@ class ServerEngine:
     async def _on_all(self, path: str, **kwargs) -> list[dict]:
         return await asyncio.gather(*(self._post(url, path, **kwargs) for url in self.urls))
 
-    async def generate(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> Completion:
+    async def generate(
+        self, prompt_token_ids: Sequence[int], params: SamplingParams, *, session_id: Hashable | None = None
+    ) -> Completion:
         request_id = f"mt-{next(self._request_ids)}"
         body = {
             "request_id": request_id,
@@ -231,7 +234,7 @@ class ServerEngine:
                 "detokenize": False,
             },
         }
-        with self.balancer.route() as server:
+        with self.balancer.route(session_id) as server:
             out = await self._post(self.urls[server], "/inference/v1/generate", json=body)
         choice = out["choices"][0]
         token_ids = choice["token_ids"]

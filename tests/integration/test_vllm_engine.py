@@ -95,6 +95,19 @@ class Runner:
             for url in self.engine.urls:
                 self.run(self.engine._post(url, "/collective_rpc", json=call.as_json()))
 
+    def num_running(self) -> int:
+        """Requests the engine(s) still hold (vLLM's own count, or its Prometheus gauge)."""
+        if self.deployment == "in_process":
+            return self.engine.llm.get_num_unfinished_requests()
+
+        async def scrape(url):
+            async with self.engine.session.get(url + "/metrics") as r:
+                text = await r.text()
+            lines = [ln for ln in text.splitlines() if ln.startswith(("vllm:num_requests_running", "vllm:num_requests_waiting"))]
+            return sum(float(ln.rsplit(" ", 1)[1]) for ln in lines)
+
+        return int(sum(self.run(scrape(url)) for url in self.engine.urls))
+
     def close(self) -> None:
         self.run(self.engine.close())
         self.loop.close()
@@ -156,6 +169,47 @@ def test_seeded_requests_repeat_and_survive_a_full_batch(runner):
     again = runner.generate_many(ps, params)
     assert [c.token_ids for c in first] == [c.token_ids for c in again]
     assert all(len(c.token_ids) == 6 for c in first)
+
+
+def test_cancelled_request_is_aborted(runner):
+    """An episode that hits its wall-time limit cancels generate(): the engine drops the request
+    (the server sees the connection close) and keeps serving."""
+    [p_long, p_next] = prompts(2, 16, seed=9)
+    long_params = SamplingParams(max_new_tokens=480, ignore_eos=True)  # ~1 s of decoding here
+
+    async def start_then_cancel():
+        task = asyncio.ensure_future(runner.engine.generate(p_long, long_params))
+        await asyncio.sleep(0.3)
+        return task
+
+    task = runner.run(start_then_cancel())
+    assert not task.done() and runner.num_running() == 1
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        runner.run(task)
+    runner.run(asyncio.sleep(0.1))
+    assert runner.num_running() == 0
+    [out] = runner.generate_many([p_next], SamplingParams(max_new_tokens=4, seed=0))
+    assert len(out.token_ids) == 4
+    if runner.deployment == "server":
+        assert runner.engine.balancer.outstanding == [0] * NUM_SERVERS
+
+
+def test_session_keeps_turns_on_one_server(runner):
+    """Three turns of one episode, each resending the history: with session_id they stay on one
+    server (where the prefix is cached), where an idle pool would otherwise round-robin."""
+    history = prompts(1, 20, seed=10)[0]
+    routed_before = list(runner.engine.balancer.num_routed) if runner.deployment == "server" else []
+
+    async def turn(prompt, k):
+        return await runner.engine.generate(prompt, SamplingParams(max_new_tokens=8, seed=k), session_id="ep-1")
+
+    for k in range(3):
+        c = runner.run(turn(history, k))
+        history = history + c.token_ids + [7, 8, 9]  # the tool's reply, appended as tokens
+    if runner.deployment == "server":
+        routed = [a - b for a, b in zip(runner.engine.balancer.num_routed, routed_before, strict=True)]
+        assert sorted(routed) == [0, 3]
 
 
 def test_stop_token_ends_completion(runner):

@@ -23,6 +23,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--kv-cache-mib", type=int, default=512)
     parser.add_argument("--base-port", type=int, default=18400)
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs per figure (median)")
     args = parser.parse_args(argv)
 
     from megathunder.bench.rollout_engine import run_engine_bench
@@ -37,10 +38,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         max_new_tokens=args.max_new_tokens,
         kv_cache_mib=args.kv_cache_mib,
         base_port=args.base_port,
+        repeats=args.repeats,
     )
     print(
         f"\nvLLM engine, {args.concurrency} requests x {args.max_new_tokens} new tokens "
-        f"(prompt {args.prompt_len} tokens)"
+        f"(prompt {args.prompt_len} tokens), median of {args.repeats}"
     )
     print(f"{'deployment':<12} {'servers':>7} {'startup s':>10} {'batch tok/s':>12} {'single tok/s':>13} {'update s':>9}")
     for r in results:

@@ -7,6 +7,8 @@ measures, on one engine at a time:
 - batch throughput: generated tokens/s with ``concurrency`` requests in flight (each exactly
   ``max_new_tokens`` long, ``ignore_eos``), the figure that matters for rollouts;
 - single-request decode: tokens/s of one request alone (latency-bound);
+
+(both the median of ``repeats`` runs: the machines are shared and a tiny model's runs are short)
 - weight update: seconds for ``update_weights`` from in-memory tensors (pause, load, reset the
   prefix cache, resume).
 
@@ -18,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import os
 import random
+import statistics
 import tempfile
 import time
 from dataclasses import asdict, dataclass
@@ -55,6 +58,7 @@ async def bench_deployment(
     prompt_len: int,
     max_new_tokens: int,
     log_dir: Path,
+    repeats: int = 3,
     seed: int = 0,
 ) -> EngineBenchResult:
     from safetensors.torch import load_file
@@ -70,8 +74,8 @@ async def bench_deployment(
     startup_s = time.perf_counter() - t0
     try:
         await _timed_batch(engine, prompts[:2], SamplingParams(max_new_tokens=8))  # warm-up
-        batch_s, batch_tokens = await _timed_batch(engine, prompts, params)
-        single_s, single_tokens = await _timed_batch(engine, prompts[:1], params)
+        batch = [await _timed_batch(engine, prompts, params) for _ in range(repeats)]
+        single = [await _timed_batch(engine, prompts[:1], params) for _ in range(repeats)]
         weights = load_file(next(model_dir.glob("*.safetensors")))
         t0 = time.perf_counter()
         await engine.update_weights(iter(weights.items()), policy_version=1)
@@ -82,9 +86,9 @@ async def bench_deployment(
         deployment=cfg.deployment,
         num_servers=cfg.num_servers if cfg.deployment == "server" else 0,
         startup_s=round(startup_s, 2),
-        batch_tokens_per_s=round(batch_tokens / batch_s, 1),
+        batch_tokens_per_s=round(statistics.median(n / t for t, n in batch), 1),
         batch_requests=concurrency,
-        single_tokens_per_s=round(single_tokens / single_s, 1),
+        single_tokens_per_s=round(statistics.median(n / t for t, n in single), 1),
         weight_update_s=round(update_s, 3),
     )
 
@@ -99,6 +103,7 @@ def run_engine_bench(
     max_new_tokens: int,
     kv_cache_mib: int,
     base_port: int,
+    repeats: int = 3,
 ) -> list[EngineBenchResult]:
     """One deployment after the other (never two engines at once on a small machine)."""
     from megathunder.models.tiny_hf import save_tiny_qwen2
@@ -127,6 +132,7 @@ def run_engine_bench(
                         prompt_len=prompt_len,
                         max_new_tokens=max_new_tokens,
                         log_dir=Path(tmp) / f"logs_{deployment}",
+                        repeats=repeats,
                     )
                 )
             )

@@ -119,3 +119,17 @@ def test_balancer_forgets_old_sessions():
     for k in range(5):
         b.release(b.acquire(session=k))
     assert list(b._sessions) == [2, 3, 4]
+
+
+def test_policy_version_read_from_vllm_spans():
+    from vllm.outputs import WeightVersionSpan
+
+    from megathunder.rollout.engines.common import single_version
+
+    assert single_version([WeightVersionSpan(version="3", start=0, end=5)], 5, "r") == 3
+    assert single_version([{"version": "4", "start": 0, "end": 2}], 2, "r") == 4  # server JSON
+    assert single_version(None, 0, "r") == -1  # aborted before its first token
+    with pytest.raises(RuntimeError, match="several"):
+        single_version([{"version": "1", "start": 0, "end": 2}, {"version": "2", "start": 2, "end": 4}], 4, "r")
+    with pytest.raises(RuntimeError, match="no weight version"):
+        single_version([], 3, "r")

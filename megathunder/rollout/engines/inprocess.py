@@ -13,9 +13,9 @@ import itertools
 from collections.abc import Hashable, Sequence
 from typing import TYPE_CHECKING
 
-from megathunder.rollout.engines.weights import EXTENSION_CLS, weight_load_call
-from megathunder.rollout.types import WeightSource
-from megathunder.rollout.types import Completion, SamplingParams
+from megathunder.rollout.engines.common import engine_kwargs, finish_reason, single_version
+from megathunder.rollout.engines.weights import weight_load_call
+from megathunder.rollout.types import Completion, SamplingParams, WeightSource
 
 if TYPE_CHECKING:
     from vllm.v1.engine.async_llm import AsyncLLM
@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from megathunder.config.schema import EngineConfig
 
 
-def vllm_sampling_params(params: SamplingParams, logprobs_detokenize: bool = False):
+def vllm_sampling_params(params: SamplingParams):
     """Our SamplingParams -> vLLM's, asking for the sampled token's logprob only."""
     import vllm
 
@@ -36,51 +36,9 @@ def vllm_sampling_params(params: SamplingParams, logprobs_detokenize: bool = Fal
         stop_token_ids=list(params.stop_token_ids),
         ignore_eos=params.ignore_eos,
         logprobs=0,
-        detokenize=logprobs_detokenize,
+        detokenize=False,
         output_kind=vllm.sampling_params.RequestOutputKind.FINAL_ONLY,
     )
-
-
-def single_version(spans, request_id: str) -> int:
-    """The one policy version of a completion's weight-version spans (several is a bug)."""
-    versions = {span.version if hasattr(span, "version") else span["version"] for span in spans or ()}
-    if len(versions) > 1:
-        raise RuntimeError(f"request {request_id} was sampled by several weight versions {versions}")
-    return int(versions.pop()) if versions else -1
-
-
-def finish_reason(reason: str | None) -> str:
-    return reason if reason in ("stop", "length") else "abort"
-
-
-def engine_kwargs(cfg: EngineConfig) -> dict:
-    """EngineConfig -> vLLM engine arguments (shared by the in-process and server launchers)."""
-    kwargs = dict(
-        dtype=cfg.dtype,
-        max_model_len=cfg.max_model_len,
-        enforce_eager=cfg.enforce_eager,
-        gpu_memory_utilization=cfg.gpu_memory_utilization,
-        kv_cache_memory_bytes=cfg.kv_cache_memory_bytes,
-        enable_prefix_caching=cfg.enable_prefix_caching,
-        logprobs_mode=cfg.logprobs_mode,
-        seed=cfg.seed,
-        worker_extension_cls=EXTENSION_CLS,
-    )
-    chunked = cfg.enable_chunked_prefill
-    if chunked is None and _on_cpu():
-        chunked = False
-    if chunked is not None:
-        kwargs["enable_chunked_prefill"] = chunked
-        if not chunked:  # every prompt must then fit one step
-            kwargs["max_num_batched_tokens"] = max(cfg.max_model_len, 8192)
-    kwargs.update(cfg.vllm_kwargs)
-    return kwargs
-
-
-def _on_cpu() -> bool:
-    from vllm.platforms import current_platform
-
-    return current_platform.is_cpu()
 
 
 class InProcessEngine:
@@ -122,7 +80,8 @@ class InProcessEngine:
         final = None
         async for out in self.llm.generate(prompt, vllm_sampling_params(params), request_id):
             final = out
-        assert final is not None and final.finished
+        if final is None or not final.finished:
+            raise RuntimeError(f"request {request_id} ended without a final output")
         seq = final.outputs[0]
         token_ids = list(seq.token_ids)
         logprobs = [step[tok].logprob for step, tok in zip(seq.logprobs, token_ids, strict=True)]
@@ -130,7 +89,7 @@ class InProcessEngine:
             token_ids=token_ids,
             logprobs=logprobs,
             finish_reason=finish_reason(seq.finish_reason),
-            policy_version=single_version(seq.weight_versions, request_id),
+            policy_version=single_version(seq.weight_versions, len(token_ids), request_id),
         )
 
     async def update_weights(self, weights: WeightSource, policy_version: int) -> None:

@@ -22,13 +22,14 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from megathunder.rollout.engines.balancer import LeastOutstandingBalancer
-from megathunder.rollout.engines.inprocess import engine_kwargs, finish_reason, single_version
+from megathunder.rollout.engines.common import engine_kwargs, finish_reason, single_version
 from megathunder.rollout.engines.weights import weight_load_call
 from megathunder.rollout.types import Completion, SamplingParams, WeightSource
 
@@ -39,7 +40,7 @@ if TYPE_CHECKING:
 
 
 class ServerError(RuntimeError):
-    pass
+    """A server failed to start, answered with an error, or broke the protocol."""
 
 
 def server_command(model_path: str, cfg: EngineConfig, port: int) -> list[str]:
@@ -171,7 +172,8 @@ class ServerEngine:
         self.pool = pool
         self.balancer = LeastOutstandingBalancer(len(self.urls), max_imbalance)
         self._policy_version = policy_version
-        self._request_ids = itertools.count()
+        # unique across controllers attached to the same servers (vLLM rejects duplicate ids)
+        self._request_ids = (f"mt-{uuid.uuid4().hex[:8]}-{n}" for n in itertools.count())
         self._update_lock = asyncio.Lock()
 
     @classmethod
@@ -218,7 +220,7 @@ class ServerEngine:
     async def generate(
         self, prompt_token_ids: Sequence[int], params: SamplingParams, *, session_id: Hashable | None = None
     ) -> Completion:
-        request_id = f"mt-{next(self._request_ids)}"
+        request_id = next(self._request_ids)
         body = {
             "request_id": request_id,
             "token_ids": list(prompt_token_ids),
@@ -245,7 +247,7 @@ class ServerEngine:
             token_ids=token_ids,
             logprobs=[c["logprob"] for c in content],
             finish_reason=finish_reason(choice.get("finish_reason")),
-            policy_version=single_version(choice.get("weight_versions"), request_id),
+            policy_version=single_version(choice.get("weight_versions"), len(token_ids), request_id),
         )
 
     async def update_weights(self, weights: WeightSource, policy_version: int) -> None:

@@ -1,0 +1,60 @@
+"""What both deployments share: vLLM engine arguments and reading vLLM's outputs."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from megathunder.rollout.engines.weights import EXTENSION_CLS
+
+if TYPE_CHECKING:
+    from megathunder.config.schema import EngineConfig
+
+
+def single_version(spans, num_tokens: int, request_id: str) -> int:
+    """The one policy version in a completion's weight-version spans (objects or JSON dicts).
+
+    Several versions would mean weights changed mid-request, which update_weights rules out;
+    a completion without tokens (aborted before its first) has none: -1.
+    """
+    versions = {span.version if hasattr(span, "version") else span["version"] for span in spans or ()}
+    if len(versions) > 1:
+        raise RuntimeError(f"request {request_id} was sampled by several weight versions {versions}")
+    if not versions:
+        if num_tokens:
+            raise RuntimeError(f"request {request_id}: vLLM returned no weight version")
+        return -1
+    return int(versions.pop())
+
+
+def finish_reason(reason: str | None) -> str:
+    return reason if reason in ("stop", "length") else "abort"
+
+
+def engine_kwargs(cfg: EngineConfig) -> dict:
+    """EngineConfig -> vLLM engine arguments (shared by the in-process and server launchers)."""
+    kwargs = dict(
+        dtype=cfg.dtype,
+        max_model_len=cfg.max_model_len,
+        enforce_eager=cfg.enforce_eager,
+        gpu_memory_utilization=cfg.gpu_memory_utilization,
+        kv_cache_memory_bytes=cfg.kv_cache_memory_bytes,
+        enable_prefix_caching=cfg.enable_prefix_caching,
+        logprobs_mode=cfg.logprobs_mode,
+        seed=cfg.seed,
+        worker_extension_cls=EXTENSION_CLS,
+    )
+    chunked = cfg.enable_chunked_prefill
+    if chunked is None and _on_cpu():
+        chunked = False
+    if chunked is not None:
+        kwargs["enable_chunked_prefill"] = chunked
+        if not chunked:  # every prompt must then fit one step
+            kwargs["max_num_batched_tokens"] = max(cfg.max_model_len, 8192)
+    kwargs.update(cfg.vllm_kwargs)
+    return kwargs
+
+
+def _on_cpu() -> bool:
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()

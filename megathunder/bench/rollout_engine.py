@@ -108,7 +108,8 @@ def run_engine_bench(
     """One deployment after the other (never two engines at once on a small machine)."""
     from megathunder.models.tiny_hf import save_tiny_qwen2
 
-    os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
+    os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")  # a 3-17 s compile on CPU, not the engine's speed
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # keep the figures readable
     with tempfile.TemporaryDirectory(prefix="mt_bench_rollout_") as tmp:
         model = Path(model_dir) if model_dir else save_tiny_qwen2(Path(tmp) / "tiny_qwen2")
         results = []

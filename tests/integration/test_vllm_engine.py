@@ -192,13 +192,12 @@ def test_cancelled_request_is_aborted(runner):
     async def start_then_cancel():
         task = asyncio.ensure_future(runner.engine.generate(p_long, long_params))
         await asyncio.sleep(0.3)
-        return task
+        assert not task.done(), "the long request already ended: lengthen it"
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
 
-    task = runner.run(start_then_cancel())
-    assert not task.done() and runner.num_running() == 1
-    task.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        runner.run(task)
+    runner.run(start_then_cancel())
     if runner.deployment == "in_process":
         assert runner.num_running() == 0  # aborted before CancelledError reached us
     else:  # the server notices the closed connection asynchronously

@@ -97,6 +97,7 @@ class ServerPool:
 
     def __init__(self, servers: list[ServerProcess]) -> None:
         self.servers = servers
+        self._owner_pid = os.getpid()
 
     @property
     def urls(self) -> list[str]:
@@ -156,6 +157,8 @@ class ServerPool:
         raise ServerError(f"vLLM server {server.url} not ready after {timeout_s:.0f} s; log {server.log_path}")
 
     def stop(self) -> None:
+        if os.getpid() != self._owner_pid:  # an atexit handler inherited by a forked child
+            return
         for server in self.servers:
             server.stop()
 

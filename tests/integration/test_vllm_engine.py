@@ -31,8 +31,11 @@ from megathunder.rollout.types import SamplingParams  # noqa: E402
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")  # vLLM's sampler compile costs 3-17 s on CPU
 
 LOGPROB_ATOL = 1e-4
-"""Max |vLLM - transformers| per-token logprob, fp32. Measured on this machine: 5e-6 to 3e-5 for
-24-32 new tokens, up to 6e-5 for 300-1000-token requests; wrong weights give errors of ~13."""
+"""Max |vLLM - transformers| per-token logprob, fp32, up to a few hundred tokens. Measured on this
+machine: 5e-6 to 6e-5; wrong weights give errors of ~13."""
+LONG_LOGPROB_ATOL = 5e-4
+"""The same for a 1000-token completion (fp32 rounding grows with the attention span): measured
+2e-5 to 1.7e-4."""
 STALE_MIN_ERROR = 1e-2
 """Errors that show wrong weights or a stale cache (measured: ~19 for the stale prefix cache)."""
 NUM_SERVERS = 2
@@ -97,22 +100,26 @@ class Runner:
                 self.run(self.engine._post(url, "/collective_rpc", json=call.as_json()))
 
     def num_running(self) -> int:
+        return self.run(self.num_running_async())
+
+    async def num_running_async(self) -> int:
         """Requests the engine(s) hold (vLLM's own count, or the servers' Prometheus gauges)."""
         if self.deployment == "in_process":
             return self.engine.llm.get_num_unfinished_requests()
-        return int(self.metric_sum(("vllm:num_requests_running", "vllm:num_requests_waiting")))
+        names = ("vllm:num_requests_running", "vllm:num_requests_waiting")
+        return int(await self.metric_sum_async(names))
 
     def metric_sum(self, prefixes: tuple[str, ...], label: str = "") -> float:
+        return self.run(self.metric_sum_async(prefixes, label))
+
+    async def metric_sum_async(self, prefixes: tuple[str, ...], label: str = "") -> float:
         """Sum of the servers' Prometheus samples whose name starts with a prefix and that carry
         ``label`` (e.g. 'finished_reason="length"')."""
-
-        async def scrape(url):
-            async with self.engine.session.get(url + "/metrics") as r:
-                return await r.text()
-
         total = 0.0
         for url in self.engine.urls:
-            for line in self.run(scrape(url)).splitlines():
+            async with self.engine.session.get(url + "/metrics") as r:
+                text = await r.text()
+            for line in text.splitlines():
                 if line.startswith(prefixes) and label in line:
                     total += float(line.rsplit(" ", 1)[1])
         return total
@@ -191,7 +198,8 @@ def test_cancelled_request_is_aborted(runner):
 
     async def start_then_cancel():
         task = asyncio.ensure_future(runner.engine.generate(p_long, long_params))
-        await asyncio.sleep(0.2)
+        while not await runner.num_running_async():  # decoding
+            await asyncio.sleep(0.01)
         assert not task.done(), "the long request already ended: lengthen it"
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
@@ -302,18 +310,21 @@ def test_update_waits_for_in_flight_requests(runner, hf_model, base_state):
     async def scenario():
         engine = runner.engine
         long = asyncio.ensure_future(engine.generate(p_long, SamplingParams(max_new_tokens=1000, ignore_eos=True)))
-        await asyncio.sleep(0.2)  # the long request is decoding (1-10 s in all)
+        while not await runner.num_running_async():  # the long request is decoding (1-10 s in all)
+            await asyncio.sleep(0.01)
         update = asyncio.ensure_future(engine.update_weights(iter(new.items()), policy_version=old_version + 1))
         await asyncio.sleep(0.05)
         during = asyncio.ensure_future(engine.generate(p_during, SamplingParams(max_new_tokens=8)))
         await asyncio.sleep(0.05)
-        assert not long.done(), "the long request ended before the update began: lengthen it"
+        if long.done():
+            c = long.result()
+            raise AssertionError(f"long request ended early: {len(c.token_ids)} tokens, {c.finish_reason}")
         return await asyncio.gather(long, update, during)
 
     long, _, during = runner.run(scenario())
     hf_model.load_state_dict(old_state)
     assert long.policy_version == old_version
-    assert max_logprob_error(hf_model, [p_long], [long]) <= LOGPROB_ATOL
+    assert max_logprob_error(hf_model, [p_long], [long]) <= LONG_LOGPROB_ATOL
     hf_model.load_state_dict(new)
     assert during.policy_version == old_version + 1
     assert max_logprob_error(hf_model, [p_during], [during]) <= LOGPROB_ATOL

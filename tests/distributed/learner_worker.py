@@ -90,9 +90,79 @@ def equivalence(args) -> None:
     destroy_distributed()
 
 
+def _learner(args, objective=None):
+    cfg = LearnerConfig.model_validate({
+        "parallel": {"tensor_parallel": args.tp, "pipeline_parallel": args.pp},
+        "model": {"hf_checkpoint": args.hf},
+        "optimizer": {"name": "adam", "lr": 1e-2, "use_distributed_optimizer": args.dist_opt},
+    })
+    groups = init_distributed(cfg)
+    return MegatronLearner.build(cfg, objective or ObjectiveConfig(), groups, LedgerConfig(max_group_slots=1))
+
+
+def _streamed_step(learner: MegatronLearner, seed: int) -> None:
+    batch, rewards, events = make_batch(seed, learner.model_cfg.vocab_size)
+    dp, dp_rank = learner.groups.dims.dp, learner.groups.dp_rank
+    ledger = learner.ledger
+    ledger.begin_batch(syn.group_plan(batch))
+    for e in events:
+        t = batch[e.traj_id]
+        if e.kind == "reward":
+            ledger.on_reward(t.traj_id, rewards[t.traj_id])
+        elif t.traj_id % dp == dp_rank:
+            ledger.on_finished(t)
+        else:
+            ledger.on_remote_finished(t.traj_id, learner.num_loss_tokens(t))
+    ledger.close_batch()
+    learner.step()
+
+
+def checkpoint_save(args) -> None:
+    """Two steps from the HF weights, saving after the first; rank 0 records both parameter sets."""
+    from megathunder.learner.checkpoint import save_checkpoint
+
+    learner = _learner(args)
+    _streamed_step(learner, seed=1)
+    save_checkpoint(learner, args.ckpt)
+    after1 = full_params(learner)
+    _streamed_step(learner, seed=2)
+    after2 = full_params(learner)
+    if learner.groups.rank == 0:
+        torch.save({"after1": after1, "after2": after2}, args.out)
+    destroy_distributed()
+
+
+def checkpoint_resume(args) -> None:
+    """Load the latest checkpoint (any layout), record the loaded parameters, take the second step."""
+    from megathunder.learner.checkpoint import latest_checkpoint, load_checkpoint
+
+    learner = _learner(args)
+    load_checkpoint(learner, latest_checkpoint(args.ckpt))
+    loaded = full_params(learner)
+    num_steps = learner.num_steps
+    _streamed_step(learner, seed=2)
+    after2 = full_params(learner)
+    if learner.groups.rank == 0:
+        torch.save({"loaded": loaded, "after2": after2, "num_steps": num_steps}, args.out)
+    destroy_distributed()
+
+
+def hf_roundtrip(args) -> None:
+    """Import the HF checkpoint into this layout, export it again, and record logprobs."""
+    learner = _learner(args)
+    learner.export_hf(args.export)
+    batch, _, _ = make_batch(3, learner.model_cfg.vocab_size)
+    logps = learner.token_logprobs(batch)
+    if learner.groups.is_last_stage and learner.groups.tp_rank == 0 and learner.groups.dp_rank == 0:
+        torch.save({"logprobs": logps}, args.out)
+    destroy_distributed()
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("mode", choices=["equivalence"])
+    p.add_argument("mode", choices=["equivalence", "checkpoint_save", "checkpoint_resume", "hf_roundtrip"])
+    p.add_argument("--ckpt")
+    p.add_argument("--export")
     p.add_argument("--out", required=True)
     p.add_argument("--hf", required=True)
     p.add_argument("--tp", type=int, default=1)
@@ -104,7 +174,8 @@ def main() -> None:
     p.add_argument("--dist-opt", action="store_true")
     p.add_argument("--objective", default="{}")
     args = p.parse_args()
-    {"equivalence": equivalence}[args.mode](args)
+    {"equivalence": equivalence, "checkpoint_save": checkpoint_save,
+     "checkpoint_resume": checkpoint_resume, "hf_roundtrip": hf_roundtrip}[args.mode](args)
 
 
 if __name__ == "__main__":

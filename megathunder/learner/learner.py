@@ -12,7 +12,6 @@ data-parallel ranks (a sum: each rank holds its trajectories' share of (1/Z) sum
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,7 +38,8 @@ class StepResult:
 
 class MegatronLearner:
     def __init__(self, cfg: LearnerConfig, model_cfg: PolicyModelConfig, objective: ObjectiveConfig,
-                 groups: ProcessGroups, model, ddp, optimizer, scheduler, ledger_cfg=None) -> None:
+                 groups: ProcessGroups, model, ddp, optimizer, scheduler, ledger_cfg=None,
+                 reference: torch.nn.Module | None = None) -> None:
         self.cfg = cfg
         self.model_cfg = model_cfg
         self.objective = objective
@@ -51,7 +51,7 @@ class MegatronLearner:
         self.offset = layer_offset(model_cfg, groups)
         self.backend = MegatronBackend(ddp, groups, objective)
         self.ledger = GradientLedger(self.backend, objective, ledger_cfg)
-        self.reference = self._build_reference() if objective.kl_coef > 0 else None
+        self.reference = reference
         self.num_steps = 0
 
     @classmethod
@@ -93,15 +93,14 @@ class MegatronLearner:
             lr_decay_style=opt.lr_decay_style, start_wd=opt.weight_decay, end_wd=opt.weight_decay,
             wd_incr_steps=1, wd_incr_style="constant",
         )
-        return cls(cfg, model_cfg, objective, groups, model, ddp, optimizer, scheduler, ledger_cfg)
-
-    # ------------------------------------------------------------------ reference model
-
-    def _build_reference(self) -> torch.nn.Module:
-        ref = copy.deepcopy(self.model).requires_grad_(False).eval()
-        if self.cfg.reference.offload_to_cpu and self.groups.device.type == "cuda":
-            ref.to("cpu")
-        return ref
+        reference = None
+        if objective.kl_coef > 0:  # a frozen copy of the initial policy
+            reference = build_gpt_model(model_cfg, cfg.precision, groups)
+            reference.load_state_dict(model.state_dict(), strict=False)
+            reference.requires_grad_(False).eval()
+            if cfg.reference.offload_to_cpu and groups.device.type == "cuda":
+                reference.to("cpu")
+        return cls(cfg, model_cfg, objective, groups, model, ddp, optimizer, scheduler, ledger_cfg, reference)
 
     # ------------------------------------------------------------------ gradients
 
@@ -148,8 +147,13 @@ class MegatronLearner:
         if not trajs:
             return []
         model = self.reference if use_reference else self.ddp
+        offloaded = use_reference and next(model.parameters()).device != self.groups.device
+        if offloaded:
+            model.to(self.groups.device)
         out = run_schedule(model, self.groups, list(trajs), lambda k, logp, ent: logp.sum() * 0,
                            need_entropy=need_entropy, forward_only=True)
+        if offloaded:
+            model.to("cpu")
         if not self.groups.is_last_stage:
             return None
         return [d["logp"].cpu() for d in out]

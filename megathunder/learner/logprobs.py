@@ -3,13 +3,17 @@
 Each tensor-parallel rank holds logits for its slice of the vocabulary. With m the global max and
 s_v = z_v - m:
 
-    log Z   = log sum_ranks sum_local exp(s_v)
-    logp(y) = s_y - log Z                     (s_y lives on exactly one rank; the others add 0)
-    H       = log Z - sum_v p_v s_v           (since sum_v p_v = 1)
+    S       = sum_ranks sum_local exp(s_v)          A = sum_ranks sum_local exp(s_v) s_v
+    logp(y) = s_y - log S                     (s_y lives on exactly one rank; the others add 0)
+    H       = log S - A / S                   (-sum p log p with p = exp(s) / S)
 
-The sums across ranks use Megatron's reduce-from-model-parallel-region (all-reduce forward,
-identity backward): every rank computes the same loss from the reduced values, so each rank's
-local logits get exactly the upstream gradient. With one tensor-parallel rank no collective runs.
+Only the three local partial sums (exp-sum, weighted sum, target logit) cross ranks, through
+Megatron's reduce-from-model-parallel-region (all-reduce forward, identity backward). Everything
+after the reduction is computed identically on every rank, which is what makes the identity
+backward correct: each rank's partial sum gets exactly the gradient of the replicated loss.
+(Using a reduced value inside a rank-local sum -- e.g. p_v = exp(s_v - log S) summed locally and
+then reduced -- would silently drop the other ranks' terms from d/dS.) With one tensor-parallel
+rank no collective runs.
 """
 
 from __future__ import annotations
@@ -43,7 +47,9 @@ def vocab_parallel_logprobs(
     if group is not None and dist.get_world_size(group) > 1:
         dist.all_reduce(max_logit, op=dist.ReduceOp.MAX, group=group)
     shifted = logits_local - max_logit.unsqueeze(-1)
-    log_z = _sum_across(shifted.exp().sum(dim=-1), group).log()
+    exp_shifted = shifted.exp()
+    sum_exp = _sum_across(exp_shifted.sum(dim=-1), group)
+    log_z = sum_exp.log()
 
     in_slice = (targets >= start) & (targets < start + vocab_local)
     local_index = (targets - start).clamp(0, vocab_local - 1)
@@ -53,6 +59,6 @@ def vocab_parallel_logprobs(
 
     entropy = None
     if need_entropy:
-        probs = (shifted - log_z.unsqueeze(-1)).exp()
-        entropy = log_z - _sum_across((probs * shifted).sum(dim=-1), group)
+        weighted = _sum_across((exp_shifted * shifted).sum(dim=-1), group)
+        entropy = log_z - weighted / sum_exp
     return logp, entropy

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 
 BENCHMARKS = {
     "ledger": "megathunder.bench.ledger",
+    "learner": "megathunder.bench.learner",
 }
 
 

@@ -35,6 +35,12 @@ def _cmd_exactness(args: argparse.Namespace) -> int:
     return run(load_config(args.config, args.overrides))
 
 
+def _cmd_simulate(args: argparse.Namespace) -> int:
+    from megathunder.simulate.main import main as simulate_main
+
+    return simulate_main(args.simulate_args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="megathunder",
@@ -65,6 +71,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("name", choices=sorted(BENCHMARKS))
     p.add_argument("bench_args", nargs=argparse.REMAINDER, help="passed to the benchmark (try --help)")
     p.set_defaults(func=_cmd_bench)
+
+    p = sub.add_parser(
+        "simulate",
+        help="discrete-event simulation of sync, async, fully_async and thunder on a workload "
+        "profile (bundled: swe_smith, swe_smith_128); prints figures, the last line one JSON object",
+        add_help=False,
+    )
+    p.add_argument("simulate_args", nargs=argparse.REMAINDER,
+                   help="PROFILE [key=value ...] [--sensitivity] (try: megathunder simulate x --help)")
+    p.set_defaults(func=_cmd_simulate)
     return parser
 
 

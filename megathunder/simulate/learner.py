@@ -106,31 +106,42 @@ def stream(ready: np.ndarray, work: np.ndarray, num_ranks: int, p: int, t0: floa
 def ledger_ready_times(group: np.ndarray, reward: np.ndarray, max_slots: int | None) -> np.ndarray:
     """When each trajectory's score gradient can be computed, with the ledger's K group slots.
 
-    Mirrors ``megathunder.streaming.ledger``: at a reward, a group that holds a slot, or takes a
-    free one now, processes that trajectory at once; a group without a slot keeps its
-    trajectories as data until it closes (its last reward), when they all go to P directly.
-    K = 0 is group-level streaming; None gives every group a slot (per-trajectory streaming).
+    Mirrors ``megathunder.streaming.ledger`` (GRPO family, no dynamic sampling): at a reward, a
+    group that holds a slot, or takes a free one now, processes that trajectory at once; if none
+    is free the trajectory waits as data. A closing group processes all its waiting trajectories
+    directly and hands its slot to the waiting open group with the most trajectories waiting
+    (first in batch order on ties), which processes them at once. K = 0 is group-level streaming;
+    None gives every group a slot (per-trajectory streaming).
     """
     ready = np.empty_like(reward)
     remaining = np.bincount(group).astype(np.int64)
-    has_slot = np.zeros(len(remaining), dtype=bool)
-    pending: dict[int, list[int]] = {}
+    num_groups = len(remaining)
+    has_slot = np.zeros(num_groups, dtype=bool)
+    waiting = np.zeros(num_groups, dtype=bool)
+    pending: list[list[int]] = [[] for _ in range(num_groups)]
     used = 0
     for i in np.argsort(reward, kind="stable"):
         g, t = int(group[i]), float(reward[i])
         remaining[g] -= 1
         if remaining[g] == 0:
             ready[i] = t
-            for j in pending.pop(g, ()):
-                ready[j] = t
+            ready[pending[g]] = t
+            pending[g], waiting[g] = [], False
             if has_slot[g]:
                 has_slot[g] = False
-                used -= 1
+                cands = np.flatnonzero(waiting)
+                if len(cands):
+                    h = int(cands[np.argmax([len(pending[c]) for c in cands])])
+                    ready[pending[h]] = t
+                    pending[h], waiting[h], has_slot[h] = [], False, True
+                else:
+                    used -= 1
         elif has_slot[g] or max_slots is None or used < max_slots:
             if not has_slot[g]:
-                has_slot[g] = True
+                has_slot[g], waiting[g] = True, False
                 used += 1
             ready[i] = t
         else:
-            pending.setdefault(g, []).append(int(i))
+            pending[g].append(int(i))
+            waiting[g] = True
     return ready

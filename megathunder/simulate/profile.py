@@ -245,10 +245,10 @@ def _read(name_or_path: str | Path, seen: tuple[str, ...] = ()) -> dict[str, Any
     data = yaml.safe_load(path.read_text()) or {}
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: top level must be a mapping of sections")
+    data.setdefault("name", path.stem)
     base = data.pop("extends", None)
     if base is not None:
         data = _merge(_read(base, (*seen, str(path.resolve()))), data)
-    data.setdefault("name", path.stem)
     return data
 
 

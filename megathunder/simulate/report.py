@@ -55,6 +55,13 @@ def format_figures(profile: Profile, figs: dict) -> str:
             f"{s['learner_idle_share']:>14.1%}{s['rollout_busy_share']:>14.1%}"
             f"{s['staleness_mean']:>6.2f}/{s['staleness_max']:<4.0f}")
     pub = figs["published"]
+    k = p.schedules.max_group_slots
+    per_buffer_gb = 4 * p.model.num_params / (p.learner.tensor_parallel * p.learner.pipeline_parallel) / 1e9
+    lines.append(
+        f"thunder ledger memory (not simulated): {per_buffer_gb:.1f} GB per fp32 parameter-sized "
+        f"buffer per learner GPU; K={k if k is not None else 'inf'} slots hold up to "
+        + (f"2K + 1 = {2 * k + 1} of them" if k is not None else
+           f"2 x {p.workload.num_prompts_per_batch} + 1 (every group open)"))
     if "bound" in figs:
         b = figs["bound"]
         lines += [

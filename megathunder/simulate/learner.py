@@ -81,8 +81,9 @@ def train_batch(work: np.ndarray, num_ranks: int, p: int, t0: float) -> list[Bur
 
 def stream(ready: np.ndarray, work: np.ndarray, num_ranks: int, p: int, t0: float,
            max_burst: int) -> list[Burst]:
-    """Streaming: each trajectory may start at ready[i]; a free rank takes the ready ones (its
-    share of them, at most max_burst) as one burst."""
+    """Streaming: each trajectory may start at ready[i]; the first free rank takes ready ones as
+    one burst: one at a time without a pipeline (list scheduling keeps the ranks balanced), else
+    its 1/num_ranks share of those ready (at most max_burst) to amortise the fill and drain."""
     order = np.argsort(ready, kind="stable")
     r_sorted = ready[order]
     free = [(t0, r) for r in range(num_ranks)]
@@ -93,8 +94,7 @@ def stream(ready: np.ndarray, work: np.ndarray, num_ranks: int, p: int, t0: floa
         f, rank = heapq.heappop(free)
         start = max(f, float(r_sorted[i]))
         avail = int(np.searchsorted(r_sorted, start, side="right")) - i
-        idle = 1 + sum(1 for g, _ in free if g <= start)
-        take = max(1, min(max_burst, math.ceil(avail / idle)))
+        take = 1 if p == 1 else max(1, min(max_burst, math.ceil(avail / num_ranks)))
         ws = work[order[i:i + take]]
         end = start + burst_s(float(ws.sum()), take, p)
         bursts.append(Burst(rank, start, end, take, BACKWARD_SHARE * float(ws[-1])))

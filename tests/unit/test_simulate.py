@@ -281,3 +281,9 @@ def test_pipeline_bubble_penalises_streaming_lone_trajectories():
     extra_pp = run_thunder(p, batches).steps[-1].end - run_sync(p, batches).steps[-1].end
     extra_tp = run_thunder(q, batches).steps[-1].end - run_sync(q, batches).steps[-1].end
     assert math.isfinite(extra_pp) and extra_pp > extra_tp
+
+
+def test_streaming_keeps_data_parallel_ranks_balanced():
+    bursts = stream(np.zeros(10), np.ones(10), num_ranks=2, p=1, t0=0.0, max_burst=64)
+    assert max(b.end for b in bursts) == pytest.approx(5.0)
+    assert {b.rank for b in bursts} == {0, 1}

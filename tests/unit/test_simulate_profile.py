@@ -19,6 +19,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_bundled_profiles_load_and_extend():
     assert {"swe_smith", "swe_smith_128"} <= set(bundled_profiles())
     small, big = load_profile("swe_smith"), load_profile("swe_smith_128")
+    assert (small.name, big.name) == ("swe_smith", "swe_smith_128")
     assert small.num_gpus == 8 and big.num_gpus == 128
     assert big.num_dp == 8 and big.learner.pipeline_parallel == 2
     assert big.workload.turns == small.workload.turns  # inherited

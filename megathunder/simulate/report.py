@@ -26,8 +26,11 @@ def figures(traces: dict[str, Trace]) -> dict:
     if sync is not None and "thunder" in traces:
         bound = metrics.overlap_bound(sync)
         ratio = metrics.zero_staleness_ratio(sync, traces["thunder"])
+        th = traces["thunder"].steps
         out["bound"] = {**bound, "thunder_vs_sync": ratio, "fraction_of_B": ratio / bound["B"],
-                        "fraction_of_B_arrival": ratio / bound["B_arrival"]}
+                        "fraction_of_B_arrival": ratio / bound["B_arrival"],
+                        "thunder_after_last_reward_s": float(np.mean([s.learner_tail_s for s in th])),
+                        "first_reward_s": float(np.mean([s.first_reward_s for s in th]))}
     idle = metrics.PUBLISHED_SYNC_IDLE_SHARE
     a, b = metrics.PUBLISHED_STEPS
     out["published"] = {"sync_learner_idle_share": idle, "thunder_vs_sync": a / b,
@@ -73,6 +76,9 @@ def format_figures(profile: Profile, figs: dict) -> str:
             f"   -> {b['fraction_of_B']:.1%} of B",
             f"arrival bound (no backward before its reward)      = {b['B_arrival']:.3f}"
             f"   -> thunder at {b['fraction_of_B_arrival']:.1%} of it",
+            f"thunder step = W + {b['thunder_after_last_reward_s']:.1f} s of learner work after the "
+            f"last reward; its learner has nothing to do until the first reward, "
+            f"{b['first_reward_s']:.1f} s into the step",
         ]
     lines += [
         f"published (seed paper): sync learners idle {pub['sync_learner_idle_share']:.1%}; 15 steps "

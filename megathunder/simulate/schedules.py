@@ -46,6 +46,7 @@ class Step:
     learner_tail_s: float  # from its last reward to `end` (learner work left)
     staleness: np.ndarray  # per trajectory
     arrival_bound_s: float = np.nan  # zero-staleness lower bound on this step (sync, thunder)
+    first_reward_s: float = np.nan  # from its rollout's start to its first reward (sync, thunder)
 
 
 @dataclass
@@ -123,7 +124,7 @@ def run_sync(profile: Profile, batches: list[Batch], thunder: bool = False) -> T
         _push(profile, end, trace, k)
         last_reward = float(reward.max())
         trace.steps.append(Step(k, end, last_reward - t, end - last_reward, np.zeros(batch.size),
-                                arrival_bound_s(profile, reward, work) - t))
+                                arrival_bound_s(profile, reward, work) - t, float(reward.min()) - t))
         t = end
     return trace
 

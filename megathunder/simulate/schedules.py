@@ -166,80 +166,89 @@ def run_async(profile: Profile, batches: list[Batch]) -> Trace:
     return trace
 
 
-def run_fully_async(profile: Profile, batches: list[Batch]) -> Trace:
-    """Continuous generation with bounded staleness; the learner takes closed groups FIFO."""
-    trace = Trace("fully_async", profile)
-    P, S = profile.workload.num_prompts_per_batch, profile.workload.samples_per_prompt
-    eta = profile.schedules.max_staleness
-    cap = profile.schedules.max_in_flight_prompts or P
-    p, dp = profile.learner.pipeline_parallel, profile.num_dp
-    num_steps = profile.run.num_steps
-    max_groups = len(batches) * P
+class _FullyAsync:
+    """Continuous generation with bounded staleness; the learner takes closed groups FIFO.
 
-    state = {"launched": 0, "in_flight": 0, "version": 0, "busy": False, "step_start": 0.0}
-    group_of: list[int] = []  # gid -> global group number
-    remaining: dict[int, int] = {}
-    launch_version: dict[int, int] = {}
-    closed_at: dict[int, float] = {}
-    gids_of: dict[int, np.ndarray] = {}
-    buffer: deque[int] = deque()
+    Group n (of the whole run) is prompt n % P of batch n // P. It may launch while fewer than
+    ``max_in_flight_prompts`` groups are in flight and n // P <= version + max_staleness (AReaL's
+    rule, checked at launch: a group that closes late can still be consumed staler than that).
+    """
 
-    def launch(t: float) -> None:
-        while (state["in_flight"] < cap and state["launched"] < max_groups
-               and state["launched"] // P <= state["version"] + eta):
-            n = state["launched"]
-            batch = batches[n // P]
-            local = np.arange((n % P) * S, (n % P + 1) * S)
-            ids = cluster.add_batch(batch, t, local)
-            group_of.extend([n] * len(ids))
-            gids_of[n], remaining[n], launch_version[n] = ids, len(ids), state["version"]
-            state["launched"] += 1
-            state["in_flight"] += 1
+    def __init__(self, profile: Profile, batches: list[Batch]):
+        self.profile, self.batches = profile, batches
+        self.P, self.S = profile.workload.num_prompts_per_batch, profile.workload.samples_per_prompt
+        self.cap = profile.schedules.max_in_flight_prompts or self.P
+        self.work = [trajectory_work_s(profile, b) for b in batches]
+        self.trace = Trace("fully_async", profile)
+        self.cluster = RolloutCluster(profile, on_reward=self.on_reward)
+        self.version = self.launched = self.in_flight = 0
+        self.busy = False
+        self.group_of: list[int] = []  # trajectory id -> group number
+        self.remaining: dict[int, int] = {}
+        self.launch_version: dict[int, int] = {}
+        self.closed_at: dict[int, float] = {}
+        self.closed: deque[int] = deque()
 
-    def on_reward(gid: int, t: float) -> None:
-        n = group_of[gid]
-        remaining[n] -= 1
-        if remaining[n] == 0:
-            closed_at[n] = t
-            buffer.append(n)
-            state["in_flight"] -= 1
-            launch(t)
-            try_step(t)
+    def run(self) -> Trace:
+        self.launch(0.0)
+        self.cluster.run()
+        self.cluster.close(self.cluster.now)
+        if len(self.trace.steps) < self.profile.run.num_steps:
+            raise RuntimeError(f"fully_async: only {len(self.trace.steps)} steps completed; "
+                               "sample more batches")
+        self.trace.intervals += self.cluster.intervals
+        self.trace.decoded_tokens = self.cluster.decoded_tokens
+        return self.trace
 
-    def try_step(t: float) -> None:
-        if state["busy"] or len(buffer) < P or len(trace.steps) >= num_steps:
+    def launch(self, t: float) -> None:
+        eta = self.profile.schedules.max_staleness
+        while (self.in_flight < self.cap and self.launched < len(self.batches) * self.P
+               and self.launched // self.P <= self.version + eta):
+            n = self.launched
+            local = np.arange((n % self.P) * self.S, (n % self.P + 1) * self.S)
+            ids = self.cluster.add_batch(self.batches[n // self.P], t, local)
+            self.group_of.extend([n] * len(ids))
+            self.remaining[n], self.launch_version[n] = len(ids), self.version
+            self.launched += 1
+            self.in_flight += 1
+
+    def on_reward(self, traj: int, t: float) -> None:
+        n = self.group_of[traj]
+        self.remaining[n] -= 1
+        if self.remaining[n] == 0:
+            self.closed_at[n] = t
+            self.closed.append(n)
+            self.in_flight -= 1
+            self.launch(t)
+            self.try_step(t)
+
+    def try_step(self, t: float) -> None:
+        steps, P, S = self.trace.steps, self.P, self.S
+        if self.busy or len(self.closed) < P or len(steps) >= self.profile.run.num_steps:
             return
-        k = len(trace.steps)
-        groups = [buffer.popleft() for _ in range(P)]
-        work = np.concatenate([
-            trajectory_work_s(profile, batches[n // P])[(n % P) * S:(n % P + 1) * S] for n in groups])
-        bursts = train_batch(work, dp, p, t)
-        end = _learner(profile, bursts, trace, k)
-        pause = min(profile.learner.weight_sync_s, end - t)
+        k = len(steps)
+        groups = [self.closed.popleft() for _ in range(P)]
+        work = np.concatenate([self.work[n // P][(n % P) * S:(n % P + 1) * S] for n in groups])
+        bursts = train_batch(work, self.profile.num_dp, self.profile.learner.pipeline_parallel, t)
+        end = _learner(self.profile, bursts, self.trace, k)
+        pause = min(self.profile.learner.weight_sync_s, end - t)
         if pause > 0:
-            cluster.pause(end - pause, pause, k)
-        state["busy"] = True
-        last_close = max(closed_at[n] for n in groups)
-        prev_end = trace.steps[-1].end if trace.steps else 0.0
-        staleness = np.repeat([k - launch_version[n] for n in groups], S).astype(float)
-        trace.steps.append(Step(k, end, last_close - prev_end, end - last_close, staleness))
-        cluster.call_at(end, finish)
+            self.cluster.pause(end - pause, pause, k)
+        prev_end = steps[-1].end if steps else 0.0
+        staleness = np.repeat([k - self.launch_version[n] for n in groups], S).astype(float)
+        steps.append(Step(k, end, t - prev_end, end - t, staleness))
+        self.busy = True
+        self.cluster.call_at(end, self.finish)
 
-    def finish(t: float) -> None:
-        state["busy"] = False
-        state["version"] += 1
-        launch(t)
-        try_step(t)
+    def finish(self, t: float) -> None:
+        self.busy = False
+        self.version += 1
+        self.launch(t)
+        self.try_step(t)
 
-    cluster = RolloutCluster(profile, on_reward=on_reward)
-    launch(0.0)
-    cluster.run()
-    cluster.close(cluster.now)
-    if len(trace.steps) < num_steps:
-        raise RuntimeError(f"fully_async: only {len(trace.steps)} of {num_steps} steps completed")
-    trace.intervals += cluster.intervals
-    trace.decoded_tokens = cluster.decoded_tokens
-    return trace
+
+def run_fully_async(profile: Profile, batches: list[Batch]) -> Trace:
+    return _FullyAsync(profile, batches).run()
 
 
 RUNNERS = {"sync": run_sync, "async": run_async, "fully_async": run_fully_async,

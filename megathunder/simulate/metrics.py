@@ -99,15 +99,17 @@ def summary(trace: Trace) -> dict:
 
 
 def overlap_bound(sync: Trace) -> dict:
-    """W, T (means over all steps) and B from a sync trace (all steps: none is a warm-up)."""
-    W = np.array([s.rollout_wait_s for s in sync.steps])
-    T = np.array([s.learner_tail_s for s in sync.steps])
-    A = np.array([s.arrival_bound_s for s in sync.steps])
+    """W, T (means) and the bounds from a sync trace, over the steps after the warm-up (the
+    same steps as ``summary``; the bounds hold step by step, so on any subset)."""
+    steps = sync.steps[sync.profile.run.warmup_steps:]
+    W = np.array([s.rollout_wait_s for s in steps])
+    T = np.array([s.learner_tail_s for s in steps])
+    A = np.array([s.arrival_bound_s for s in steps])
     return {"W_s": float(W.mean()), "T_s": float(T.mean()),
             "B": float((W + T).sum() / np.maximum(W, T).sum()),
             "B_arrival": float((W + T).sum() / A.sum())}
 
 
 def zero_staleness_ratio(sync: Trace, other: Trace) -> float:
-    """Steps per GPU-hour of ``other`` relative to sync, over all steps (same batches)."""
-    return sync.steps[-1].end / other.steps[-1].end
+    """Steps per GPU-hour of ``other`` relative to sync after the warm-up (same batches)."""
+    return summary(sync)["step_s"] / summary(other)["step_s"]

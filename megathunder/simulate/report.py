@@ -26,7 +26,7 @@ def figures(traces: dict[str, Trace]) -> dict:
     if sync is not None and "thunder" in traces:
         bound = metrics.overlap_bound(sync)
         ratio = metrics.zero_staleness_ratio(sync, traces["thunder"])
-        th = traces["thunder"].steps
+        th = traces["thunder"].steps[traces["thunder"].profile.run.warmup_steps:]
         out["bound"] = {**bound, "thunder_vs_sync": ratio, "fraction_of_B": ratio / bound["B"],
                         "fraction_of_B_arrival": ratio / bound["B_arrival"],
                         "thunder_after_last_reward_s": float(np.mean([s.learner_tail_s for s in th])),

@@ -28,7 +28,7 @@ import numpy as np
 from megathunder.simulate.profile import Profile
 from megathunder.simulate.workload import Batch
 
-_START, _READY, _DONE, _REWARD, _CALL = range(5)
+_READY, _DONE, _REWARD, _CALL = range(4)
 
 
 @dataclass
@@ -68,17 +68,15 @@ class RolloutCluster:
         self._tick = itertools.count()
         self.intervals: list[Interval] = []
         self.decoded_tokens = 0.0
-        self._batches: list[tuple[int, Batch]] = []  # (first traj id, batch)
         self._turn: list[int] = []  # per traj: global index of its current turn
         self._end: list[int] = []  # per traj: one past its last turn
         self._engine: list[int] = []
         self._lists: dict[int, tuple[list, list, list, list]] = {}  # per batch, as Python lists
         self._data: list[tuple[list, list, list, list]] = []  # per traj: its batch's lists
         self._first: list[int] = []  # per traj: global index of its first turn
-        self._local_idx: list[int] = []
+        self._local_idx: list[int] = []  # per traj: its index in its batch
         self.finish_time: list[float] = []
         self.reward_time: list[float] = []
-        self.start_time: list[float] = []
         self._rr = 0
 
     # -- public -------------------------------------------------------------------------------
@@ -104,9 +102,7 @@ class RolloutCluster:
             self._local_idx.append(int(i))
             self.finish_time.append(np.nan)
             self.reward_time.append(np.nan)
-            self.start_time.append(t)
-            prefill = batch.prompt_tokens[i] / self.prefill
-            self._push(t + prefill, _READY, gid, int(i))
+            self._push(t + batch.prompt_tokens[i] / self.prefill, _READY, gid, None)
         return ids
 
     def call_at(self, t: float, fn: Callable[[float], None]) -> None:
@@ -138,7 +134,7 @@ class RolloutCluster:
             t, _, kind, a, b = heapq.heappop(heap)
             self.now = t
             if kind == _READY:
-                self._ready(a, b, t)
+                self._ready(a, t)
             elif kind == _DONE:
                 e = self.engines[a]
                 if b == e.version:
@@ -193,7 +189,7 @@ class RolloutCluster:
         heapq.heappush(e.resident, (e.V + self._data[gid][0][self._turn[gid]], gid))
         e.c += 1
 
-    def _ready(self, gid: int, _local: int, t: float) -> None:
+    def _ready(self, gid: int, t: float) -> None:
         k = self._engine[gid]
         e = self.engines[k]
         self._advance(e, t)

@@ -108,7 +108,9 @@ def arrival_bound_s(profile: Profile, reward: np.ndarray, work: np.ndarray) -> f
     return float((r + after).max()) + update_tail_s(profile, BACKWARD_SHARE * float(work[order[-1]]))
 
 
-def run_sync(profile: Profile, batches: list[Batch], thunder: bool = False) -> Trace:
+def _zero_staleness(profile: Profile, batches: list[Batch], thunder: bool) -> Trace:
+    """sync and thunder: rollout j starts when version j is live; they differ in when the
+    learner may take each trajectory."""
     trace = Trace("thunder" if thunder else "sync", profile)
     p, dp = profile.learner.pipeline_parallel, profile.num_dp
     t = 0.0
@@ -129,8 +131,12 @@ def run_sync(profile: Profile, batches: list[Batch], thunder: bool = False) -> T
     return trace
 
 
+def run_sync(profile: Profile, batches: list[Batch]) -> Trace:
+    return _zero_staleness(profile, batches, thunder=False)
+
+
 def run_thunder(profile: Profile, batches: list[Batch]) -> Trace:
-    return run_sync(profile, batches, thunder=True)
+    return _zero_staleness(profile, batches, thunder=True)
 
 
 def run_async(profile: Profile, batches: list[Batch]) -> Trace:

@@ -60,6 +60,19 @@ class Dist(_Strict):
             x = float(self.median) * np.exp(self.sigma * z)
         return np.clip(x, self.min, self.max if self.max is not None else np.inf)
 
+    @classmethod
+    def fit(cls, samples, kind: Literal["lognormal", "empirical"] = "lognormal") -> Dist:
+        """Calibration: a lognormal fitted to measured values (median and sigma of the logs,
+        clipped to their range), or the values themselves."""
+        x = np.asarray(samples, dtype=float)
+        if x.size == 0 or (x < 0).any():
+            raise ValueError("samples: need at least one value, none negative")
+        if kind == "empirical":
+            return cls(kind="empirical", values=x.tolist())
+        logs = np.log(x[x > 0])
+        return cls(kind="lognormal", median=float(np.exp(logs.mean())), sigma=float(logs.std()),
+                   min=float(x.min()), max=float(x.max()))
+
     def scaled(self, factor: float) -> Dist:
         """The same shape with every value multiplied by ``factor``."""
         upd: dict[str, Any] = {"min": self.min * factor}

@@ -85,3 +85,14 @@ def test_cli_help_mentions_simulate():
     proc = subprocess.run([sys.executable, "-m", "megathunder.cli", "--help"], capture_output=True,
                           text=True, cwd=ROOT, timeout=60)
     assert proc.returncode == 0 and "simulate" in proc.stdout
+
+
+def test_fitted_lognormal_recovers_its_parameters():
+    import numpy as np
+
+    from megathunder.simulate.profile import Dist
+
+    true = Dist(kind="lognormal", median=25.0, sigma=0.6)
+    fit = Dist.fit(true.sample(np.random.default_rng(0), 20000))
+    assert fit.median == pytest.approx(25.0, rel=0.02) and fit.sigma == pytest.approx(0.6, rel=0.02)
+    assert Dist.fit([3, 7], kind="empirical").values == [3.0, 7.0]

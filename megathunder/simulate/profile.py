@@ -124,14 +124,14 @@ class RolloutSpec(_Strict):
         pts = self.decode_tokens_per_s
         if not pts or any(c < 1 or r <= 0 for c, r in pts):
             raise ValueError("decode_tokens_per_s: needs points [concurrency >= 1, tokens/s > 0]")
-        if any(b[0] <= a[0] for a, b in zip(pts, pts[1:])):
+        if any(b[0] <= a[0] for a, b in zip(pts, pts[1:], strict=False)):
             raise ValueError("decode_tokens_per_s: concurrencies must increase")
         return self
 
     def per_seq_rates(self) -> np.ndarray:
         """rates[c] = tokens/s of each of c sequences decoding together (rates[0] = 0)."""
         c = np.arange(self.max_num_seqs + 1, dtype=float)
-        xs, ys = zip(*self.decode_tokens_per_s)
+        xs, ys = zip(*self.decode_tokens_per_s, strict=True)
         agg = np.interp(c, xs, ys)
         rates = np.zeros_like(c)
         rates[1:] = agg[1:] / c[1:]
@@ -215,10 +215,10 @@ class Profile(_Strict):
 
     @model_validator(mode="after")
     def _check(self) -> Profile:
-        c, r, l = self.cluster, self.rollout, self.learner
+        c, r, lrn = self.cluster, self.rollout, self.learner
         if c.num_rollout_gpus % r.tensor_parallel:
             raise ValueError("cluster.num_rollout_gpus: must be a multiple of rollout.tensor_parallel")
-        if c.num_learner_gpus % (l.tensor_parallel * l.pipeline_parallel):
+        if c.num_learner_gpus % (lrn.tensor_parallel * lrn.pipeline_parallel):
             raise ValueError("cluster.num_learner_gpus: must be a multiple of learner "
                              "tensor_parallel * pipeline_parallel")
         if self.run.warmup_steps >= self.run.num_steps:
@@ -231,7 +231,8 @@ class Profile(_Strict):
 
     @property
     def num_dp(self) -> int:
-        return self.cluster.num_learner_gpus // (self.learner.tensor_parallel * self.learner.pipeline_parallel)
+        replica = self.learner.tensor_parallel * self.learner.pipeline_parallel
+        return self.cluster.num_learner_gpus // replica
 
     @property
     def num_gpus(self) -> int:

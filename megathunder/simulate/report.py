@@ -120,7 +120,7 @@ def plot_timeline(traces: dict[str, Trace], path: Path, num_steps: int = 2, max_
     t_max = ref.steps[min(num_steps, len(ref.steps)) - 1].end
     fig, axes = plt.subplots(len(traces), 1, figsize=(12, 1.0 + 1.1 * len(traces) * 1.6), sharex=True)
     axes = np.atleast_1d(axes)
-    for ax, (name, tr) in zip(axes, traces.items()):
+    for ax, (name, tr) in zip(axes, traces.items(), strict=True):
         lanes = sorted({iv.lane for iv in tr.intervals}, key=lambda s: (not s.startswith("learner"), s))
         shown = [ln for ln in lanes if ln.startswith("learner")][:max_lanes] + \
                 [ln for ln in lanes if ln.startswith("rollout")][:max_lanes]
@@ -188,7 +188,7 @@ def plot_sensitivity(rows: list[dict], path: Path, title: str) -> Path:
 
     sweeps = list(dict.fromkeys(r["sweep"] for r in rows))
     fig, axes = plt.subplots(1, len(sweeps), figsize=(4 * len(sweeps), 3.4), sharey=True)
-    for ax, sw in zip(np.atleast_1d(axes), sweeps):
+    for ax, sw in zip(np.atleast_1d(axes), sweeps, strict=True):
         rs = [r for r in rows if r["sweep"] == sw]
         x = np.arange(len(rs))
         ax.plot(x, [r["thunder_vs_sync"] for r in rs], "o-", label="thunder / sync")

@@ -121,7 +121,8 @@ def test_pipeline_bubble_and_layerwise_tail():
     p = tiny(learner={"layerwise_overlap": True, "optimizer_step_s": 3.0, "weight_sync_s": 3.0})
     L = p.model.num_layers
     assert update_tail_s(p, 3.0) == pytest.approx(9 / L + (L - 1) / L * 3 - 3)
-    assert update_tail_s(p, 3.0) < update_tail_s(p.with_overrides({"learner": {"layerwise_overlap": False}}), 3.0)
+    serial = p.with_overrides({"learner": {"layerwise_overlap": False}})
+    assert update_tail_s(p, 3.0) < update_tail_s(serial, 3.0) == 6.0
 
 
 def test_stream_is_a_work_conserving_queue():
@@ -157,8 +158,8 @@ def test_slots_zero_is_group_level_and_unbounded_is_per_trajectory(seed):
 @pytest.mark.parametrize("seed,slots", [(s, k) for s in range(4) for k in (0, 1, 2)])
 def test_slot_rule_matches_the_real_ledger(seed, slots):
     """Which reward event each trajectory's score backward happens at, in the real ledger."""
-    from megathunder.streaming import GradientLedger, TorchBackend
     from megathunder import synthetic as syn
+    from megathunder.streaming import GradientLedger, TorchBackend
     from tests.helpers import make_case, small_model
 
     rng, batch, rewards = make_case(seed, __import__("torch").float64, "continuous")
@@ -206,7 +207,7 @@ def test_thunder_is_never_slower_than_sync_and_never_beats_the_bounds(seed, slot
     batches = sample_batches(p, p.run.num_steps)
     sync, thunder = run_sync(p, batches), run_thunder(p, batches)
     prev_s = prev_t = 0.0
-    for s, t in zip(sync.steps, thunder.steps):
+    for s, t in zip(sync.steps, thunder.steps, strict=True):
         assert t.end - prev_t <= s.end - prev_s + 1e-9
         assert t.end - prev_t >= max(s.rollout_wait_s, s.learner_tail_s) - 1e-9
         assert t.end - prev_t >= s.arrival_bound_s - 1e-9
@@ -223,7 +224,7 @@ def test_fewer_slots_never_help():
     batches = sample_batches(p, p.run.num_steps)
     ends = [run_thunder(p.with_overrides({"schedules": {"max_group_slots": k}}), batches).steps[-1].end
             for k in (0, 1, 2, None)]
-    assert all(a >= b - 1e-9 for a, b in zip(ends, ends[1:]))
+    assert all(a >= b - 1e-9 for a, b in zip(ends, ends[1:], strict=False))
     assert ends[0] > ends[-1]
 
 
@@ -242,7 +243,7 @@ def test_busy_plus_idle_is_wall_and_work_is_conserved(runner):
         assert 0 <= row["rollout_busy_share"] <= 1 + 1e-12
     for lane in (ln for ln in {iv.lane for iv in trace.intervals} if ln.startswith("learner")):
         train = sorted((iv.start, iv.end) for iv in trace.intervals if iv.lane == lane and iv.kind == "train")
-        assert all(a[1] <= b[0] + 1e-9 for a, b in zip(train, train[1:]))  # one burst at a time
+        assert all(a[1] <= b[0] + 1e-9 for a, b in zip(train, train[1:], strict=False))  # one at a time
     if runner is not run_fully_async:
         decoded = sum(float(b.decode_tokens.sum()) for b in batches[: p.run.num_steps])
         assert trace.decoded_tokens == pytest.approx(decoded, rel=1e-9)

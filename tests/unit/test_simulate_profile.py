@@ -51,8 +51,9 @@ def test_unknown_profile_lists_the_bundled_ones(tmp_path):
 def test_empirical_lengths_are_sampled_from_the_data():
     p = load_profile("swe_smith", ["workload.turns={kind: empirical, values: [3, 7]}",
                                    "workload.max_context_tokens=1000000"])
-    from megathunder.simulate.workload import sample_batch
     import numpy as np
+
+    from megathunder.simulate.workload import sample_batch
 
     assert set(sample_batch(p.workload, np.random.default_rng(0)).num_turns) == {3, 7}
 

@@ -82,8 +82,9 @@ def train_batch(work: np.ndarray, num_ranks: int, p: int, t0: float) -> list[Bur
 def stream(ready: np.ndarray, work: np.ndarray, num_ranks: int, p: int, t0: float,
            max_burst: int) -> list[Burst]:
     """Streaming: each trajectory may start at ready[i]; the first free rank takes ready ones as
-    one burst: one at a time without a pipeline (list scheduling keeps the ranks balanced), else
-    its 1/num_ranks share of those ready (at most max_burst) to amortise the fill and drain."""
+    one burst: one at a time without a pipeline (list scheduling keeps the ranks balanced); with
+    p stages it waits for at least p (or the rest) and takes its 1/num_ranks share of those ready
+    (at most max_burst), so that a burst's fill and drain cost at most about half of it."""
     order = np.argsort(ready, kind="stable")
     r_sorted = ready[order]
     free = [(t0, r) for r in range(num_ranks)]
@@ -92,9 +93,10 @@ def stream(ready: np.ndarray, work: np.ndarray, num_ranks: int, p: int, t0: floa
     i, n = 0, len(order)
     while i < n:
         f, rank = heapq.heappop(free)
-        start = max(f, float(r_sorted[i]))
+        need = 1 if p == 1 else min(p, n - i)  # fill the pipeline: wait for p, or the rest
+        start = max(f, float(r_sorted[i + need - 1]))
         avail = int(np.searchsorted(r_sorted, start, side="right")) - i
-        take = 1 if p == 1 else max(1, min(max_burst, math.ceil(avail / num_ranks)))
+        take = 1 if p == 1 else min(avail, max(need, min(max_burst, math.ceil(avail / num_ranks))))
         ws = work[order[i:i + take]]
         end = start + burst_s(float(ws.sum()), take, p)
         bursts.append(Burst(rank, start, end, take, BACKWARD_SHARE * float(ws[-1])))

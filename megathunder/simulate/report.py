@@ -121,7 +121,9 @@ def plot_timeline(traces: dict[str, Trace], path: Path, num_steps: int = 2, max_
     fig, axes = plt.subplots(len(traces), 1, figsize=(12, 1.0 + 1.1 * len(traces) * 1.6), sharex=True)
     axes = np.atleast_1d(axes)
     for ax, (name, tr) in zip(axes, traces.items(), strict=True):
-        lanes = sorted({iv.lane for iv in tr.intervals}, key=lambda s: (not s.startswith("learner"), s))
+        lanes = sorted({iv.lane for iv in tr.intervals},
+                       key=lambda s: (not s.startswith("learner"),
+                                      int(s.removeprefix("learner").removeprefix("rollout"))))
         shown = [ln for ln in lanes if ln.startswith("learner")][:max_lanes] + \
                 [ln for ln in lanes if ln.startswith("rollout")][:max_lanes]
         y = {ln: i for i, ln in enumerate(reversed(shown))}

@@ -8,7 +8,7 @@ everything that communicates -- no code of ours reaches into Megatron's globals 
 
 from __future__ import annotations
 
-import os
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -16,6 +16,8 @@ import torch.distributed as dist
 
 from megathunder.config import ConfigError, LearnerConfig, ParallelConfig
 from megathunder.config.schema import PolicyModelConfig, check_parallel_divides_model
+from megathunder.launch import slurm_env
+from megathunder.launch.slurm_env import rendezvous_from_env
 
 
 @dataclass(frozen=True)
@@ -81,17 +83,14 @@ class ProcessGroups:
 
 def world_from_env() -> tuple[int, int, int]:
     """(rank, world size, local rank) from torchrun's or Slurm's environment; (0, 1, 0) alone."""
-    if "RANK" in os.environ:
-        return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", 0))
-    if "SLURM_PROCID" in os.environ:
-        return (int(os.environ["SLURM_PROCID"]), int(os.environ["SLURM_NTASKS"]),
-                int(os.environ.get("SLURM_LOCALID", 0)))
-    return 0, 1, 0
+    rdzv = rendezvous_from_env()
+    return rdzv.rank, rdzv.world_size, rdzv.local_rank
 
 
 def init_distributed(cfg: LearnerConfig) -> ProcessGroups:
     """Validate the layout, start torch.distributed, build Megatron's groups once."""
-    rank, world_size, local_rank = world_from_env()
+    rdzv = rendezvous_from_env()  # fails here, before any config work, if mis-launched
+    rank, world_size, local_rank = rdzv.rank, rdzv.world_size, rdzv.local_rank
     dims = ParallelDims.build(cfg.parallel, world_size)
     if cfg.model.hf_checkpoint is None:
         dims.check_model(cfg.model)
@@ -110,9 +109,11 @@ def init_distributed(cfg: LearnerConfig) -> ProcessGroups:
     else:
         device = torch.device("cpu")
     if not dist.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", "29500")
+        slurm_env.export(rdzv, backend=backend)
+        if world_size > 1:
+            print(f"megathunder: {rdzv.describe()}", file=sys.stderr, flush=True)
         dist.init_process_group(backend, rank=rank, world_size=world_size)
+    slurm_env.check_world(rdzv, dist.get_rank(), dist.get_world_size())
 
     from megatron.core import parallel_state
     from megatron.core.process_groups_config import ProcessGroupCollection

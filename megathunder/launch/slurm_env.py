@@ -107,7 +107,7 @@ def node_address(name: str, scontrol: str = "scontrol") -> str:
     """The address Slurm uses to reach ``name`` (its NodeAddr); the name itself if scontrol cannot say."""
     try:
         proc = subprocess.run([scontrol, "show", "node", "-o", name], capture_output=True, text=True,
-                              timeout=30)
+                              timeout=30, check=False)
     except (OSError, subprocess.TimeoutExpired):
         return name
     match = re.search(r"\bNodeAddr=(\S+)", proc.stdout)

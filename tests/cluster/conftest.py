@@ -15,7 +15,6 @@ import importlib.util
 import os
 import re
 import shlex
-import subprocess
 import sys
 import tempfile
 import time
@@ -36,7 +35,7 @@ TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_
 
 @pytest.fixture(scope="session")
 def slurm_cluster():
-    log = lambda msg: print(msg, file=sys.stderr)  # noqa: E731
+    log = lambda msg: print(msg, file=sys.stderr)
     if os.environ.get("MEGATHUNDER_SLURM_DIR"):
         cluster = slurm_local.LocalSlurm.from_env(log=log)
     else:  # short path: the munge socket path must stay under 108 bytes

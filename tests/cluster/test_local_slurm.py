@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
+import sys
+import tempfile
 import time
+from pathlib import Path
 
 from megathunder.launch.slurm_env import expand_hostlist
 from tests.cluster.conftest import run_job, slurm_local
 
 
 def test_two_idle_nodes_and_an_idempotent_up(slurm_cluster):
-    assert slurm_cluster.node_states() == {"node1": "idle", "node2": "idle"} or all(
-        s in ("idle", "mixed", "allocated") for s in slurm_cluster.node_states().values())
+    states = slurm_cluster.node_states()
+    assert sorted(states) == ["node1", "node2"], states
+    assert all(s in ("idle", "mixed", "allocated", "completing") for s in states.values()), states
     pids = slurm_cluster.pids()
     assert all(pids.values()) and len(set(pids.values())) == 4  # munged, slurmctld, 2 x slurmd
     t0 = time.monotonic()
@@ -35,24 +38,23 @@ def test_hostlist_expansion_agrees_with_scontrol(slurm_cluster):
         assert expand_hostlist(expr) == out, expr
 
 
-def test_down_stops_exactly_the_daemons_it_started(tmp_path_factory):
+def test_down_stops_exactly_the_daemons_it_started():
     """A second, private one-node cluster: `down` signals its recorded PIDs and nothing else."""
-    import tempfile
-
     other = slurm_local.LocalSlurm.from_env(tempfile.mkdtemp(prefix="mt-slurm-"), log=lambda m: None)
     other.num_nodes = 1
     other.up()
     pids = other.pids()
     assert all(pids.values())
     other.down()
-    for pid in pids.values():
-        assert not os.path.exists(f"/proc/{pid}") or "Z" in open(f"/proc/{pid}/stat").read().split(")")[1][:3]
+    for pid in pids.values():  # gone, or a zombie its parent (this process) has not reaped yet
+        stat = Path(f"/proc/{pid}/stat")
+        assert not stat.exists() or stat.read_text().rsplit(")", 1)[1].split()[0] == "Z"
     assert not other.is_up() and other.pids() == dict.fromkeys(pids)
     other.down()  # stopping a stopped cluster is a no-op
 
 
 def test_cli_dry_run_prints_the_config_and_starts_nothing(tmp_path):
-    out = subprocess.run(["python", slurm_local.__file__, "up", "--dry-run", "--dir", str(tmp_path / "c")],
+    out = subprocess.run([sys.executable, slurm_local.__file__, "up", "--dry-run", "--dir", str(tmp_path / "c")],
                          capture_output=True, text=True, check=True).stdout
     assert "NodeName=node1 NodeAddr=127.0.0.1" in out and "NodeName=node2" in out
     assert "slurmd -D -N node2" in out

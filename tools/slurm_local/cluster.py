@@ -102,7 +102,7 @@ def ensure_installed(allow_install: bool = True, log=print) -> None:
     t0 = time.monotonic()
     for cmd in (["apt-get", "update", "-qq"],
                 ["apt-get", "install", "-y", "-qq", "--no-install-recommends", *APT_PACKAGES]):
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
         if proc.returncode != 0:
             raise SlurmUnavailable(f"{reason}; `{' '.join(cmd)}` failed ({proc.returncode}):\n"
                                    f"{(proc.stdout + proc.stderr)[-2000:]}")
@@ -125,8 +125,8 @@ class LocalSlurm:
     def from_env(cls, run_dir: str | os.PathLike | None = None, log=print) -> LocalSlurm:
         return cls(
             run_dir=Path(run_dir or os.environ.get("MEGATHUNDER_SLURM_DIR") or DEFAULT_DIR).resolve(),
-            num_nodes=int(os.environ.get("MEGATHUNDER_SLURM_NODES", 2)),
-            cpus_per_node=int(os.environ.get("MEGATHUNDER_SLURM_CPUS", os.cpu_count() or 2)),
+            num_nodes=int(os.environ.get("MEGATHUNDER_SLURM_NODES", "2")),
+            cpus_per_node=int(os.environ.get("MEGATHUNDER_SLURM_CPUS") or os.cpu_count() or 2),
             log=log,
         )
 
@@ -154,7 +154,9 @@ class LocalSlurm:
         return {"SLURM_CONF": str(self.conf)}
 
     def client_env(self) -> dict[str, str]:
-        return dict(os.environ, PATH=_sbin_path(), **self.env())
+        """This environment without another cluster's SLURM_* (e.g. tests run inside a real job)."""
+        env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+        return dict(env, PATH=_sbin_path(), **self.env())
 
     # ---- configuration --------------------------------------------------------------------
     def slurm_conf(self, ctld_port: int, node_ports: list[int]) -> str:
@@ -246,7 +248,7 @@ class LocalSlurm:
     # ---- queries ---------------------------------------------------------------------------
     def run_client(self, *args: str, timeout: float = 30, check: bool = True) -> subprocess.CompletedProcess:
         proc = subprocess.run(list(args), env=self.client_env(), capture_output=True, text=True,
-                              timeout=timeout)
+                              timeout=timeout, check=False)
         if check and proc.returncode != 0:
             raise ClusterError(f"`{' '.join(args)}` failed ({proc.returncode}): {proc.stderr.strip()}")
         return proc
@@ -313,10 +315,9 @@ class LocalSlurm:
         self.conf.write_text(self.slurm_conf(ports[0], ports[1:]))
 
     def _spawn(self, name: str, cmd: list[str]) -> subprocess.Popen:
-        out = open(self._log_file(f"{name}.stdout"), "ab")
-        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                                env=self.client_env(), start_new_session=True, cwd=self.run_dir)
-        out.close()
+        with open(self._log_file(f"{name}.stdout"), "ab") as out:
+            proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                                    env=self.client_env(), start_new_session=True, cwd=self.run_dir)
         self._pid_file(name).write_text(f"{proc.pid}\n")
         return proc
 

@@ -25,9 +25,10 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 _spec = importlib.util.spec_from_file_location("slurm_local_cluster", REPO / "tools/slurm_local/cluster.py")
-slurm_local = importlib.util.module_from_spec(_spec)
-sys.modules[_spec.name] = slurm_local  # dataclasses resolve annotations through sys.modules
-_spec.loader.exec_module(slurm_local)
+slurm_local = sys.modules.get(_spec.name) or importlib.util.module_from_spec(_spec)
+if _spec.name not in sys.modules:
+    sys.modules[_spec.name] = slurm_local  # dataclasses resolve annotations through sys.modules
+    _spec.loader.exec_module(slurm_local)
 
 TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL",
             "DEADLINE", "PREEMPTED"}

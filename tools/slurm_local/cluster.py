@@ -291,12 +291,14 @@ class LocalSlurm:
                 if name == "slurmctld":
                     self._wait_for(lambda: self.munge_socket.exists(), 10, "munged socket", procs)
                 procs[name] = self._spawn(name, cmd)
-            self._wait_for(lambda: all(s == "idle" for s in self.node_states().values())
-                           and sorted(self.node_states()) == sorted(self.node_names),
-                           timeout, "nodes idle in sinfo", procs)
+            self._wait_for(self._all_idle, timeout, "nodes idle in sinfo", procs)
             self.log(f"slurm_local: up in {time.monotonic() - t0:.1f} s, {self._summary()}; "
                      f"export SLURM_CONF={self.conf}")
             return self
+
+    def _all_idle(self) -> bool:
+        states = self.node_states()
+        return sorted(states) == sorted(self.node_names) and all(s == "idle" for s in states.values())
 
     def _summary(self) -> str:
         return ", ".join(f"{name} pid {pid}" for name, pid in self.pids().items())

@@ -64,13 +64,13 @@ class Job:
     def ok(self) -> bool:
         return self.state == "COMPLETED" and self.exit_code == "0:0"
 
-    def rank_nodes(self, step_tag: str = "") -> dict[int, str]:
-        """{rank: node} from the lines init_distributed prints ('megathunder: rank 1/2 ... on node2')."""
-        found = {}
-        for m in re.finditer(r"megathunder: rank (\d+)/\d+ \(local \d+\) on (\S+) \(slurm job \d+ step (\d+)",
-                             self.output):
-            if not step_tag or m.group(3) == step_tag:
-                found[int(m.group(1))] = m.group(2)
+    def ranks(self) -> dict[int, dict[int, tuple[str, str]]]:
+        """{step: {rank: (node, rendezvous)}} from the line init_distributed prints per rank:
+        'megathunder: rank 1/2 (local 0) on node2 (slurm job 3 step 1 on node[1-2]); rendezvous 127.0.0.1:10049'."""
+        found: dict[int, dict[int, tuple[str, str]]] = {}
+        for m in re.finditer(r"megathunder: rank (\d+)/\d+ \(local \d+\) on (\S+) \(slurm job \d+ step (\d+) "
+                             r"on \S+\); rendezvous (\S+)", self.output):
+            found.setdefault(int(m.group(3)), {})[int(m.group(1))] = (m.group(2), m.group(4))
         return found
 
 

@@ -56,6 +56,6 @@ def test_down_stops_exactly_the_daemons_it_started():
 def test_cli_dry_run_prints_the_config_and_starts_nothing(tmp_path):
     out = subprocess.run([sys.executable, slurm_local.__file__, "up", "--dry-run", "--dir", str(tmp_path / "c")],
                          capture_output=True, text=True, check=True).stdout
-    assert "NodeName=node1 NodeAddr=127.0.0.1" in out and "NodeName=node2" in out
+    assert "NodeName=node1 NodeAddr=127.0.0.1" in out and "NodeName=node2 NodeAddr=127.0.0.2" in out
     assert "slurmd -D -N node2" in out
     assert not (tmp_path / "c").exists()

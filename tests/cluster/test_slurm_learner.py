@@ -1,8 +1,9 @@
 """The Megatron learner under srun on two Slurm nodes: same result as one process; failures are fast.
 
-One job runs three steps: the single-process reference (1 task), DP=2 and TP=2 with one task
-per node. Ranks find each other from Slurm's environment only (megathunder/launch/slurm_env.py):
-no torchrun, no MASTER_ADDR exported.
+Ranks find each other from Slurm's environment only (megathunder/launch/slurm_env.py): no
+torchrun, no MASTER_ADDR exported. The two nodes share this machine's loopback interface but have
+distinct Slurm addresses (node1 127.0.0.1, node2 127.0.0.2), so the address each step meets at
+shows which node Slurm's environment pointed it to.
 """
 
 from __future__ import annotations
@@ -33,26 +34,43 @@ def hf_ckpt(tmp_path_factory):
     return make_hf_checkpoint(tmp_path_factory.mktemp("hf") / "qwen2", "qwen2", tie=True)
 
 
-def test_dp2_and_tp2_across_two_nodes_equal_one_process(slurm_cluster, hf_ckpt, tmp_path):
-    eq = lambda out, *a: worker_cmd("equivalence", "--out", str(tmp_path / out), "--hf", str(hf_ckpt), *a)
+def test_learner_steps_across_and_within_nodes_equal_one_process(slurm_cluster, hf_ckpt, tmp_path):
+    """Steps of one job: the 1-process reference; DP=2 and TP=2 with one rank per node; and, as
+    the launch scripts will run it, a stand-in rollout task on node1 next to a DP=2 learner step
+    on node2 only, which must meet on node2 (NodeAddr 127.0.0.2), not on the job's first node."""
+    def eq(out, *a):
+        return worker_cmd("equivalence", "--out", str(tmp_path / out), "--hf", str(hf_ckpt), *a)
+
+    across = "srun --kill-on-bad-exit=1 --label --nodes=2 --ntasks=2 --ntasks-per-node=1"
     job = run_job(slurm_cluster, tmp_path, "\n".join([
         f"srun --nodes=1 --ntasks=1 {eq('single.pt')}",
-        f"{SRUN} {eq('dp2.pt')}",
-        f"{SRUN} {eq('tp2.pt', '--tp', '2')}",
-    ]), TWO_NODES)
+        f"{across} {eq('dp2.pt')}",
+        f"{across} {eq('tp2.pt', '--tp', '2')}",
+        "srun -w node1 --nodes=1 --ntasks=1 bash -c 'echo \"rollout stand-in on $SLURMD_NODENAME\"; sleep 1' &",
+        f"srun --kill-on-bad-exit=1 --label -w node2 --nodes=1 --ntasks=2 {eq('dp2_node2.pt')}",
+        "wait",
+    ]), ("--nodes=2", "--ntasks-per-node=2"))
     print(job.output)
     assert job.ok(), f"job {job.job_id} {job.state} {job.exit_code}:\n{job.output}"
-    for step in ("1", "2"):  # each rank says where it ran: one rank on each slurmd node
-        assert job.rank_nodes(step) == {0: "node1", 1: "node2"}, job.output
+    steps = job.ranks()  # each rank says where it ran and where it met the others
+    for step in (1, 2):  # one rank per node, meeting on node1
+        assert {rank: node for rank, (node, _) in steps[step].items()} == {0: "node1", 1: "node2"}, steps
+        assert all(rdzv.startswith("127.0.0.1:") for _, rdzv in steps[step].values()), steps
+    assert len({ranks[0][1] for ranks in steps.values()}) == len(steps)  # a port per step
+    node2_step = [ranks for ranks in steps.values() if {n for n, _ in ranks.values()} == {"node2"}]
+    assert len(node2_step) == 1 and sorted(node2_step[0]) == [0, 1], steps
+    assert all(rdzv.startswith("127.0.0.2:") for _, rdzv in node2_step[0].values()), steps
+    assert "rollout stand-in on node1" in job.output
+
     single = torch.load(tmp_path / "single.pt")
     reference = _flat(single["sync_grad"])
-    for layout in ("dp2", "tp2"):
+    for layout in ("dp2", "tp2", "dp2_node2"):
         run = torch.load(tmp_path / f"{layout}.pt")
         assert torch.equal(_flat(run["before"]), _flat(single["before"])), layout
         errs = {"stream_grad": _rel(_flat(run["stream_grad"]), reference),
                 "sync_grad": _rel(_flat(run["sync_grad"]), reference),
                 "params": _rel(_flat(run["stream"]), _flat(single["sync"]))}
-        print(f"{layout} on node1+node2 vs one process, relative error: {errs}")
+        print(f"{layout} vs one process, relative error: " + ", ".join(f"{k} {v:.1e}" for k, v in errs.items()))
         assert max(errs.values()) <= TOL, (layout, errs)
 
 

@@ -29,7 +29,7 @@ def test_slurm_conf_two_nodes_on_loopback_with_distinct_ports(tmp_path):
         assert lines[key] == value, key
     nodes = [line for line in conf.splitlines() if line.startswith("NodeName=")]
     assert [n.split()[0] for n in nodes] == ["NodeName=node1", "NodeName=node2"]
-    assert all("NodeAddr=127.0.0.1" in n for n in nodes)
+    assert ["NodeAddr=127.0.0.1" in nodes[0], "NodeAddr=127.0.0.2" in nodes[1]] == [True, True]
     assert ["Port=7001" in nodes[0], "Port=7002" in nodes[1]] == [True, True]
     assert all(str(tmp_path) in p for p in (lines["StateSaveLocation"], lines["SlurmctldLogFile"]))
 

@@ -198,8 +198,9 @@ class LocalSlurm:
             "SlurmdTimeout=60",
             "SlurmctldTimeout=60",
         ]
-        for name, port in zip(self.node_names, node_ports, strict=True):
-            lines.append(f"NodeName={name} NodeAddr=127.0.0.1 NodeHostname={short_host} Port={port} "
+        for i, (name, port) in enumerate(zip(self.node_names, node_ports, strict=True)):
+            addr = f"127.0.0.{i + 1}"  # all loopback, but distinct: which node a rendezvous used shows
+            lines.append(f"NodeName={name} NodeAddr={addr} NodeHostname={short_host} Port={port} "
                          f"CPUs={self.cpus_per_node} State=UNKNOWN")
         nodes = ",".join(self.node_names)
         lines.append(f"PartitionName=local Nodes={nodes} Default=YES MaxTime=60 State=UP")

@@ -109,5 +109,5 @@ def _read(path: Path) -> str:
 
 
 def worker_cmd(mode: str, *args: str) -> str:
-    return " ".join(shlex.quote(a) for a in
-                    ["$PY", str(REPO / "tests/distributed/learner_worker.py"), mode, *args]).replace("'$PY'", '"$PY"')
+    """The learner worker as a shell command ($PY is this interpreter, exported by run_job)."""
+    return '"$PY" ' + shlex.join([str(REPO / "tests/distributed/learner_worker.py"), mode, *args])

@@ -62,3 +62,12 @@ def test_a_recorded_pid_that_is_not_ours_is_never_signalled(tmp_path):
     (cluster.run_dir / "pids" / "slurmctld.pid").write_text(f"{os.getpid()}\n")
     assert cluster.pids()["slurmctld"] is None
     assert cluster._stop_recorded(timeout=1) == []
+
+
+def test_jobs_do_not_inherit_the_submitters_rendezvous(monkeypatch, tmp_path):
+    for key, value in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500", "RANK": "0", "WORLD_SIZE": "1",
+                       "SLURM_JOB_ID": "99", "TORCHELASTIC_RUN_ID": "x", "KEEP_ME": "1"}.items():
+        monkeypatch.setenv(key, value)
+    env = slurm_local.LocalSlurm(tmp_path / "run").client_env()
+    assert env["KEEP_ME"] == "1" and env["SLURM_CONF"] == str(tmp_path / "run" / "slurm.conf")
+    assert not {"MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "SLURM_JOB_ID", "TORCHELASTIC_RUN_ID"} & set(env)

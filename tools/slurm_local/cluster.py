@@ -43,6 +43,8 @@ from pathlib import Path
 APT_PACKAGES = ("slurmctld", "slurmd", "slurm-client", "munge")
 REQUIRED_BINARIES = ("slurmctld", "slurmd", "sinfo", "sbatch", "srun", "scontrol", "munged")
 DEFAULT_DIR = "/tmp/megathunder-slurm"
+LAUNCH_VARS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
+               "GROUP_RANK", "ROLE_RANK")
 
 
 class SlurmUnavailable(RuntimeError):
@@ -154,8 +156,11 @@ class LocalSlurm:
         return {"SLURM_CONF": str(self.conf)}
 
     def client_env(self) -> dict[str, str]:
-        """This environment without another cluster's SLURM_* (e.g. tests run inside a real job)."""
-        env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+        """This environment without another job's launch variables: SLURM_* of a real cluster's
+        job, and a rendezvous (MASTER_ADDR, RANK, ...) an earlier torch.distributed run exported,
+        which jobs on this cluster would otherwise inherit."""
+        env = {k: v for k, v in os.environ.items()
+               if not k.startswith(("SLURM_", "TORCHELASTIC_")) and k not in LAUNCH_VARS}
         return dict(env, PATH=_sbin_path(), **self.env())
 
     # ---- configuration --------------------------------------------------------------------

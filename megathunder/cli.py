@@ -9,6 +9,7 @@ from collections.abc import Sequence
 BENCHMARKS = {
     "ledger": "megathunder.bench.ledger",
     "learner": "megathunder.bench.learner",
+    "opd": "megathunder.bench.opd",
 }
 SCHEDULES = ("sync", "async", "fully_async", "thunder")  # megathunder.simulate.SCHEDULES
 

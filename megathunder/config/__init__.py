@@ -2,6 +2,7 @@
 
 from megathunder.config.loader import ConfigError, load_config, parse_overrides
 from megathunder.config.schema import (
+    AgentLoopConfig,
     BatchConfig,
     Config,
     LedgerConfig,
@@ -10,10 +11,14 @@ from megathunder.config.schema import (
     OptimizerConfig,
     RolloutConfig,
     RunConfig,
+    SandboxConfig,
     ScheduleConfig,
+    TaskConfig,
+    VerifierConfig,
 )
 
 __all__ = [
+    "AgentLoopConfig",
     "BatchConfig",
     "Config",
     "ConfigError",
@@ -23,7 +28,10 @@ __all__ = [
     "OptimizerConfig",
     "RolloutConfig",
     "RunConfig",
+    "SandboxConfig",
     "ScheduleConfig",
+    "TaskConfig",
+    "VerifierConfig",
     "load_config",
     "parse_overrides",
 ]

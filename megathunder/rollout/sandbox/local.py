@@ -1,0 +1,145 @@
+"""The local sandbox: one process tree per command, in Linux namespaces, as an unprivileged uid.
+
+Isolation, strongest first (``sandbox.isolation``):
+
+- ``bwrap`` (bubblewrap, Debian package ``bubblewrap``): a new user, mount, pid, network, ipc,
+  uts and cgroup namespace. The sandbox sees only read-only system directories (``/usr``,
+  ``/bin``, ``/lib*``, ``/sbin``, ``/etc`` plus ``extra_ro_paths``), its work dir read-write at
+  ``/workspace``, a private ``/tmp`` of ``tmpfs_mb``, a minimal ``/dev`` and its own ``/proc``.
+  No network device besides a down loopback. Every process dies with the sandbox's pid 1.
+- ``unshare`` (util-linux): new mount, pid, network, ipc and uts namespaces; every mount is
+  remounted read-only except the work dir, then privileges are dropped with ``setpriv``. The host
+  filesystem stays visible (read-only); use it where bubblewrap is not installed.
+
+Both run the command as a uid of its own (``uid_base + slot``, no supplementary groups, no
+capabilities), so ``RLIMIT_NPROC`` counts only that sandbox's processes (root ignores it), and set
+``RLIMIT_CPU``, ``RLIMIT_AS``, ``RLIMIT_FSIZE`` and ``RLIMIT_NPROC`` before exec. The wall-time
+limit kills the whole process group; the pid namespace takes every descendant with it.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import shutil
+import tempfile
+from collections.abc import Sequence
+
+from megathunder.rollout.sandbox.base import ExecResult, Sandbox, SandboxError, run_process
+
+_SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib64", "/lib32", "/etc")
+_SANDBOX_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+CONTAINED_WORKDIR = "/workspace"
+
+
+class _UidPool:
+    """Distinct unprivileged uids for concurrently open sandboxes of this process."""
+
+    def __init__(self) -> None:
+        self._used: set[int] = set()
+
+    def take(self, base: int, size: int) -> int:
+        for uid in range(base, base + size):
+            if uid not in self._used:
+                self._used.add(uid)
+                return uid
+        raise SandboxError(
+            f"all {size} sandbox uids from {base} are in use; raise sandbox.num_uids "
+            "(it must cover agent.max_concurrent_episodes)"
+        )
+
+    def give(self, uid: int) -> None:
+        self._used.discard(uid)
+
+
+_UIDS = _UidPool()
+
+
+class LocalSandbox(Sandbox):
+    def __init__(self, cfg) -> None:  # cfg: megathunder.config.SandboxConfig
+        self.cfg = cfg
+        if os.geteuid() != 0:
+            raise SandboxError("the local sandbox runs commands as a dedicated uid and needs root")
+        tool = "bwrap" if cfg.isolation == "bwrap" else "unshare"
+        if shutil.which(tool) is None:
+            pkg = "bubblewrap" if tool == "bwrap" else "util-linux"
+            raise SandboxError(
+                f"sandbox.isolation={cfg.isolation} needs {tool!r} on PATH "
+                f"(apt-get install -y {pkg})"
+            )
+        os.makedirs(cfg.root_dir, mode=0o711, exist_ok=True)
+        os.chmod(cfg.root_dir, 0o711)  # traversable by the sandbox uids, not listable
+        self.uid = _UIDS.take(cfg.uid_base, cfg.num_uids)
+        self.host_dir = tempfile.mkdtemp(prefix="ep-", dir=cfg.root_dir)
+        os.chown(self.host_dir, self.uid, self.uid)
+        self.workdir = CONTAINED_WORKDIR if cfg.isolation == "bwrap" else self.host_dir
+        self._closed = False
+
+    def _limits(self) -> None:
+        """Runs in the child between fork and exec (before the uid switch)."""
+        cfg = self.cfg
+        cpu = max(1, int(cfg.cpu_time_s + 0.999))
+        for res, value in (
+            (resource.RLIMIT_CPU, (cpu, cpu + 1)),  # SIGXCPU at the soft limit, SIGKILL at hard
+            (resource.RLIMIT_AS, (cfg.memory_mb << 20,) * 2),
+            (resource.RLIMIT_FSIZE, (cfg.max_file_size_mb << 20,) * 2),
+            (resource.RLIMIT_NPROC, (cfg.max_processes,) * 2),
+            (resource.RLIMIT_CORE, (0, 0)),
+        ):
+            resource.setrlimit(res, value)
+
+    def _bwrap_argv(self, argv: Sequence[str]) -> list[str]:
+        cmd = ["bwrap", "--unshare-all", "--die-with-parent", "--new-session", "--clearenv"]
+        for path in (*_SYSTEM_DIRS, *self.cfg.extra_ro_paths):
+            if os.path.exists(path):
+                cmd += ["--ro-bind", path, path]
+        cmd += ["--dev", "/dev", "--proc", "/proc"]
+        cmd += ["--size", str(self.cfg.tmpfs_mb << 20), "--tmpfs", "/tmp"]
+        cmd += ["--bind", self.host_dir, CONTAINED_WORKDIR, "--chdir", CONTAINED_WORKDIR]
+        env = {"PATH": _SANDBOX_PATH, "HOME": CONTAINED_WORKDIR, "TMPDIR": "/tmp", "LANG": "C.UTF-8"}
+        for key, value in env.items():
+            cmd += ["--setenv", key, value]
+        return cmd + ["--", *argv]
+
+    def _unshare_argv(self, argv: Sequence[str]) -> list[str]:
+        # As root in fresh namespaces: make the work dir its own mount, remount every other mount
+        # read-only, then drop to the sandbox uid with no capabilities and run the command.
+        prelude = (
+            'set -e; W="$1"; U="$2"; shift 2; mount --bind "$W" "$W"; '
+            "for m in $(awk '{print $2}' /proc/self/mounts); do "
+            '[ "$m" = "$W" ] || mount -o remount,bind,ro "$m" 2>/dev/null || true; done; '
+            'cd "$W"; setpriv --reuid="$U" --regid="$U" --clear-groups --inh-caps=-all '
+            '--bounding-set=-all --no-new-privs -- env -i PATH=' + _SANDBOX_PATH + ' HOME="$W" '
+            'LANG=C.UTF-8 "$@"; exit $?'
+        )  # not exec: pid 1 stays this shell, which reports a signal death as 128 + signal
+        return [
+            "unshare", "--mount", "--pid", "--net", "--ipc", "--uts", "--fork", "--kill-child",
+            "--mount-proc", "--", "sh", "-c", prelude, "sh", self.host_dir, str(self.uid), *argv,
+        ]  # fmt: skip
+
+    async def exec(
+        self, argv: Sequence[str], *, stdin: bytes | None = None, timeout_s: float | None = None
+    ) -> ExecResult:
+        if self._closed:
+            raise SandboxError("sandbox is closed")
+        if self.cfg.isolation == "bwrap":  # bwrap itself runs as the sandbox uid (user namespace)
+            full, ids = self._bwrap_argv(argv), {"user": self.uid, "group": self.uid, "extra_groups": []}
+        else:  # unshare needs root for its mounts; setpriv drops to the uid inside
+            full, ids = self._unshare_argv(argv), {}
+        return await run_process(
+            full,
+            stdin=stdin,
+            timeout_s=timeout_s or self.cfg.wall_time_s,
+            max_output_bytes=self.cfg.max_output_bytes,
+            cpu_limit_s=self.cfg.cpu_time_s,
+            preexec_fn=self._limits,
+            cwd=self.cfg.root_dir,
+            **ids,
+        )
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        shutil.rmtree(self.host_dir, ignore_errors=True)
+        _UIDS.give(self.uid)

@@ -1,0 +1,68 @@
+"""Reward computation in an async pool with timeouts and a defined outcome for every failure.
+
+A verifier is an async callable returning a float reward. The pool bounds how many run at once
+(``verifier.max_concurrent``) and how long each may take (``verifier.timeout_s``, from when it
+starts, not while it queues). A verifier that raises or times out never hangs the episode: it
+produces ``verifier.on_failure`` -- ``zero_reward`` (the trajectory gets ``failure_reward``) or
+``drop_group`` (its group leaves the batch) -- and a warning in the log. Timed-out verifiers are
+cancelled; one that runs a sandbox command has that command's process tree killed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Literal
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RewardOutcome:
+    reward: float | None  # None when the group is dropped
+    status: Literal["ok", "error", "timeout"]
+    drop_group: bool
+    duration_s: float
+    detail: str = ""
+
+    def as_payload(self) -> dict:
+        return {
+            "reward": self.reward,
+            "status": self.status,
+            "drop_group": self.drop_group,
+            "verifier_s": self.duration_s,
+            "detail": self.detail,
+        }
+
+
+class VerifierPool:
+    def __init__(self, cfg) -> None:  # cfg: megathunder.config.VerifierConfig
+        self.cfg = cfg
+        self._slots = asyncio.Semaphore(cfg.max_concurrent)
+        self.num_failures = 0
+
+    async def score(self, verify: Callable[[], Awaitable[float]], *, traj_id: int) -> RewardOutcome:
+        async with self._slots:
+            start = time.monotonic()
+            try:
+                reward = float(await asyncio.wait_for(verify(), self.cfg.timeout_s))
+                if not math.isfinite(reward):
+                    raise ValueError(f"verifier returned a non-finite reward {reward}")
+            except asyncio.TimeoutError:
+                return self._failed(traj_id, "timeout", f"verifier exceeded {self.cfg.timeout_s:g} s", start)
+            except Exception as err:  # a crashing verifier is an outcome, not a crash of the loop
+                return self._failed(traj_id, "error", f"verifier raised {type(err).__name__}: {err}", start)
+            return RewardOutcome(reward, "ok", False, time.monotonic() - start)
+
+    def _failed(self, traj_id: int, status, detail: str, start: float) -> RewardOutcome:
+        self.num_failures += 1
+        drop = self.cfg.on_failure == "drop_group"
+        log.warning(
+            "trajectory %d: %s -> %s", traj_id, detail, "group dropped" if drop else f"reward {self.cfg.failure_reward}"
+        )
+        reward = None if drop else self.cfg.failure_reward
+        return RewardOutcome(reward, status, drop, time.monotonic() - start, detail)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import os
 import resource
 import shutil
+import stat
 import tempfile
 from collections.abc import Sequence
 
@@ -55,6 +56,21 @@ class _UidPool:
 _UIDS = _UidPool()
 
 
+def _check_traversable(path: str) -> None:
+    """bwrap runs as the sandbox uid, so every directory above the work dir must let it pass."""
+    path = os.path.abspath(path)
+    while True:
+        if not os.stat(path).st_mode & stat.S_IXOTH:
+            raise SandboxError(
+                f"sandbox.root_dir: {path} is not traversable by other users (mode "
+                f"{stat.S_IMODE(os.stat(path).st_mode):04o}); the sandbox uid must reach its work "
+                "dir: choose a root_dir below a world-traversable directory such as /tmp"
+            )
+        if path == "/":
+            return
+        path = os.path.dirname(path)
+
+
 class LocalSandbox(Sandbox):
     def __init__(self, cfg) -> None:  # cfg: megathunder.config.SandboxConfig
         self.cfg = cfg
@@ -69,6 +85,8 @@ class LocalSandbox(Sandbox):
             )
         os.makedirs(cfg.root_dir, mode=0o711, exist_ok=True)
         os.chmod(cfg.root_dir, 0o711)  # traversable by the sandbox uids, not listable
+        if cfg.isolation == "bwrap":
+            _check_traversable(cfg.root_dir)
         self.uid = _UIDS.take(cfg.uid_base, cfg.num_uids)
         self.host_dir = tempfile.mkdtemp(prefix="ep-", dir=cfg.root_dir)
         os.chown(self.host_dir, self.uid, self.uid)
@@ -123,9 +141,9 @@ class LocalSandbox(Sandbox):
         if self._closed:
             raise SandboxError("sandbox is closed")
         if self.cfg.isolation == "bwrap":  # bwrap itself runs as the sandbox uid (user namespace)
-            full, ids = self._bwrap_argv(argv), {"user": self.uid, "group": self.uid, "extra_groups": []}
+            full, extra = self._bwrap_argv(argv), {"user": self.uid, "group": self.uid, "extra_groups": []}
         else:  # unshare needs root for its mounts; setpriv drops to the uid inside
-            full, ids = self._unshare_argv(argv), {}
+            full, extra = self._unshare_argv(argv), {}
         return await run_process(
             full,
             stdin=stdin,
@@ -133,8 +151,8 @@ class LocalSandbox(Sandbox):
             max_output_bytes=self.cfg.max_output_bytes,
             cpu_limit_s=self.cfg.cpu_time_s,
             preexec_fn=self._limits,
-            cwd=self.cfg.root_dir,
-            **ids,
+            cwd="/",
+            **extra,
         )
 
     async def close(self) -> None:

@@ -28,6 +28,7 @@ def _limited(cfg, argv: Sequence[str], wall_s: float) -> list[str]:
     """Limits applied inside the container by coreutils/util-linux, present in common images."""
     cpu = max(1, int(cfg.cpu_time_s + 0.999))
     return [
+        "env", "PYTHONDONTWRITEBYTECODE=1",  # no stale .pyc hiding a same-size edit
         "timeout", "-s", "KILL", f"{wall_s:g}",
         "prlimit", f"--cpu={cpu}:{cpu + 1}", f"--as={cfg.memory_mb << 20}",
         f"--nproc={cfg.max_processes}", f"--fsize={cfg.max_file_size_mb << 20}", "--",

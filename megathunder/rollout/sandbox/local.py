@@ -6,7 +6,8 @@ Isolation, strongest first (``sandbox.isolation``):
   uts and cgroup namespace. The sandbox sees only read-only system directories (``/usr``,
   ``/bin``, ``/lib*``, ``/sbin``, ``/etc`` plus ``extra_ro_paths``), its work dir read-write at
   ``/workspace``, a private ``/tmp`` of ``tmpfs_mb``, a minimal ``/dev`` and its own ``/proc``.
-  No network device besides a down loopback. Every process dies with the sandbox's pid 1.
+  No network device besides a down loopback. Every process dies with the sandbox's pid 1 (a
+  shell that runs the command as its child).
 - ``unshare`` (util-linux): new mount, pid, network, ipc and uts namespaces; every mount is
   remounted read-only except the work dir, then privileges are dropped with ``setpriv``. The host
   filesystem stays visible (read-only); use it where bubblewrap is not installed.
@@ -31,6 +32,9 @@ from megathunder.rollout.sandbox.base import ExecResult, Sandbox, SandboxError, 
 _SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib64", "/lib32", "/etc")
 _SANDBOX_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 CONTAINED_WORKDIR = "/workspace"
+# An edit within the same second that keeps a module's size would otherwise be hidden by the stale
+# .pyc of the previous test run (its mtime+size check passes): the model would see its fix fail.
+_ENV = {"PYTHONDONTWRITEBYTECODE": "1"}
 
 
 class _UidPool:
@@ -107,17 +111,21 @@ class LocalSandbox(Sandbox):
             resource.setrlimit(res, value)
 
     def _bwrap_argv(self, argv: Sequence[str]) -> list[str]:
-        cmd = ["bwrap", "--unshare-all", "--die-with-parent", "--new-session", "--clearenv"]
+        cmd = ["bwrap", "--unshare-all", "--die-with-parent", "--new-session", "--clearenv", "--as-pid-1"]
         for path in (*_SYSTEM_DIRS, *self.cfg.extra_ro_paths):
             if os.path.exists(path):
                 cmd += ["--ro-bind", path, path]
         cmd += ["--dev", "/dev", "--proc", "/proc"]
         cmd += ["--size", str(self.cfg.tmpfs_mb << 20), "--tmpfs", "/tmp"]
         cmd += ["--bind", self.host_dir, CONTAINED_WORKDIR, "--chdir", CONTAINED_WORKDIR]
-        env = {"PATH": _SANDBOX_PATH, "HOME": CONTAINED_WORKDIR, "TMPDIR": "/tmp", "LANG": "C.UTF-8"}
+        env = {"PATH": _SANDBOX_PATH, "HOME": CONTAINED_WORKDIR, "TMPDIR": "/tmp", "LANG": "C.UTF-8", **_ENV}
         for key, value in env.items():
             cmd += ["--setenv", key, value]
-        return cmd + ["--", *argv]
+        # pid 1 is a shell that runs the command as its child: a signal (SIGXCPU) reaches the
+        # command (an init ignores it) and comes back as 128 + signal. Without bwrap's own reaper
+        # process there is no orphaned launcher left for the host's init to reap: a zombie of the
+        # sandbox uid would count against the next sandbox's process limit.
+        return cmd + ["--", "sh", "-c", '"$@"; exit $?', "sh", *argv]
 
     def _unshare_argv(self, argv: Sequence[str]) -> list[str]:
         # As root in fresh namespaces: make the work dir its own mount, remount every other mount
@@ -128,7 +136,7 @@ class LocalSandbox(Sandbox):
             '[ "$m" = "$W" ] || mount -o remount,bind,ro "$m" 2>/dev/null || true; done; '
             'cd "$W"; setpriv --reuid="$U" --regid="$U" --clear-groups --inh-caps=-all '
             '--bounding-set=-all --no-new-privs -- env -i PATH=' + _SANDBOX_PATH + ' HOME="$W" '
-            'LANG=C.UTF-8 "$@"; exit $?'
+            'LANG=C.UTF-8 PYTHONDONTWRITEBYTECODE=1 "$@"; exit $?'
         )  # not exec: pid 1 stays this shell, which reports a signal death as 128 + signal
         return [
             "unshare", "--mount", "--pid", "--net", "--ipc", "--uts", "--fork", "--kill-child",

@@ -15,29 +15,32 @@ from megathunder.tasks.base import Task, TaskInstance, tool_call_text
 def _count_errors(rng: random.Random) -> tuple[str, dict, str, str, str]:
     lines = [rng.choice(["INFO ok", "ERROR disk full", "WARN slow", "ERROR timeout"]) for _ in range(rng.randint(5, 20))]
     count = sum(line.startswith("ERROR") for line in lines)
+    log = f"app{rng.randint(1, 999)}.log"
     return (
-        "Write the number of lines of app.log that contain ERROR into result.txt.",
-        {"app.log": "\n".join(lines) + "\n"}, "cat result.txt", str(count),
-        "grep -c ERROR app.log > result.txt",
+        f"Write the number of lines of {log} that contain ERROR into result.txt.",
+        {log: "\n".join(lines) + "\n"}, "cat result.txt", str(count),
+        f"grep -c ERROR {log} > result.txt",
     )  # fmt: skip
 
 
 def _rename_logs(rng: random.Random) -> tuple[str, dict, str, str, str]:
     names = sorted({f"run{rng.randint(0, 99)}" for _ in range(rng.randint(2, 5))})
-    files = {f"logs/{n}.log": f"{n}\n" for n in names}
+    folder = f"logs{rng.randint(1, 999)}"
+    files = {f"{folder}/{n}.log": f"{n}\n" for n in names}
     return (
-        "Rename every .log file in logs/ to the same name with the extension .txt.",
-        files, "ls logs", "\n".join(f"{n}.txt" for n in names),
-        'cd logs && for f in *.log; do mv "$f" "${f%.log}.txt"; done',
+        f"Rename every .log file in {folder}/ to the same name with the extension .txt.",
+        files, f"ls {folder}", "\n".join(f"{n}.txt" for n in names),
+        f'cd {folder} && for f in *.log; do mv "$f" "${{f%.log}}.txt"; done',
     )  # fmt: skip
 
 
 def _sort_unique(rng: random.Random) -> tuple[str, dict, str, str, str]:
     names = [rng.choice(["ada", "bob", "cy", "dee", "eve"]) for _ in range(rng.randint(4, 10))]
+    src = f"names{rng.randint(1, 999)}.txt"
     return (
-        "Write the distinct lines of names.txt, sorted, to unique.txt.",
-        {"names.txt": "\n".join(names) + "\n"}, "cat unique.txt", "\n".join(sorted(set(names))),
-        "sort -u names.txt > unique.txt",
+        f"Write the distinct lines of {src}, sorted, to unique.txt.",
+        {src: "\n".join(names) + "\n"}, "cat unique.txt", "\n".join(sorted(set(names))),
+        f"sort -u {src} > unique.txt",
     )  # fmt: skip
 
 

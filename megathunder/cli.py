@@ -8,6 +8,7 @@ from collections.abc import Sequence
 
 BENCHMARKS = {
     "ledger": "megathunder.bench.ledger",
+    "episodes": "megathunder.bench.episodes",
 }
 
 

@@ -70,7 +70,7 @@ def test_network_is_unreachable(isolation, tmp_path):
     assert "CONNECTED" not in result.output and not accepted  # not even the host's loopback
     assert sum(line.startswith("refused") for line in result.output.splitlines()) == 3
     assert result.error() is not None and "URLError" in result.output  # no DNS, no route
-    assert elapsed < 5 and not leftover
+    assert elapsed < 10 and not leftover
 
 
 def test_cannot_write_outside_work_dir(isolation, tmp_path):
@@ -111,7 +111,7 @@ def test_symlink_cannot_redirect_file_tools(isolation, tmp_path):
 def test_fork_bomb_is_contained(isolation, tmp_path):
     bomb = "bash -c ':(){ :|:& };:'; sleep 1"  # the bomb keeps forking while the sandbox lives
     result, elapsed, leftover, _ = _run(isolation, tmp_path, bomb, wall_time_s=3, max_processes=16)
-    assert elapsed < 3 + 2
+    assert elapsed < 3 + 5  # wall-time limit, plus slack for a loaded machine
     assert "Resource temporarily unavailable" in result.output or result.timed_out
     assert not leftover, "fork bomb processes survived the sandbox"
 
@@ -123,7 +123,7 @@ def test_fork_bomb_is_contained(isolation, tmp_path):
     result, elapsed, leftover, _ = _run(isolation, tmp_path, f'python3 -c "{counter}"', max_processes=16)
     forks = int(result.output.split()[1])
     assert 0 < forks < 16 and "Resource temporarily unavailable" in result.output
-    assert result.error() is not None and elapsed < 3 and not leftover
+    assert result.error() is not None and elapsed < 10 and not leftover
 
 
 def test_memory_blow_up_fails(isolation, tmp_path):
@@ -131,19 +131,20 @@ def test_memory_blow_up_fails(isolation, tmp_path):
         isolation, tmp_path, "python3 -c 'x = bytearray(2 << 30); print(len(x))'", memory_mb=256
     )
     assert "MemoryError" in result.output and result.error() is not None
-    assert elapsed < 3 and not leftover
+    assert elapsed < 10 and not leftover
 
 
 def test_cpu_bound_infinite_loop_hits_cpu_limit(isolation, tmp_path):
-    result, elapsed, leftover, _ = _run(isolation, tmp_path, "while :; do :; done", cpu_time_s=1, wall_time_s=10)
-    assert "CPU-time limit" in result.error()
-    assert elapsed < 4 and not leftover
+    # A wide wall-time limit: on a loaded machine 1 s of CPU can take several seconds of wall time.
+    result, elapsed, leftover, _ = _run(isolation, tmp_path, "while :; do :; done", cpu_time_s=1, wall_time_s=30)
+    assert not result.timed_out and "CPU-time limit of 1 s exceeded" in result.error()
+    assert elapsed < 30 and not leftover
 
 
 def test_hung_command_hits_wall_time_limit(isolation, tmp_path):
     result, elapsed, leftover, _ = _run(isolation, tmp_path, "sleep 1000 & sleep 1000", wall_time_s=1)
     assert result.timed_out and "wall-time limit of 1 s" in result.observation()
-    assert elapsed < 2.5 and not leftover
+    assert elapsed < 4 and not leftover
 
 
 def test_output_flood_is_truncated(isolation, tmp_path):

@@ -23,7 +23,8 @@ ISOLATIONS = [
     pytest.param(
         "bwrap",
         marks=pytest.mark.skipif(
-            shutil.which("bwrap") is None, reason="bubblewrap not installed (apt-get install -y bubblewrap)"
+            shutil.which("bwrap") is None,
+            reason="bubblewrap not installed (apt-get install -y bubblewrap)",
         ),
     ),
     "unshare",
@@ -37,7 +38,13 @@ def codec() -> ChatCodec:
 
 def sandbox_cfg(tmp_path, **kw) -> SandboxConfig:
     del tmp_path  # below /tmp, not pytest's 0700 tmp_path: bwrap runs as the sandbox uid
-    defaults = dict(root_dir="/tmp/megathunder-test-sandboxes", wall_time_s=5, cpu_time_s=2, memory_mb=256, max_processes=16)
+    defaults = dict(
+        root_dir="/tmp/megathunder-test-sandboxes",
+        wall_time_s=5,
+        cpu_time_s=2,
+        memory_mb=256,
+        max_processes=16,
+    )
     return SandboxConfig(**{**defaults, **kw})
 
 

@@ -42,10 +42,26 @@ async def _run_task(name: str, args, sandbox_cfg: SandboxConfig) -> dict:
     codec = ChatCodec(train_local_chatml_tokenizer())
     task = build_task(TaskConfig(name=name))
     insts = task.instances(args.num_instances, seed=args.seed)
-    policy = ScriptedPolicy(codec, {i.prompt: task.scripted_turns(i) for i in insts}, seconds_per_token=args.seconds_per_token)
+    policy = ScriptedPolicy(
+        codec,
+        {i.prompt: task.scripted_turns(i) for i in insts},
+        seconds_per_token=args.seconds_per_token,
+    )
     events = []
-    agent_cfg = AgentLoopConfig(max_total_tokens=8192, max_new_tokens_per_turn=1024, max_concurrent_episodes=args.concurrency)
-    loop = AgentLoop(policy, codec, task, agent_cfg, sandbox_cfg, VerifierPool(VerifierConfig(max_concurrent=4)), emit=events.append)
+    agent_cfg = AgentLoopConfig(
+        max_total_tokens=8192,
+        max_new_tokens_per_turn=1024,
+        max_concurrent_episodes=args.concurrency,
+    )
+    loop = AgentLoop(
+        policy,
+        codec,
+        task,
+        agent_cfg,
+        sandbox_cfg,
+        VerifierPool(VerifierConfig(max_concurrent=4)),
+        emit=events.append,
+    )
     t0 = time.monotonic()
     episodes = await loop.run_batch(insts, args.samples_per_prompt)
     wall = time.monotonic() - t0
@@ -54,8 +70,19 @@ async def _run_task(name: str, args, sandbox_cfg: SandboxConfig) -> dict:
     per_ep = []
     for ep in episodes:
         total = ep.finished_at - ep.started_at + ep.reward.duration_s
-        parts = {"generation_s": ep.generation_s, "tool_s": ep.tool_s, "verifier_s": ep.reward.duration_s}
-        per_ep.append({**parts, "other_s": total - sum(parts.values()), "total_s": total, "turns": len(ep.turns)})
+        parts = {
+            "generation_s": ep.generation_s,
+            "tool_s": ep.tool_s,
+            "verifier_s": ep.reward.duration_s,
+        }
+        per_ep.append(
+            {
+                **parts,
+                "other_s": total - sum(parts.values()),
+                "total_s": total,
+                "turns": len(ep.turns),
+            }
+        )
     mean = {k: statistics.fmean(p[k] for p in per_ep) for k in per_ep[0]}
     return {
         "task": name,
@@ -84,7 +111,9 @@ async def _sandbox_cost(isolation: str, root_dir: str, n: int) -> float:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="megathunder bench episodes", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        prog="megathunder bench episodes", description=__doc__.split("\n\n")[0]
+    )
     p.add_argument("--tasks", default=",".join(TASKS))
     p.add_argument("--num-instances", type=int, default=8)
     p.add_argument("--samples-per-prompt", type=int, default=4)
@@ -95,7 +124,9 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
 
-    sandbox_cfg = SandboxConfig(isolation=args.isolation, root_dir=args.root_dir, num_uids=max(256, args.concurrency))
+    sandbox_cfg = SandboxConfig(
+        isolation=args.isolation, root_dir=args.root_dir, num_uids=max(256, args.concurrency)
+    )
     can_sandbox = os.geteuid() == 0
     results, skipped = [], []
     for name in args.tasks.split(","):
@@ -122,8 +153,21 @@ def main(argv=None) -> int:
         for iso in ("bwrap", "unshare"):
             if shutil.which("bwrap" if iso == "bwrap" else "unshare"):
                 cost[iso] = asyncio.run(_sandbox_cost(iso, args.root_dir, 20))
-        print("sandbox cost per command (`true`): " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in cost.items()))
+        print(
+            "sandbox cost per command (`true`): "
+            + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in cost.items())
+        )
     for s in skipped:
         print(f"skipped: {s}")
-    print(json.dumps({"bench": "episodes", "args": vars(args), "tasks": results, "sandbox_exec_s": cost, "skipped": skipped}))
+    print(
+        json.dumps(
+            {
+                "bench": "episodes",
+                "args": vars(args),
+                "tasks": results,
+                "sandbox_exec_s": cost,
+                "skipped": skipped,
+            }
+        )
+    )
     return 0

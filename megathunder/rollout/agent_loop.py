@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-from megathunder.rollout.chat import ChatCodec, ToolCall, ToolCallError, parse_tool_calls
+from megathunder.rollout.chat import IM_END, ChatCodec, ToolCall, ToolCallError, parse_tool_calls
 from megathunder.rollout.sandbox import Sandbox, build_sandbox
 from megathunder.rollout.tools import Tool, ToolArgumentError
 from megathunder.rollout.types import Completion, RolloutEngine, RolloutEvent, SamplingParams
@@ -113,7 +113,18 @@ class Episode:
             truncated=self.truncated,
         )
 
-    def _append(self, ids: Sequence[int], logprobs: Sequence[float] | None) -> None:
+    @classmethod
+    def from_prompt(
+        cls, traj_id: int, group_id: int, instance_id: str, prompt: list[int], started_at: float
+    ) -> Episode:
+        num_targets = len(prompt) - 1
+        return cls(
+            traj_id, group_id, instance_id, len(prompt), list(prompt),
+            [False] * num_targets, [0.0] * num_targets, started_at=started_at,
+        )  # fmt: skip
+
+    def append(self, ids: Sequence[int], logprobs: Sequence[float] | None) -> None:
+        """Generated ids (trained, with their engine logprobs) or, with None, masked ids."""
         trained = logprobs is not None
         self.token_ids += ids
         self.loss_mask += [trained] * len(ids)
@@ -144,20 +155,37 @@ class AgentLoop:
         self._slots = asyncio.Semaphore(agent_cfg.max_concurrent_episodes)
 
     def _event(self, kind, ep: Episode, **kw) -> None:
-        self.emit(RolloutEvent(kind=kind, traj_id=ep.traj_id, group_id=ep.group_id, time=time.monotonic(), **kw))
+        self.emit(
+            RolloutEvent(
+                kind=kind, traj_id=ep.traj_id, group_id=ep.group_id, time=time.monotonic(), **kw
+            )
+        )
 
-    async def run_batch(self, instances: Sequence[TaskInstance], samples_per_prompt: int) -> list[Episode]:
+    async def run_batch(
+        self, instances: Sequence[TaskInstance], samples_per_prompt: int
+    ) -> list[Episode]:
         """``samples_per_prompt`` episodes per instance (a group each), all run concurrently."""
         jobs = [
-            self.run_episode(inst, traj_id=g * samples_per_prompt + k, group_id=g, seed=g * samples_per_prompt + k)
+            self.run_episode(
+                inst,
+                traj_id=g * samples_per_prompt + k,
+                group_id=g,
+                seed=g * samples_per_prompt + k,
+            )
             for g, inst in enumerate(instances)
             for k in range(samples_per_prompt)
         ]
         return list(await asyncio.gather(*jobs))
 
-    async def run_episode(self, inst: TaskInstance, *, traj_id: int, group_id: int, seed: int | None = None) -> Episode:
+    async def run_episode(
+        self, inst: TaskInstance, *, traj_id: int, group_id: int, seed: int | None = None
+    ) -> Episode:
         async with self._slots:
-            sandbox = await build_sandbox(self.sandbox_cfg, inst.image) if self.task.needs_sandbox else None
+            sandbox = (
+                await build_sandbox(self.sandbox_cfg, inst.image)
+                if self.task.needs_sandbox
+                else None
+            )
             try:
                 return await self._episode(inst, traj_id, group_id, seed, sandbox)
             finally:
@@ -169,15 +197,17 @@ class AgentLoop:
         deadline = started + self.cfg.episode_wall_time_s
         await self.task.setup(inst, sandbox)
         prompt = self.codec.prompt_ids(self.task.messages(inst))
-        ep = Episode(traj_id, group_id, inst.instance_id, len(prompt), list(prompt), [False] * (len(prompt) - 1), [0.0] * (len(prompt) - 1), started_at=started)
+        ep = Episode.from_prompt(traj_id, group_id, inst.instance_id, prompt, started)
         try:
             ep.stop_reason = await self._turns(ep, sandbox, deadline, seed)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             ep.stop_reason = "wall_time"
         ep.finished_at = time.monotonic()
         self._event("trajectory_finished", ep, payload={"episode": ep})
 
-        ep.reward = await self.verifiers.score(lambda: self.task.verify(inst, ep, sandbox), traj_id=traj_id)
+        ep.reward = await self.verifiers.score(
+            lambda: self.task.verify(inst, ep, sandbox), traj_id=traj_id
+        )
         self._event("reward", ep, payload=ep.reward.as_payload())
         return ep
 
@@ -197,12 +227,18 @@ class AgentLoop:
             out: Completion = await asyncio.wait_for(
                 self.engine.generate(ep.token_ids, params), _remaining(deadline)
             )
-            turn = Turn(index, len(ep.token_ids), len(ep.token_ids) + len(out.token_ids), out.finish_reason, out.policy_version, t0, time.monotonic())
-            ep._append(out.token_ids, out.logprobs)
+            start = len(ep.token_ids)
+            turn = Turn(
+                index=index, start=start, end=start + len(out.token_ids),
+                finish_reason=out.finish_reason, policy_version=out.policy_version,
+                started_at=t0, generated_at=time.monotonic(),
+            )  # fmt: skip
+            ep.append(out.token_ids, out.logprobs)
             ep.turns.append(turn)
-            ep.final_text = self.codec.decode(out.token_ids).removesuffix("<|im_end|>")
-            if out.finish_reason == "stop" and (not out.token_ids or out.token_ids[-1] != self.codec.im_end_id):
-                ep._append([self.codec.im_end_id], None)  # engine stopped but left the stop token out
+            ep.final_text = self.codec.decode(out.token_ids).removesuffix(IM_END)
+            if out.finish_reason == "stop" and out.token_ids[-1:] != [self.codec.im_end_id]:
+                # The engine stopped on <|im_end|> but did not return it: close the turn (masked).
+                ep.append([self.codec.im_end_id], None)
             self._event(
                 "turn_finished", ep, turn_index=index,
                 payload={"start": turn.start, "end": turn.end, "token_ids": list(ep.token_ids[: turn.end]),
@@ -217,32 +253,40 @@ class AgentLoop:
             calls = parse_tool_calls(ep.final_text)
             if not calls:
                 return "answered"
-            observations = [await self._run_tool(c, sandbox, deadline, turn) for c in calls[: self.cfg.max_tool_calls_per_turn]]
-            if len(calls) > self.cfg.max_tool_calls_per_turn:
-                observations.append(f"[error: only {self.cfg.max_tool_calls_per_turn} tool calls per turn are run; {len(calls) - self.cfg.max_tool_calls_per_turn} ignored]")
+            limit = self.cfg.max_tool_calls_per_turn
+            observations = [await self._run_tool(c, sandbox, deadline, turn) for c in calls[:limit]]
+            if len(calls) > limit:
+                observations.append(
+                    f"[error: only {limit} tool calls per turn are run; {len(calls) - limit} ignored]"
+                )
             turn.tools_done_at = time.monotonic()
             response = self.codec.tool_response_ids(observations)
             if len(ep.token_ids) + len(response) >= self.cfg.max_total_tokens:
                 ep.truncated = True
                 return "max_tokens"
-            ep._append(response, None)
+            ep.append(response, None)
         return "max_turns"
 
-    async def _run_tool(self, call: ToolCall | ToolCallError, sandbox, deadline: float, turn: Turn) -> str:
+    async def _run_tool(
+        self, call: ToolCall | ToolCallError, sandbox, deadline: float, turn: Turn
+    ) -> str:
         t0 = time.monotonic()
         name, args = getattr(call, "name", "?"), getattr(call, "arguments", None)
         if isinstance(call, ToolCallError):
             obs, ok = f"[error: {call.message}]", False
         elif call.name not in self.tools:
-            obs, ok = f"[error: unknown tool {call.name!r}; available: {', '.join(self.tools) or 'none'}]", False
+            available = ", ".join(self.tools) or "none"
+            obs, ok = f"[error: unknown tool {call.name!r}; available: {available}]", False
         else:
             tool = self.tools[call.name]
             try:
-                obs = await asyncio.wait_for(tool.run(sandbox, tool.check_arguments(call.arguments)), _remaining(deadline))
-                ok = "[error:" not in obs
+                obs = await asyncio.wait_for(
+                    tool.run(sandbox, tool.check_arguments(call.arguments)), _remaining(deadline)
+                )
+                ok = not obs.rstrip().rpartition("\n")[2].startswith("[error:")  # last line
             except ToolArgumentError as err:
                 obs, ok = f"[error: {err}]", False
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 raise  # the episode's wall time is over
             except Exception as err:  # a crashing tool is an observation, not a dead episode
                 log.warning("tool %s crashed: %r", call.name, err)
@@ -254,5 +298,5 @@ class AgentLoop:
 def _remaining(deadline: float) -> float:
     left = deadline - time.monotonic()
     if left <= 0:
-        raise asyncio.TimeoutError
+        raise TimeoutError
     return left

@@ -93,7 +93,9 @@ class ChatCodec:
         ids: list[int] = []
         for msg in messages:
             ids += [self.im_start_id] + self.encode_trusted(f"{msg['role']}\n")
-            ids += self.encode_literal(msg["content"]) + [self.im_end_id] + self.encode_trusted("\n")
+            ids += (
+                self.encode_literal(msg["content"]) + [self.im_end_id] + self.encode_trusted("\n")
+            )
         return ids + self.assistant_header_ids()
 
     def assistant_header_ids(self) -> list[int]:
@@ -123,7 +125,9 @@ def tools_system_prompt(system: str, tool_schemas: Sequence[Mapping[str, Any]]) 
     )
 
 
-_CALL_RE = re.compile(re.escape(TOOL_CALL_OPEN) + r"(.*?)(" + re.escape(TOOL_CALL_CLOSE) + r"|$)", re.S)
+_CALL_RE = re.compile(
+    re.escape(TOOL_CALL_OPEN) + r"(.*?)(" + re.escape(TOOL_CALL_CLOSE) + r"|$)", re.S
+)
 
 
 def parse_tool_calls(text: str) -> list[ToolCall | ToolCallError]:
@@ -140,7 +144,9 @@ def parse_tool_calls(text: str) -> list[ToolCall | ToolCallError]:
         try:
             obj = json.loads(body)
         except json.JSONDecodeError as err:
-            calls.append(ToolCallError(f"tool call is not valid JSON ({err.msg} at char {err.pos})"))
+            calls.append(
+                ToolCallError(f"tool call is not valid JSON ({err.msg} at char {err.pos})")
+            )
             continue
         if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
             calls.append(ToolCallError('tool call must be a JSON object with a string "name"'))
@@ -152,7 +158,9 @@ def parse_tool_calls(text: str) -> list[ToolCall | ToolCallError]:
             except json.JSONDecodeError:
                 pass
         if not isinstance(args, dict):
-            calls.append(ToolCallError(f'tool call {obj["name"]!r}: "arguments" must be a JSON object'))
+            calls.append(
+                ToolCallError(f'tool call {obj["name"]!r}: "arguments" must be a JSON object')
+            )
             continue
         calls.append(ToolCall(obj["name"], args))
     if not calls and TOOL_CALL_CLOSE in text:

@@ -20,7 +20,7 @@ _CORPUS = [
     '{"name": "calculator", "arguments": {"expression": "(12 * 7) + 3"}}',
     "def add(a, b):\n    return a + b\n\n\nclass TestAdd(unittest.TestCase):\n    def test_add(self):\n"
     "        self.assertEqual(add(2, 3), 5)\n",
-    "Traceback (most recent call last):\n  File \"test.py\", line 3, in <module>\nAssertionError",
+    'Traceback (most recent call last):\n  File "test.py", line 3, in <module>\nAssertionError',
     "error: command timed out after 10 seconds; exit code 137; Ran 3 tests in 0.001s OK FAILED",
     "ls -la && cat data.txt | wc -l > out/result.txt; mkdir -p out; mv a.log b.txt; echo done",
 ]

@@ -35,7 +35,9 @@ class Tool:
             "description": self.description,
             "parameters": {
                 "type": "object",
-                "properties": {k: {"type": "string", "description": v} for k, v in self.parameters.items()},
+                "properties": {
+                    k: {"type": "string", "description": v} for k, v in self.parameters.items()
+                },
                 "required": list(self.parameters),
             },
         }
@@ -52,7 +54,9 @@ class Tool:
             )
         bad = [k for k, v in args.items() if not isinstance(v, str)]
         if bad:
-            raise ToolArgumentError(f"tool {self.name!r}: argument(s) {', '.join(bad)} must be strings")
+            raise ToolArgumentError(
+                f"tool {self.name!r}: argument(s) {', '.join(bad)} must be strings"
+            )
         return dict(args)
 
 
@@ -67,7 +71,11 @@ async def _read_file(sb: Sandbox, args: Mapping[str, str]) -> str:
 
 async def _write_file(sb: Sandbox, args: Mapping[str, str]) -> str:
     result = await sb.write_file(args["path"], args["content"])
-    return result.observation() if not result.ok else f"wrote {len(args['content'])} characters to {args['path']}"
+    return (
+        result.observation()
+        if not result.ok
+        else f"wrote {len(args['content'])} characters to {args['path']}"
+    )
 
 
 async def _str_replace(sb: Sandbox, args: Mapping[str, str]) -> str:
@@ -126,7 +134,10 @@ async def _calculator(sb: Sandbox | None, args: Mapping[str, str]) -> str:
 BASH = Tool("bash", "Run a shell command in the work directory.", {"command": "the command"}, _bash)
 READ_FILE = Tool("read_file", "Print a file.", {"path": "file path"}, _read_file)
 WRITE_FILE = Tool(
-    "write_file", "Create or overwrite a file.", {"path": "file path", "content": "new content"}, _write_file
+    "write_file",
+    "Create or overwrite a file.",
+    {"path": "file path", "content": "new content"},
+    _write_file,
 )
 STR_REPLACE = Tool(
     "str_replace",

@@ -52,17 +52,24 @@ class VerifierPool:
                 reward = float(await asyncio.wait_for(verify(), self.cfg.timeout_s))
                 if not math.isfinite(reward):
                     raise ValueError(f"verifier returned a non-finite reward {reward}")
-            except asyncio.TimeoutError:
-                return self._failed(traj_id, "timeout", f"verifier exceeded {self.cfg.timeout_s:g} s", start)
+            except TimeoutError:
+                return self._failed(
+                    traj_id, "timeout", f"verifier exceeded {self.cfg.timeout_s:g} s", start
+                )
             except Exception as err:  # a crashing verifier is an outcome, not a crash of the loop
-                return self._failed(traj_id, "error", f"verifier raised {type(err).__name__}: {err}", start)
+                return self._failed(
+                    traj_id, "error", f"verifier raised {type(err).__name__}: {err}", start
+                )
             return RewardOutcome(reward, "ok", False, time.monotonic() - start)
 
     def _failed(self, traj_id: int, status, detail: str, start: float) -> RewardOutcome:
         self.num_failures += 1
         drop = self.cfg.on_failure == "drop_group"
         log.warning(
-            "trajectory %d: %s -> %s", traj_id, detail, "group dropped" if drop else f"reward {self.cfg.failure_reward}"
+            "trajectory %d: %s -> %s",
+            traj_id,
+            detail,
+            "group dropped" if drop else f"reward {self.cfg.failure_reward}",
         )
         reward = None if drop else self.cfg.failure_reward
         return RewardOutcome(reward, status, drop, time.monotonic() - start, detail)

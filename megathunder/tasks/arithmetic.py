@@ -23,7 +23,9 @@ class ArithmeticTask(Task):
         for k in range(num):
             a, b = rng.randint(0, self.max_operand), rng.randint(0, self.max_operand)
             op = rng.choice("+-")
-            out.append(TaskInstance(f"arith-{seed}-{k}", f"{a} {op} {b} =", a + b if op == "+" else a - b))
+            out.append(
+                TaskInstance(f"arith-{seed}-{k}", f"{a} {op} {b} =", a + b if op == "+" else a - b)
+            )
         return out
 
     async def verify(self, inst, episode, sandbox) -> float:

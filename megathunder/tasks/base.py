@@ -27,7 +27,9 @@ class TaskInstance:
     instance_id: str
     prompt: str
     answer: Any = None
-    files: Mapping[str, str] = field(default_factory=dict)  # relative path -> content, uploaded first
+    files: Mapping[str, str] = field(
+        default_factory=dict
+    )  # relative path -> content, uploaded first
     image: str | None = None  # container image (cluster backends)
     metadata: Mapping[str, Any] = field(default_factory=dict)
 
@@ -67,7 +69,7 @@ class Task(abc.ABC):
 def tool_call_text(name: str, **arguments: str) -> str:
     import json
 
-    return f'<tool_call>\n{json.dumps({"name": name, "arguments": arguments})}\n</tool_call>'
+    return f"<tool_call>\n{json.dumps({'name': name, 'arguments': arguments})}\n</tool_call>"
 
 
 def last_number(text: str) -> float | None:

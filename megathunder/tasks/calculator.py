@@ -25,7 +25,9 @@ class CalculatorTask(Task):
             steps = [f"{a} * {b}", f"{a * b} + {c}", f"{a * b + c} - {d}"]
             out.append(
                 TaskInstance(
-                    f"calc-{seed}-{k}", f"Compute ({a} * {b} + {c}) - {d}.", a * b + c - d,
+                    f"calc-{seed}-{k}",
+                    f"Compute ({a} * {b} + {c}) - {d}.",
+                    a * b + c - d,
                     metadata={"steps": steps},
                 )  # fmt: skip
             )

@@ -36,7 +36,9 @@ def read_records(path: str | Path) -> list[tuple[str, dict[str, Any]]]:
         try:
             import pyarrow.parquet as pq
         except ImportError as err:
-            raise DatasetError(f"{path}: reading parquet needs pyarrow (pip install pyarrow)") from err
+            raise DatasetError(
+                f"{path}: reading parquet needs pyarrow (pip install pyarrow)"
+            ) from err
         try:
             rows = pq.read_table(path).to_pylist()
         except Exception as err:
@@ -60,7 +62,9 @@ def read_records(path: str | Path) -> list[tuple[str, dict[str, Any]]]:
     return out
 
 
-def _field(where: str, record: dict, name: str, kind: type | tuple = str, default: Any = ...) -> Any:
+def _field(
+    where: str, record: dict, name: str, kind: type | tuple = str, default: Any = ...
+) -> Any:
     if name not in record or record[name] is None:
         if default is not ...:
             return default
@@ -85,7 +89,10 @@ def swe_bench_image(instance_id: str, namespace: str = "swebench", arch: str = "
 
 
 def _repo_instance(where: str, rec: dict, image: str) -> TaskInstance:
-    f2p, p2p = _field(where, rec, "FAIL_TO_PASS", list), _field(where, rec, "PASS_TO_PASS", list, [])
+    f2p, p2p = (
+        _field(where, rec, "FAIL_TO_PASS", list),
+        _field(where, rec, "PASS_TO_PASS", list, []),
+    )
     tests = shlex.join(f2p + p2p)
     return TaskInstance(
         instance_id=_field(where, rec, "instance_id"),
@@ -107,7 +114,9 @@ def load_swe_bench(path: str | Path) -> list[TaskInstance]:
     for where, rec in read_records(path):
         iid = _field(where, rec, "instance_id")
         _field(where, rec, "base_commit")
-        out.append(_repo_instance(where, rec, _field(where, rec, "image_name", str, swe_bench_image(iid))))
+        out.append(
+            _repo_instance(where, rec, _field(where, rec, "image_name", str, swe_bench_image(iid)))
+        )
     return out
 
 
@@ -129,7 +138,9 @@ def load_terminal_bench(path: str | Path) -> list[TaskInstance]:
                 image=_field(where, rec, image_key),
                 metadata={
                     "test_patch": "",
-                    "test_command": _field(where, rec, "test_command", str, "bash /tests/run-tests.sh"),
+                    "test_command": _field(
+                        where, rec, "test_command", str, "bash /tests/run-tests.sh"
+                    ),
                 },
             )
         )
@@ -139,10 +150,14 @@ def load_terminal_bench(path: str | Path) -> list[TaskInstance]:
 class ContainerTestTask(Task):
     """Instances from a loader; reward = the instance's tests pass in its container."""
 
-    system_prompt = "You are a software engineer working in a repository. Reply without a tool call when done."
+    system_prompt = (
+        "You are a software engineer working in a repository. Reply without a tool call when done."
+    )
     tools = (BASH, READ_FILE, WRITE_FILE, STR_REPLACE)
 
-    def __init__(self, name: str, loader: Callable[[str], Sequence[TaskInstance]], path: str) -> None:
+    def __init__(
+        self, name: str, loader: Callable[[str], Sequence[TaskInstance]], path: str
+    ) -> None:
         self.name, self._all = name, list(loader(path))
 
     def instances(self, num: int, seed: int = 0) -> list[TaskInstance]:

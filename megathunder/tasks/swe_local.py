@@ -97,7 +97,12 @@ class SweLocalTask(Task):
                     f"swe-local-{seed}-{k}",
                     f"Issue: {repo.issue}\nThe failing test is in tests/. Fix the code, not the test.",
                     files={**repo.files, **repo.tests},
-                    metadata={"tests": repo.tests, "module": repo.module, "bug": repo.bug, "fix": repo.fix},
+                    metadata={
+                        "tests": repo.tests,
+                        "module": repo.module,
+                        "bug": repo.bug,
+                        "fix": repo.fix,
+                    },
                 )
             )
         return out

@@ -13,7 +13,10 @@ from megathunder.tasks.base import Task, TaskInstance, tool_call_text
 
 
 def _count_errors(rng: random.Random) -> tuple[str, dict, str, str, str]:
-    lines = [rng.choice(["INFO ok", "ERROR disk full", "WARN slow", "ERROR timeout"]) for _ in range(rng.randint(5, 20))]
+    lines = [
+        rng.choice(["INFO ok", "ERROR disk full", "WARN slow", "ERROR timeout"])
+        for _ in range(rng.randint(5, 20))
+    ]
     count = sum(line.startswith("ERROR") for line in lines)
     log = f"app{rng.randint(1, 999)}.log"
     return (
@@ -49,7 +52,9 @@ _GOALS = (_count_errors, _rename_logs, _sort_unique)
 
 class TerminalTask(Task):
     name = "terminal"
-    system_prompt = "You operate a Linux shell in your working directory. Reply without a tool call when done."
+    system_prompt = (
+        "You operate a Linux shell in your working directory. Reply without a tool call when done."
+    )
     tools = (BASH,)
     _verifies_in_sandbox = True
 

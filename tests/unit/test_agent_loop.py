@@ -40,8 +40,13 @@ def test_swe_episode_end_to_end(tmp_path):
         runs = [r for turn in ep.turns for r in turn.tool_runs]
         assert [r.name for r in runs] == ["read_file", "bash", "str_replace", "bash"]
         assert inst.metadata["bug"] in runs[0].observation  # really read from the sandbox
-        assert "FAILED" in runs[1].observation and "[error: command failed with exit code 1]" in runs[1].observation
-        assert runs[2].observation.startswith("replaced 1 occurrence") and runs[3].observation.rstrip().endswith("OK")
+        assert (
+            "FAILED" in runs[1].observation
+            and "[error: command failed with exit code 1]" in runs[1].observation
+        )
+        assert runs[2].observation.startswith("replaced 1 occurrence") and runs[
+            3
+        ].observation.rstrip().endswith("OK")
 
         # Layout: every trained span is exactly one model turn (its text + <|im_end|>).
         script = task.scripted_turns(inst)
@@ -53,11 +58,15 @@ def test_swe_episode_end_to_end(tmp_path):
         for t, m in enumerate(ep.loss_mask):
             expected = scripted_logprob(ep.token_ids[t + 1]) if m else 0.0
             assert ep.rollout_logprobs[t] == expected
-        masked_text = c.decode([tok for t, tok in enumerate(ep.token_ids[1:]) if not ep.loss_mask[t]])
+        masked_text = c.decode(
+            [tok for t, tok in enumerate(ep.token_ids[1:]) if not ep.loss_mask[t]]
+        )
         assert masked_text.count("<tool_response>") == 4
 
         traj = ep.to_trajectory()
-        assert traj.num_targets == len(ep.token_ids) - 1 and int(traj.loss_mask.sum()) == sum(t.end - t.start for t in ep.turns)
+        assert traj.num_targets == len(ep.token_ids) - 1 and int(traj.loss_mask.sum()) == sum(
+            t.end - t.start for t in ep.turns
+        )
         assert ep.policy_versions == {0} and ep.tool_s > 0 and ep.generation_s >= 0
 
 
@@ -80,7 +89,9 @@ def test_event_stream_order_and_timestamps(tmp_path):
     task = SweLocalTask()
     insts = task.instances(3, seed=1)
     t_start = time.monotonic()
-    episodes, events = run_scripted(task, insts, tmp_path, samples_per_prompt=2, seconds_per_token=2e-4)
+    episodes, events = run_scripted(
+        task, insts, tmp_path, samples_per_prompt=2, seconds_per_token=2e-4
+    )
     t_end = time.monotonic()
     times = [e.time for e in events]
     assert times == sorted(times) and t_start <= times[0] and times[-1] <= t_end
@@ -101,7 +112,10 @@ def test_event_stream_order_and_timestamps(tmp_path):
                 assert e.time < turn.generated_at + sum(r.duration_s for r in turn.tool_runs)
         finished, reward = mine[-2:]
         assert finished.payload["episode"] is ep and finished.time >= ep.finished_at
-        assert reward.payload["reward"] == 1.0 and reward.time - finished.time >= reward.payload["verifier_s"]
+        assert (
+            reward.payload["reward"] == 1.0
+            and reward.time - finished.time >= reward.payload["verifier_s"]
+        )
     # Episodes interleave: some trajectory finished before another one's first turn event.
     firsts = [next(k for k, e in enumerate(events) if e.traj_id == t) for t in by_traj]
     lasts = [max(k for k, e in enumerate(events) if e.traj_id == t) for t in by_traj]
@@ -139,7 +153,9 @@ def test_hung_and_crashing_tools_give_error_observations(tmp_path):
     (inst,) = task.instances(1)
     script = [tool_call_text("bash", command="sleep 600"), tool_call_text("boom"), "ok"]
     start = time.monotonic()
-    (ep,), _ = run_scripted(task, [inst], tmp_path, scripts={inst.prompt: script}, sandbox={"wall_time_s": 1})
+    (ep,), _ = run_scripted(
+        task, [inst], tmp_path, scripts={inst.prompt: script}, sandbox={"wall_time_s": 1}
+    )
     assert time.monotonic() - start < 5
     hung, crashed = _observations(ep)
     assert "[error: command killed: wall-time limit of 1 s exceeded]" in hung
@@ -159,7 +175,9 @@ def test_malformed_tool_calls_give_error_observations(tmp_path):
         "<tool_call>" + tool_call_text("bash", command="echo hi")[11:-12],  # never closed
         "ok",
     ]
-    (ep,), _ = run_scripted(task, [inst], tmp_path, scripts={inst.prompt: script}, agent={"max_turns": 10})
+    (ep,), _ = run_scripted(
+        task, [inst], tmp_path, scripts={inst.prompt: script}, agent={"max_turns": 10}
+    )
     obs = _observations(ep)
     assert obs[0].startswith("[error: tool call is not valid JSON")
     assert obs[1] == "[error: unknown tool 'nope'; available: bash]"
@@ -185,8 +203,18 @@ def test_tool_output_cannot_inject_control_tokens(tmp_path):
     ("agent", "script", "stop", "truncated"),
     [
         ({"max_turns": 3}, [tool_call_text("bash", command="true")] * 10, "max_turns", False),
-        ({"max_total_tokens": 600, "max_new_tokens_per_turn": 64}, ["x " * 100], "max_tokens", True),
-        ({"max_total_tokens": 700, "max_new_tokens_per_turn": 64}, [tool_call_text("bash", command="seq 500")] * 3, "max_tokens", True),
+        (
+            {"max_total_tokens": 600, "max_new_tokens_per_turn": 64},
+            ["x " * 100],
+            "max_tokens",
+            True,
+        ),
+        (
+            {"max_total_tokens": 700, "max_new_tokens_per_turn": 64},
+            [tool_call_text("bash", command="seq 500")] * 3,
+            "max_tokens",
+            True,
+        ),
     ],
 )
 def test_turn_and_token_limits(tmp_path, agent, script, stop, truncated):
@@ -238,5 +266,8 @@ def test_crashed_and_hung_verifiers_have_defined_outcomes(tmp_path, policy, capl
                 assert ev.payload["drop_group"] and ev.payload["reward"] is None
             else:
                 assert not ev.payload["drop_group"] and ev.payload["reward"] == -1.0
-        assert sum(status in r.getMessage() or "verifier" in r.getMessage() for r in caplog.records) >= 2
+        assert (
+            sum(status in r.getMessage() or "verifier" in r.getMessage() for r in caplog.records)
+            >= 2
+        )
         caplog.clear()

@@ -16,7 +16,9 @@ from megathunder.rollout.sandbox import container as ct
 
 
 def _cfg(**kw):
-    return SandboxConfig(**{"backend": "docker", "wall_time_s": 7, "cpu_time_s": 3, "memory_mb": 512, **kw})
+    return SandboxConfig(
+        **{"backend": "docker", "wall_time_s": 7, "cpu_time_s": 3, "memory_mb": 512, **kw}
+    )
 
 
 def test_docker_command_lines():
@@ -26,7 +28,12 @@ def test_docker_command_lines():
     for flag in ("--network none", "--memory 512m", "--memory-swap 512m", "--pids-limit 32", "--cpus 2",
                  "--cap-drop ALL", "no-new-privileges", "--rm", "--detach"):  # fmt: skip
         assert flag in joined
-    assert start[-4:] == ["--entrypoint", "sleep", "swebench/sweb.eval.x86_64.a_1776_b:latest", "infinity"]
+    assert start[-4:] == [
+        "--entrypoint",
+        "sleep",
+        "swebench/sweb.eval.x86_64.a_1776_b:latest",
+        "infinity",
+    ]
     exec_ = ct.docker_exec_argv(cfg, "ep1", ["cat", "f"], True, 7)
     assert exec_[:6] == ["docker", "exec", "--interactive", "--workdir", "/workspace", "ep1"]
     assert exec_[6:] == ["env", "PYTHONDONTWRITEBYTECODE=1", "timeout", "-s", "KILL", "7", "prlimit", "--cpu=3:4",
@@ -37,15 +44,29 @@ def test_docker_command_lines():
 def test_apptainer_and_enroot_command_lines():
     cfg = _cfg(backend="apptainer", container_workdir="/testbed")
     start = ct.apptainer_start_argv(cfg, "/images/x.sif", "ep1")
-    assert start[:3] == ["apptainer", "instance", "start"] and start[-2:] == ["/images/x.sif", "ep1"]
+    assert start[:3] == ["apptainer", "instance", "start"] and start[-2:] == [
+        "/images/x.sif",
+        "ep1",
+    ]
     assert {"--containall", "--cleanenv", "--net", "--writable-tmpfs"} <= set(start)
     assert start[start.index("--network") + 1] == "none"
     exec_ = ct.apptainer_exec_argv(cfg, "ep1", ["ls"], False, 7)
-    assert exec_[:5] == ["apptainer", "exec", "--pwd", "/testbed", "instance://ep1"] and exec_[-2:] == ["--", "ls"]
+    assert exec_[:5] == ["apptainer", "exec", "--pwd", "/testbed", "instance://ep1"] and exec_[
+        -2:
+    ] == ["--", "ls"]
     cfg = _cfg(backend="enroot", container_extra_args=["--mount", "/data:/data"])
-    assert ct.enroot_start_argv(cfg, "/images/x.sqsh", "ep1") == ["enroot", "create", "--name", "ep1", "/images/x.sqsh"]
+    assert ct.enroot_start_argv(cfg, "/images/x.sqsh", "ep1") == [
+        "enroot",
+        "create",
+        "--name",
+        "ep1",
+        "/images/x.sqsh",
+    ]
     exec_ = ct.enroot_exec_argv(cfg, "ep1", ["ls"], False, 7)
-    assert exec_[:6] == ["enroot", "start", "--rw", "--mount", "/data:/data", "ep1"] and exec_[-1] == "ls"
+    assert (
+        exec_[:6] == ["enroot", "start", "--rw", "--mount", "/data:/data", "ep1"]
+        and exec_[-1] == "ls"
+    )
 
 
 def test_missing_cli_image_file_or_image_is_a_clear_error(tmp_path):
@@ -54,9 +75,14 @@ def test_missing_cli_image_file_or_image_is_a_clear_error(tmp_path):
     with pytest.raises(SandboxError, match="needs a container image"):
         asyncio.run(build_sandbox(_cfg(), None))
     with pytest.raises(SandboxError, match=f"apptainer image file not found: {tmp_path}/x.sif"):
-        asyncio.run(build_sandbox(_cfg(backend="apptainer", container_cli="true"), str(tmp_path / "x.sif")))
+        asyncio.run(
+            build_sandbox(_cfg(backend="apptainer", container_cli="true"), str(tmp_path / "x.sif"))
+        )
     cli = _fake_cli(tmp_path, fail_run=True)
-    with pytest.raises(SandboxError, match="cannot start docker container from image 'missing:1'.*Unable to find image"):
+    with pytest.raises(
+        SandboxError,
+        match="cannot start docker container from image 'missing:1'.*Unable to find image",
+    ):
         asyncio.run(build_sandbox(_cfg(container_cli=cli), "missing:1"))
 
 
@@ -80,7 +106,12 @@ def _fake_cli(tmp_path, fail_run=False) -> str:
 def test_lifecycle_through_the_limits_wrapper(tmp_path):
     work = tmp_path / "work"
     work.mkdir()
-    cfg = _cfg(container_cli=_fake_cli(tmp_path), container_workdir=str(work), wall_time_s=1, max_output_bytes=4096)
+    cfg = _cfg(
+        container_cli=_fake_cli(tmp_path),
+        container_workdir=str(work),
+        wall_time_s=1,
+        max_output_bytes=4096,
+    )
 
     async def go():
         sb = await build_sandbox(cfg, "python:3.11")
@@ -95,9 +126,14 @@ def test_lifecycle_through_the_limits_wrapper(tmp_path):
 
     read, env, hung, big = asyncio.run(go())
     assert read.ok and read.output == "hello" and env.output.strip() == "1"
-    assert hung.exit_code == 137 and "SIGKILL" in hung.observation() and hung.duration_s < 3  # in-container timeout
+    assert (
+        hung.exit_code == 137 and "SIGKILL" in hung.observation() and hung.duration_s < 3
+    )  # in-container timeout
     assert "MemoryError" in big.output and not big.ok  # prlimit --as inside the container
     calls = (tmp_path / "calls.log").read_text().splitlines()
-    assert calls[0].startswith("run --detach --rm --name megathunder-") and "--network none" in calls[0]
+    assert (
+        calls[0].startswith("run --detach --rm --name megathunder-")
+        and "--network none" in calls[0]
+    )
     assert calls[-1].startswith("rm --force megathunder-")
     assert os.path.exists(work / "pkg" / "a.txt")

@@ -11,7 +11,10 @@ from tests.rollout_helpers import codec
 def test_prompt_layout_is_chatml():
     c = codec()
     ids = c.prompt_ids([{"role": "system", "content": "S"}, {"role": "user", "content": "2 + 2 ="}])
-    assert c.decode(ids) == "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\n2 + 2 =<|im_end|>\n<|im_start|>assistant\n"
+    assert (
+        c.decode(ids)
+        == "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\n2 + 2 =<|im_end|>\n<|im_start|>assistant\n"
+    )
     assert ids.count(c.im_start_id) == 3 and ids.count(c.im_end_id) == 2
 
 
@@ -45,7 +48,10 @@ def test_parse_valid_calls_in_order():
         'I will look.\n<tool_call>\n{"name": "read_file", "arguments": {"path": "a.py"}}\n</tool_call>\n'
         '<tool_call>{"name": "bash", "arguments": "{\\"command\\": \\"ls\\"}"}</tool_call>'
     )
-    assert parse_tool_calls(text) == [ToolCall("read_file", {"path": "a.py"}), ToolCall("bash", {"command": "ls"})]
+    assert parse_tool_calls(text) == [
+        ToolCall("read_file", {"path": "a.py"}),
+        ToolCall("bash", {"command": "ls"}),
+    ]
     assert parse_tool_calls("The answer is 4.") == []
 
 
@@ -56,7 +62,10 @@ def test_parse_valid_calls_in_order():
         ("<tool_call>{name: bash}</tool_call>", "not valid JSON"),
         ('<tool_call>["bash"]</tool_call>', 'string "name"'),
         ('<tool_call>{"arguments": {}}</tool_call>', 'string "name"'),
-        ('<tool_call>{"name": "bash", "arguments": [1]}</tool_call>', '"arguments" must be a JSON object'),
+        (
+            '<tool_call>{"name": "bash", "arguments": [1]}</tool_call>',
+            '"arguments" must be a JSON object',
+        ),
         ('{"name": "bash"}</tool_call>', "without a matching <tool_call>"),
     ],
 )

@@ -8,7 +8,9 @@ from megathunder.config import ConfigError, load_config
 
 
 def test_defaults_and_overrides():
-    cfg = load_config(None, ["task.name=swe_local", "sandbox.isolation=unshare", "verifier.on_failure=drop_group"])
+    cfg = load_config(
+        None, ["task.name=swe_local", "sandbox.isolation=unshare", "verifier.on_failure=drop_group"]
+    )
     assert cfg.task.name == "swe_local" and cfg.sandbox.isolation == "unshare"
     assert cfg.verifier.on_failure == "drop_group" and cfg.agent.max_turns == 8
 
@@ -38,5 +40,7 @@ def test_bad_rollout_configs_name_the_field(overrides, field):
 
 
 def test_dataset_task_with_container_backend_is_valid():
-    cfg = load_config(None, ["task.name=swe_bench", "task.path=v.parquet", "sandbox.backend=apptainer"])
+    cfg = load_config(
+        None, ["task.name=swe_bench", "task.path=v.parquet", "sandbox.backend=apptainer"]
+    )
     assert cfg.sandbox.backend == "apptainer"

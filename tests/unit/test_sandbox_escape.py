@@ -65,7 +65,7 @@ def test_network_is_unreachable(isolation, tmp_path):
         "import urllib.request\n"
         "urllib.request.urlopen('http://pypi.org', timeout=2)\n"
     ) % port
-    result, elapsed, leftover, _ = _run(isolation, tmp_path, f"python3 -c \"{probe}\"")
+    result, elapsed, leftover, _ = _run(isolation, tmp_path, f'python3 -c "{probe}"')
     server.close()
     assert "CONNECTED" not in result.output and not accepted  # not even the host's loopback
     assert sum(line.startswith("refused") for line in result.output.splitlines()) == 3
@@ -77,14 +77,25 @@ def test_cannot_write_outside_work_dir(isolation, tmp_path):
     shared = tmp_path / "world_writable"
     shared.mkdir()
     os.chmod(shared, 0o1777)
-    fixed = [str(shared / "x"), "/etc/megathunder_escape", "/root/x", "/dev/shm/megathunder_x", "/tmp/megathunder_x"]
+    fixed = [
+        str(shared / "x"),
+        "/etc/megathunder_escape",
+        "/root/x",
+        "/dev/shm/megathunder_x",
+        "/tmp/megathunder_x",
+    ]
     targets = []
 
-    def command(sb):  # also the sandbox root (the work dir's parent) and a sibling path, on the host
+    def command(
+        sb,
+    ):  # also the sandbox root (the work dir's parent) and a sibling path, on the host
         root = os.path.dirname(sb.host_dir)
         targets[:] = fixed + [f"{root}/x", f"{sb.host_dir}-sibling", f"{root}/escape"]
         writes = "; ".join(f"echo pwned > {t}" for t in targets[:-1])
-        return writes + f"; echo pwned > ../escape; ln -s /etc/megathunder_link link; echo pwned > link"
+        return (
+            writes
+            + "; echo pwned > ../escape; ln -s /etc/megathunder_link link; echo pwned > link"
+        )
 
     result, _, leftover, sb = _run(isolation, tmp_path, command)
     for t in targets + ["/etc/megathunder_link"]:
@@ -120,7 +131,9 @@ def test_fork_bomb_is_contained(isolation, tmp_path):
         "            time.sleep(30); os._exit(0)\n        n += 1\nexcept OSError as e:\n    print('forks', n, e)\n"
         "raise SystemExit(1)"
     )
-    result, elapsed, leftover, _ = _run(isolation, tmp_path, f'python3 -c "{counter}"', max_processes=16)
+    result, elapsed, leftover, _ = _run(
+        isolation, tmp_path, f'python3 -c "{counter}"', max_processes=16
+    )
     forks = int(result.output.split()[1])
     assert 0 < forks < 16 and "Resource temporarily unavailable" in result.output
     assert result.error() is not None and elapsed < 10 and not leftover
@@ -136,18 +149,24 @@ def test_memory_blow_up_fails(isolation, tmp_path):
 
 def test_cpu_bound_infinite_loop_hits_cpu_limit(isolation, tmp_path):
     # A wide wall-time limit: on a loaded machine 1 s of CPU can take several seconds of wall time.
-    result, elapsed, leftover, _ = _run(isolation, tmp_path, "while :; do :; done", cpu_time_s=1, wall_time_s=30)
+    result, elapsed, leftover, _ = _run(
+        isolation, tmp_path, "while :; do :; done", cpu_time_s=1, wall_time_s=30
+    )
     assert not result.timed_out and "CPU-time limit of 1 s exceeded" in result.error()
     assert elapsed < 30 and not leftover
 
 
 def test_hung_command_hits_wall_time_limit(isolation, tmp_path):
-    result, elapsed, leftover, _ = _run(isolation, tmp_path, "sleep 1000 & sleep 1000", wall_time_s=1)
+    result, elapsed, leftover, _ = _run(
+        isolation, tmp_path, "sleep 1000 & sleep 1000", wall_time_s=1
+    )
     assert result.timed_out and "wall-time limit of 1 s" in result.observation()
     assert elapsed < 4 and not leftover
 
 
 def test_output_flood_is_truncated(isolation, tmp_path):
-    result, _, leftover, _ = _run(isolation, tmp_path, "yes | head -c 5000000", max_output_bytes=1000)
+    result, _, leftover, _ = _run(
+        isolation, tmp_path, "yes | head -c 5000000", max_output_bytes=1000
+    )
     assert result.ok and len(result.output) == 1000 and result.output_truncated
     assert result.observation().endswith("[output truncated]") and not leftover

@@ -17,4 +17,11 @@ async def build_sandbox(cfg, image: str | None = None) -> Sandbox:
     return await ContainerSandbox(cfg, image or "").start()
 
 
-__all__ = ["ContainerSandbox", "ExecResult", "LocalSandbox", "Sandbox", "SandboxError", "build_sandbox"]
+__all__ = [
+    "ContainerSandbox",
+    "ExecResult",
+    "LocalSandbox",
+    "Sandbox",
+    "SandboxError",
+    "build_sandbox",
+]

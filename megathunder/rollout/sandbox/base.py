@@ -160,7 +160,7 @@ async def run_process(
     timed_out = False
     try:
         await asyncio.wait_for(pump(), timeout_s)
-    except asyncio.TimeoutError:
+    except TimeoutError:
         timed_out = True
     finally:
         if proc.returncode is None:

@@ -118,7 +118,9 @@ class ContainerSandbox(Sandbox):
 
     def __init__(self, cfg, image: str) -> None:
         if not image:
-            raise SandboxError(f"sandbox.backend={cfg.backend} needs a container image for the task")
+            raise SandboxError(
+                f"sandbox.backend={cfg.backend} needs a container image for the task"
+            )
         self.cfg, self.image = cfg, image
         self.name = f"megathunder-{uuid.uuid4().hex[:12]}"
         self.workdir = cfg.container_workdir

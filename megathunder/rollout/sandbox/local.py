@@ -111,14 +111,27 @@ class LocalSandbox(Sandbox):
             resource.setrlimit(res, value)
 
     def _bwrap_argv(self, argv: Sequence[str]) -> list[str]:
-        cmd = ["bwrap", "--unshare-all", "--die-with-parent", "--new-session", "--clearenv", "--as-pid-1"]
+        cmd = [
+            "bwrap",
+            "--unshare-all",
+            "--die-with-parent",
+            "--new-session",
+            "--clearenv",
+            "--as-pid-1",
+        ]
         for path in (*_SYSTEM_DIRS, *self.cfg.extra_ro_paths):
             if os.path.exists(path):
                 cmd += ["--ro-bind", path, path]
         cmd += ["--dev", "/dev", "--proc", "/proc"]
         cmd += ["--size", str(self.cfg.tmpfs_mb << 20), "--tmpfs", "/tmp"]
         cmd += ["--bind", self.host_dir, CONTAINED_WORKDIR, "--chdir", CONTAINED_WORKDIR]
-        env = {"PATH": _SANDBOX_PATH, "HOME": CONTAINED_WORKDIR, "TMPDIR": "/tmp", "LANG": "C.UTF-8", **_ENV}
+        env = {
+            "PATH": _SANDBOX_PATH,
+            "HOME": CONTAINED_WORKDIR,
+            "TMPDIR": "/tmp",
+            "LANG": "C.UTF-8",
+            **_ENV,
+        }
         for key, value in env.items():
             cmd += ["--setenv", key, value]
         # pid 1 is a shell that runs the command as its child: a signal (SIGXCPU) reaches the
@@ -135,7 +148,7 @@ class LocalSandbox(Sandbox):
             "for m in $(awk '{print $2}' /proc/self/mounts); do "
             '[ "$m" = "$W" ] || mount -o remount,bind,ro "$m" 2>/dev/null || true; done; '
             'cd "$W"; setpriv --reuid="$U" --regid="$U" --clear-groups --inh-caps=-all '
-            '--bounding-set=-all --no-new-privs -- env -i PATH=' + _SANDBOX_PATH + ' HOME="$W" '
+            "--bounding-set=-all --no-new-privs -- env -i PATH=" + _SANDBOX_PATH + ' HOME="$W" '
             'LANG=C.UTF-8 PYTHONDONTWRITEBYTECODE=1 "$@"; exit $?'
         )  # not exec: pid 1 stays this shell, which reports a signal death as 128 + signal
         return [
@@ -149,7 +162,10 @@ class LocalSandbox(Sandbox):
         if self._closed:
             raise SandboxError("sandbox is closed")
         if self.cfg.isolation == "bwrap":  # bwrap itself runs as the sandbox uid (user namespace)
-            full, extra = self._bwrap_argv(argv), {"user": self.uid, "group": self.uid, "extra_groups": []}
+            full, extra = (
+                self._bwrap_argv(argv),
+                {"user": self.uid, "group": self.uid, "extra_groups": []},
+            )
         else:  # unshare needs root for its mounts; setpriv drops to the uid inside
             full, extra = self._unshare_argv(argv), {}
         return await run_process(

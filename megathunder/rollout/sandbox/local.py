@@ -38,13 +38,19 @@ _ENV = {"PYTHONDONTWRITEBYTECODE": "1"}
 
 
 class _UidPool:
-    """Distinct unprivileged uids for concurrently open sandboxes of this process."""
+    """Distinct unprivileged uids for concurrently open sandboxes of this process.
+
+    The scan starts at an offset derived from the pid, so that several processes sharing a
+    ``uid_base`` (e.g. rollout workers on one node) rarely share a uid's process count.
+    """
 
     def __init__(self) -> None:
         self._used: set[int] = set()
 
     def take(self, base: int, size: int) -> int:
-        for uid in range(base, base + size):
+        offset = (os.getpid() * 7919) % size
+        for k in range(size):
+            uid = base + (offset + k) % size
             if uid not in self._used:
                 self._used.add(uid)
                 return uid

@@ -93,6 +93,9 @@ async def _run_task(name: str, args, sandbox_cfg: SandboxConfig) -> dict:
         "trajectory_finished_s": _quantiles(finish),
         "reward_arrived_s": _quantiles(reward),
         "mean_tokens": statistics.fmean(len(ep.token_ids) for ep in episodes),
+        "mean_generated_tokens": statistics.fmean(
+            sum(t.end - t.start for t in ep.turns) for ep in episodes
+        ),
     }
 
 

@@ -162,19 +162,19 @@ class AgentLoop:
         )
 
     async def run_batch(
-        self, instances: Sequence[TaskInstance], samples_per_prompt: int
+        self, instances: Sequence[TaskInstance], samples_per_prompt: int, *, seed: int | None = None
     ) -> list[Episode]:
-        """``samples_per_prompt`` episodes per instance (a group each), all run concurrently."""
-        jobs = [
-            self.run_episode(
-                inst,
-                traj_id=g * samples_per_prompt + k,
-                group_id=g,
-                seed=g * samples_per_prompt + k,
-            )
-            for g, inst in enumerate(instances)
-            for k in range(samples_per_prompt)
-        ]
+        """``samples_per_prompt`` episodes per instance (a group each), all run concurrently.
+
+        Trajectory ``g * samples_per_prompt + k`` is sample ``k`` of group ``g``. With ``seed``
+        (vary it per batch), sampling is reproducible; without, the engine draws its own.
+        """
+        jobs = []
+        for g, inst in enumerate(instances):
+            for k in range(samples_per_prompt):
+                traj_id = g * samples_per_prompt + k
+                ep_seed = None if seed is None else seed * 1_000_003 + traj_id
+                jobs.append(self.run_episode(inst, traj_id=traj_id, group_id=g, seed=ep_seed))
         return list(await asyncio.gather(*jobs))
 
     async def run_episode(
@@ -221,7 +221,7 @@ class AgentLoop:
                 max_new_tokens=min(self.cfg.max_new_tokens_per_turn, room),
                 temperature=self.temperature,
                 stop_token_ids=(self.codec.im_end_id,),
-                seed=None if seed is None else seed * 1009 + index,
+                seed=None if seed is None else (seed * 1009 + index) % 2**63,
             )
             t0 = time.monotonic()
             out: Completion = await asyncio.wait_for(
@@ -300,3 +300,16 @@ def _remaining(deadline: float) -> float:
     if left <= 0:
         raise TimeoutError
     return left
+
+
+def build_agent_loop(
+    cfg, engine: RolloutEngine, codec: ChatCodec, *, emit: EventSink | None = None
+):
+    """The agent loop of a :class:`megathunder.config.Config`: its task, sandbox, verifier pool
+    and limits (``agent``), sampling at ``rollout.temperature``."""
+    from megathunder.tasks import build_task
+
+    return AgentLoop(
+        engine, codec, build_task(cfg.task), cfg.agent, cfg.sandbox, VerifierPool(cfg.verifier),
+        temperature=cfg.rollout.temperature, emit=emit,
+    )  # fmt: skip

@@ -116,10 +116,10 @@ def test_event_stream_order_and_timestamps(tmp_path):
             reward.payload["reward"] == 1.0
             and reward.time - finished.time >= reward.payload["verifier_s"]
         )
-    # Episodes interleave: some trajectory finished before another one's first turn event.
+    # The episodes ran concurrently: every one had a turn done before the first reward arrived.
     firsts = [next(k for k, e in enumerate(events) if e.traj_id == t) for t in by_traj]
-    lasts = [max(k for k, e in enumerate(events) if e.traj_id == t) for t in by_traj]
-    assert min(lasts) > max(firsts) or len(set(firsts)) == len(firsts)
+    first_reward = next(k for k, e in enumerate(events) if e.kind == "reward")
+    assert max(firsts) < first_reward
 
 
 class _ToolTask(Task):
@@ -271,3 +271,35 @@ def test_crashed_and_hung_verifiers_have_defined_outcomes(tmp_path, policy, capl
             >= 2
         )
         caplog.clear()
+
+
+def test_build_from_config_and_seeds_per_batch():
+    import asyncio
+
+    from megathunder.config import load_config
+    from megathunder.rollout.agent_loop import build_agent_loop
+    from megathunder.rollout.scripted import ScriptedPolicy
+    from megathunder.tasks import build_task
+
+    cfg = load_config(None, ["task.name=calculator", "rollout.temperature=0.7"])
+    insts = build_task(cfg.task).instances(2, seed=0)
+    c = codec()
+    task = build_task(cfg.task)
+    policy = ScriptedPolicy(c, {i.prompt: task.scripted_turns(i) for i in insts})
+    seen = []
+    generate = policy.generate
+
+    async def recording(ids, params):
+        seen.append((params.seed, params.temperature, params.stop_token_ids))
+        return await generate(ids, params)
+
+    policy.generate = recording
+    loop = build_agent_loop(cfg, policy, c)
+    eps = asyncio.run(loop.run_batch(insts, 2, seed=1))
+    assert [e.reward.reward for e in eps] == [1.0] * 4
+    assert all(t == 0.7 and stop == (c.im_end_id,) for _, t, stop in seen)
+    first = [s for s, _, _ in seen]
+    assert len(set(first)) == len(first)  # every (trajectory, turn) has its own seed
+    seen.clear()
+    asyncio.run(loop.run_batch(insts, 2, seed=2))
+    assert not set(first) & {s for s, _, _ in seen}  # and the next batch others

@@ -24,7 +24,9 @@ def test_files_roundtrip_and_sandboxes_cannot_see_each_other(isolation, tmp_path
             wrote = await a.write_file("deep/new/file.py", "print('hi')\n")
             read = await a.read_file("src/secret.txt")
             run = await a.exec(["python3", "deep/new/file.py"])
-            peek = await b.shell(f"cat {a.host_dir}/src/secret.txt; ls {os.path.dirname(a.host_dir)}")
+            peek = await b.shell(
+                f"cat {a.host_dir}/src/secret.txt; ls {os.path.dirname(a.host_dir)}"
+            )
             return a.uid, b.uid, wrote, read, run, peek
         finally:
             await a.close()
@@ -60,7 +62,10 @@ def test_unreachable_root_dir_is_a_clear_error(tmp_path):
     [
         (ExecResult(0, "ok", 0.1), None),
         (ExecResult(2, "", 0.1), "command failed with exit code 2"),
-        (ExecResult(None, "", 3.0, timed_out=True, wall_limit_s=3), "wall-time limit of 3 s exceeded"),
+        (
+            ExecResult(None, "", 3.0, timed_out=True, wall_limit_s=3),
+            "wall-time limit of 3 s exceeded",
+        ),
         (ExecResult(152, "", 1.0, cpu_limit_s=1), "signal SIGXCPU: CPU-time limit of 1 s exceeded"),
         (ExecResult(137, "", 1.0), "signal SIGKILL: killed (memory or process limit"),
         (ExecResult(139, "", 1.0), "signal SIGSEGV: segmentation fault"),
@@ -69,6 +74,8 @@ def test_unreachable_root_dir_is_a_clear_error(tmp_path):
 def test_error_texts(result, error):
     assert (result.error() is None) == (error is None)
     if error:
-        assert error in result.error() and result.observation().endswith(f"[error: {result.error()}]")
+        assert error in result.error() and result.observation().endswith(
+            f"[error: {result.error()}]"
+        )
     else:
         assert result.observation() == "ok"

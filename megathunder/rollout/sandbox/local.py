@@ -10,7 +10,8 @@ Isolation, strongest first (``sandbox.isolation``):
   shell that runs the command as its child).
 - ``unshare`` (util-linux): new mount, pid, network, ipc and uts namespaces; every mount is
   remounted read-only except the work dir, then privileges are dropped with ``setpriv``. The host
-  filesystem stays visible (read-only); use it where bubblewrap is not installed.
+  filesystem stays visible (read-only; ``/tmp`` too: ``TMPDIR`` is a private ``/dev/shm`` tmpfs of
+  ``tmpfs_mb``); use it where bubblewrap is not installed.
 
 Both run the command as a uid of its own (``uid_base + slot``, no supplementary groups, no
 capabilities), so ``RLIMIT_NPROC`` counts only that sandbox's processes (root ignores it), and set
@@ -153,9 +154,10 @@ class LocalSandbox(Sandbox):
             'set -e; W="$1"; U="$2"; shift 2; mount --bind "$W" "$W"; '
             "for m in $(awk '{print $2}' /proc/self/mounts); do "
             '[ "$m" = "$W" ] || mount -o remount,bind,ro "$m" 2>/dev/null || true; done; '
+            f"mount -t tmpfs -o size={self.cfg.tmpfs_mb}m,mode=1777 tmpfs /dev/shm; "
             'cd "$W"; setpriv --reuid="$U" --regid="$U" --clear-groups --inh-caps=-all '
             "--bounding-set=-all --no-new-privs -- env -i PATH=" + _SANDBOX_PATH + ' HOME="$W" '
-            'LANG=C.UTF-8 PYTHONDONTWRITEBYTECODE=1 "$@"; exit $?'
+            'TMPDIR=/dev/shm LANG=C.UTF-8 PYTHONDONTWRITEBYTECODE=1 "$@"; exit $?'
         )  # not exec: pid 1 stays this shell, which reports a signal death as 128 + signal
         return [
             "unshare", "--mount", "--pid", "--net", "--ipc", "--uts", "--fork", "--kill-child",

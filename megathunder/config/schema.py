@@ -152,9 +152,13 @@ class SandboxConfig(_Strict):
     num_uids: int = Field(256, ge=1)
     extra_ro_paths: list[str] = []
     """Local bwrap backend: host paths made visible read-only besides the system directories."""
+    cgroup: Literal["auto", "off", "required"] = "auto"
+    """Local backend: a cgroup per sandbox bounding its whole tree's memory (``memory_mb``) and
+    process count (``max_processes``); auto = where the cgroup filesystem is writable."""
     wall_time_s: float = Field(30.0, gt=0)
     cpu_time_s: float = Field(10.0, gt=0)
     memory_mb: int = Field(1024, ge=32)
+    """Per process (address space); with a cgroup or a container, also for the whole sandbox."""
     max_processes: int = Field(64, ge=4)
     max_file_size_mb: int = Field(64, ge=1)
     max_output_bytes: int = Field(16_384, ge=256)

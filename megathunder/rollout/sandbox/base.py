@@ -31,6 +31,8 @@ class ExecResult:
     output_truncated: bool = False
     cpu_limit_s: float | None = None
     wall_limit_s: float | None = None
+    oom_killed: bool = False  # the sandbox's cgroup memory limit killed a process of this command
+    memory_limit_mb: int | None = None
 
     @property
     def ok(self) -> bool:
@@ -40,6 +42,8 @@ class ExecResult:
         """Why the command failed, in words for the model; None if it exited 0."""
         if self.timed_out:
             return f"command killed: wall-time limit of {self.wall_limit_s:g} s exceeded"
+        if self.oom_killed:
+            return f"command killed: the sandbox's memory limit of {self.memory_limit_mb} MiB was exceeded"
         if self.exit_code == 0:
             return None
         code = self.exit_code

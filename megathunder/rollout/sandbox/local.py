@@ -15,12 +15,15 @@ Isolation, strongest first (``sandbox.isolation``):
 
 Both run the command as a uid of its own (``uid_base + slot``, no supplementary groups, no
 capabilities), so ``RLIMIT_NPROC`` counts only that sandbox's processes (root ignores it), and set
-``RLIMIT_CPU``, ``RLIMIT_AS``, ``RLIMIT_FSIZE`` and ``RLIMIT_NPROC`` before exec. The wall-time
-limit kills the whole process group; the pid namespace takes every descendant with it.
+``RLIMIT_CPU``, ``RLIMIT_AS``, ``RLIMIT_FSIZE`` and ``RLIMIT_NPROC`` before exec. Where cgroups
+are writable (``sandbox.cgroup``), each sandbox also gets its own cgroup bounding the memory and
+process count of its whole tree (see ``cgroups.py``). The wall-time limit kills the whole process
+group; the pid namespace takes every descendant with it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import resource
 import shutil
@@ -29,6 +32,7 @@ import tempfile
 from collections.abc import Sequence
 
 from megathunder.rollout.sandbox.base import ExecResult, Sandbox, SandboxError, run_process
+from megathunder.rollout.sandbox.cgroups import create_cgroup
 
 _SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib64", "/lib32", "/etc")
 _SANDBOX_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
@@ -98,15 +102,19 @@ class LocalSandbox(Sandbox):
         os.chmod(cfg.root_dir, 0o711)  # traversable by the sandbox uids, not listable
         if cfg.isolation == "bwrap":
             _check_traversable(cfg.root_dir)
+        self.cgroup = create_cgroup(cfg.cgroup, cfg.memory_mb << 20, cfg.max_processes)
         self.uid = _UIDS.take(cfg.uid_base, cfg.num_uids)
         self.host_dir = tempfile.mkdtemp(prefix="ep-", dir=cfg.root_dir)
         os.chown(self.host_dir, self.uid, self.uid)
         self.workdir = CONTAINED_WORKDIR if cfg.isolation == "bwrap" else self.host_dir
         self._closed = False
 
-    def _limits(self) -> None:
-        """Runs in the child between fork and exec (before the uid switch)."""
+    def _enter(self) -> None:
+        """In the child between fork and exec, as root: join the cgroup, set the rlimits, and
+        (bwrap) become the sandbox uid; unshare needs root for its mounts and drops it itself."""
         cfg = self.cfg
+        if self.cgroup is not None:
+            self.cgroup.join()
         cpu = max(1, int(cfg.cpu_time_s + 0.999))
         for res, value in (
             (resource.RLIMIT_CPU, (cpu, cpu + 1)),  # SIGXCPU at the soft limit, SIGKILL at hard
@@ -116,6 +124,10 @@ class LocalSandbox(Sandbox):
             (resource.RLIMIT_CORE, (0, 0)),
         ):
             resource.setrlimit(res, value)
+        if cfg.isolation == "bwrap":
+            os.setgroups([])
+            os.setresgid(self.uid, self.uid, self.uid)
+            os.setresuid(self.uid, self.uid, self.uid)
 
     def _bwrap_argv(self, argv: Sequence[str]) -> list[str]:
         cmd = [
@@ -169,27 +181,29 @@ class LocalSandbox(Sandbox):
     ) -> ExecResult:
         if self._closed:
             raise SandboxError("sandbox is closed")
-        if self.cfg.isolation == "bwrap":  # bwrap itself runs as the sandbox uid (user namespace)
-            full, extra = (
-                self._bwrap_argv(argv),
-                {"user": self.uid, "group": self.uid, "extra_groups": []},
-            )
-        else:  # unshare needs root for its mounts; setpriv drops to the uid inside
-            full, extra = self._unshare_argv(argv), {}
-        return await run_process(
+        # bwrap runs as the sandbox uid (in a user namespace); unshare as root, then setpriv.
+        full = self._bwrap_argv(argv) if self.cfg.isolation == "bwrap" else self._unshare_argv(argv)
+        ooms = self.cgroup.oom_kills() if self.cgroup else 0
+        result = await run_process(
             full,
             stdin=stdin,
             timeout_s=timeout_s or self.cfg.wall_time_s,
             max_output_bytes=self.cfg.max_output_bytes,
             cpu_limit_s=self.cfg.cpu_time_s,
-            preexec_fn=self._limits,
+            preexec_fn=self._enter,
             cwd="/",
-            **extra,
         )
+        if self.cgroup and self.cgroup.oom_kills() > ooms:
+            result = dataclasses.replace(
+                result, oom_killed=True, memory_limit_mb=self.cfg.memory_mb
+            )
+        return result
 
     async def close(self) -> None:
         if self._closed:
             return
         self._closed = True
         shutil.rmtree(self.host_dir, ignore_errors=True)
+        if self.cgroup is not None:
+            self.cgroup.remove()
         _UIDS.give(self.uid)

@@ -22,6 +22,7 @@ def test_defaults_and_overrides():
         (["agent.max_new_tokens_per_turn=4096"], "agent.max_new_tokens_per_turn"),
         (["sandbox.backend=podman"], "sandbox.backend"),
         (["sandbox.memory_mb=8"], "sandbox.memory_mb"),
+        (["sandbox.cgroup=maybe"], "sandbox.cgroup"),
         (["sandbox.cpu_time_s=10000", "sandbox.wall_time_s=1"], "sandbox.cpu_time_s"),
         (["sandbox.container_cli=podman"], "sandbox.container_cli"),
         (["sandbox.num_uids=4", "agent.max_concurrent_episodes=8"], "sandbox.num_uids"),

@@ -84,21 +84,21 @@ def test_error_texts(result, error):
 @needs_root
 @pytest.mark.parametrize("isolation", ISOLATIONS)
 def test_cgroup_bounds_memory_of_the_whole_tree(isolation, tmp_path):
-    """Four processes of 150 MiB each pass the 256 MiB per-process limit; the sandbox's cgroup
-    stops their sum. Without a cgroup this would take 600 MiB."""
+    """Four processes of 100 MiB each pass the 192 MiB per-process limit; the sandbox's cgroup
+    stops their sum. Without a cgroup this would take 400 MiB."""
     from megathunder.rollout.sandbox.cgroups import create_cgroup
 
     probe = create_cgroup("auto", 1 << 30, 16)
     if probe is None:
         pytest.skip("no writable cgroup hierarchy with memory and pids controllers")
     probe.remove()
-    hog = "python3 -c \"import time; x = b'1' * (150 << 20); time.sleep(3)\""
+    hog = "python3 -c \"import time; x = b'1' * (100 << 20); time.sleep(1)\""
 
     async def go():
-        sb = LocalSandbox(sandbox_cfg(tmp_path, isolation=isolation, cgroup="required", memory_mb=256))
+        sb = LocalSandbox(sandbox_cfg(tmp_path, isolation=isolation, cgroup="required", memory_mb=192))
         dirs = list(sb.cgroup.dirs.values())
         try:
-            single = await sb.shell(hog.replace("time.sleep(3)", "print('one ok')"))
+            single = await sb.shell(hog.replace("time.sleep(1)", "print('one ok')"))
             many = await sb.shell(" & ".join([hog] * 4) + " & wait")
             return single, many, dirs
         finally:
@@ -106,5 +106,5 @@ def test_cgroup_bounds_memory_of_the_whole_tree(isolation, tmp_path):
 
     single, many, dirs = asyncio.run(go())
     assert single.ok and "one ok" in single.output
-    assert many.oom_killed and "memory limit of 256 MiB was exceeded" in many.observation()
+    assert many.oom_killed and "memory limit of 192 MiB was exceeded" in many.observation()
     assert not any(os.path.exists(d) for d in dirs)  # removed on close

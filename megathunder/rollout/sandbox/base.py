@@ -43,14 +43,16 @@ class ExecResult:
         if self.timed_out:
             return f"command killed: wall-time limit of {self.wall_limit_s:g} s exceeded"
         if self.oom_killed:
-            return f"command killed: the sandbox's memory limit of {self.memory_limit_mb} MiB was exceeded"
+            mib = self.memory_limit_mb
+            return f"command killed: the sandbox's memory limit of {mib} MiB was exceeded"
         if self.exit_code == 0:
             return None
         code = self.exit_code
         if code is not None and code > 128 and code - 128 in _SIGNALS:
             sig = code - 128
+            cpu = f" of {self.cpu_limit_s:g} s" if self.cpu_limit_s else ""
             why = {
-                signal.SIGXCPU: f"CPU-time limit{f' of {self.cpu_limit_s:g} s' if self.cpu_limit_s else ''} exceeded",
+                signal.SIGXCPU: f"CPU-time limit{cpu} exceeded",
                 signal.SIGKILL: "killed (memory or process limit, or the CPU-time hard limit)",
                 signal.SIGSEGV: "segmentation fault (often the memory limit)",
                 signal.SIGXFSZ: "file-size limit exceeded",
@@ -64,7 +66,9 @@ class ExecResult:
         if self.output_truncated:
             text += "\n[output truncated]"
         err = self.error()
-        return f"{text}\n[error: {err}]".lstrip("\n") if err else text
+        if err is None:
+            return text
+        return f"{text}\n[error: {err}]" if text else f"[error: {err}]"
 
 
 _SIGNALS = {s.value: s.name for s in signal.Signals}

@@ -1,6 +1,8 @@
 """Reward computation in an async pool with timeouts and a defined outcome for every failure.
 
-A verifier is an async callable returning a float reward. The pool bounds how many run at once
+A verifier is an async callable returning a float reward (wrap a blocking, CPU-bound check -- a
+math grader, a test harness in Python -- with :func:`in_subprocess`, so a timeout can kill it
+instead of freezing the event loop). The pool bounds how many run at once
 (``verifier.max_concurrent``) and how long each may take (``verifier.timeout_s``, from when it
 starts, not while it queues). A verifier that raises or times out never hangs the episode: it
 produces ``verifier.on_failure`` -- ``zero_reward`` (the trajectory gets ``failure_reward``) or
@@ -13,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import multiprocessing
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -73,3 +76,37 @@ class VerifierPool:
         )
         reward = None if drop else self.cfg.failure_reward
         return RewardOutcome(reward, status, drop, time.monotonic() - start, detail)
+
+
+async def in_subprocess(fn: Callable[..., float], *args) -> float:
+    """Run the blocking ``fn(*args)`` in a fresh process (forkserver; ``fn`` must be importable)
+    and return its result. Cancelled (the pool's timeout), the process is killed; if it dies
+    without a result (a crash, a signal), this raises."""
+    ctx = multiprocessing.get_context("forkserver")
+    recv, send = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=_child, args=(send, fn, args), daemon=True)
+    proc.start()
+    send.close()
+    try:
+        while not recv.poll():  # a result, or end of file once the child is gone
+            await asyncio.sleep(0.005)
+        try:
+            ok, value = recv.recv()
+        except EOFError:
+            proc.join()
+            raise RuntimeError(f"verifier process died with exit code {proc.exitcode}") from None
+    finally:
+        if proc.is_alive():
+            proc.kill()
+        proc.join()
+        recv.close()
+    if not ok:
+        raise RuntimeError(value)
+    return value
+
+
+def _child(send, fn, args) -> None:
+    try:
+        send.send((True, fn(*args)))
+    except BaseException as err:  # reported to the pool as the verifier's error
+        send.send((False, f"{type(err).__name__}: {err}"))

@@ -95,7 +95,9 @@ def test_cgroup_bounds_memory_of_the_whole_tree(isolation, tmp_path):
     hog = "python3 -c \"import time; x = b'1' * (100 << 20); time.sleep(1)\""
 
     async def go():
-        sb = LocalSandbox(sandbox_cfg(tmp_path, isolation=isolation, cgroup="required", memory_mb=192))
+        sb = LocalSandbox(
+            sandbox_cfg(tmp_path, isolation=isolation, cgroup="required", memory_mb=192)
+        )
         dirs = list(sb.cgroup.dirs.values())
         try:
             single = await sb.shell(hog.replace("time.sleep(1)", "print('one ok')"))

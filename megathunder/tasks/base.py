@@ -38,12 +38,11 @@ class Task(abc.ABC):
     name: str
     system_prompt: str = "You are a helpful assistant."
     tools: tuple[Tool, ...] = ()
+    verifies_in_sandbox: bool = False  # the verifier inspects the sandbox (even without tools)
 
     @property
     def needs_sandbox(self) -> bool:
-        return any(t.needs_sandbox for t in self.tools) or self._verifies_in_sandbox
-
-    _verifies_in_sandbox = False
+        return self.verifies_in_sandbox or any(t.needs_sandbox for t in self.tools)
 
     @abc.abstractmethod
     def instances(self, num: int, seed: int = 0) -> list[TaskInstance]:

@@ -154,6 +154,7 @@ class ContainerTestTask(Task):
         "You are a software engineer working in a repository. Reply without a tool call when done."
     )
     tools = (BASH, READ_FILE, WRITE_FILE, STR_REPLACE)
+    verifies_in_sandbox = True
 
     def __init__(
         self, name: str, loader: Callable[[str], Sequence[TaskInstance]], path: str

@@ -86,6 +86,7 @@ class SweLocalTask(Task):
         f"Run the tests with `{TEST_COMMAND}`. Reply without a tool call when you are done."
     )
     tools = (BASH, READ_FILE, WRITE_FILE, STR_REPLACE)
+    verifies_in_sandbox = True
 
     def instances(self, num: int, seed: int = 0) -> list[TaskInstance]:
         rng = random.Random(seed)

@@ -56,7 +56,7 @@ class TerminalTask(Task):
         "You operate a Linux shell in your working directory. Reply without a tool call when done."
     )
     tools = (BASH,)
-    _verifies_in_sandbox = True
+    verifies_in_sandbox = True
 
     def instances(self, num: int, seed: int = 0) -> list[TaskInstance]:
         rng = random.Random(seed)

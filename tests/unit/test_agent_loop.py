@@ -4,6 +4,7 @@ policy through a real tokenizer; token layout, events, limits, failing tools and
 from __future__ import annotations
 
 import logging
+import os
 import time
 
 import pytest
@@ -303,3 +304,37 @@ def test_build_from_config_and_seeds_per_batch():
     seen.clear()
     asyncio.run(loop.run_batch(insts, 2, seed=2))
     assert not set(first) & {s for s, _, _ in seen}  # and the next batch others
+
+
+def test_escape_attempts_as_tool_calls_become_error_observations(tmp_path):
+    """The model's view of the sandbox escape attempts: each tool call ends within its limit and
+    the observation says why; the episode goes on to the next turn."""
+    attempts = {
+        "network": "python3 -c \"import urllib.request; urllib.request.urlopen('http://1.1.1.1', timeout=2)\"",
+        "write outside": "echo pwned > /etc/megathunder_agent_escape",
+        "fork bomb": "while :; do sleep 100 & done",
+        "memory": "python3 -c 'x = bytearray(4 << 30)'",
+        "infinite loop": "while :; do :; done",
+        "hang": "sleep 100",
+    }
+    expected = {
+        "network": "Network is unreachable",
+        "write outside": "Read-only file system",
+        "fork bomb": "Cannot fork",
+        "memory": "MemoryError",
+        "infinite loop": "[error: command terminated by signal SIGXCPU: CPU-time limit of 1 s exceeded]",
+        "hang": "[error: command killed: wall-time limit of 3 s exceeded]",
+    }
+    task = _ToolTask([BASH])
+    (inst,) = task.instances(1)
+    script = [tool_call_text("bash", command=c) for c in attempts.values()] + ["ok"]
+    start = time.monotonic()
+    (ep,), _ = run_scripted(
+        task, [inst], tmp_path, scripts={inst.prompt: script},
+        sandbox={"cpu_time_s": 1, "wall_time_s": 3, "memory_mb": 256}, agent={"max_turns": 10},
+    )  # fmt: skip
+    assert time.monotonic() - start < 30
+    assert not os.path.exists("/etc/megathunder_agent_escape")
+    for name, obs in zip(attempts, _observations(ep), strict=True):
+        assert expected[name] in obs and "[error: " in obs, (name, obs)
+    assert ep.stop_reason == "answered" and ep.reward.reward == 1.0

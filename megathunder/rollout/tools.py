@@ -16,6 +16,9 @@ from typing import Any
 from megathunder.rollout.sandbox import Sandbox
 
 
+STR_REPLACE_MAX_BYTES = 4 << 20  # str_replace reads the whole file, past the output limit
+
+
 class ToolArgumentError(ValueError):
     pass
 
@@ -80,11 +83,11 @@ async def _write_file(sb: Sandbox, args: Mapping[str, str]) -> str:
 
 async def _str_replace(sb: Sandbox, args: Mapping[str, str]) -> str:
     path, old, new = args["path"], args["old"], args["new"]
-    read = await sb.read_file(path)
+    read = await sb.read_file(path, max_bytes=STR_REPLACE_MAX_BYTES)
     if not read.ok:
         return read.observation()
     if read.output_truncated:
-        return f"[error: {path} is larger than the output limit; edit it with bash]"
+        return f"[error: {path} is larger than {STR_REPLACE_MAX_BYTES} bytes; edit it with bash]"
     count = read.output.count(old)
     if count != 1:
         return f"[error: the text to replace occurs {count} times in {path}; it must occur exactly once]"

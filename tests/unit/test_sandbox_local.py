@@ -110,3 +110,29 @@ def test_cgroup_bounds_memory_of_the_whole_tree(isolation, tmp_path):
     assert single.ok and "one ok" in single.output
     assert many.oom_killed and "memory limit of 192 MiB was exceeded" in many.observation()
     assert not any(os.path.exists(d) for d in dirs)  # removed on close
+
+
+@needs_root
+def test_str_replace_edits_files_past_the_output_limit(tmp_path):
+    from megathunder.rollout.tools import STR_REPLACE
+
+    big = "".join(f"line {k}\n" for k in range(5000)) + "MARKER = 1\n"
+
+    async def go():
+        sb = LocalSandbox(sandbox_cfg(tmp_path, max_output_bytes=1024))
+        try:
+            await sb.upload({"big.py": big})
+            shown = await sb.read_file("big.py")
+            args = {"path": "big.py", "old": "MARKER = 1", "new": "MARKER = 2"}
+            edit = await STR_REPLACE.run(sb, args)
+            again = await STR_REPLACE.run(sb, args)
+            tail = await sb.shell("tail -n 1 big.py; wc -c < big.py")
+            return shown, edit, again, tail
+        finally:
+            await sb.close()
+
+    shown, edit, again, tail = asyncio.run(go())
+    assert shown.output_truncated and len(shown.output) == 1024  # what the model sees is capped
+    assert edit == "replaced 1 occurrence in big.py"
+    assert again.startswith("[error: the text to replace occurs 0 times")
+    assert tail.output.split() == ["MARKER", "=", "2", str(len(big))]

@@ -86,8 +86,10 @@ class Sandbox(abc.ABC):
         *,
         stdin: bytes | None = None,
         timeout_s: float | None = None,
+        max_output_bytes: int | None = None,
     ) -> ExecResult:
-        """Run ``argv`` in ``workdir``; never raises for a failing, hung or crashing command."""
+        """Run ``argv`` in ``workdir``; never raises for a failing, hung or crashing command.
+        ``max_output_bytes`` overrides the configured output limit (tools reading whole files)."""
 
     @abc.abstractmethod
     async def close(self) -> None:
@@ -109,8 +111,8 @@ class Sandbox(abc.ABC):
         if not result.ok:
             raise SandboxError(f"upload of {len(files)} files failed: {result.observation()}")
 
-    async def read_file(self, path: str) -> ExecResult:
-        return await self.exec(["cat", "--", path])
+    async def read_file(self, path: str, max_bytes: int | None = None) -> ExecResult:
+        return await self.exec(["cat", "--", path], max_output_bytes=max_bytes)
 
     async def write_file(self, path: str, content: str) -> ExecResult:
         script = 'mkdir -p -- "$(dirname -- "$1")" && cat > "$1"'

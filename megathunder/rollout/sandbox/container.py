@@ -141,21 +141,27 @@ class ContainerSandbox(Sandbox):
         self._started = True
         return self
 
-    async def _run(self, argv, stdin, timeout_s) -> ExecResult:
+    async def _run(self, argv, stdin, timeout_s, max_output_bytes=None) -> ExecResult:
         return await run_process(
-            argv, stdin=stdin, timeout_s=timeout_s, max_output_bytes=self.cfg.max_output_bytes,
+            argv, stdin=stdin, timeout_s=timeout_s,
+            max_output_bytes=max_output_bytes or self.cfg.max_output_bytes,
             cpu_limit_s=self.cfg.cpu_time_s,
         )  # fmt: skip
 
     async def exec(
-        self, argv: Sequence[str], *, stdin: bytes | None = None, timeout_s: float | None = None
+        self,
+        argv: Sequence[str],
+        *,
+        stdin: bytes | None = None,
+        timeout_s: float | None = None,
+        max_output_bytes: int | None = None,
     ) -> ExecResult:
         if not self._started:
             raise SandboxError("container sandbox not started (call start())")
         wall_s = timeout_s or self.cfg.wall_time_s
         full = self._exec(self.cfg, self.name, argv, stdin is not None, wall_s)
         # The host-side kill is a little later than the in-container `timeout`, as a backstop.
-        return await self._run(full, stdin, wall_s + 5.0)
+        return await self._run(full, stdin, wall_s + 5.0, max_output_bytes)
 
     async def close(self) -> None:
         if self._started:

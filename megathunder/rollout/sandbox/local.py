@@ -177,7 +177,12 @@ class LocalSandbox(Sandbox):
         ]  # fmt: skip
 
     async def exec(
-        self, argv: Sequence[str], *, stdin: bytes | None = None, timeout_s: float | None = None
+        self,
+        argv: Sequence[str],
+        *,
+        stdin: bytes | None = None,
+        timeout_s: float | None = None,
+        max_output_bytes: int | None = None,
     ) -> ExecResult:
         if self._closed:
             raise SandboxError("sandbox is closed")
@@ -188,7 +193,7 @@ class LocalSandbox(Sandbox):
             full,
             stdin=stdin,
             timeout_s=timeout_s or self.cfg.wall_time_s,
-            max_output_bytes=self.cfg.max_output_bytes,
+            max_output_bytes=max_output_bytes or self.cfg.max_output_bytes,
             cpu_limit_s=self.cfg.cpu_time_s,
             preexec_fn=self._enter,
             cwd="/",

@@ -137,3 +137,51 @@ def test_lifecycle_through_the_limits_wrapper(tmp_path):
     )
     assert calls[-1].startswith("rm --force megathunder-")
     assert os.path.exists(work / "pkg" / "a.txt")
+
+
+def test_dataset_instance_episode_through_the_container_backend(tmp_path):
+    """A SWE-smith-style record -> its image's container (stand-in CLI) -> scripted episode with
+    real tool calls -> the record's test command as the reward."""
+    import json
+
+    from megathunder.config import AgentLoopConfig, VerifierConfig
+    from megathunder.rollout.agent_loop import AgentLoop
+    from megathunder.rollout.scripted import ScriptedPolicy
+    from megathunder.rollout.verifiers import VerifierPool
+    from megathunder.tasks.base import tool_call_text
+    from megathunder.tasks.datasets import ContainerTestTask, load_swe_smith
+    from tests.rollout_helpers import codec
+
+    testbed = tmp_path / "testbed"  # what the image holds at its work dir
+    testbed.mkdir()
+    (testbed / "mod.py").write_text("def double(x):\n    return x + x + 1\n")
+    (testbed / "test_mod.py").write_text(
+        "import unittest\nfrom mod import double\n\n\nclass T(unittest.TestCase):\n"
+        "    def test_double(self):\n        self.assertEqual(double(4), 8)\n"
+    )
+    record = {
+        "instance_id": "toy__mod-1", "repo": "toy/mod", "image_name": "toy/mod:1",
+        "problem_statement": "double(4) returns 9", "FAIL_TO_PASS": ["test_mod.py::T::test_double"],
+        "PASS_TO_PASS": [], "test_command": "python3 -m unittest -q test_mod",
+    }  # fmt: skip
+    path = tmp_path / "smith.jsonl"
+    path.write_text(json.dumps(record) + "\n")
+    task = ContainerTestTask("swe_smith", load_swe_smith, str(path))
+    (inst,) = task.instances(1)
+    assert inst.image == "toy/mod:1"
+    c = codec()
+    sandbox = _cfg(container_cli=_fake_cli(tmp_path), container_workdir=str(testbed))
+
+    def run(turns):
+        policy = ScriptedPolicy(c, {inst.prompt: turns})
+        pool = VerifierPool(VerifierConfig(timeout_s=30))
+        loop = AgentLoop(policy, c, task, AgentLoopConfig(), sandbox, pool)
+        return asyncio.run(loop.run_batch([inst], 1))[0]
+
+    assert run(["I give up."]).reward.reward == 0.0  # the test really fails before the fix
+    fix = tool_call_text("str_replace", path="mod.py", old="x + x + 1", new="2 * x")
+    ep = run([fix, "Fixed."])
+    assert ep.turns[0].tool_runs[0].observation == "replaced 1 occurrence in mod.py"
+    assert ep.reward.status == "ok" and ep.reward.reward == 1.0
+    calls = (tmp_path / "calls.log").read_text()
+    assert "toy/mod:1" in calls and "python3 -m unittest -q test_mod" in calls

@@ -74,23 +74,3 @@ def run_scripted(
     )  # fmt: skip
     episodes = asyncio.run(loop.run_batch(instances, samples_per_prompt))
     return episodes, events
-
-
-# Blocking verifiers for the subprocess pool (importable by the forkserver).
-def blocking_reward(x: float) -> float:
-    return 2 * x
-
-
-def blocking_hang(x: float) -> float:
-    import time
-
-    time.sleep(3600)
-    return x
-
-
-def blocking_crash(x: float) -> float:
-    raise ZeroDivisionError("bad grader")
-
-
-def blocking_abort(x: float) -> float:
-    os.abort()

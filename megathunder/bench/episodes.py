@@ -139,18 +139,27 @@ def main(argv=None) -> int:
             continue
         results.append(asyncio.run(_run_task(name, args, sandbox_cfg)))
 
-    print(f"scripted policy (not a model), simulated decode {args.seconds_per_token * 1e3:g} ms/token; "
-          f"{args.num_instances} instances x {args.samples_per_prompt} samples, {args.concurrency} concurrent; "
-          f"sandbox {args.isolation}")  # fmt: skip
-    print(f"{'task':<11} {'reward':>6} {'turns':>5} {'gen s':>7} {'tool s':>7} {'verif s':>7} {'other s':>7}"
-          f" | finish p10/p50/p90/max s        | reward p50/max s")  # fmt: skip
+    print(
+        f"scripted policy (not a model), simulated decode {args.seconds_per_token * 1e3:g} ms/token; "
+        f"{args.num_instances} instances x {args.samples_per_prompt} samples, "
+        f"{args.concurrency} concurrent; sandbox {args.isolation}"
+    )
+    header = ("task", "reward", "turns", "gen s", "tool s", "verif s", "other s")
+    print(f"{header[0]:<11}" + "".join(f" {h:>7}" for h in header[1:]), end="")
+    print(" | finish p10/p50/p90/max s      | reward p50/max s")
     for r in results:
         m, f, w = r["mean_episode"], r["trajectory_finished_s"], r["reward_arrived_s"]
-        print(
-            f"{r['task']:<11} {r['mean_reward']:>6.2f} {m['turns']:>5.1f} {m['generation_s']:>7.3f} {m['tool_s']:>7.3f}"
-            f" {m['verifier_s']:>7.3f} {m['other_s']:>7.3f} | {f['p10']:.3f} / {f['p50']:.3f} / {f['p90']:.3f} / "
-            f"{f['max']:.3f} | {w['p50']:.3f} / {w['max']:.3f}"
-        )  # fmt: skip
+        cols = (
+            r["mean_reward"],
+            m["turns"],
+            m["generation_s"],
+            m["tool_s"],
+            m["verifier_s"],
+            m["other_s"],
+        )
+        finish = " / ".join(f"{f[q]:.3f}" for q in ("p10", "p50", "p90", "max"))
+        print(f"{r['task']:<11}" + "".join(f" {c:>7.3f}" for c in cols), end="")
+        print(f" | {finish} | {w['p50']:.3f} / {w['max']:.3f}")
     cost = {}
     if can_sandbox:
         for iso in ("bwrap", "unshare"):

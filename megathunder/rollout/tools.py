@@ -15,7 +15,6 @@ from typing import Any
 
 from megathunder.rollout.sandbox import Sandbox
 
-
 STR_REPLACE_MAX_BYTES = 4 << 20  # str_replace reads the whole file, past the output limit
 
 

@@ -79,9 +79,11 @@ class VerifierPool:
 
 
 async def in_subprocess(fn: Callable[..., float], *args) -> float:
-    """Run the blocking ``fn(*args)`` in a fresh process (forkserver; ``fn`` must be importable)
-    and return its result. Cancelled (the pool's timeout), the process is killed; if it dies
-    without a result (a crash, a signal), this raises."""
+    """Run the blocking ``fn(*args)`` in a fresh process and return its result. Cancelled (the
+    pool's timeout), the process is killed; if it dies without a result (a crash, a signal), this
+    raises. Processes fork from multiprocessing's forkserver, so ``fn`` must be importable, and its
+    module is imported in every call's process: keep it light, or preload it with
+    ``multiprocessing.set_forkserver_preload``. The timeout includes that start-up."""
     ctx = multiprocessing.get_context("forkserver")
     recv, send = ctx.Pipe(duplex=False)
     proc = ctx.Process(target=_child, args=(send, fn, args), daemon=True)

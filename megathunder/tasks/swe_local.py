@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
+from textwrap import dedent
 
 from megathunder.rollout.tools import BASH, READ_FILE, STR_REPLACE, WRITE_FILE
 from megathunder.tasks.base import Task, TaskInstance, tool_call_text
@@ -26,54 +27,93 @@ class _Repo:
     issue: str
 
 
+def _repo(package: str, module: str, src: str, test: str, bug: str, fix: str, issue: str) -> _Repo:
+    src = dedent(src)
+    assert src.count(bug) == 1, "the bug must be a unique span of the module"
+    path, test_path = f"{package}/{module}.py", f"tests/test_{module}.py"
+    files = {f"{package}/__init__.py": "", path: src}
+    return _Repo(files, {"tests/__init__.py": "", test_path: dedent(test)}, path, bug, fix, issue)
+
+
 def _clamp_repo(rng: random.Random) -> _Repo:
     hi = rng.randint(5, 50)
-    src = (
-        'def clamp(x, lo, hi):\n    """Limit x to the interval [lo, hi]."""\n'
-        "    if x < lo:\n        return lo\n    if x > hi:\n        return lo\n    return x\n"
-    )
-    test = (
-        "import unittest\n\nfrom intervals.clamp import clamp\n\n\nclass TestClamp(unittest.TestCase):\n"
-        f"    def test_inside(self):\n        self.assertEqual(clamp(3, 0, {hi}), 3)\n\n"
-        f"    def test_below(self):\n        self.assertEqual(clamp(-4, 0, {hi}), 0)\n\n"
-        f"    def test_above(self):\n        self.assertEqual(clamp({hi + 7}, 0, {hi}), {hi})\n"
-    )
-    return _Repo(
-        {"intervals/__init__.py": "", "intervals/clamp.py": src}, {"tests/__init__.py": "", "tests/test_clamp.py": test},
-        "intervals/clamp.py", "    if x > hi:\n        return lo", "    if x > hi:\n        return hi",
-        f"clamp(x, 0, {hi}) returns 0 instead of {hi} when x is above the interval.",
-    )  # fmt: skip
+    src = """\
+        def clamp(x, lo, hi):
+            \"\"\"Limit x to the interval [lo, hi].\"\"\"
+            if x < lo:
+                return lo
+            if x > hi:
+                return lo
+            return x
+        """
+    test = f"""\
+        import unittest
+
+        from intervals.clamp import clamp
+
+
+        class TestClamp(unittest.TestCase):
+            def test_inside(self):
+                self.assertEqual(clamp(3, 0, {hi}), 3)
+
+            def test_below(self):
+                self.assertEqual(clamp(-4, 0, {hi}), 0)
+
+            def test_above(self):
+                self.assertEqual(clamp({hi + 7}, 0, {hi}), {hi})
+        """
+    bug, fix = "if x > hi:\n        return lo", "if x > hi:\n        return hi"
+    issue = f"clamp(x, 0, {hi}) returns 0 instead of {hi} when x is above the interval."
+    return _repo("intervals", "clamp", src, test, bug, fix, issue)
 
 
 def _mean_repo(rng: random.Random) -> _Repo:
     values = [rng.randint(1, 9) for _ in range(rng.randint(3, 6))]
-    src = 'def mean(values):\n    """Arithmetic mean of a non-empty list."""\n    return sum(values) / (len(values) - 1)\n'
-    test = (
-        "import unittest\n\nfrom stats.summary import mean\n\n\nclass TestMean(unittest.TestCase):\n"
-        f"    def test_mean(self):\n        self.assertAlmostEqual(mean({values}), {sum(values) / len(values)!r})\n\n"
-        "    def test_constant(self):\n        self.assertEqual(mean([2, 2, 2, 2]), 2)\n"
-    )
-    return _Repo(
-        {"stats/__init__.py": "", "stats/summary.py": src}, {"tests/__init__.py": "", "tests/test_summary.py": test},
-        "stats/summary.py", "sum(values) / (len(values) - 1)", "sum(values) / len(values)",
-        f"mean({values}) is wrong.",
-    )  # fmt: skip
+    src = """\
+        def mean(values):
+            \"\"\"Arithmetic mean of a non-empty list.\"\"\"
+            return sum(values) / (len(values) - 1)
+        """
+    test = f"""\
+        import unittest
+
+        from stats.summary import mean
+
+
+        class TestSummary(unittest.TestCase):
+            def test_mean(self):
+                self.assertAlmostEqual(mean({values}), {sum(values) / len(values)!r})
+
+            def test_constant(self):
+                self.assertEqual(mean([2, 2, 2, 2]), 2)
+        """
+    bug, fix = "sum(values) / (len(values) - 1)", "sum(values) / len(values)"
+    return _repo("stats", "summary", src, test, bug, fix, f"mean({values}) is wrong.")
 
 
 def _words_repo(rng: random.Random) -> _Repo:
     n = rng.randint(2, 6)
     text = "  ".join(["word"] * n)
-    src = 'def count_words(text):\n    """Number of whitespace-separated words."""\n    return len(text.split(" "))\n'
-    test = (
-        "import unittest\n\nfrom text.words import count_words\n\n\nclass TestWords(unittest.TestCase):\n"
-        f"    def test_double_spaces(self):\n        self.assertEqual(count_words({text!r}), {n})\n\n"
-        "    def test_single(self):\n        self.assertEqual(count_words('a b c'), 3)\n"
-    )
-    return _Repo(
-        {"text/__init__.py": "", "text/words.py": src}, {"tests/__init__.py": "", "tests/test_words.py": test},
-        "text/words.py", 'len(text.split(" "))', "len(text.split())",
-        f"count_words({text!r}) should be {n}.",
-    )  # fmt: skip
+    src = """\
+        def count_words(text):
+            \"\"\"Number of whitespace-separated words.\"\"\"
+            return len(text.split(" "))
+        """
+    test = f"""\
+        import unittest
+
+        from text.words import count_words
+
+
+        class TestWords(unittest.TestCase):
+            def test_double_spaces(self):
+                self.assertEqual(count_words({text!r}), {n})
+
+            def test_single(self):
+                self.assertEqual(count_words("a b c"), 3)
+        """
+    bug, fix = 'len(text.split(" "))', "len(text.split())"
+    return _repo("text", "words", src, test, bug, fix, f"count_words({text!r}) should be {n}.")
 
 
 _TEMPLATES = (_clamp_repo, _mean_repo, _words_repo)

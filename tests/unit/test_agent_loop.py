@@ -36,7 +36,7 @@ def test_swe_episode_end_to_end(tmp_path):
     insts = task.instances(3, seed=7)
     episodes, events = run_scripted(task, insts, tmp_path)
     c = codec()
-    for inst, ep in zip(insts, episodes):
+    for inst, ep in zip(insts, episodes, strict=True):
         assert ep.reward.reward == 1.0 and ep.reward.status == "ok" and ep.stop_reason == "answered"
         runs = [r for turn in ep.turns for r in turn.tool_runs]
         assert [r.name for r in runs] == ["read_file", "bash", "str_replace", "bash"]
@@ -52,7 +52,7 @@ def test_swe_episode_end_to_end(tmp_path):
         # Layout: every trained span is exactly one model turn (its text + <|im_end|>).
         script = task.scripted_turns(inst)
         assert _trained_spans(ep) == [(t.start, t.end) for t in ep.turns]
-        for turn, text in zip(ep.turns, script):
+        for turn, text in zip(ep.turns, script, strict=True):
             assert c.decode(ep.token_ids[turn.start : turn.end]) == text + IM_END
         assert ep.token_ids[: ep.prompt_len] == c.prompt_ids(task.messages(inst))
         # The engine's logprob of each generated token sits on that token's target.
@@ -105,7 +105,7 @@ def test_event_stream_order_and_timestamps(tmp_path):
         assert kinds == ["turn_finished"] * len(ep.turns) + ["trajectory_finished", "reward"]
         assert [e.turn_index for e in mine[:-2]] == list(range(len(ep.turns)))
         assert all(e.group_id == ep.group_id for e in mine)
-        for e, turn in zip(mine, ep.turns):
+        for e, turn in zip(mine, ep.turns, strict=False):  # mine also has finished, reward
             # emitted once the turn is generated, before its tool call runs
             assert turn.generated_at <= e.time <= (turn.tools_done_at or ep.finished_at)
             assert e.payload["token_ids"] == ep.token_ids[: turn.end]
@@ -310,7 +310,7 @@ def test_escape_attempts_as_tool_calls_become_error_observations(tmp_path):
     """The model's view of the sandbox escape attempts: each tool call ends within its limit and
     the observation says why; the episode goes on to the next turn."""
     attempts = {
-        "network": "python3 -c \"import urllib.request; urllib.request.urlopen('http://1.1.1.1', timeout=2)\"",
+        "network": "python3 -c \"import urllib.request as u; u.urlopen('http://1.1.1.1', timeout=2)\"",
         "write outside": "echo pwned > /etc/megathunder_agent_escape",
         "fork bomb": "while :; do sleep 100 & done",
         "memory": "python3 -c 'x = bytearray(4 << 30)'",

@@ -36,8 +36,9 @@ def test_docker_command_lines():
     ]
     exec_ = ct.docker_exec_argv(cfg, "ep1", ["cat", "f"], True, 7)
     assert exec_[:6] == ["docker", "exec", "--interactive", "--workdir", "/workspace", "ep1"]
-    assert exec_[6:] == ["env", "PYTHONDONTWRITEBYTECODE=1", "timeout", "-s", "KILL", "7", "prlimit", "--cpu=3:4",
-                         f"--as={512 << 20}", "--nproc=32", f"--fsize={64 << 20}", "--", "cat", "f"]  # fmt: skip
+    limits = ["prlimit", "--cpu=3:4", f"--as={512 << 20}", "--nproc=32", f"--fsize={64 << 20}", "--"]
+    wall = ["timeout", "-s", "KILL", "7"]
+    assert exec_[6:] == ["env", "PYTHONDONTWRITEBYTECODE=1", *wall, *limits, "cat", "f"]
     assert ct.docker_stop_argv(cfg, "ep1") == ["docker", "rm", "--force", "ep1"]
 
 
@@ -86,6 +87,9 @@ def test_missing_cli_image_file_or_image_is_a_clear_error(tmp_path):
         asyncio.run(build_sandbox(_cfg(container_cli=cli), "missing:1"))
 
 
+_RUN_FAILS = "  run) echo \"Unable to find image '$(eval echo \\${$(($#-1))})' locally\" >&2; exit 125;;\n"
+
+
 def _fake_cli(tmp_path, fail_run=False) -> str:
     """A stand-in `docker`: logs its arguments; `exec` runs the in-container command on the host."""
     path = tmp_path / "fake-docker"
@@ -93,8 +97,9 @@ def _fake_cli(tmp_path, fail_run=False) -> str:
         "#!/bin/sh\n"
         f'echo "$@" >> {tmp_path}/calls.log\n'
         'case "$1" in\n'
-        + ("  run) echo \"Unable to find image '$(eval echo \\${$(($#-1))})' locally\" >&2; exit 125;;\n" if fail_run else "  run) echo 0123abcd; exit 0;;\n")
-        + '  exec) shift; while [ "${1#-}" != "$1" ]; do [ "$1" = --workdir ] && { cd "$2"; shift; }; shift; done\n'
+        + (_RUN_FAILS if fail_run else "  run) echo 0123abcd; exit 0;;\n")
+        + '  exec) shift\n'
+        '        while [ "${1#-}" != "$1" ]; do [ "$1" = --workdir ] && { cd "$2"; shift; }; shift; done\n'
         '        shift; exec "$@";;\n'
         "  rm) exit 0;;\n"
         "esac\n"

@@ -58,13 +58,13 @@ def test_network_is_unreachable(isolation, tmp_path):
     threading.Thread(target=lambda: accepted.append(server.accept()), daemon=True).start()
     probe = (
         "import socket\n"
-        "for addr in [('127.0.0.1', %d), ('1.1.1.1', 53), ('8.8.8.8', 443)]:\n"
+        "for addr in [('127.0.0.1', PORT), ('1.1.1.1', 53), ('8.8.8.8', 443)]:\n"
         "    s = socket.socket(); s.settimeout(2)\n"
         "    try: s.connect(addr); print('CONNECTED', addr)\n"
         "    except OSError as e: print('refused', addr, e)\n"
         "import urllib.request\n"
         "urllib.request.urlopen('http://pypi.org', timeout=2)\n"
-    ) % port
+    ).replace("PORT", str(port))
     result, elapsed, leftover, _ = _run(isolation, tmp_path, f'python3 -c "{probe}"')
     server.close()
     assert "CONNECTED" not in result.output and not accepted  # not even the host's loopback
@@ -128,8 +128,8 @@ def test_fork_bomb_is_contained(isolation, tmp_path):
 
     counter = (
         "import os, time\nn = 0\ntry:\n    while True:\n        if os.fork() == 0:\n"
-        "            time.sleep(30); os._exit(0)\n        n += 1\nexcept OSError as e:\n    print('forks', n, e)\n"
-        "raise SystemExit(1)"
+        "            time.sleep(30); os._exit(0)\n        n += 1\n"
+        "except OSError as e:\n    print('forks', n, e)\nraise SystemExit(1)"
     )
     result, elapsed, leftover, _ = _run(
         isolation, tmp_path, f'python3 -c "{counter}"', max_processes=16

@@ -12,7 +12,7 @@ import pytest
 
 from megathunder.config import VerifierConfig
 from megathunder.rollout.verifiers import VerifierPool, in_subprocess
-from tests.rollout_helpers import blocking_abort, blocking_crash, blocking_hang, blocking_reward
+from tests.verifier_fns import blocking_abort, blocking_crash, blocking_hang, blocking_reward
 
 
 def _score(verify, **cfg):
@@ -21,33 +21,34 @@ def _score(verify, **cfg):
 
 
 def test_blocking_verifiers_in_a_subprocess():
-    assert _score(lambda: in_subprocess(blocking_reward, 0.25)).reward == 0.5
+    # Generous timeouts where the outcome is not a timeout: the first call starts the forkserver.
+    assert _score(lambda: in_subprocess(blocking_reward, 0.25), timeout_s=20).reward == 0.5
     start = time.monotonic()
     hung = _score(lambda: in_subprocess(blocking_hang, 1.0), timeout_s=0.5)
     assert hung.status == "timeout" and hung.reward == 0.0 and time.monotonic() - start < 3
-    crashed = _score(lambda: in_subprocess(blocking_crash, 1.0), on_failure="drop_group")
-    assert (
-        crashed.status == "error"
-        and crashed.drop_group
-        and "ZeroDivisionError: bad grader" in crashed.detail
+    crashed = _score(
+        lambda: in_subprocess(blocking_crash, 1.0), timeout_s=20, on_failure="drop_group"
     )
-    aborted = _score(lambda: in_subprocess(blocking_abort, 1.0))
+    assert crashed.status == "error" and crashed.drop_group
+    assert "ZeroDivisionError: bad grader" in crashed.detail
+    aborted = _score(lambda: in_subprocess(blocking_abort, 1.0), timeout_s=20)
     assert aborted.status == "error" and "died with exit code -6" in aborted.detail
 
 
 def test_hung_subprocess_is_killed():
+    import multiprocessing
+
     pids = []
 
     async def go():
-        pool = VerifierPool(VerifierConfig(timeout_s=0.5))
-        import multiprocessing
-
+        pool = VerifierPool(VerifierConfig(timeout_s=2.0))
         before = {p.pid for p in multiprocessing.active_children()}
         task = asyncio.ensure_future(
             pool.score(lambda: in_subprocess(blocking_hang, 1.0), traj_id=0)
         )
-        await asyncio.sleep(0.3)
-        pids.extend(p.pid for p in multiprocessing.active_children() if p.pid not in before)
+        while not pids and not task.done():  # the verifier's process, once it has started
+            await asyncio.sleep(0.05)
+            pids.extend(p.pid for p in multiprocessing.active_children() if p.pid not in before)
         return await task
 
     outcome = asyncio.run(go())

@@ -1,5 +1,6 @@
-"""Tools a model can call. Each returns the observation text the model sees next; a tool never
-raises into the agent loop (bad arguments, failures and limits become error observations).
+"""Tools a model can call. Each returns the observation text the model sees next: failures and
+limits become error observations, and the agent loop turns bad arguments or an exception raised by
+a tool into one too, so a tool never ends an episode.
 
 Sandbox tools (``bash``, ``read_file``, ``write_file``, ``str_replace``) run everything inside
 the episode's sandbox; ``calculator`` is pure and runs in-process on a restricted expression tree.

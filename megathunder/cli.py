@@ -10,6 +10,7 @@ BENCHMARKS = {
     "ledger": "megathunder.bench.ledger",
     "learner": "megathunder.bench.learner",
     "opd": "megathunder.bench.opd",
+    "episodes": "megathunder.bench.episodes",
 }
 SCHEDULES = ("sync", "async", "fully_async", "thunder")  # megathunder.simulate.SCHEDULES
 

@@ -9,6 +9,8 @@ from collections.abc import Sequence
 BENCHMARKS = {
     "ledger": "megathunder.bench.ledger",
     "learner": "megathunder.bench.learner",
+    "opd": "megathunder.bench.opd",
+    "episodes": "megathunder.bench.episodes",
 }
 SCHEDULES = ("sync", "async", "fully_async", "thunder")  # megathunder.simulate.SCHEDULES
 

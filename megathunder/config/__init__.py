@@ -2,6 +2,7 @@
 
 from megathunder.config.loader import ConfigError, load_config, parse_overrides
 from megathunder.config.schema import (
+    AgentLoopConfig,
     BatchConfig,
     Config,
     LearnerConfig,
@@ -16,10 +17,14 @@ from megathunder.config.schema import (
     ReferenceModelConfig,
     RolloutConfig,
     RunConfig,
+    SandboxConfig,
     ScheduleConfig,
+    TaskConfig,
+    VerifierConfig,
 )
 
 __all__ = [
+    "AgentLoopConfig",
     "BatchConfig",
     "Config",
     "ConfigError",
@@ -35,7 +40,10 @@ __all__ = [
     "ReferenceModelConfig",
     "RolloutConfig",
     "RunConfig",
+    "SandboxConfig",
     "ScheduleConfig",
+    "TaskConfig",
+    "VerifierConfig",
     "load_config",
     "parse_overrides",
 ]

@@ -250,6 +250,111 @@ def check_parallel_divides_model(m: PolicyModelConfig, tp: int, pp: int) -> None
         raise ValueError(f"parallel.pipeline_parallel: {pp} does not divide model.num_layers={m.num_layers}")
 
 
+# --- rollout side: agent loop, sandboxes, verifiers, tasks (issue 4) -----------------------------
+
+
+class AgentLoopConfig(_Strict):
+    """Limits of one multi-turn episode, and how many episodes run at once."""
+
+    max_turns: int = Field(8, ge=1)
+    max_new_tokens_per_turn: int = Field(512, ge=1)
+    max_total_tokens: int = Field(4096, ge=2)
+    """Prompt, model turns and tool outputs together; the episode stops when the next turn has no
+    room left."""
+    max_tool_calls_per_turn: int = Field(4, ge=1)
+    episode_wall_time_s: float = Field(600.0, gt=0)
+    max_concurrent_episodes: int = Field(32, ge=1)
+
+    @model_validator(mode="after")
+    def _check(self) -> AgentLoopConfig:
+        if self.max_new_tokens_per_turn >= self.max_total_tokens:
+            raise ValueError(
+                f"max_new_tokens_per_turn: {self.max_new_tokens_per_turn} leaves no room for the "
+                f"prompt within max_total_tokens={self.max_total_tokens}"
+            )
+        return self
+
+
+class SandboxConfig(_Strict):
+    """Where tool calls run. Limits are per command (``wall_time_s``, ``cpu_time_s``) or per
+    process tree (``memory_mb`` is per process address space locally, per container otherwise)."""
+
+    backend: Literal["local", "docker", "apptainer", "enroot"] = "local"
+    isolation: Literal["bwrap", "unshare"] = "bwrap"
+    """Local backend only: bubblewrap (strongest; needs the bubblewrap package) or util-linux
+    unshare + setpriv."""
+    root_dir: str = "/tmp/megathunder-sandboxes"
+    uid_base: int = Field(200_000, ge=1000)
+    """Local backend: each open sandbox runs as its own uid in [uid_base, uid_base + num_uids)."""
+    num_uids: int = Field(256, ge=1)
+    extra_ro_paths: list[str] = []
+    """Local bwrap backend: host paths made visible read-only besides the system directories."""
+    cgroup: Literal["auto", "off", "required"] = "auto"
+    """Local backend: a cgroup per sandbox bounding its whole tree's memory (``memory_mb``) and
+    process count (``max_processes``); auto = where the cgroup filesystem is writable."""
+    wall_time_s: float = Field(30.0, gt=0)
+    cpu_time_s: float = Field(10.0, gt=0)
+    memory_mb: int = Field(1024, ge=32)
+    """Per process (address space); with a cgroup or a container, also for the whole sandbox."""
+    max_processes: int = Field(64, ge=4)
+    max_file_size_mb: int = Field(64, ge=1)
+    max_output_bytes: int = Field(16_384, ge=256)
+    """Tool output kept for the model; the rest is drained and dropped, marked as truncated."""
+    tmpfs_mb: int = Field(64, ge=1)
+    container_cli: str | None = None
+    """Container backends: the executable (default: the backend's name, e.g. ``podman``)."""
+    container_workdir: str = "/workspace"
+    container_cpus: float = Field(1.0, gt=0)
+    container_extra_args: list[str] = []
+
+    @model_validator(mode="after")
+    def _check(self) -> SandboxConfig:
+        if self.cpu_time_s > self.wall_time_s * 64:
+            raise ValueError(
+                f"cpu_time_s: {self.cpu_time_s} can never be reached within wall_time_s="
+                f"{self.wall_time_s} (even on 64 cores)"
+            )
+        if self.backend == "local" and (self.container_cli or self.container_extra_args):
+            raise ValueError(
+                "container_cli: container settings given but backend is local; set "
+                "sandbox.backend to docker, apptainer or enroot"
+            )
+        return self
+
+
+class VerifierConfig(_Strict):
+    """Reward computation: an async pool; a crash or timeout has a defined outcome, never a hang."""
+
+    timeout_s: float = Field(60.0, gt=0)
+    max_concurrent: int = Field(4, ge=1)
+    on_failure: Literal["zero_reward", "drop_group"] = "zero_reward"
+    """zero_reward: the trajectory gets ``failure_reward``; drop_group: its whole group is
+    excluded from the batch (the reward event says so)."""
+    failure_reward: float = 0.0
+
+
+class TaskConfig(_Strict):
+    """Which task episodes come from. Generated tasks need no files; loaders read ``path``."""
+
+    name: Literal[
+        "arithmetic", "calculator", "swe_local", "terminal", "swe_bench", "swe_smith",
+        "terminal_bench",
+    ] = "arithmetic"  # fmt: skip
+    path: str | None = None
+    """JSONL or parquet file of instances (swe_bench, swe_smith, terminal_bench)."""
+    max_operand: int = Field(20, ge=1)
+    """arithmetic / calculator: operands are drawn from [0, max_operand]."""
+
+    @model_validator(mode="after")
+    def _check(self) -> TaskConfig:
+        dataset = self.name in ("swe_bench", "swe_smith", "terminal_bench")
+        if dataset and self.path is None:
+            raise ValueError(f"path: task {self.name} reads instances from a JSONL/parquet file")
+        if not dataset and self.path is not None:
+            raise ValueError(f"path: task {self.name} is generated locally and reads no file")
+        return self
+
+
 class RunConfig(_Strict):
     seed: int = 0
     num_steps: int = Field(10, ge=1)
@@ -266,6 +371,26 @@ class Config(_Strict):
     optimizer: OptimizerConfig = OptimizerConfig()
     rollout: RolloutConfig = RolloutConfig()
     learner: LearnerConfig = LearnerConfig()
+    agent: AgentLoopConfig = AgentLoopConfig()
+    sandbox: SandboxConfig = SandboxConfig()
+    verifier: VerifierConfig = VerifierConfig()
+    task: TaskConfig = TaskConfig()
+
+    @model_validator(mode="after")
+    def _check_rollout_side(self) -> Config:
+        dataset = self.task.name in ("swe_bench", "swe_smith", "terminal_bench")
+        if dataset and self.sandbox.backend == "local":
+            raise ValueError(
+                f"sandbox.backend: task {self.task.name} runs in each instance's container image; "
+                "use docker, apptainer or enroot"
+            )
+        sb = self.sandbox
+        if sb.backend == "local" and sb.num_uids < self.agent.max_concurrent_episodes:
+            raise ValueError(
+                f"sandbox.num_uids: {sb.num_uids} is fewer than agent.max_concurrent_episodes="
+                f"{self.agent.max_concurrent_episodes} (each open local sandbox needs its own uid)"
+            )
+        return self
 
     @model_validator(mode="after")
     def _check_streamable(self) -> Config:

@@ -109,5 +109,17 @@ class MegatronBackend:
             self.num_backward += 1
             yield self.live
 
+    def backward_sum(self, trajs: Sequence[Trajectory], specs: Sequence[LossSpec]) -> GradBuffer:
+        """Sum of several trajectories' gradients from one schedule call (pipelined under PP)."""
+        self.ddp.zero_grad_buffer()
+        with self.ddp.no_sync():
+            run_schedule(
+                self.ddp, self.groups, list(trajs),
+                lambda k, logp, ent: trajectory_loss(logp, ent, trajs[k], specs[k], self.objective),
+                need_entropy=self.objective.entropy_coef > 0,
+            )
+        self.num_backward += len(trajs)
+        return self.live
+
     def load_grad(self, grad: GradBuffer) -> None:
         self.live.copy_(grad)

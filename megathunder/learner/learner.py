@@ -4,7 +4,7 @@
     learner.ledger.begin_batch(plan)              # thunder: events in any order ...
     learner.ledger.on_finished(traj); learner.ledger.on_reward(tid, r) ...
     learner.ledger.close_batch(); learner.step()  # ... one DP reduce + optimizer step per batch
-    learner.sync_step(my_trajs, plan_rewards)     # the batch-synchronous path, same optimizer
+    learner.sync_step_gradient(batch, rewards, owner); learner.step()   # batch-synchronous path
 
 Both paths leave the final gradient in DDP's buffers before ``step`` reduces it across
 data-parallel ranks (a sum: each rank holds its trajectories' share of (1/Z) sum_i grad loss_i).
@@ -63,7 +63,7 @@ class MegatronLearner:
         model_cfg = resolve_model_config(cfg)
         model = build_gpt_model(model_cfg, cfg.precision, groups)
         offset = layer_offset(model_cfg, groups)
-        if model_cfg.hf_checkpoint is not None or cfg.model.hf_checkpoint is not None:
+        if cfg.model.hf_checkpoint is not None:
             hf.import_hf(model, cfg.model.hf_checkpoint, model_cfg, groups, offset)
         opt = cfg.optimizer
         ddp_config = DistributedDataParallelConfig(

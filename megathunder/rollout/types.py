@@ -31,7 +31,9 @@ class Completion:
 class RolloutEngine(Protocol):
     """One inference engine (in-process vLLM, or a pool of vLLM servers behind a load balancer)."""
 
-    async def generate(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> Completion: ...
+    async def generate(
+        self, prompt_token_ids: Sequence[int], params: SamplingParams
+    ) -> Completion: ...
 
     async def update_weights(self, named_tensors_path_or_iter, policy_version: int) -> None:
         """Load new weights (and reset the prefix cache); later completions carry the new version."""

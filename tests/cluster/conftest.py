@@ -66,7 +66,8 @@ class Job:
 
     def ranks(self) -> dict[int, dict[int, tuple[str, str]]]:
         """{step: {rank: (node, rendezvous)}} from the line init_distributed prints per rank:
-        'megathunder: rank 1/2 (local 0) on node2 (slurm job 3 step 1 on node[1-2]); rendezvous 127.0.0.1:10049'."""
+        'megathunder: rank 1/2 (local 0) on node2 (slurm job 3 step 1 on node[1-2]);
+        rendezvous 127.0.0.1:10049' (one line)."""
         found: dict[int, dict[int, tuple[str, str]]] = {}
         for m in re.finditer(r"megathunder: rank (\d+)/\d+ \(local \d+\) on (\S+) \(slurm job \d+ step (\d+) "
                              r"on \S+\); rendezvous (\S+)", self.output):
@@ -74,7 +75,8 @@ class Job:
         return found
 
 
-def run_job(cluster, workdir: Path, body: str, sbatch_args: tuple[str, ...] = (), timeout: float = 240) -> Job:
+def run_job(cluster, workdir: Path, body: str, sbatch_args: tuple[str, ...] = (),
+            timeout: float = 240) -> Job:
     """sbatch a bash script (body after the header), wait for its end, return state and output.
 
     Polls ``scontrol show job`` every 0.25 s (``sbatch --wait`` polls too slowly for tests).

@@ -25,7 +25,8 @@ def test_two_idle_nodes_and_an_idempotent_up(slurm_cluster):
 
 
 def test_a_two_node_job_runs_one_task_per_node(slurm_cluster, tmp_path):
-    job = run_job(slurm_cluster, tmp_path, 'srun --label bash -c \'echo "task $SLURM_PROCID on $SLURMD_NODENAME"\'',
+    body = 'srun --label bash -c \'echo "task $SLURM_PROCID on $SLURMD_NODENAME"\''
+    job = run_job(slurm_cluster, tmp_path, body,
                   ("--nodes=2", "--ntasks=2", "--ntasks-per-node=1"))
     assert job.ok(), job.output
     assert sorted(line.split(": ", 1)[1] for line in job.output.splitlines() if ": task" in line) == [
@@ -54,7 +55,8 @@ def test_down_stops_exactly_the_daemons_it_started():
 
 
 def test_cli_dry_run_prints_the_config_and_starts_nothing(tmp_path):
-    out = subprocess.run([sys.executable, slurm_local.__file__, "up", "--dry-run", "--dir", str(tmp_path / "c")],
+    cmd = [sys.executable, slurm_local.__file__, "up", "--dry-run", "--dir", str(tmp_path / "c")]
+    out = subprocess.run(cmd,
                          capture_output=True, text=True, check=True).stdout
     assert "NodeName=node1 NodeAddr=127.0.0.1" in out and "NodeName=node2 NodeAddr=127.0.0.2" in out
     assert "slurmd -D -N node2" in out

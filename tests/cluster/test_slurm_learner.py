@@ -19,6 +19,7 @@ from tests.distributed.conftest import make_hf_checkpoint
 TOL = 2e-6  # fp32, as in tests/distributed/test_learner.py (observed ~2.5e-7)
 TWO_NODES = ("--nodes=2", "--ntasks=2", "--ntasks-per-node=1")
 SRUN = "srun --kill-on-bad-exit=1 --label"
+ROLLOUT_STAND_IN = "bash -c 'echo \"rollout stand-in on $SLURMD_NODENAME\"; sleep 1'"
 
 
 def _flat(d: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -46,7 +47,7 @@ def test_learner_steps_across_and_within_nodes_equal_one_process(slurm_cluster, 
         f"srun --nodes=1 --ntasks=1 {eq('single.pt')}",
         f"{across} {eq('dp2.pt')}",
         f"{across} {eq('tp2.pt', '--tp', '2')}",
-        "srun -w node1 --nodes=1 --ntasks=1 bash -c 'echo \"rollout stand-in on $SLURMD_NODENAME\"; sleep 1' &",
+        f"srun -w node1 --nodes=1 --ntasks=1 {ROLLOUT_STAND_IN} &",
         f"srun --kill-on-bad-exit=1 --label -w node2 --nodes=1 --ntasks=2 {eq('dp2_node2.pt')}",
         "wait",
     ]), ("--nodes=2", "--ntasks-per-node=2"))
@@ -70,7 +71,8 @@ def test_learner_steps_across_and_within_nodes_equal_one_process(slurm_cluster, 
         errs = {"stream_grad": _rel(_flat(run["stream_grad"]), reference),
                 "sync_grad": _rel(_flat(run["sync_grad"]), reference),
                 "params": _rel(_flat(run["stream"]), _flat(single["sync"]))}
-        print(f"{layout} vs one process, relative error: " + ", ".join(f"{k} {v:.1e}" for k, v in errs.items()))
+        shown = ", ".join(f"{k} {v:.1e}" for k, v in errs.items())
+        print(f"{layout} vs one process, relative error: {shown}")
         assert max(errs.values()) <= TOL, (layout, errs)
 
 

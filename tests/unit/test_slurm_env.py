@@ -83,7 +83,8 @@ def test_torchrun_environment_and_torchrun_singletons_under_srun():
     torchrun = {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "MASTER_ADDR": "h0", "MASTER_PORT": "5",
                 "TORCHELASTIC_RUN_ID": "x"}
     r = rendezvous_from_env(torchrun)
-    assert (r.rank, r.world_size, r.local_rank, r.master_addr, r.master_port, r.source) == (3, 4, 1, "h0", 5, "torchrun")
+    assert (r.rank, r.world_size, r.local_rank, r.master_addr, r.master_port, r.source) == (
+        3, 4, 1, "h0", 5, "torchrun")
     # one torchrun per node under a 2-task step, 2 processes each: a 4-rank world is fine...
     assert rendezvous_from_env({**SRUN_TASK1, **torchrun}).world_size == 4
     # ...but each srun task starting its own 1-process torchrun world is a silent singleton

@@ -19,7 +19,8 @@ if _spec.name not in sys.modules:
 def test_slurm_conf_two_nodes_on_loopback_with_distinct_ports(tmp_path):
     cluster = slurm_local.LocalSlurm(tmp_path / "run", num_nodes=2, cpus_per_node=2)
     conf = cluster.slurm_conf(7000, [7001, 7002])
-    lines = dict(line.split("=", 1) for line in conf.splitlines() if "=" in line and not line.startswith(("#", "NodeName", "Partition")))
+    lines = dict(line.split("=", 1) for line in conf.splitlines()
+                 if "=" in line and not line.startswith(("#", "NodeName", "Partition")))
     assert lines["SlurmctldHost"].endswith("(127.0.0.1)") and lines["SlurmctldPort"] == "7000"
     assert lines["AuthInfo"] == f"socket={tmp_path}/run/munge/munge.socket"
     assert lines["SlurmdSpoolDir"].endswith("/spool/%n") and lines["TmpFS"].endswith("/tmp/%n")
@@ -36,7 +37,8 @@ def test_slurm_conf_two_nodes_on_loopback_with_distinct_ports(tmp_path):
 
 def test_missing_slurm_that_cannot_be_installed_says_why(monkeypatch):
     monkeypatch.setattr(slurm_local, "missing_binaries", lambda: ["slurmctld", "munged"])
-    with pytest.raises(slurm_local.SlurmUnavailable, match="missing: slurmctld, munged; MEGATHUNDER_SLURM_NO_INSTALL"):
+    with pytest.raises(slurm_local.SlurmUnavailable,
+                       match="missing: slurmctld, munged; MEGATHUNDER_SLURM_NO_INSTALL"):
         slurm_local.ensure_installed(allow_install=False)
     monkeypatch.setattr(slurm_local.os, "geteuid", lambda: 1000)
     with pytest.raises(slurm_local.SlurmUnavailable, match="needs root"):
@@ -70,4 +72,5 @@ def test_jobs_do_not_inherit_the_submitters_rendezvous(monkeypatch, tmp_path):
         monkeypatch.setenv(key, value)
     env = slurm_local.LocalSlurm(tmp_path / "run").client_env()
     assert env["KEEP_ME"] == "1" and env["SLURM_CONF"] == str(tmp_path / "run" / "slurm.conf")
-    assert not {"MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "SLURM_JOB_ID", "TORCHELASTIC_RUN_ID"} & set(env)
+    inherited = {"MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "SLURM_JOB_ID", "TORCHELASTIC_RUN_ID"}
+    assert not inherited & set(env)

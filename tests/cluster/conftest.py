@@ -15,6 +15,7 @@ import importlib.util
 import os
 import re
 import shlex
+import shutil
 import sys
 import tempfile
 import time
@@ -37,10 +38,11 @@ TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_
 @pytest.fixture(scope="session")
 def slurm_cluster():
     log = lambda msg: print(msg, file=sys.stderr)
-    if os.environ.get("MEGATHUNDER_SLURM_DIR"):
-        cluster = slurm_local.LocalSlurm.from_env(log=log)
-    else:  # short path: the munge socket path must stay under 108 bytes
+    private = not os.environ.get("MEGATHUNDER_SLURM_DIR")
+    if private:  # short path: the munge socket path must stay under 108 bytes
         cluster = slurm_local.LocalSlurm.from_env(tempfile.mkdtemp(prefix="mt-slurm-"), log=log)
+    else:
+        cluster = slurm_local.LocalSlurm.from_env(log=log)
     was_up = cluster.is_up()
     try:
         cluster.up(allow_install=os.environ.get("MEGATHUNDER_SLURM_NO_INSTALL") != "1")
@@ -51,6 +53,8 @@ def slurm_cluster():
     yield cluster
     if not was_up:
         cluster.down()
+    if private:
+        shutil.rmtree(cluster.run_dir, ignore_errors=True)
 
 
 @dataclass

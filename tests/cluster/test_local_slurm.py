@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -52,6 +53,7 @@ def test_down_stops_exactly_the_daemons_it_started():
         assert not stat.exists() or stat.read_text().rsplit(")", 1)[1].split()[0] == "Z"
     assert not other.is_up() and other.pids() == dict.fromkeys(pids)
     other.down()  # stopping a stopped cluster is a no-op
+    shutil.rmtree(other.run_dir)
 
 
 def test_cli_dry_run_prints_the_config_and_starts_nothing(tmp_path):

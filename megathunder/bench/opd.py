@@ -3,9 +3,12 @@
 For each strategy (recompute, kv_adjoint, forward_early), on one trajectory whose turns arrive
 one by one (prompt, then turn / tool output alternating):
 
-- total learner time relative to one full-trajectory forward + backward (the batch path);
-- the learner time left after the last turn arrives (the critical path: what delays the step);
-- peak bytes of activations held for backward (saved-tensor hooks), relative to the full pass.
+- learner work in token passes (forward tokens + backward tokens), relative to one full-trajectory
+  forward + backward (2 L): deterministic, the figure to choose by;
+- the work left after the last turn arrives (the critical path: what delays the step), same unit;
+- peak bytes of activations held for backward (saved-tensor hooks), relative to the full pass;
+- the same two ratios in measured time (noisy on a shared CPU; small models are dominated by
+  per-call overhead, so prefer the token-pass figures there).
 
 The default strategy is chosen from these figures (BENCHMARKS.md).
 """
@@ -13,6 +16,7 @@ The default strategy is chosen from these figures (BENCHMARKS.md).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import random
 import statistics
@@ -84,7 +88,8 @@ def main(argv: Sequence[str]) -> int:
         return torch.log_softmax(logits, -1)[start - 1 : end - 1].gather(-1, tokens[start:end, None])[:, 0]
 
     rows = []
-    print(f"{'turns':>5} {'strategy':<14} {'compute/full':>12} {'after last turn/full':>21} {'activations/full':>17}")
+    print(f"{'turns':>5} {'strategy':<14} {'work/full':>9} {'after last turn':>15} {'activations':>11}"
+          f" {'time/full':>9} {'time after last':>15}")
     for num_turns in args.turns:
         rng = random.Random(num_turns)
         tok = lambda n: [rng.randrange(512) for _ in range(n)]  # noqa: E731
@@ -96,30 +101,31 @@ def main(argv: Sequence[str]) -> int:
         tokens = torch.tensor([t for _, toks in parts for t in toks])
         mask = torch.tensor([kind == "turn" for kind, toks in parts for _ in toks][1:])
 
-        def full_pass():
+        def full_pass(measure_memory: bool):
             student.zero_grad(set_to_none=True)
             timed = _Timed(score)
-            with _SavedBytes() as saved:
+            with _SavedBytes() if measure_memory else contextlib.nullcontext() as saved:
                 t0 = time.perf_counter()
                 opd_reference_gradient(student, [(tokens, mask)], timed, 1.0, "token_mean")
-                return time.perf_counter() - t0 - timed.seconds, saved.peak
+                elapsed = time.perf_counter() - t0 - timed.seconds
+            return elapsed, saved.peak if measure_memory else 0
 
-        full = [full_pass() for _ in range(args.repeats + 1)][1:]
-        full_s = statistics.median(f[0] for f in full)
-        full_bytes = full[0][1]
+        full_bytes = full_pass(True)[1]
+        full_s = statistics.median(full_pass(False)[0] for _ in range(args.repeats + 1))
         for strategy in ("recompute", "kv_adjoint", "forward_early"):
-            totals, tails, peaks = [], [], []
-            for _ in range(args.repeats + 1):
+            totals, tails, peaks, work, work_tail = [], [], [], [], []
+            for rep in range(args.repeats + 2):  # run 0 measures memory (hooks distort time)
                 student.zero_grad(set_to_none=True)
                 timed = _Timed(score)
                 streamer = TurnStreamer(student, timed, strategy=strategy)
-                with _SavedBytes() as saved:
+                with _SavedBytes() if rep == 0 else contextlib.nullcontext() as saved:
                     t0 = time.perf_counter()
                     streamer.begin_trajectory(0, parts[0][1])
                     for kind, toks in parts[1:]:
                         if kind == "turn":
                             t_last = time.perf_counter()
                             tool_before = timed.seconds
+                            passes_before = streamer.stats["forward_tokens"] + streamer.stats["backward_tokens"]
                             streamer.on_turn(0, toks)
                         else:
                             streamer.on_tool_output(0, toks)
@@ -127,14 +133,22 @@ def main(argv: Sequence[str]) -> int:
                     end = time.perf_counter()
                 totals.append(end - t0 - timed.seconds)
                 tails.append(end - t_last - (timed.seconds - tool_before))
-                peaks.append(saved.peak)
+                if rep == 0:
+                    peaks.append(saved.peak)
+                    continue
+                passes = streamer.stats["forward_tokens"] + streamer.stats["backward_tokens"]
+                work.append(passes / (2 * len(tokens)))
+                work_tail.append((passes - passes_before) / (2 * len(tokens)))
             row = {"turns": num_turns, "strategy": strategy,
-                   "compute_vs_full": round(statistics.median(totals[1:]) / full_s, 3),
-                   "after_last_turn_vs_full": round(statistics.median(tails[1:]) / full_s, 3),
-                   "activations_vs_full": round(peaks[1] / full_bytes, 3)}
+                   "work_vs_full": round(work[-1], 3),
+                   "work_after_last_turn_vs_full": round(work_tail[-1], 3),
+                   "activations_vs_full": round(peaks[0] / full_bytes, 3),
+                   "time_vs_full": round(statistics.median(totals[1:]) / full_s, 3),
+                   "time_after_last_turn_vs_full": round(statistics.median(tails[1:]) / full_s, 3)}
             rows.append(row)
-            print(f"{num_turns:>5} {strategy:<14} {row['compute_vs_full']:>12.2f} "
-                  f"{row['after_last_turn_vs_full']:>21.2f} {row['activations_vs_full']:>17.2f}")
+            print(f"{num_turns:>5} {strategy:<14} {row['work_vs_full']:>9.2f} "
+                  f"{row['work_after_last_turn_vs_full']:>15.2f} {row['activations_vs_full']:>11.2f}"
+                  f" {row['time_vs_full']:>9.2f} {row['time_after_last_turn_vs_full']:>15.2f}")
     print(json.dumps({"bench": "opd", "rows": rows}))
     return 0
 

@@ -57,6 +57,7 @@ class _Trajectory:
     pending: list[int] = field(default_factory=list)  # prompt / tool output not yet forwarded
     segments: list[_Segment] = field(default_factory=list)
     losses: list[torch.Tensor] = field(default_factory=list)  # forward_early
+    segment_lengths: list[int] = field(default_factory=list)
     num_trained: int = 0
 
 
@@ -70,7 +71,9 @@ class TurnStreamer:
         self.aggregation = aggregation
         self._open: dict[int, _Trajectory] = {}
         self._finished_counts: list[int] = []
-        self.stats = {"forward_tokens": 0, "backward_calls": 0, "work_after_last_turn_tokens": 0}
+        # Work in token passes (deterministic, unlike time): tokens run forward, and tokens whose
+        # activations a backward pass traverses.
+        self.stats = {"forward_tokens": 0, "backward_tokens": 0, "backward_calls": 0}
 
     # ------------------------------------------------------------------ events
 
@@ -110,9 +113,11 @@ class TurnStreamer:
                 if outs:
                     torch.autograd.backward(outs, grads)
                     self.stats["backward_calls"] += 1
+            self.stats["backward_tokens"] += sum(t.segment_lengths[:-1])  # the last has no adjoint
         elif self.strategy == "forward_early" and t.losses:
             torch.stack(t.losses).sum().backward()
             self.stats["backward_calls"] += 1
+            self.stats["backward_tokens"] += sum(t.segment_lengths)
         self._finished_counts.append(t.num_trained)
 
     def finish_batch(self) -> float:
@@ -143,6 +148,7 @@ class TurnStreamer:
         self.stats["forward_tokens"] += tokens.numel()
         self._turn_loss(tokens, start, logits[start - 1 : tokens.numel() - 1]).backward()
         self.stats["backward_calls"] += 1
+        self.stats["backward_tokens"] += tokens.numel()
 
     def _segment_forward(self, t: _Trajectory, segment: list[int], attach_prefix: bool):
         tokens = torch.tensor(t.tokens + segment)
@@ -173,6 +179,8 @@ class TurnStreamer:
         rows = self._logits_for_turn(t, logits, len(segment), num_turn)
         self._turn_loss(tokens, start, rows).backward(retain_graph=True)
         self.stats["backward_calls"] += 1
+        self.stats["backward_tokens"] += len(segment)
+        t.segment_lengths.append(len(segment))
         leaves = [(k.detach().requires_grad_(), v.detach().requires_grad_()) for k, v in kv]
         t.segments.append(_Segment(kv_out=kv, kv_leaf=leaves, last_logits=logits[-1]))
 
@@ -180,6 +188,7 @@ class TurnStreamer:
         tokens, logits, kv = self._segment_forward(t, segment, attach_prefix=True)
         rows = self._logits_for_turn(t, logits, len(segment), num_turn)
         t.losses.append(self._turn_loss(tokens, start, rows))
+        t.segment_lengths.append(len(segment))
         t.segments.append(_Segment(kv_out=kv, kv_leaf=kv, last_logits=logits[-1]))
 
 

@@ -8,8 +8,12 @@ from collections.abc import Sequence
 
 BENCHMARKS = {
     "ledger": "megathunder.bench.ledger",
+    "learner": "megathunder.bench.learner",
+    "opd": "megathunder.bench.opd",
+    "episodes": "megathunder.bench.episodes",
     "rollout": "megathunder.bench.rollout",
 }
+SCHEDULES = ("sync", "async", "fully_async", "thunder")  # megathunder.simulate.SCHEDULES
 
 
 def _cmd_config(args: argparse.Namespace) -> int:
@@ -34,6 +38,12 @@ def _cmd_exactness(args: argparse.Namespace) -> int:
     from megathunder.exactness_run import run
 
     return run(load_config(args.config, args.overrides))
+
+
+def _cmd_simulate(args: argparse.Namespace) -> int:
+    from megathunder.simulate.main import run
+
+    return run(args)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -66,6 +76,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("name", choices=sorted(BENCHMARKS))
     p.add_argument("bench_args", nargs=argparse.REMAINDER, help="passed to the benchmark (try --help)")
     p.set_defaults(func=_cmd_bench)
+
+    p = sub.add_parser(
+        "simulate",
+        help="discrete-event simulation of sync, async, fully_async and thunder at cluster scale; "
+        "prints figures, the last line one JSON object",
+        description="Simulate the four schedules on a workload profile (component timings: "
+        "FLOPs/roofline estimates or measured) and write steps.csv, timeline.csv/png, summary.json.",
+    )
+    p.add_argument("profile", help="bundled profile (swe_smith, swe_smith_128) or a YAML path")
+    p.add_argument("overrides", nargs="*", metavar="key=value",
+                   help="e.g. schedules.max_group_slots=0 workload.turns.sigma=1.0")
+    p.add_argument("--schedules", nargs="+", choices=SCHEDULES, default=list(SCHEDULES))
+    p.add_argument("--out", default=None, help="output folder (default runs/simulate/PROFILE)")
+    p.add_argument("--no-plots", action="store_true", help="tables only")
+    p.add_argument("--sensitivity", action="store_true",
+                   help="also sweep K, tail heaviness, tool latency and the GPU split (~1 min)")
+    p.set_defaults(func=_cmd_simulate)
     return parser
 
 

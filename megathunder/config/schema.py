@@ -168,6 +168,248 @@ class RolloutConfig(_Strict):
     engine: EngineConfig = EngineConfig()
 
 
+# --------------------------------------------------------------------------------------------
+# Learner (Megatron-core)
+
+
+class ParallelConfig(_Strict):
+    """Megatron parallel layout. world size = tensor x pipeline x data (data inferred if null)."""
+
+    tensor_parallel: int = Field(1, ge=1)
+    pipeline_parallel: int = Field(1, ge=1)
+    data_parallel: int | None = Field(None, ge=1)
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
+    """auto: nccl with CUDA, gloo without."""
+
+
+class PolicyModelConfig(_Strict):
+    """A dense decoder of the Llama / Qwen2 / Qwen3 family as Megatron-core GPTModel."""
+
+    family: Literal["llama", "qwen2", "qwen3"] = "qwen2"
+    """llama: no biases; qwen2: q/k/v biases; qwen3: q/k RMSNorm, no biases."""
+    hf_checkpoint: str | None = None
+    """A Hugging Face model directory on disk; its config.json replaces the sizes below."""
+    vocab_size: int = Field(256, ge=2)
+    hidden_size: int = Field(64, ge=1)
+    ffn_hidden_size: int = Field(128, ge=1)
+    num_layers: int = Field(2, ge=1)
+    num_attention_heads: int = Field(4, ge=1)
+    num_query_groups: int = Field(2, ge=1)
+    head_dim: int | None = Field(None, ge=1)
+    """Per-head size; null = hidden_size / num_attention_heads."""
+    max_position_embeddings: int = Field(2048, ge=1)
+    rope_theta: float = Field(10000.0, gt=0)
+    norm_eps: float = Field(1e-6, gt=0)
+    tie_word_embeddings: bool = True
+
+    @model_validator(mode="after")
+    def _check(self) -> PolicyModelConfig:
+        if self.num_attention_heads % self.num_query_groups:
+            raise ValueError(
+                f"num_query_groups: {self.num_query_groups} does not divide "
+                f"num_attention_heads={self.num_attention_heads}"
+            )
+        if self.head_dim is None and self.hidden_size % self.num_attention_heads:
+            raise ValueError(
+                f"head_dim: required when hidden_size={self.hidden_size} is not divisible by "
+                f"num_attention_heads={self.num_attention_heads}"
+            )
+        return self
+
+
+class PrecisionConfig(_Strict):
+    params_dtype: Literal["float32", "bfloat16"] = "float32"
+    layer_spec: Literal["local", "transformer_engine"] = "local"
+    """local: Megatron's own layers (CPU and GPU); transformer_engine: TE layers (GPU only)."""
+    fp8: Literal["e4m3", "hybrid"] | None = None
+    """FP8 format for TE linear layers; hybrid = e4m3 forward, e5m2 backward."""
+    fp8_recipe: Literal["delayed", "tensorwise", "mxfp8", "blockwise"] = "delayed"
+    """mxfp8 needs Blackwell (sm_100+)."""
+    fp8_margin: int = Field(0, ge=0)
+    fp8_amax_history_len: int = Field(1024, ge=1)
+    fp8_amax_compute_algo: Literal["max", "most_recent"] = "max"
+
+    @model_validator(mode="after")
+    def _check(self) -> PrecisionConfig:
+        if self.fp8 is not None and self.layer_spec != "transformer_engine":
+            raise ValueError("fp8: needs layer_spec=transformer_engine (FP8 runs in TE's layers)")
+        return self
+
+
+class LearnerOptimizerConfig(_Strict):
+    name: Literal["adam", "sgd"] = "adam"
+    """adam is AdamW (decoupled weight decay), as in Megatron."""
+    lr: float = Field(1e-5, gt=0)
+    min_lr: float = Field(0.0, ge=0)
+    lr_warmup_steps: int = Field(0, ge=0)
+    lr_decay_steps: int | None = Field(None, ge=1)
+    lr_decay_style: Literal["constant", "linear", "cosine"] = "constant"
+    weight_decay: float = Field(0.0, ge=0)
+    adam_beta1: float = Field(0.9, ge=0, lt=1)
+    adam_beta2: float = Field(0.999, ge=0, lt=1)
+    adam_eps: float = Field(1e-8, gt=0)
+    clip_grad: float = Field(1.0, ge=0)
+    """Global grad-norm clip; 0 disables it."""
+    use_distributed_optimizer: bool = True
+
+    @model_validator(mode="after")
+    def _check(self) -> LearnerOptimizerConfig:
+        if self.min_lr > self.lr:
+            raise ValueError(f"min_lr: {self.min_lr} exceeds lr={self.lr}")
+        if self.name == "sgd" and self.use_distributed_optimizer:
+            raise ValueError("use_distributed_optimizer: Megatron's distributed optimizer supports adam only")
+        return self
+
+
+class ReferenceModelConfig(_Strict):
+    """Frozen copy of the initial policy, for the KL term (built only when objective.kl_coef > 0)."""
+
+    offload_to_cpu: bool = False
+    """Keep its weights in host memory between uses (GPU only; a no-op on CPU)."""
+
+
+class LearnerConfig(_Strict):
+    parallel: ParallelConfig = ParallelConfig()
+    model: PolicyModelConfig = PolicyModelConfig()
+    precision: PrecisionConfig = PrecisionConfig()
+    optimizer: LearnerOptimizerConfig = LearnerOptimizerConfig()
+    reference: ReferenceModelConfig = ReferenceModelConfig()
+    seed: int = 1234
+
+    @model_validator(mode="after")
+    def _check(self) -> LearnerConfig:
+        tp, pp, m = self.parallel.tensor_parallel, self.parallel.pipeline_parallel, self.model
+        if m.hf_checkpoint is None:  # sizes known now; an HF checkpoint is checked when read
+            check_parallel_divides_model(m, tp, pp)
+        return self
+
+
+def check_parallel_divides_model(m: PolicyModelConfig, tp: int, pp: int) -> None:
+    """Raise ValueError naming the field when the layout cannot shard this model."""
+    if m.num_attention_heads % tp:
+        raise ValueError(
+            f"parallel.tensor_parallel: {tp} does not divide "
+            f"model.num_attention_heads={m.num_attention_heads}"
+        )
+    if m.num_query_groups % tp:
+        raise ValueError(
+            f"parallel.tensor_parallel: {tp} does not divide model.num_query_groups={m.num_query_groups}"
+        )
+    if m.vocab_size % tp:
+        raise ValueError(f"parallel.tensor_parallel: {tp} does not divide model.vocab_size={m.vocab_size}")
+    if m.ffn_hidden_size % tp:
+        raise ValueError(
+            f"parallel.tensor_parallel: {tp} does not divide model.ffn_hidden_size={m.ffn_hidden_size}"
+        )
+    if m.num_layers % pp:
+        raise ValueError(f"parallel.pipeline_parallel: {pp} does not divide model.num_layers={m.num_layers}")
+
+
+# --- rollout side: agent loop, sandboxes, verifiers, tasks (issue 4) -----------------------------
+
+
+class AgentLoopConfig(_Strict):
+    """Limits of one multi-turn episode, and how many episodes run at once."""
+
+    max_turns: int = Field(8, ge=1)
+    max_new_tokens_per_turn: int = Field(512, ge=1)
+    max_total_tokens: int = Field(4096, ge=2)
+    """Prompt, model turns and tool outputs together; the episode stops when the next turn has no
+    room left."""
+    max_tool_calls_per_turn: int = Field(4, ge=1)
+    episode_wall_time_s: float = Field(600.0, gt=0)
+    max_concurrent_episodes: int = Field(32, ge=1)
+
+    @model_validator(mode="after")
+    def _check(self) -> AgentLoopConfig:
+        if self.max_new_tokens_per_turn >= self.max_total_tokens:
+            raise ValueError(
+                f"max_new_tokens_per_turn: {self.max_new_tokens_per_turn} leaves no room for the "
+                f"prompt within max_total_tokens={self.max_total_tokens}"
+            )
+        return self
+
+
+class SandboxConfig(_Strict):
+    """Where tool calls run. Limits are per command (``wall_time_s``, ``cpu_time_s``) or per
+    process tree (``memory_mb`` is per process address space locally, per container otherwise)."""
+
+    backend: Literal["local", "docker", "apptainer", "enroot"] = "local"
+    isolation: Literal["bwrap", "unshare"] = "bwrap"
+    """Local backend only: bubblewrap (strongest; needs the bubblewrap package) or util-linux
+    unshare + setpriv."""
+    root_dir: str = "/tmp/megathunder-sandboxes"
+    uid_base: int = Field(200_000, ge=1000)
+    """Local backend: each open sandbox runs as its own uid in [uid_base, uid_base + num_uids)."""
+    num_uids: int = Field(256, ge=1)
+    extra_ro_paths: list[str] = []
+    """Local bwrap backend: host paths made visible read-only besides the system directories."""
+    cgroup: Literal["auto", "off", "required"] = "auto"
+    """Local backend: a cgroup per sandbox bounding its whole tree's memory (``memory_mb``) and
+    process count (``max_processes``); auto = where the cgroup filesystem is writable."""
+    wall_time_s: float = Field(30.0, gt=0)
+    cpu_time_s: float = Field(10.0, gt=0)
+    memory_mb: int = Field(1024, ge=32)
+    """Per process (address space); with a cgroup or a container, also for the whole sandbox."""
+    max_processes: int = Field(64, ge=4)
+    max_file_size_mb: int = Field(64, ge=1)
+    max_output_bytes: int = Field(16_384, ge=256)
+    """Tool output kept for the model; the rest is drained and dropped, marked as truncated."""
+    tmpfs_mb: int = Field(64, ge=1)
+    container_cli: str | None = None
+    """Container backends: the executable (default: the backend's name, e.g. ``podman``)."""
+    container_workdir: str = "/workspace"
+    container_cpus: float = Field(1.0, gt=0)
+    container_extra_args: list[str] = []
+
+    @model_validator(mode="after")
+    def _check(self) -> SandboxConfig:
+        if self.cpu_time_s > self.wall_time_s * 64:
+            raise ValueError(
+                f"cpu_time_s: {self.cpu_time_s} can never be reached within wall_time_s="
+                f"{self.wall_time_s} (even on 64 cores)"
+            )
+        if self.backend == "local" and (self.container_cli or self.container_extra_args):
+            raise ValueError(
+                "container_cli: container settings given but backend is local; set "
+                "sandbox.backend to docker, apptainer or enroot"
+            )
+        return self
+
+
+class VerifierConfig(_Strict):
+    """Reward computation: an async pool; a crash or timeout has a defined outcome, never a hang."""
+
+    timeout_s: float = Field(60.0, gt=0)
+    max_concurrent: int = Field(4, ge=1)
+    on_failure: Literal["zero_reward", "drop_group"] = "zero_reward"
+    """zero_reward: the trajectory gets ``failure_reward``; drop_group: its whole group is
+    excluded from the batch (the reward event says so)."""
+    failure_reward: float = 0.0
+
+
+class TaskConfig(_Strict):
+    """Which task episodes come from. Generated tasks need no files; loaders read ``path``."""
+
+    name: Literal[
+        "arithmetic", "calculator", "swe_local", "terminal", "swe_bench", "swe_smith",
+        "terminal_bench",
+    ] = "arithmetic"  # fmt: skip
+    path: str | None = None
+    """JSONL or parquet file of instances (swe_bench, swe_smith, terminal_bench)."""
+    max_operand: int = Field(20, ge=1)
+    """arithmetic / calculator: operands are drawn from [0, max_operand]."""
+
+    @model_validator(mode="after")
+    def _check(self) -> TaskConfig:
+        dataset = self.name in ("swe_bench", "swe_smith", "terminal_bench")
+        if dataset and self.path is None:
+            raise ValueError(f"path: task {self.name} reads instances from a JSONL/parquet file")
+        if not dataset and self.path is not None:
+            raise ValueError(f"path: task {self.name} is generated locally and reads no file")
+        return self
+
+
 class RunConfig(_Strict):
     seed: int = 0
     num_steps: int = Field(10, ge=1)
@@ -183,6 +425,27 @@ class Config(_Strict):
     model: ModelConfig = ModelConfig()
     optimizer: OptimizerConfig = OptimizerConfig()
     rollout: RolloutConfig = RolloutConfig()
+    learner: LearnerConfig = LearnerConfig()
+    agent: AgentLoopConfig = AgentLoopConfig()
+    sandbox: SandboxConfig = SandboxConfig()
+    verifier: VerifierConfig = VerifierConfig()
+    task: TaskConfig = TaskConfig()
+
+    @model_validator(mode="after")
+    def _check_rollout_side(self) -> Config:
+        dataset = self.task.name in ("swe_bench", "swe_smith", "terminal_bench")
+        if dataset and self.sandbox.backend == "local":
+            raise ValueError(
+                f"sandbox.backend: task {self.task.name} runs in each instance's container image; "
+                "use docker, apptainer or enroot"
+            )
+        sb = self.sandbox
+        if sb.backend == "local" and sb.num_uids < self.agent.max_concurrent_episodes:
+            raise ValueError(
+                f"sandbox.num_uids: {sb.num_uids} is fewer than agent.max_concurrent_episodes="
+                f"{self.agent.max_concurrent_episodes} (each open local sandbox needs its own uid)"
+            )
+        return self
 
     @model_validator(mode="after")
     def _check_streamable(self) -> Config:

@@ -27,14 +27,23 @@ class _Block(nn.Module):
         self.gate_up = nn.Linear(d, 4 * d, bias=False)
         self.down = nn.Linear(2 * d, d, bias=False)
 
-    def forward(self, x_BLD: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x_BLD: torch.Tensor, past: tuple[torch.Tensor, torch.Tensor] | None = None
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """Returns the block's output and this segment's (K, V) [B, H, L, hd]."""
         B, L, D = x_BLD.shape
         q, k, v = self.qkv(self.attn_norm(x_BLD)).split(D, dim=-1)
         q, k, v = (t.view(B, L, self.num_heads, -1).transpose(1, 2) for t in (q, k, v))
-        attn = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if past is None:
+            attn = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            num_past = past[0].shape[2]
+            keys, values = torch.cat([past[0], k], dim=2), torch.cat([past[1], v], dim=2)
+            mask = torch.ones(L, num_past + L, dtype=torch.bool, device=x_BLD.device).tril(num_past)
+            attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
         x_BLD = x_BLD + self.proj(attn.transpose(1, 2).reshape(B, L, D))
         gate, up = self.gate_up(self.mlp_norm(x_BLD)).chunk(2, dim=-1)
-        return x_BLD + self.down(F.silu(gate) * up)
+        return x_BLD + self.down(F.silu(gate) * up), (k, v)
 
 
 class TorchDecoder(nn.Module):
@@ -49,13 +58,26 @@ class TorchDecoder(nn.Module):
 
     def forward(self, tokens_BL: torch.Tensor) -> torch.Tensor:
         """Logits [B, L, V] for every position (position t predicts token t + 1)."""
+        return self.forward_with_cache(tokens_BL)[0]
+
+    def forward_with_cache(
+        self, tokens_BL: torch.Tensor, past: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+    ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
+        """Logits of a segment that continues ``past`` (per layer (K, V) of every earlier token),
+        and the segment's own per-layer (K, V). Differentiable in ``past`` too."""
+        num_past = 0 if not past else past[0][0].shape[2]
         L = tokens_BL.shape[1]
-        if L > self.cfg.max_seq_len:
-            raise ValueError(f"sequence of {L} tokens exceeds model.max_seq_len={self.cfg.max_seq_len}")
-        x = self.embed(tokens_BL) + self.pos(torch.arange(L, device=tokens_BL.device))
-        for block in self.blocks:
-            x = block(x)
-        return self.lm_head(self.norm(x))
+        if num_past + L > self.cfg.max_seq_len:
+            raise ValueError(
+                f"sequence of {num_past + L} tokens exceeds model.max_seq_len={self.cfg.max_seq_len}"
+            )
+        positions = torch.arange(num_past, num_past + L, device=tokens_BL.device)
+        x = self.embed(tokens_BL) + self.pos(positions)
+        kv = []
+        for i, block in enumerate(self.blocks):
+            x, layer_kv = block(x, past[i] if past else None)
+            kv.append(layer_kv)
+        return self.lm_head(self.norm(x)), kv
 
 
 def build_torch_decoder(cfg: ModelConfig, seed: int = 0) -> TorchDecoder:

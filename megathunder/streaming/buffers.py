@@ -78,6 +78,10 @@ class GradientBackend(Protocol):
         """Make ``grad`` the model's gradient, ready for the data-parallel reduce and the optimizer."""
         ...
 
+    # Optional: ``backward_sum(trajs, specs) -> GradBuffer``, the summed gradient of several
+    # trajectories' losses in one pass (the live storage, valid until the next call). The ledger
+    # uses it for the trajectories a closing group releases at once.
+
 
 class BufferPool:
     """Hands out parameter-sized buffers and counts them; freed buffers are reused, not freed."""

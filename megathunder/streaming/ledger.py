@@ -276,6 +276,31 @@ class GradientLedger:
         for m in members:
             self._advance(m)
 
+    def _advance_closed_group(self, g: _Group) -> None:
+        """A group just closed: its waiting trajectories' A_i are known.
+
+        With a backend that can sum several trajectories in one pass (``backward_sum``: one
+        schedule call, so a pipeline-parallel learner pipelines them), every direct-mode
+        trajectory of the group goes in one call; otherwise one at a time in sample order
+        (the order the bitwise oracle relies on).
+        """
+        backward_sum = getattr(self.backend, "backward_sum", None)
+        batchable = [
+            m for m in g.members
+            if backward_sum is not None and g.keep and self._PA is None
+            and m.data is not None and not m.score_done
+        ]
+        if len(batchable) > 1:
+            specs = []
+            for m in batchable:
+                fuse = self._has_reward_free and not m.reward_free_done
+                specs.append(LossSpec(advantage=advantage(m.reward, g.stats), reward_free=fuse))  # type: ignore[arg-type]
+            self._P.add_(backward_sum([m.data for m in batchable], specs))  # type: ignore[union-attr]
+            for m in batchable:
+                m.score_done = m.reward_free_done = True
+            self._log("backward:direct-sum", g.group_id)
+        self._advance_all(g.members)
+
     def _advance(self, t: _Traj) -> None:
         """Run every part of t's gradient whose coefficient is now known, in one forward."""
         g = t.group
@@ -364,7 +389,7 @@ class GradientLedger:
             g.slot = None
             self._num_slots_used -= 1
         g.waiting_for_slot = False
-        self._advance_all(g.members)
+        self._advance_closed_group(g)
         if slot is not None:
             self._hand_over_slot()
 

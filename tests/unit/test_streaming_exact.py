@@ -117,3 +117,50 @@ def test_oracle_order_is_bitwise_equal(dtype, objective):
             syn.sample_order_events(len(batch)),
         )
         assert torch.equal(streamed, reference), rel_err(streamed, reference)
+
+
+class SummingBackend:
+    """A TorchBackend that also sums several trajectories in one call (as the Megatron one does)."""
+
+    def __new__(cls, model, objective):
+        from megathunder.objectives import token_logprobs_and_entropy, trajectory_loss
+        from megathunder.streaming import TorchBackend
+
+        backend = TorchBackend(model, objective)
+
+        def backward_sum(trajs, specs):
+            backend.live.zero_()
+            for traj, spec in zip(trajs, specs, strict=True):
+                logits = model(traj.tokens[None])[0, :-1]
+                logp, ent = token_logprobs_and_entropy(logits, traj.tokens[1:], objective.entropy_coef > 0)
+                trajectory_loss(logp, ent, traj, spec, objective).backward()
+            return backend.live
+
+        backend.backward_sum = backward_sum
+        return backend
+
+
+@pytest.mark.parametrize("case", range(0, len(GRID), 8))
+def test_group_close_summed_backward_is_exact(model64, case, monkeypatch):
+    """The ledger's one-call path for a closing group's trajectories (backward_sum)."""
+    import megathunder.streaming.ledger as ledger_module
+
+    advantage, loss_agg, slots, reward_kind = GRID[case]
+    rng, batch, rewards = make_case(3000 + case, torch.float64, reward_kind)
+    objective = random_objective(rng, advantage, loss_agg)
+    reference = reference_gradient(model64, batch, rewards, objective)
+    backend = SummingBackend(model64, objective)
+    calls = []
+    original = backend.backward_sum
+    backend.backward_sum = lambda trajs, specs: calls.append(len(trajs)) or original(trajs, specs)
+    ledger = ledger_module.GradientLedger(backend, objective, LedgerConfig(max_group_slots=slots))
+    ledger.begin_batch(syn.group_plan(batch))
+    for e in syn.random_event_order(rng, len(batch)):
+        if e.kind == "finished":
+            ledger.on_finished(batch[e.traj_id])
+        else:
+            ledger.on_reward(e.traj_id, rewards[e.traj_id])
+    ledger.close_batch()
+    assert rel_err(backend.live.flat(), reference) <= 1e-10
+    if slots == 0 and advantage != "batch_std" and not objective.dapo_dynamic_sampling:
+        assert calls, "a K=0 batch with groups of several trajectories uses the summed path"

@@ -1,0 +1,174 @@
+"""``megathunder bench learner``: the Megatron learner's step time, streamed vs synchronous.
+
+The same batch is trained three ways from the same weights, each ending in one data-parallel
+reduce and one optimizer step: ``sync`` (all rewards known: the batch's trajectories as the
+micro-batches of one schedule call), and ``thunder`` with K = 0 and K = unbounded group slots,
+fed every finish event and then every reward (all rewards arriving at once: the case where
+streaming can only cost, never gain, so the ratio measures its overhead). Reports step times,
+the thunder/sync ratio, training tokens/s and, on GPUs, model FLOPs utilisation from the model's
+FLOPs per token (6 N + 12 L h s). ``--nproc N`` relaunches itself under torchrun.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+
+import torch
+
+PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "B200": 2250.0, "A100": 312.0}  # dense bf16
+
+
+def _args(argv: Sequence[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="megathunder bench learner", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--nproc", type=int, default=1, help="processes (relaunch under torchrun)")
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--pp", type=int, default=1)
+    p.add_argument("--hidden-size", type=int, default=256)
+    p.add_argument("--num-layers", type=int, default=4)
+    p.add_argument("--num-heads", type=int, default=8)
+    p.add_argument("--vocab-size", type=int, default=2048)
+    p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--num-groups", type=int, default=4)
+    p.add_argument("--group-size", type=int, default=4)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--layer-spec", choices=["local", "transformer_engine"], default="local")
+    p.add_argument("--fp8", choices=["e4m3", "hybrid"], default=None)
+    p.add_argument("--peak-tflops", type=float, default=None, help="device peak for MFU (default: by GPU name)")
+    return p.parse_args(argv)
+
+
+def _relaunch(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={args.nproc}",
+           f"--master-port={port}", "-m", "megathunder.cli", "bench", "learner", *argv]
+    return subprocess.call(cmd)
+
+
+def _sync_time(device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter()
+
+
+def main(argv: Sequence[str]) -> int:
+    args = _args(argv)
+    if args.nproc > 1 and "RANK" not in os.environ:
+        child = list(argv)
+        for i, a in enumerate(child):  # the children know their world from torchrun
+            if a == "--nproc":
+                del child[i : i + 2]
+                break
+            if a.startswith("--nproc="):
+                del child[i]
+                break
+        return _relaunch(args, child)
+
+    from megathunder import synthetic as syn
+    from megathunder.config import LearnerConfig, LedgerConfig, ObjectiveConfig
+    from megathunder.learner.learner import MegatronLearner
+    from megathunder.learner.parallel import destroy_distributed, init_distributed
+
+    cfg = LearnerConfig.model_validate({
+        "parallel": {"tensor_parallel": args.tp, "pipeline_parallel": args.pp},
+        "model": {"vocab_size": args.vocab_size, "hidden_size": args.hidden_size,
+                  "ffn_hidden_size": 4 * args.hidden_size, "num_layers": args.num_layers,
+                  "num_attention_heads": args.num_heads, "num_query_groups": max(1, args.num_heads // 2),
+                  "max_position_embeddings": args.seq_len + 1, "tie_word_embeddings": False},
+        "precision": {"params_dtype": args.dtype, "layer_spec": args.layer_spec, "fp8": args.fp8},
+        "optimizer": {"lr": 1e-6},
+    })
+    objective = ObjectiveConfig(advantage="grpo")
+    groups = init_distributed(cfg)
+    learner = MegatronLearner.build(cfg, objective, groups)
+    rng = random.Random(0)
+    batch = syn.random_batch(rng, [args.group_size] * args.num_groups, args.vocab_size, args.seq_len + 1,
+                             empty_prob=0.0)
+    for t in batch:
+        t.tokens = torch.randint(0, args.vocab_size, (args.seq_len + 1,))
+        t.loss_mask = torch.ones(args.seq_len, dtype=torch.bool)
+        t.loss_mask[:16] = False
+        t.rollout_logprobs = t.ref_logprobs = None
+        t.truncated = False
+    rewards = [float(rng.random() < 0.5) for _ in batch]
+    dp, dp_rank = groups.dims.dp, groups.dp_rank
+    owner = [t.traj_id % dp for t in batch]
+    plan = syn.group_plan(batch)
+
+    def run_sync() -> None:
+        learner.sync_step_gradient(batch, rewards, owner)
+        learner.step()
+
+    def run_thunder(slots: int | None) -> None:
+        from megathunder.streaming import GradientLedger
+
+        ledger = ledgers.setdefault(slots, GradientLedger(learner.backend, objective, LedgerConfig(max_group_slots=slots)))
+        ledger.begin_batch(plan)
+        for t in batch:
+            if owner[t.traj_id] == dp_rank:
+                ledger.on_finished(t)
+            else:
+                ledger.on_remote_finished(t.traj_id, learner.num_loss_tokens(t))
+        for t in batch:
+            ledger.on_reward(t.traj_id, rewards[t.traj_id])
+        ledger.close_batch()
+        learner.step()
+
+    ledgers: dict = {}
+    modes = {"sync": run_sync, "thunder_K0": lambda: run_thunder(0), "thunder_Kinf": lambda: run_thunder(None)}
+    times: dict[str, list[float]] = {m: [] for m in modes}
+    for fn in modes.values():  # warm-up (allocations, first-call costs)
+        fn()
+    for _ in range(args.repeats):
+        for name, fn in modes.items():  # interleaved, so machine noise hits every mode alike
+            t0 = _sync_time(groups.device)
+            fn()
+            times[name].append(_sync_time(groups.device) - t0)
+
+    median = {m: statistics.median(v) for m, v in times.items()}
+    tokens = sum(t.tokens.numel() - 1 for t in batch)
+    num_params = sum(p.numel() for p in learner.model.parameters()) * groups.dims.tp * groups.dims.pp
+    m = learner.model_cfg
+    flops_per_token = 6 * num_params + 12 * m.num_layers * m.hidden_size * args.seq_len
+    result = {
+        "bench": "learner",
+        "layout": {"tp": groups.dims.tp, "pp": groups.dims.pp, "dp": groups.dims.dp},
+        "device": torch.cuda.get_device_name() if groups.device.type == "cuda" else "cpu",
+        "dtype": args.dtype, "layer_spec": args.layer_spec, "fp8": args.fp8,
+        "num_params": num_params, "tokens_per_step": tokens,
+        "step_s": {k: round(v, 4) for k, v in median.items()},
+        "ratio_thunder_K0_vs_sync": round(median["thunder_K0"] / median["sync"], 4),
+        "ratio_thunder_Kinf_vs_sync": round(median["thunder_Kinf"] / median["sync"], 4),
+        "tokens_per_s_sync": round(tokens / median["sync"], 1),
+        "tokens_per_s_thunder_Kinf": round(tokens / median["thunder_Kinf"], 1),
+    }
+    if groups.device.type == "cuda":
+        name = torch.cuda.get_device_name()
+        peak = args.peak_tflops or next((v for k, v in PEAK_TFLOPS.items() if k in name), None)
+        if peak:
+            world = groups.world_size
+            for mode in ("sync", "thunder_Kinf"):
+                result[f"mfu_{mode}"] = round(flops_per_token * tokens / median[mode] / (peak * 1e12 * world), 4)
+    if groups.rank == 0:
+        print(f"model {num_params / 1e6:.2f}M params, {len(batch)} trajectories x {args.seq_len} tokens, "
+              f"layout tp={groups.dims.tp} pp={groups.dims.pp} dp={groups.dims.dp}, {result['device']}")
+        for k, v in median.items():
+            print(f"  {k:<14} step {v * 1e3:9.1f} ms   {tokens / v:10.0f} tokens/s")
+        print(f"  thunder/sync: K=0 {result['ratio_thunder_K0_vs_sync']:.3f}, "
+              f"K=unbounded {result['ratio_thunder_Kinf_vs_sync']:.3f} (target <= 1.05)")
+        print(json.dumps(result))
+    destroy_distributed()
+    return 0

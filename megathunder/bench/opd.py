@@ -1,0 +1,166 @@
+"""``megathunder bench opd``: per-turn OPD strategies' cost, for trajectories of 2, 8 and 32 turns.
+
+For each strategy (recompute, kv_adjoint, forward_early), on one trajectory whose turns arrive
+one by one (prompt, then turn / tool output alternating):
+
+- learner work in token passes (forward tokens + backward tokens), relative to one full-trajectory
+  forward + backward (2 L): deterministic, the figure to choose by;
+- the work left after the last turn arrives (the critical path: what delays the step), same unit;
+- peak bytes of activations held for backward (saved-tensor hooks), relative to the full pass;
+- the same two ratios in measured time (noisy on a shared CPU; small models are dominated by
+  per-call overhead, so prefer the token-pass figures there).
+
+The default strategy is chosen from these figures (BENCHMARKS.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import random
+import statistics
+import time
+from collections.abc import Sequence
+
+import torch
+
+from megathunder.config import ModelConfig
+from megathunder.models.torch_decoder import build_torch_decoder
+from megathunder.streaming.opd_turns import TurnStreamer, opd_reference_gradient
+
+
+class _SavedBytes:
+    """Bytes of tensors autograd currently holds for backward (live count and peak)."""
+
+    def __init__(self) -> None:
+        self.live = self.peak = 0
+
+    def __enter__(self):
+        import weakref
+
+        def pack(t):
+            n = t.numel() * t.element_size()
+            self.live += n
+            self.peak = max(self.peak, self.live)
+            box = _Box(t, n, self)
+            weakref.finalize(box, _release, self, n)
+            return box
+
+        self._ctx = torch.autograd.graph.saved_tensors_hooks(pack, lambda box: box.t)
+        self._ctx.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._ctx.__exit__(*exc)
+
+
+class _Box:
+    __slots__ = ("t", "n", "owner", "__weakref__")
+
+    def __init__(self, t, n, owner):
+        self.t, self.n, self.owner = t, n, owner
+
+
+def _release(owner: _SavedBytes, n: int) -> None:
+    owner.live -= n
+
+
+def main(argv: Sequence[str]) -> int:
+    p = argparse.ArgumentParser(prog="megathunder bench opd", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--turns", type=int, nargs="+", default=[2, 8, 32])
+    p.add_argument("--turn-tokens", type=int, default=32)
+    p.add_argument("--tool-tokens", type=int, default=32)
+    p.add_argument("--hidden-size", type=int, default=256)
+    p.add_argument("--num-layers", type=int, default=4)
+    p.add_argument("--repeats", type=int, default=2)
+    args = p.parse_args(argv)
+
+    max_len = 16 + max(args.turns) * (args.turn_tokens + args.tool_tokens)
+    cfg = ModelConfig(vocab_size=512, hidden_size=args.hidden_size, num_layers=args.num_layers,
+                      num_heads=max(1, args.hidden_size // 64), max_seq_len=max_len)
+    student, teacher = build_torch_decoder(cfg, seed=0), build_torch_decoder(cfg, seed=1)
+
+    @torch.no_grad()
+    def score(tokens, start, end):  # teacher scoring is not learner work: kept outside the timers
+        logits = teacher(tokens[None, :end])[0]
+        return torch.log_softmax(logits, -1)[start - 1 : end - 1].gather(-1, tokens[start:end, None])[:, 0]
+
+    rows = []
+    print(f"{'turns':>5} {'strategy':<14} {'work/full':>9} {'after last turn':>15} {'activations':>11}"
+          f" {'time/full':>9} {'time after last':>15}")
+    for num_turns in args.turns:
+        rng = random.Random(num_turns)
+        tok = lambda n: [rng.randrange(512) for _ in range(n)]  # noqa: E731
+        parts = [("prompt", tok(16))]
+        for k in range(num_turns):
+            parts.append(("turn", tok(args.turn_tokens)))
+            if k + 1 < num_turns:
+                parts.append(("tool", tok(args.tool_tokens)))
+        tokens = torch.tensor([t for _, toks in parts for t in toks])
+        mask = torch.tensor([kind == "turn" for kind, toks in parts for _ in toks][1:])
+
+        def full_pass(measure_memory: bool):
+            student.zero_grad(set_to_none=True)
+            timed = _Timed(score)
+            with _SavedBytes() if measure_memory else contextlib.nullcontext() as saved:
+                t0 = time.perf_counter()
+                opd_reference_gradient(student, [(tokens, mask)], timed, 1.0, "token_mean")
+                elapsed = time.perf_counter() - t0 - timed.seconds
+            return elapsed, saved.peak if measure_memory else 0
+
+        full_bytes = full_pass(True)[1]
+        full_s = statistics.median(full_pass(False)[0] for _ in range(args.repeats + 1))
+        for strategy in ("recompute", "kv_adjoint", "forward_early"):
+            totals, tails, peaks, work, work_tail = [], [], [], [], []
+            for rep in range(args.repeats + 2):  # run 0 measures memory (hooks distort time)
+                student.zero_grad(set_to_none=True)
+                timed = _Timed(score)
+                streamer = TurnStreamer(student, timed, strategy=strategy)
+                with _SavedBytes() if rep == 0 else contextlib.nullcontext() as saved:
+                    t0 = time.perf_counter()
+                    streamer.begin_trajectory(0, parts[0][1])
+                    for kind, toks in parts[1:]:
+                        if kind == "turn":
+                            t_last = time.perf_counter()
+                            tool_before = timed.seconds
+                            passes_before = streamer.stats["forward_tokens"] + streamer.stats["backward_tokens"]
+                            streamer.on_turn(0, toks)
+                        else:
+                            streamer.on_tool_output(0, toks)
+                    streamer.end_trajectory(0)
+                    end = time.perf_counter()
+                totals.append(end - t0 - timed.seconds)
+                tails.append(end - t_last - (timed.seconds - tool_before))
+                if rep == 0:
+                    peaks.append(saved.peak)
+                    continue
+                passes = streamer.stats["forward_tokens"] + streamer.stats["backward_tokens"]
+                work.append(passes / (2 * len(tokens)))
+                work_tail.append((passes - passes_before) / (2 * len(tokens)))
+            row = {"turns": num_turns, "strategy": strategy,
+                   "work_vs_full": round(work[-1], 3),
+                   "work_after_last_turn_vs_full": round(work_tail[-1], 3),
+                   "activations_vs_full": round(peaks[0] / full_bytes, 3),
+                   "time_vs_full": round(statistics.median(totals[1:]) / full_s, 3),
+                   "time_after_last_turn_vs_full": round(statistics.median(tails[1:]) / full_s, 3)}
+            rows.append(row)
+            print(f"{num_turns:>5} {strategy:<14} {row['work_vs_full']:>9.2f} "
+                  f"{row['work_after_last_turn_vs_full']:>15.2f} {row['activations_vs_full']:>11.2f}"
+                  f" {row['time_vs_full']:>9.2f} {row['time_after_last_turn_vs_full']:>15.2f}")
+    print(json.dumps({"bench": "opd", "rows": rows}))
+    return 0
+
+
+class _Timed:
+    """Wraps the teacher so its time can be taken out of the learner's."""
+
+    def __init__(self, fn) -> None:
+        self.fn, self.seconds = fn, 0.0
+
+    def __call__(self, *a):
+        t0 = time.perf_counter()
+        out = self.fn(*a)
+        self.seconds += time.perf_counter() - t0
+        return out

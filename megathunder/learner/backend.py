@@ -1,0 +1,125 @@
+"""The gradient ledger's backend on Megatron: each trajectory is a micro-batch of Megatron's own
+forward-backward schedule (pipeline parallel included), accumulating into DDP's gradient buffers.
+
+The "live" gradient storage the ledger reads is ``DistributedDataParallel.buffers[*].grad_data``
+-- the flat buffers every parameter's ``main_grad`` is a view of. A backward for the ledger runs
+inside ``no_sync`` (no data-parallel communication per trajectory), after ``zero_grad_buffer``;
+the ledger copies or adds the result into its own accumulators. At batch close the final
+gradient is written back into ``grad_data`` and reduced across data-parallel ranks once.
+
+All ranks of one model-parallel group (TP and PP peers) must call ``backward`` with the same
+trajectories in the same order: the schedule communicates between them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from functools import partial
+
+import torch
+
+from megathunder.config import ObjectiveConfig
+from megathunder.learner.logprobs import vocab_parallel_logprobs
+from megathunder.learner.parallel import ProcessGroups
+from megathunder.objectives import LossSpec, trajectory_loss
+from megathunder.streaming.buffers import GradBuffer
+from megathunder.trajectory import Trajectory
+
+
+def run_schedule(
+    ddp_model: torch.nn.Module,
+    groups: ProcessGroups,
+    items: Sequence[Trajectory],
+    loss_fn: Callable[[int, torch.Tensor, torch.Tensor | None], torch.Tensor],
+    *,
+    need_entropy: bool,
+    forward_only: bool = False,
+) -> list[dict]:
+    """One Megatron forward(-backward) schedule call with one micro-batch per trajectory.
+
+    ``loss_fn(k, logp_T, entropy_T)`` gives micro-batch k's scalar loss on the last stage. Returns,
+    on the last stage, one dict per micro-batch with its detached ``logp`` (and ``entropy``).
+    """
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    device = groups.device
+    index = iter(range(len(items)))
+
+    def forward_step(data_iterator, model):
+        k = next(data_iterator)
+        tokens = items[k].tokens.to(device)
+        inputs, labels = tokens[None, :-1], tokens[1:]
+        positions = torch.arange(inputs.shape[1], device=device)[None]
+        output = model(inputs, positions, attention_mask=None)
+        return output, partial(_loss_func, k, labels)
+
+    def _loss_func(k, labels, output):
+        logp, entropy = vocab_parallel_logprobs(output[0], labels, groups.tp, need_entropy)
+        loss = loss_fn(k, logp, entropy)
+        report = {"logp": logp.detach()}
+        if entropy is not None:
+            report["entropy"] = entropy.detach()
+        return loss, torch.ones((), dtype=torch.int, device=device), report
+
+    seq_length = max(t.tokens.numel() - 1 for t in items)
+    extra = {}
+    if groups.dims.pp > 1:
+        from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+
+        config = ddp_model.config
+        config.variable_seq_lengths = True  # one micro-batch per trajectory, each its own length
+        extra["p2p_communicator"] = P2PCommunicator(pp_group=groups.pp, config=config)
+    return get_forward_backward_func()(
+        forward_step_func=forward_step,
+        data_iterator=index,
+        model=[ddp_model],
+        num_microbatches=len(items),
+        seq_length=seq_length,
+        micro_batch_size=1,
+        forward_only=forward_only,
+        pg_collection=groups.collection,
+        **extra,
+    )
+
+
+class MegatronBackend:
+    """``GradientBackend`` over a Megatron ``DistributedDataParallel`` model chunk."""
+
+    def __init__(self, ddp_model, groups: ProcessGroups, objective: ObjectiveConfig) -> None:
+        self.ddp = ddp_model
+        self.groups = groups
+        self.objective = objective
+        buffers = list(ddp_model.buffers) + list(getattr(ddp_model, "expert_parallel_buffers", []))
+        self.live = GradBuffer([b.grad_data for b in buffers])
+        self.num_backward = 0
+
+    def zeros(self) -> GradBuffer:
+        return GradBuffer.zeros_like(self.live)
+
+    def backward(self, traj: Trajectory, specs: Sequence[LossSpec]) -> Iterator[GradBuffer]:
+        # One schedule call per spec: a pipeline schedule runs exactly one backward per forward.
+        for spec in specs:
+            self.ddp.zero_grad_buffer()
+            with self.ddp.no_sync():
+                run_schedule(
+                    self.ddp, self.groups, [traj],
+                    lambda _k, logp, ent, spec=spec: trajectory_loss(logp, ent, traj, spec, self.objective),
+                    need_entropy=self.objective.entropy_coef > 0,
+                )
+            self.num_backward += 1
+            yield self.live
+
+    def backward_sum(self, trajs: Sequence[Trajectory], specs: Sequence[LossSpec]) -> GradBuffer:
+        """Sum of several trajectories' gradients from one schedule call (pipelined under PP)."""
+        self.ddp.zero_grad_buffer()
+        with self.ddp.no_sync():
+            run_schedule(
+                self.ddp, self.groups, list(trajs),
+                lambda k, logp, ent: trajectory_loss(logp, ent, trajs[k], specs[k], self.objective),
+                need_entropy=self.objective.entropy_coef > 0,
+            )
+        self.num_backward += len(trajs)
+        return self.live
+
+    def load_grad(self, grad: GradBuffer) -> None:
+        self.live.copy_(grad)

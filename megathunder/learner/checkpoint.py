@@ -1,0 +1,80 @@
+"""Resumable learner checkpoints with ``megatron.core.dist_checkpointing`` (torch_dist format).
+
+One directory per step: the model's and the optimizer's sharded state (so a checkpoint saved with
+one TP x PP layout loads into another), the LR scheduler, the step count and the RNG state.
+Writing goes to ``step_N.tmp`` and is renamed to ``step_N`` only when every rank has finished,
+so a crash mid-save never leaves a directory that looks complete; ``latest`` names the newest.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+# The optimizer state layout that reshards across TP/PP/DP (Megatron's "fully reshardable").
+_OPTIM_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
+
+
+def _sharded_state(learner, is_loading: bool) -> dict:
+    model_sd = learner.model.sharded_state_dict()
+    return {
+        "model": model_sd,
+        "optimizer": learner.optimizer.sharded_state_dict(model_sd, is_loading=is_loading,
+                                                          metadata=_OPTIM_METADATA),
+    }
+
+
+def save_checkpoint(learner, root: str | Path) -> Path:
+    from megatron.core import dist_checkpointing
+
+    root = Path(root)
+    final = root / f"step_{learner.num_steps}"
+    tmp = root / f"step_{learner.num_steps}.tmp"
+    if learner.groups.rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    dist.barrier()
+    state = _sharded_state(learner, is_loading=False)
+    state["scheduler"] = learner.scheduler.state_dict()
+    state["num_steps"] = learner.num_steps
+    dist_checkpointing.save(state, str(tmp), content_metadata=_OPTIM_METADATA)
+    dist.barrier()
+    if learner.groups.rank == 0:
+        shutil.rmtree(final, ignore_errors=True)
+        tmp.rename(final)
+        (root / "latest").write_text(final.name + "\n")
+    dist.barrier()
+    return final
+
+
+def latest_checkpoint(root: str | Path) -> Path | None:
+    marker = Path(root) / "latest"
+    if not marker.is_file():
+        return None
+    path = Path(root) / marker.read_text().strip()
+    return path if path.is_dir() else None
+
+
+def load_checkpoint(learner, path: str | Path, load_optimizer: bool = True) -> None:
+    from megatron.core import dist_checkpointing
+
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"checkpoint directory {path} does not exist")
+    state = _sharded_state(learner, is_loading=True)
+    if not load_optimizer:
+        del state["optimizer"]
+    state["scheduler"] = learner.scheduler.state_dict()
+    state["num_steps"] = 0
+    loaded = dist_checkpointing.load(state, str(path))
+    learner.model.load_state_dict(loaded["model"], strict=False)
+    if load_optimizer:
+        learner.optimizer.load_state_dict(loaded["optimizer"])
+    learner.scheduler.load_state_dict(loaded["scheduler"])
+    learner.num_steps = int(loaded["num_steps"])
+    if learner.reference is not None and learner.num_steps == 0:
+        learner.reference.load_state_dict(learner.model.state_dict(), strict=False)
+    torch.distributed.barrier()

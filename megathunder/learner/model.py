@@ -1,0 +1,140 @@
+"""The policy as megatron-core ``GPTModel``: dense Llama / Qwen2 / Qwen3 decoders.
+
+All three families are RMSNorm + SwiGLU + RoPE + grouped-query attention; they differ in
+biases (Qwen2 has q/k/v biases), q/k RMSNorm (Qwen3) and tied embeddings (small Qwen models).
+The layer spec is Megatron's ``local`` spec (CPU and GPU) or Transformer Engine's (GPU; required
+for FP8, whose format and recipe are passed to TE through ``TransformerConfig``).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from megathunder.config import ConfigError, LearnerConfig, PolicyModelConfig, PrecisionConfig
+from megathunder.learner.parallel import ProcessGroups
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def policy_config_from_hf(hf_dir: str | Path, base: PolicyModelConfig) -> PolicyModelConfig:
+    """Sizes from a Hugging Face ``config.json`` (model_type llama, qwen2 or qwen3)."""
+    path = Path(hf_dir) / "config.json"
+    if not path.is_file():
+        raise ConfigError(f"learner.model.hf_checkpoint: no config.json in {hf_dir}")
+    hf = json.loads(path.read_text())
+    family = hf.get("model_type")
+    if family not in ("llama", "qwen2", "qwen3"):
+        raise ConfigError(
+            f"learner.model.hf_checkpoint: model_type {family!r} in {path} is not one of llama, qwen2, qwen3"
+        )
+    if family == "llama" and (hf.get("attention_bias") or hf.get("mlp_bias")):
+        raise ConfigError("learner.model.hf_checkpoint: llama with attention/mlp biases is not supported")
+    heads = hf["num_attention_heads"]
+    return base.model_copy(update=dict(
+        family=family,
+        vocab_size=hf["vocab_size"],
+        hidden_size=hf["hidden_size"],
+        ffn_hidden_size=hf["intermediate_size"],
+        num_layers=hf["num_hidden_layers"],
+        num_attention_heads=heads,
+        num_query_groups=hf.get("num_key_value_heads") or heads,
+        head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+        max_position_embeddings=hf.get("max_position_embeddings", base.max_position_embeddings),
+        rope_theta=float(hf.get("rope_theta") or (hf.get("rope_parameters") or {}).get("rope_theta", 10000.0)),
+        norm_eps=hf.get("rms_norm_eps", base.norm_eps),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+    ))
+
+
+def transformer_config(model: PolicyModelConfig, precision: PrecisionConfig, groups: ProcessGroups):
+    from megatron.core.transformer import TransformerConfig
+
+    dtype = DTYPES[precision.params_dtype]
+    on_gpu = groups.device.type == "cuda"
+    fp8 = {}
+    if precision.fp8 is not None:
+        fp8 = dict(
+            fp8=precision.fp8,
+            fp8_recipe=precision.fp8_recipe,
+            fp8_margin=precision.fp8_margin,
+            fp8_amax_history_len=precision.fp8_amax_history_len,
+            fp8_amax_compute_algo=precision.fp8_amax_compute_algo,
+        )
+    return TransformerConfig(
+        num_layers=model.num_layers,
+        hidden_size=model.hidden_size,
+        ffn_hidden_size=model.ffn_hidden_size,
+        num_attention_heads=model.num_attention_heads,
+        num_query_groups=model.num_query_groups,
+        kv_channels=model.head_dim or model.hidden_size // model.num_attention_heads,
+        layernorm_epsilon=model.norm_eps,
+        normalization="RMSNorm",
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=model.family == "qwen2",
+        qk_layernorm=model.family == "qwen3",
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        tensor_model_parallel_size=groups.dims.tp,
+        pipeline_model_parallel_size=groups.dims.pp,
+        use_cpu_initialization=not on_gpu,
+        perform_initialization=True,
+        bias_dropout_fusion=on_gpu,
+        apply_rope_fusion=False,
+        masked_softmax_fusion=on_gpu,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+        calculate_per_token_loss=True,  # DP reduction sums the ranks' partial gradients
+        **fp8,
+    )
+
+
+def layer_spec(model: PolicyModelConfig, precision: PrecisionConfig):
+    qk_norm = model.family == "qwen3"
+    if precision.layer_spec == "transformer_engine":
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+
+        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_norm)
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    return get_gpt_layer_local_spec(qk_layernorm=qk_norm, normalization="RMSNorm")
+
+
+def resolve_model_config(cfg: LearnerConfig) -> PolicyModelConfig:
+    if cfg.model.hf_checkpoint is None:
+        return cfg.model
+    return policy_config_from_hf(cfg.model.hf_checkpoint, cfg.model)
+
+
+def build_gpt_model(model_cfg: PolicyModelConfig, precision: PrecisionConfig, groups: ProcessGroups):
+    """The GPTModel chunk of this pipeline stage (weights randomly initialised)."""
+    from megatron.core.models.gpt import GPTModel
+
+    groups.dims.check_model(model_cfg)
+    config = transformer_config(model_cfg, precision, groups)
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=layer_spec(model_cfg, precision),
+        vocab_size=model_cfg.vocab_size,
+        max_sequence_length=model_cfg.max_position_embeddings,
+        pre_process=groups.is_first_stage,
+        post_process=groups.is_last_stage,
+        share_embeddings_and_output_weights=model_cfg.tie_word_embeddings,
+        position_embedding_type="rope",
+        rotary_base=int(model_cfg.rope_theta) if float(model_cfg.rope_theta).is_integer() else model_cfg.rope_theta,
+        pg_collection=groups.collection,
+    )
+    return model.to(groups.device)
+
+
+def layer_offset(model_cfg: PolicyModelConfig, groups: ProcessGroups) -> int:
+    """Global index of this stage's first transformer layer (layers split evenly)."""
+    return groups.pp_rank * (model_cfg.num_layers // groups.dims.pp)

@@ -1,0 +1,315 @@
+"""The multi-turn agent loop: many concurrent episodes, each a growing list of token ids.
+
+One episode: prompt ids from the chat template; then per turn, generate until ``<|im_end|>``,
+emit ``turn_finished`` at once (the tool call has not started: per-turn distillation can score
+the turn while the tool runs), parse the turn's tool calls, run them in the episode's sandbox,
+append their outputs as masked ids, continue. No tool call ends the episode (the model answered).
+Then ``trajectory_finished``; the task's verifier runs in the verifier pool, then ``reward``.
+
+Per-target layout (as in :class:`megathunder.trajectory.Trajectory`): target ``t`` is token
+``t + 1``. Generated tokens are trained (``loss_mask`` True, engine logprob kept); prompt, tool
+outputs and template glue are masked (logprob 0.0, never used).
+
+Limits: ``agent.max_turns``; ``agent.max_total_tokens`` over the whole episode (a turn gets at most
+the room left; a turn cut by a length limit ends the episode as truncated, a tool output that
+would not fit ends it before the output); ``agent.episode_wall_time_s`` (generation and tools are
+cancelled at the deadline, killing the tool's processes; the verifier still scores the state).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+from megathunder.rollout.chat import IM_END, ChatCodec, ToolCall, ToolCallError, parse_tool_calls
+from megathunder.rollout.sandbox import Sandbox, build_sandbox
+from megathunder.rollout.tools import Tool, ToolArgumentError
+from megathunder.rollout.types import Completion, RolloutEngine, RolloutEvent, SamplingParams
+from megathunder.rollout.verifiers import RewardOutcome, VerifierPool
+from megathunder.tasks.base import Task, TaskInstance
+
+log = logging.getLogger(__name__)
+
+StopReason = Literal["answered", "max_turns", "max_tokens", "wall_time", "engine_abort"]
+
+
+@dataclass
+class ToolRun:
+    name: str
+    arguments: dict | None  # None when the call could not be parsed
+    observation: str
+    duration_s: float
+    ok: bool
+
+
+@dataclass
+class Turn:
+    index: int
+    start: int  # position of the turn's first generated token in ``token_ids``
+    end: int  # one past its last generated token
+    finish_reason: str
+    policy_version: int
+    started_at: float  # time.monotonic()
+    generated_at: float
+    tools_done_at: float | None = None
+    tool_runs: list[ToolRun] = field(default_factory=list)
+
+    @property
+    def generation_s(self) -> float:
+        return self.generated_at - self.started_at
+
+    @property
+    def tool_s(self) -> float:
+        return 0.0 if self.tools_done_at is None else self.tools_done_at - self.generated_at
+
+
+@dataclass
+class Episode:
+    """One trajectory as the agent loop built it, with turn boundaries and timings."""
+
+    traj_id: int
+    group_id: int
+    instance_id: str
+    prompt_len: int
+    token_ids: list[int]
+    loss_mask: list[bool]  # per target: len(token_ids) - 1
+    rollout_logprobs: list[float]  # per target; 0.0 where masked
+    turns: list[Turn] = field(default_factory=list)
+    stop_reason: StopReason | None = None
+    truncated: bool = False
+    started_at: float = 0.0
+    finished_at: float = 0.0
+    reward: RewardOutcome | None = None
+    final_text: str = ""  # the last model turn, decoded
+
+    @property
+    def generation_s(self) -> float:
+        return sum(t.generation_s for t in self.turns)
+
+    @property
+    def tool_s(self) -> float:
+        return sum(t.tool_s for t in self.turns)
+
+    @property
+    def policy_versions(self) -> set[int]:
+        return {t.policy_version for t in self.turns}
+
+    def to_trajectory(self):
+        """The learner's :class:`~megathunder.trajectory.Trajectory` (torch tensors)."""
+        import torch
+
+        from megathunder.trajectory import Trajectory
+
+        return Trajectory(
+            traj_id=self.traj_id,
+            group_id=self.group_id,
+            tokens=torch.tensor(self.token_ids, dtype=torch.int64),
+            loss_mask=torch.tensor(self.loss_mask, dtype=torch.bool),
+            rollout_logprobs=torch.tensor(self.rollout_logprobs, dtype=torch.float32),
+            truncated=self.truncated,
+        )
+
+    @classmethod
+    def from_prompt(
+        cls, traj_id: int, group_id: int, instance_id: str, prompt: list[int], started_at: float
+    ) -> Episode:
+        num_targets = len(prompt) - 1
+        return cls(
+            traj_id, group_id, instance_id, len(prompt), list(prompt),
+            [False] * num_targets, [0.0] * num_targets, started_at=started_at,
+        )  # fmt: skip
+
+    def append(self, ids: Sequence[int], logprobs: Sequence[float] | None) -> None:
+        """Generated ids (trained, with their engine logprobs) or, with None, masked ids."""
+        trained = logprobs is not None
+        self.token_ids += ids
+        self.loss_mask += [trained] * len(ids)
+        self.rollout_logprobs += list(logprobs) if trained else [0.0] * len(ids)
+
+
+EventSink = Callable[[RolloutEvent], None]
+
+
+class AgentLoop:
+    def __init__(
+        self,
+        engine: RolloutEngine,
+        codec: ChatCodec,
+        task: Task,
+        agent_cfg,  # megathunder.config.AgentLoopConfig
+        sandbox_cfg,  # megathunder.config.SandboxConfig
+        verifiers: VerifierPool,
+        *,
+        temperature: float = 1.0,
+        emit: EventSink | None = None,
+    ) -> None:
+        self.engine, self.codec, self.task = engine, codec, task
+        self.cfg, self.sandbox_cfg, self.verifiers = agent_cfg, sandbox_cfg, verifiers
+        self.temperature = temperature
+        self.emit = emit or (lambda event: None)
+        self.tools: dict[str, Tool] = {t.name: t for t in task.tools}
+        self._slots = asyncio.Semaphore(agent_cfg.max_concurrent_episodes)
+
+    def _event(self, kind, ep: Episode, **kw) -> None:
+        self.emit(
+            RolloutEvent(
+                kind=kind, traj_id=ep.traj_id, group_id=ep.group_id, time=time.monotonic(), **kw
+            )
+        )
+
+    async def run_batch(
+        self, instances: Sequence[TaskInstance], samples_per_prompt: int, *, seed: int | None = None
+    ) -> list[Episode]:
+        """``samples_per_prompt`` episodes per instance (a group each), all run concurrently.
+
+        Trajectory ``g * samples_per_prompt + k`` is sample ``k`` of group ``g``. With ``seed``
+        (vary it per batch), sampling is reproducible; without, the engine draws its own.
+        """
+        jobs = []
+        for g, inst in enumerate(instances):
+            for k in range(samples_per_prompt):
+                traj_id = g * samples_per_prompt + k
+                ep_seed = None if seed is None else seed * 1_000_003 + traj_id
+                jobs.append(self.run_episode(inst, traj_id=traj_id, group_id=g, seed=ep_seed))
+        return list(await asyncio.gather(*jobs))
+
+    async def run_episode(
+        self, inst: TaskInstance, *, traj_id: int, group_id: int, seed: int | None = None
+    ) -> Episode:
+        async with self._slots:
+            sandbox = (
+                await build_sandbox(self.sandbox_cfg, inst.image)
+                if self.task.needs_sandbox
+                else None
+            )
+            try:
+                return await self._episode(inst, traj_id, group_id, seed, sandbox)
+            finally:
+                if sandbox is not None:
+                    await sandbox.close()
+
+    async def _episode(self, inst, traj_id, group_id, seed, sandbox: Sandbox | None) -> Episode:
+        started = time.monotonic()
+        deadline = started + self.cfg.episode_wall_time_s
+        await self.task.setup(inst, sandbox)
+        prompt = self.codec.prompt_ids(self.task.messages(inst))
+        ep = Episode.from_prompt(traj_id, group_id, inst.instance_id, prompt, started)
+        try:
+            ep.stop_reason = await self._turns(ep, sandbox, deadline, seed)
+        except TimeoutError:
+            ep.stop_reason = "wall_time"
+        ep.finished_at = time.monotonic()
+        self._event("trajectory_finished", ep, payload={"episode": ep})
+
+        ep.reward = await self.verifiers.score(
+            lambda: self.task.verify(inst, ep, sandbox), traj_id=traj_id
+        )
+        self._event("reward", ep, payload=ep.reward.as_payload())
+        return ep
+
+    async def _turns(self, ep: Episode, sandbox, deadline: float, seed) -> StopReason:
+        for index in range(self.cfg.max_turns):
+            room = self.cfg.max_total_tokens - len(ep.token_ids)
+            if room <= 0:
+                ep.truncated = True
+                return "max_tokens"
+            params = SamplingParams(
+                max_new_tokens=min(self.cfg.max_new_tokens_per_turn, room),
+                temperature=self.temperature,
+                stop_token_ids=(self.codec.im_end_id,),
+                seed=None if seed is None else (seed * 1009 + index) % 2**63,
+            )
+            t0 = time.monotonic()
+            out: Completion = await asyncio.wait_for(
+                self.engine.generate(ep.token_ids, params), _remaining(deadline)
+            )
+            start = len(ep.token_ids)
+            turn = Turn(
+                index=index, start=start, end=start + len(out.token_ids),
+                finish_reason=out.finish_reason, policy_version=out.policy_version,
+                started_at=t0, generated_at=time.monotonic(),
+            )  # fmt: skip
+            ep.append(out.token_ids, out.logprobs)
+            ep.turns.append(turn)
+            ep.final_text = self.codec.decode(out.token_ids).removesuffix(IM_END)
+            if out.finish_reason == "stop" and out.token_ids[-1:] != [self.codec.im_end_id]:
+                # The engine stopped on <|im_end|> but did not return it: close the turn (masked).
+                ep.append([self.codec.im_end_id], None)
+            self._event(
+                "turn_finished", ep, turn_index=index,
+                payload={"start": turn.start, "end": turn.end, "token_ids": list(ep.token_ids[: turn.end]),
+                         "logprobs": list(out.logprobs), "policy_version": out.policy_version},
+            )  # fmt: skip
+            if out.finish_reason == "abort":
+                return "engine_abort"
+            if out.finish_reason == "length":
+                ep.truncated = True
+                return "max_tokens"
+
+            calls = parse_tool_calls(ep.final_text)
+            if not calls:
+                return "answered"
+            limit = self.cfg.max_tool_calls_per_turn
+            observations = [await self._run_tool(c, sandbox, deadline, turn) for c in calls[:limit]]
+            if len(calls) > limit:
+                observations.append(
+                    f"[error: only {limit} tool calls per turn are run; {len(calls) - limit} ignored]"
+                )
+            turn.tools_done_at = time.monotonic()
+            response = self.codec.tool_response_ids(observations)
+            if len(ep.token_ids) + len(response) >= self.cfg.max_total_tokens:
+                ep.truncated = True
+                return "max_tokens"
+            ep.append(response, None)
+        return "max_turns"
+
+    async def _run_tool(
+        self, call: ToolCall | ToolCallError, sandbox, deadline: float, turn: Turn
+    ) -> str:
+        t0 = time.monotonic()
+        name, args = getattr(call, "name", "?"), getattr(call, "arguments", None)
+        if isinstance(call, ToolCallError):
+            obs, ok = f"[error: {call.message}]", False
+        elif call.name not in self.tools:
+            available = ", ".join(self.tools) or "none"
+            obs, ok = f"[error: unknown tool {call.name!r}; available: {available}]", False
+        else:
+            tool = self.tools[call.name]
+            try:
+                obs = await asyncio.wait_for(
+                    tool.run(sandbox, tool.check_arguments(call.arguments)), _remaining(deadline)
+                )
+                ok = not obs.rstrip().rpartition("\n")[2].startswith("[error:")  # last line
+            except ToolArgumentError as err:
+                obs, ok = f"[error: {err}]", False
+            except TimeoutError:
+                raise  # the episode's wall time is over
+            except Exception as err:  # a crashing tool is an observation, not a dead episode
+                log.warning("tool %s crashed: %r", call.name, err)
+                obs, ok = f"[error: tool {call.name!r} crashed: {type(err).__name__}: {err}]", False
+        turn.tool_runs.append(ToolRun(name, args, obs, time.monotonic() - t0, ok))
+        return obs
+
+
+def _remaining(deadline: float) -> float:
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutError
+    return left
+
+
+def build_agent_loop(
+    cfg, engine: RolloutEngine, codec: ChatCodec, *, emit: EventSink | None = None
+):
+    """The agent loop of a :class:`megathunder.config.Config`: its task, sandbox, verifier pool
+    and limits (``agent``), sampling at ``rollout.temperature``."""
+    from megathunder.tasks import build_task
+
+    return AgentLoop(
+        engine, codec, build_task(cfg.task), cfg.agent, cfg.sandbox, VerifierPool(cfg.verifier),
+        temperature=cfg.rollout.temperature, emit=emit,
+    )  # fmt: skip

@@ -1,0 +1,195 @@
+"""What every sandbox backend provides: run a command under limits, and move files in and out.
+
+All file access goes *through* the sandbox (a command run inside it), never through the host's
+filesystem: a symlink the model planted cannot make the host write outside the work dir.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import io
+import os
+import shlex
+import signal
+import tarfile
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+
+class SandboxError(RuntimeError):
+    """The sandbox itself could not be set up or used (not a failing command: that is a result)."""
+
+
+@dataclass(frozen=True)
+class ExecResult:
+    exit_code: int | None  # None when the command was killed at the wall-time limit
+    output: str  # stdout and stderr interleaved, cut at the output limit
+    duration_s: float
+    timed_out: bool = False
+    output_truncated: bool = False
+    cpu_limit_s: float | None = None
+    wall_limit_s: float | None = None
+    oom_killed: bool = False  # the sandbox's cgroup memory limit killed a process of this command
+    memory_limit_mb: int | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.exit_code == 0
+
+    def error(self) -> str | None:
+        """Why the command failed, in words for the model; None if it exited 0."""
+        if self.timed_out:
+            return f"command killed: wall-time limit of {self.wall_limit_s:g} s exceeded"
+        if self.oom_killed:
+            mib = self.memory_limit_mb
+            return f"command killed: the sandbox's memory limit of {mib} MiB was exceeded"
+        if self.exit_code == 0:
+            return None
+        code = self.exit_code
+        if code is not None and code > 128 and code - 128 in _SIGNALS:
+            sig = code - 128
+            cpu = f" of {self.cpu_limit_s:g} s" if self.cpu_limit_s else ""
+            why = {
+                signal.SIGXCPU: f"CPU-time limit{cpu} exceeded",
+                signal.SIGKILL: "killed (memory or process limit, or the CPU-time hard limit)",
+                signal.SIGSEGV: "segmentation fault (often the memory limit)",
+                signal.SIGXFSZ: "file-size limit exceeded",
+            }.get(sig, "")
+            return f"command terminated by signal {_SIGNALS[sig]}" + (f": {why}" if why else "")
+        return f"command failed with exit code {code}"
+
+    def observation(self) -> str:
+        """What the model sees: the output, then a clear line if something went wrong."""
+        text = self.output
+        if self.output_truncated:
+            text += "\n[output truncated]"
+        err = self.error()
+        if err is None:
+            return text
+        return f"{text}\n[error: {err}]" if text else f"[error: {err}]"
+
+
+_SIGNALS = {s.value: s.name for s in signal.Signals}
+
+
+class Sandbox(abc.ABC):
+    """One episode's isolated environment. ``workdir`` is the work directory as commands see it."""
+
+    workdir: str
+
+    @abc.abstractmethod
+    async def exec(
+        self,
+        argv: Sequence[str],
+        *,
+        stdin: bytes | None = None,
+        timeout_s: float | None = None,
+        max_output_bytes: int | None = None,
+    ) -> ExecResult:
+        """Run ``argv`` in ``workdir``; never raises for a failing, hung or crashing command.
+        ``max_output_bytes`` overrides the configured output limit (tools reading whole files)."""
+
+    @abc.abstractmethod
+    async def close(self) -> None:
+        """Kill anything still running and delete the sandbox's state."""
+
+    async def shell(self, command: str, *, timeout_s: float | None = None) -> ExecResult:
+        return await self.exec(["sh", "-c", command], timeout_s=timeout_s)
+
+    async def upload(self, files: Mapping[str, str | bytes]) -> None:
+        """Create ``files`` (paths relative to ``workdir``) by streaming a tar archive in."""
+        buf = io.BytesIO()
+        with tarfile.open(fileobj=buf, mode="w") as tar:
+            for path, content in files.items():
+                data = content.encode() if isinstance(content, str) else content
+                info = tarfile.TarInfo(path)
+                info.size, info.mtime, info.mode = len(data), int(time.time()), 0o644
+                tar.addfile(info, io.BytesIO(data))
+        result = await self.exec(["tar", "-x", "--no-same-owner", "-f", "-"], stdin=buf.getvalue())
+        if not result.ok:
+            raise SandboxError(f"upload of {len(files)} files failed: {result.observation()}")
+
+    async def read_file(self, path: str, max_bytes: int | None = None) -> ExecResult:
+        return await self.exec(["cat", "--", path], max_output_bytes=max_bytes)
+
+    async def write_file(self, path: str, content: str) -> ExecResult:
+        script = 'mkdir -p -- "$(dirname -- "$1")" && cat > "$1"'
+        return await self.exec(["sh", "-c", script, "sh", path], stdin=content.encode())
+
+
+def shell_join(argv: Sequence[str]) -> str:
+    return " ".join(shlex.quote(a) for a in argv)
+
+
+async def run_process(
+    argv: Sequence[str],
+    *,
+    stdin: bytes | None,
+    timeout_s: float,
+    max_output_bytes: int,
+    cpu_limit_s: float | None = None,
+    **popen_kwargs,
+) -> ExecResult:
+    """Run a process in its own session; at ``timeout_s`` kill its whole process group.
+
+    Output beyond ``max_output_bytes`` is drained and dropped, so a command printing forever
+    neither blocks on a full pipe nor fills the host's memory.
+    """
+    start = time.monotonic()
+    try:
+        proc = await asyncio.create_subprocess_exec(
+            *argv,
+            stdin=asyncio.subprocess.PIPE if stdin is not None else asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
+            start_new_session=True,
+            **popen_kwargs,
+        )
+    except OSError as err:
+        raise SandboxError(f"cannot start {argv[0]!r}: {err}") from err
+    chunks: list[bytes] = []
+    size = 0
+
+    async def pump() -> None:
+        nonlocal size
+        if stdin is not None:
+            try:
+                proc.stdin.write(stdin)
+                await proc.stdin.drain()
+            except (BrokenPipeError, ConnectionResetError):
+                pass
+            proc.stdin.close()
+        while chunk := await proc.stdout.read(65536):
+            if size < max_output_bytes:
+                chunks.append(chunk[: max_output_bytes - size])
+            size += len(chunk)
+        await proc.wait()
+
+    timed_out = False
+    try:
+        await asyncio.wait_for(pump(), timeout_s)
+    except TimeoutError:
+        timed_out = True
+    finally:
+        if proc.returncode is None:
+            _kill_group(proc.pid)
+            await proc.wait()
+    code = proc.returncode if proc.returncode >= 0 else 128 - proc.returncode  # -N: signal N
+    return ExecResult(
+        exit_code=None if timed_out else code,
+        output=b"".join(chunks).decode(errors="replace"),
+        duration_s=time.monotonic() - start,
+        timed_out=timed_out,
+        output_truncated=size > max_output_bytes,
+        cpu_limit_s=cpu_limit_s,
+        wall_limit_s=timeout_s,
+    )
+
+
+def _kill_group(pid: int) -> None:
+    try:
+        os.killpg(pid, signal.SIGKILL)  # the session we started: the launcher and its children
+    except ProcessLookupError:
+        pass

@@ -1,0 +1,214 @@
+"""The local sandbox: one process tree per command, in Linux namespaces, as an unprivileged uid.
+
+Isolation, strongest first (``sandbox.isolation``):
+
+- ``bwrap`` (bubblewrap, Debian package ``bubblewrap``): a new user, mount, pid, network, ipc,
+  uts and cgroup namespace. The sandbox sees only read-only system directories (``/usr``,
+  ``/bin``, ``/lib*``, ``/sbin``, ``/etc`` plus ``extra_ro_paths``), its work dir read-write at
+  ``/workspace``, a private ``/tmp`` of ``tmpfs_mb``, a minimal ``/dev`` and its own ``/proc``.
+  No network device besides a down loopback. Every process dies with the sandbox's pid 1 (a
+  shell that runs the command as its child).
+- ``unshare`` (util-linux): new mount, pid, network, ipc and uts namespaces; every mount is
+  remounted read-only except the work dir, then privileges are dropped with ``setpriv``. The host
+  filesystem stays visible (read-only; ``/tmp`` too: ``TMPDIR`` is a private ``/dev/shm`` tmpfs of
+  ``tmpfs_mb``); use it where bubblewrap is not installed.
+
+Both run the command as a uid of its own (``uid_base + slot``, no supplementary groups, no
+capabilities), so ``RLIMIT_NPROC`` counts only that sandbox's processes (root ignores it), and set
+``RLIMIT_CPU``, ``RLIMIT_AS``, ``RLIMIT_FSIZE`` and ``RLIMIT_NPROC`` before exec. Where cgroups
+are writable (``sandbox.cgroup``), each sandbox also gets its own cgroup bounding the memory and
+process count of its whole tree (see ``cgroups.py``). The wall-time limit kills the whole process
+group; the pid namespace takes every descendant with it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import resource
+import shutil
+import stat
+import tempfile
+from collections.abc import Sequence
+
+from megathunder.rollout.sandbox.base import ExecResult, Sandbox, SandboxError, run_process
+from megathunder.rollout.sandbox.cgroups import create_cgroup
+
+_SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib64", "/lib32", "/etc")
+_SANDBOX_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+CONTAINED_WORKDIR = "/workspace"
+# An edit within the same second that keeps a module's size would otherwise be hidden by the stale
+# .pyc of the previous test run (its mtime+size check passes): the model would see its fix fail.
+_ENV = {"PYTHONDONTWRITEBYTECODE": "1"}
+
+
+class _UidPool:
+    """Distinct unprivileged uids for concurrently open sandboxes of this process.
+
+    The scan starts at an offset derived from the pid, so that several processes sharing a
+    ``uid_base`` (e.g. rollout workers on one node) rarely share a uid's process count.
+    """
+
+    def __init__(self) -> None:
+        self._used: set[int] = set()
+
+    def take(self, base: int, size: int) -> int:
+        offset = (os.getpid() * 7919) % size
+        for k in range(size):
+            uid = base + (offset + k) % size
+            if uid not in self._used:
+                self._used.add(uid)
+                return uid
+        raise SandboxError(
+            f"all {size} sandbox uids from {base} are in use; raise sandbox.num_uids "
+            "(it must cover agent.max_concurrent_episodes)"
+        )
+
+    def give(self, uid: int) -> None:
+        self._used.discard(uid)
+
+
+_UIDS = _UidPool()
+
+
+def _check_traversable(path: str) -> None:
+    """bwrap runs as the sandbox uid, so every directory above the work dir must let it pass."""
+    path = os.path.abspath(path)
+    while True:
+        if not os.stat(path).st_mode & stat.S_IXOTH:
+            raise SandboxError(
+                f"sandbox.root_dir: {path} is not traversable by other users (mode "
+                f"{stat.S_IMODE(os.stat(path).st_mode):04o}); the sandbox uid must reach its work "
+                "dir: choose a root_dir below a world-traversable directory such as /tmp"
+            )
+        if path == "/":
+            return
+        path = os.path.dirname(path)
+
+
+class LocalSandbox(Sandbox):
+    def __init__(self, cfg) -> None:  # cfg: megathunder.config.SandboxConfig
+        self.cfg = cfg
+        if os.geteuid() != 0:
+            raise SandboxError("the local sandbox runs commands as a dedicated uid and needs root")
+        tool = "bwrap" if cfg.isolation == "bwrap" else "unshare"
+        if shutil.which(tool) is None:
+            pkg = "bubblewrap" if tool == "bwrap" else "util-linux"
+            raise SandboxError(
+                f"sandbox.isolation={cfg.isolation} needs {tool!r} on PATH "
+                f"(apt-get install -y {pkg})"
+            )
+        os.makedirs(cfg.root_dir, mode=0o711, exist_ok=True)
+        os.chmod(cfg.root_dir, 0o711)  # traversable by the sandbox uids, not listable
+        if cfg.isolation == "bwrap":
+            _check_traversable(cfg.root_dir)
+        self.cgroup = create_cgroup(cfg.cgroup, cfg.memory_mb << 20, cfg.max_processes)
+        self.uid = _UIDS.take(cfg.uid_base, cfg.num_uids)
+        self.host_dir = tempfile.mkdtemp(prefix="ep-", dir=cfg.root_dir)
+        os.chown(self.host_dir, self.uid, self.uid)
+        self.workdir = CONTAINED_WORKDIR if cfg.isolation == "bwrap" else self.host_dir
+        self._closed = False
+
+    def _enter(self) -> None:
+        """In the child between fork and exec, as root: join the cgroup, set the rlimits, and
+        (bwrap) become the sandbox uid; unshare needs root for its mounts and drops it itself."""
+        cfg = self.cfg
+        if self.cgroup is not None:
+            self.cgroup.join()
+        cpu = max(1, int(cfg.cpu_time_s + 0.999))
+        for res, value in (
+            (resource.RLIMIT_CPU, (cpu, cpu + 1)),  # SIGXCPU at the soft limit, SIGKILL at hard
+            (resource.RLIMIT_AS, (cfg.memory_mb << 20,) * 2),
+            (resource.RLIMIT_FSIZE, (cfg.max_file_size_mb << 20,) * 2),
+            (resource.RLIMIT_NPROC, (cfg.max_processes,) * 2),
+            (resource.RLIMIT_CORE, (0, 0)),
+        ):
+            resource.setrlimit(res, value)
+        if cfg.isolation == "bwrap":
+            os.setgroups([])
+            os.setresgid(self.uid, self.uid, self.uid)
+            os.setresuid(self.uid, self.uid, self.uid)
+
+    def _bwrap_argv(self, argv: Sequence[str]) -> list[str]:
+        cmd = [
+            "bwrap",
+            "--unshare-all",
+            "--die-with-parent",
+            "--new-session",
+            "--clearenv",
+            "--as-pid-1",
+        ]
+        for path in (*_SYSTEM_DIRS, *self.cfg.extra_ro_paths):
+            if os.path.exists(path):
+                cmd += ["--ro-bind", path, path]
+        cmd += ["--dev", "/dev", "--proc", "/proc"]
+        cmd += ["--size", str(self.cfg.tmpfs_mb << 20), "--tmpfs", "/tmp"]
+        cmd += ["--bind", self.host_dir, CONTAINED_WORKDIR, "--chdir", CONTAINED_WORKDIR]
+        env = {
+            "PATH": _SANDBOX_PATH,
+            "HOME": CONTAINED_WORKDIR,
+            "TMPDIR": "/tmp",
+            "LANG": "C.UTF-8",
+            **_ENV,
+        }
+        for key, value in env.items():
+            cmd += ["--setenv", key, value]
+        # pid 1 is a shell that runs the command as its child: a signal (SIGXCPU) reaches the
+        # command (an init ignores it) and comes back as 128 + signal. Without bwrap's own reaper
+        # process there is no orphaned launcher left for the host's init to reap: a zombie of the
+        # sandbox uid would count against the next sandbox's process limit.
+        return cmd + ["--", "sh", "-c", '"$@"; exit $?', "sh", *argv]
+
+    def _unshare_argv(self, argv: Sequence[str]) -> list[str]:
+        # As root in fresh namespaces: make the work dir its own mount, remount every other mount
+        # read-only, then drop to the sandbox uid with no capabilities and run the command.
+        prelude = (
+            'set -e; W="$1"; U="$2"; shift 2; mount --bind "$W" "$W"; '
+            "for m in $(awk '{print $2}' /proc/self/mounts); do "
+            '[ "$m" = "$W" ] || mount -o remount,bind,ro "$m" 2>/dev/null || true; done; '
+            f"mount -t tmpfs -o size={self.cfg.tmpfs_mb}m,mode=1777 tmpfs /dev/shm; "
+            'cd "$W"; setpriv --reuid="$U" --regid="$U" --clear-groups --inh-caps=-all '
+            "--bounding-set=-all --no-new-privs -- env -i PATH=" + _SANDBOX_PATH + ' HOME="$W" '
+            'TMPDIR=/dev/shm LANG=C.UTF-8 PYTHONDONTWRITEBYTECODE=1 "$@"; exit $?'
+        )  # not exec: pid 1 stays this shell, which reports a signal death as 128 + signal
+        return [
+            "unshare", "--mount", "--pid", "--net", "--ipc", "--uts", "--fork", "--kill-child",
+            "--mount-proc", "--", "sh", "-c", prelude, "sh", self.host_dir, str(self.uid), *argv,
+        ]  # fmt: skip
+
+    async def exec(
+        self,
+        argv: Sequence[str],
+        *,
+        stdin: bytes | None = None,
+        timeout_s: float | None = None,
+        max_output_bytes: int | None = None,
+    ) -> ExecResult:
+        if self._closed:
+            raise SandboxError("sandbox is closed")
+        # bwrap runs as the sandbox uid (in a user namespace); unshare as root, then setpriv.
+        full = self._bwrap_argv(argv) if self.cfg.isolation == "bwrap" else self._unshare_argv(argv)
+        ooms = self.cgroup.oom_kills() if self.cgroup else 0
+        result = await run_process(
+            full,
+            stdin=stdin,
+            timeout_s=timeout_s or self.cfg.wall_time_s,
+            max_output_bytes=max_output_bytes or self.cfg.max_output_bytes,
+            cpu_limit_s=self.cfg.cpu_time_s,
+            preexec_fn=self._enter,
+            cwd="/",
+        )
+        if self.cgroup and self.cgroup.oom_kills() > ooms:
+            result = dataclasses.replace(
+                result, oom_killed=True, memory_limit_mb=self.cfg.memory_mb
+            )
+        return result
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        shutil.rmtree(self.host_dir, ignore_errors=True)
+        if self.cgroup is not None:
+            self.cgroup.remove()
+        _UIDS.give(self.uid)

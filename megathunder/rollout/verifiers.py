@@ -1,0 +1,114 @@
+"""Reward computation in an async pool with timeouts and a defined outcome for every failure.
+
+A verifier is an async callable returning a float reward (wrap a blocking, CPU-bound check -- a
+math grader, a test harness in Python -- with :func:`in_subprocess`, so a timeout can kill it
+instead of freezing the event loop). The pool bounds how many run at once
+(``verifier.max_concurrent``) and how long each may take (``verifier.timeout_s``, from when it
+starts, not while it queues). A verifier that raises or times out never hangs the episode: it
+produces ``verifier.on_failure`` -- ``zero_reward`` (the trajectory gets ``failure_reward``) or
+``drop_group`` (its group leaves the batch) -- and a warning in the log. Timed-out verifiers are
+cancelled; one that runs a sandbox command has that command's process tree killed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import multiprocessing
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Literal
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RewardOutcome:
+    reward: float | None  # None when the group is dropped
+    status: Literal["ok", "error", "timeout"]
+    drop_group: bool
+    duration_s: float
+    detail: str = ""
+
+    def as_payload(self) -> dict:
+        return {
+            "reward": self.reward,
+            "status": self.status,
+            "drop_group": self.drop_group,
+            "verifier_s": self.duration_s,
+            "detail": self.detail,
+        }
+
+
+class VerifierPool:
+    def __init__(self, cfg) -> None:  # cfg: megathunder.config.VerifierConfig
+        self.cfg = cfg
+        self._slots = asyncio.Semaphore(cfg.max_concurrent)
+        self.num_failures = 0
+
+    async def score(self, verify: Callable[[], Awaitable[float]], *, traj_id: int) -> RewardOutcome:
+        async with self._slots:
+            start = time.monotonic()
+            try:
+                reward = float(await asyncio.wait_for(verify(), self.cfg.timeout_s))
+                if not math.isfinite(reward):
+                    raise ValueError(f"verifier returned a non-finite reward {reward}")
+            except TimeoutError:
+                return self._failed(
+                    traj_id, "timeout", f"verifier exceeded {self.cfg.timeout_s:g} s", start
+                )
+            except Exception as err:  # a crashing verifier is an outcome, not a crash of the loop
+                return self._failed(
+                    traj_id, "error", f"verifier raised {type(err).__name__}: {err}", start
+                )
+            return RewardOutcome(reward, "ok", False, time.monotonic() - start)
+
+    def _failed(self, traj_id: int, status, detail: str, start: float) -> RewardOutcome:
+        self.num_failures += 1
+        drop = self.cfg.on_failure == "drop_group"
+        log.warning(
+            "trajectory %d: %s -> %s",
+            traj_id,
+            detail,
+            "group dropped" if drop else f"reward {self.cfg.failure_reward}",
+        )
+        reward = None if drop else self.cfg.failure_reward
+        return RewardOutcome(reward, status, drop, time.monotonic() - start, detail)
+
+
+async def in_subprocess(fn: Callable[..., float], *args) -> float:
+    """Run the blocking ``fn(*args)`` in a fresh process and return its result. Cancelled (the
+    pool's timeout), the process is killed; if it dies without a result (a crash, a signal), this
+    raises. Processes fork from multiprocessing's forkserver, so ``fn`` must be importable, and its
+    module is imported in every call's process: keep it light, or preload it with
+    ``multiprocessing.set_forkserver_preload``. The timeout includes that start-up."""
+    ctx = multiprocessing.get_context("forkserver")
+    recv, send = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=_child, args=(send, fn, args), daemon=True)
+    proc.start()
+    send.close()
+    try:
+        while not recv.poll():  # a result, or end of file once the child is gone
+            await asyncio.sleep(0.005)
+        try:
+            ok, value = recv.recv()
+        except EOFError:
+            proc.join()
+            raise RuntimeError(f"verifier process died with exit code {proc.exitcode}") from None
+    finally:
+        if proc.is_alive():
+            proc.kill()
+        proc.join()
+        recv.close()
+    if not ok:
+        raise RuntimeError(value)
+    return value
+
+
+def _child(send, fn, args) -> None:
+    try:
+        send.send((True, fn(*args)))
+    except BaseException as err:  # reported to the pool as the verifier's error
+        send.send((False, f"{type(err).__name__}: {err}"))

@@ -1,0 +1,149 @@
+"""The learner side: per-trajectory cost, data-parallel ranks, pipeline bubbles, the update tail.
+
+Cost of trajectory i (L_i context tokens) on one data-parallel replica (tp * pp GPUs):
+
+    flops_i = f * (N * L_i + layers * hidden * L_i^2)        (f = 6: forward + backward, 8 with
+                                                             full recomputation; the L^2 term:
+                                                             causal attention's matmuls)
+    work_i  = flops_i / (tp * pp * peak * MFU)               (or L_i * seconds_per_token, measured)
+
+Trajectories are the microbatches. A rank that runs a *burst* of m microbatches through a p-stage
+pipeline takes sum(work) * (m + p - 1) / m: bubble share (p - 1) / (m + p - 1). The batch-
+synchronous learner runs the whole batch as one burst per rank (longest-first onto the least
+loaded rank); a streaming learner runs a burst whenever work is ready, so a lone late trajectory
+pays the full fill/drain.
+
+After the last microbatch: the gradient reduce + optimizer step (o) and the weight push into the
+engines (s). Without overlap they follow the last backward (b). With layer-by-layer overlap the
+three form an L-stage pipeline over the layers (layer l's gradient is final once the last
+backward has passed it): b, o, s cost (b + o + s) / L + (L - 1) / L * max(b, o, s) together.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from megathunder.simulate.profile import Profile
+from megathunder.simulate.workload import Batch
+
+BACKWARD_SHARE = 2.0 / 3.0  # backward ~ 2x forward
+
+
+def trajectory_work_s(profile: Profile, batch: Batch) -> np.ndarray:
+    """[B] forward+backward seconds of each trajectory on one data-parallel replica."""
+    lrn, m = profile.learner, profile.model
+    L = batch.total_tokens.astype(float)
+    if lrn.seconds_per_token is not None:
+        return L * lrn.seconds_per_token
+    flops = lrn.flops_per_param_token * (m.num_params * L + m.num_layers * m.hidden_size * L**2)
+    replica = lrn.tensor_parallel * lrn.pipeline_parallel * profile.cluster.peak_flops_per_gpu
+    return flops / (replica * lrn.mfu)
+
+
+def burst_s(work_sum: float, m: int, p: int) -> float:
+    return work_sum * (m + p - 1) / m
+
+
+def update_tail_s(profile: Profile, last_backward_s: float) -> float:
+    """Seconds from the end of the last microbatch to the weights being live in the engines."""
+    lrn = profile.learner
+    o, s = lrn.optimizer_step_s, lrn.weight_sync_s
+    if not lrn.layerwise_overlap:
+        return o + s
+    b, L = last_backward_s, profile.model.num_layers
+    return max(0.0, (b + o + s) / L + (L - 1) / L * max(b, o, s) - b)
+
+
+@dataclass
+class Burst:
+    rank: int
+    start: float
+    end: float
+    num_microbatches: int
+    last_backward_s: float
+
+
+def train_batch(work: np.ndarray, num_ranks: int, p: int, t0: float) -> list[Burst]:
+    """Batch-synchronous: the whole batch at t0, one burst per rank, longest-first balanced."""
+    loads: list[list[float]] = [[] for _ in range(num_ranks)]
+    heap = [(0.0, r) for r in range(num_ranks)]
+    for w in np.sort(work)[::-1]:
+        total, r = heapq.heappop(heap)
+        loads[r].append(float(w))
+        heapq.heappush(heap, (total + float(w), r))
+    return [Burst(r, t0, t0 + burst_s(sum(ws), len(ws), p), len(ws), BACKWARD_SHARE * ws[-1])
+            for r, ws in enumerate(loads) if ws]
+
+
+def stream(ready: np.ndarray, work: np.ndarray, num_ranks: int, p: int, t0: float,
+           max_burst: int) -> list[Burst]:
+    """Streaming: each trajectory may start at ready[i]; the first free rank takes ready ones as
+    one burst: one at a time without a pipeline (list scheduling keeps the ranks balanced); with
+    p stages it waits for at least p (or the rest) and takes its 1/num_ranks share of those ready
+    (at most max_burst), so that a burst's fill and drain cost at most about half of it."""
+    order = np.argsort(ready, kind="stable")
+    r_sorted = ready[order]
+    free = [(t0, r) for r in range(num_ranks)]
+    heapq.heapify(free)
+    bursts: list[Burst] = []
+    i, n = 0, len(order)
+    while i < n:
+        f, rank = heapq.heappop(free)
+        need = 1 if p == 1 else min(p, n - i)  # fill the pipeline: wait for p, or the rest
+        start = max(f, float(r_sorted[i + need - 1]))
+        avail = int(np.searchsorted(r_sorted, start, side="right")) - i
+        take = 1 if p == 1 else min(avail, max(need, min(max_burst, math.ceil(avail / num_ranks))))
+        ws = work[order[i:i + take]]
+        end = start + burst_s(float(ws.sum()), take, p)
+        bursts.append(Burst(rank, start, end, take, BACKWARD_SHARE * float(ws[-1])))
+        heapq.heappush(free, (end, rank))
+        i += take
+    return bursts
+
+
+def ledger_ready_times(group: np.ndarray, reward: np.ndarray, max_slots: int | None) -> np.ndarray:
+    """When each trajectory's score gradient can be computed, with the ledger's K group slots.
+
+    Mirrors ``megathunder.streaming.ledger`` (GRPO family, no dynamic sampling): at a reward, a
+    group that holds a slot, or takes a free one now, processes that trajectory at once; if none
+    is free the trajectory waits as data. A closing group processes all its waiting trajectories
+    directly and hands its slot to the waiting open group with the most trajectories waiting
+    (first in batch order on ties), which processes them at once. K = 0 is group-level streaming;
+    None gives every group a slot (per-trajectory streaming).
+    """
+    ready = np.empty_like(reward)
+    remaining = np.bincount(group).astype(np.int64)
+    num_groups = len(remaining)
+    has_slot = np.zeros(num_groups, dtype=bool)
+    waiting = np.zeros(num_groups, dtype=bool)
+    pending: list[list[int]] = [[] for _ in range(num_groups)]
+    used = 0
+    for i in np.argsort(reward, kind="stable"):
+        g, t = int(group[i]), float(reward[i])
+        remaining[g] -= 1
+        if remaining[g] == 0:
+            ready[i] = t
+            ready[pending[g]] = t
+            pending[g], waiting[g] = [], False
+            if has_slot[g]:
+                has_slot[g] = False
+                cands = np.flatnonzero(waiting)
+                if len(cands):
+                    h = int(cands[np.argmax([len(pending[c]) for c in cands])])
+                    ready[pending[h]] = t
+                    pending[h], waiting[h], has_slot[h] = [], False, True
+                else:
+                    used -= 1
+        elif has_slot[g] or max_slots is None or used < max_slots:
+            if not has_slot[g]:
+                has_slot[g], waiting[g] = True, False
+                used += 1
+            ready[i] = t
+        else:
+            pending[g].append(int(i))
+            waiting[g] = True
+    return ready

@@ -1,0 +1,218 @@
+"""Per-turn OPD gradients: each completed agentic turn's gradient while its tool call runs.
+
+A trajectory is [prompt, a_1, o_1, a_2, o_2, ..., a_K] (model turns a_k, tool outputs o_k). Turn
+k's loss L_k = sum_{t in a_k} c_t l_t depends on the weights through every earlier token as well
+(attention reads the prefix's keys and values), and grad L = sum_k grad L_k exactly, so any way of
+computing every grad L_k is exact. Three strategies, all driven by the same events:
+
+``recompute``      at turn k: forward + backward over prefix + turn, loss on turn k's tokens.
+                   Stock autograd, no state kept; learner cost grows quadratically with turns.
+``kv_adjoint``     at turn k: forward only the new segment (o_{k-1}, a_k) on top of the earlier
+                   segments' keys/values taken as *leaves*, and backward L_k: this yields L_k's
+                   gradient through this segment's own computations now, plus d L_k / d KV_prefix,
+                   which is added to the earlier segments' KV adjoints. At trajectory end one reverse
+                   sweep pushes each segment's accumulated KV adjoint back through that segment
+                   (last to first), adding the remaining parameter gradients. By linearity of the
+                   chain rule, own-loss backward + adjoint backward = the full backward.
+``forward_early``  at turn k: forward the new segment with the prefix KV still attached to the
+                   graph (no backward); at trajectory end one backward of sum_k L_k.
+
+c_t needs the student's own l_t, which each strategy gets from the forward it runs for the turn.
+Gradients accumulate, unnormalised, into the parameters' ``.grad``; ``finish_batch`` divides by Z
+once. The first target of a segment is predicted by the previous segment's last position; when
+the tool output between two turns is empty that target is trained, and its term reaches back
+through the previous segment's graph, which both KV strategies keep until the trajectory ends.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+from megathunder.models.torch_decoder import TorchDecoder
+from megathunder.objectives.opd import OPDAggregation, opd_coefficients, opd_loss, opd_normaliser
+
+Strategy = Literal["recompute", "kv_adjoint", "forward_early"]
+TeacherFn = Callable[[torch.Tensor, int, int], torch.Tensor]
+"""teacher(tokens, start, end) -> teacher logprobs of tokens[start:end] given tokens[:start]."""
+
+
+def _logp_of(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+
+
+@dataclass
+class _Segment:
+    kv_out: list[tuple[torch.Tensor, torch.Tensor]]  # attached to this segment's graph
+    kv_leaf: list[tuple[torch.Tensor, torch.Tensor]]  # detached copies the next segments read
+    last_logits: torch.Tensor  # logits of the segment's last position (predicts the next token)
+
+
+@dataclass
+class _Trajectory:
+    tokens: list[int] = field(default_factory=list)  # everything forwarded so far
+    pending: list[int] = field(default_factory=list)  # prompt / tool output not yet forwarded
+    segments: list[_Segment] = field(default_factory=list)
+    losses: list[torch.Tensor] = field(default_factory=list)  # forward_early
+    segment_lengths: list[int] = field(default_factory=list)
+    num_trained: int = 0
+
+
+class TurnStreamer:
+    def __init__(self, model: TorchDecoder, teacher: TeacherFn, beta: float = 1.0,
+                 strategy: Strategy = "kv_adjoint", aggregation: OPDAggregation = "token_mean") -> None:
+        self.model = model
+        self.teacher = teacher
+        self.beta = beta
+        self.strategy = strategy
+        self.aggregation = aggregation
+        self._open: dict[int, _Trajectory] = {}
+        self._finished_counts: list[int] = []
+        # Work in token passes (deterministic, unlike time): tokens run forward, and tokens whose
+        # activations a backward pass traverses.
+        self.stats = {"forward_tokens": 0, "backward_tokens": 0, "backward_calls": 0}
+
+    # ------------------------------------------------------------------ events
+
+    def begin_trajectory(self, traj_id: int, prompt: list[int]) -> None:
+        if traj_id in self._open:
+            raise ValueError(f"trajectory {traj_id} already open")
+        if not prompt:
+            raise ValueError(f"trajectory {traj_id}: empty prompt")
+        self._open[traj_id] = _Trajectory(pending=list(prompt))
+
+    def on_tool_output(self, traj_id: int, tokens: list[int]) -> None:
+        self._open[traj_id].pending.extend(tokens)
+
+    def on_turn(self, traj_id: int, turn: list[int]) -> None:
+        """A model turn finished (its tool call, if any, starts now): compute what it allows."""
+        t = self._open[traj_id]
+        if not turn:
+            return  # nothing trained; its context (pending) waits for the next turn
+        segment = t.pending + turn
+        start = len(t.tokens) + len(t.pending)  # index of the turn's first token
+        t.num_trained += len(turn)
+        {"recompute": self._recompute, "kv_adjoint": self._kv_adjoint,
+         "forward_early": self._forward_early}[self.strategy](t, segment, start, len(turn))
+        t.tokens.extend(segment)
+        t.pending = []
+
+    def end_trajectory(self, traj_id: int) -> None:
+        t = self._open.pop(traj_id)
+        if self.strategy == "kv_adjoint":
+            for seg in reversed(t.segments):  # the reverse sweep, last segment first
+                outs, grads = [], []
+                for (k, v), (k_leaf, v_leaf) in zip(seg.kv_out, seg.kv_leaf, strict=True):
+                    for out, leaf in ((k, k_leaf), (v, v_leaf)):
+                        if leaf.grad is not None:
+                            outs.append(out)
+                            grads.append(leaf.grad)
+                if outs:
+                    torch.autograd.backward(outs, grads)
+                    self.stats["backward_calls"] += 1
+            self.stats["backward_tokens"] += sum(t.segment_lengths[:-1])  # the last has no adjoint
+        elif self.strategy == "forward_early" and t.losses:
+            torch.stack(t.losses).sum().backward()
+            self.stats["backward_calls"] += 1
+            self.stats["backward_tokens"] += sum(t.segment_lengths)
+        self._finished_counts.append(t.num_trained)
+
+    def finish_batch(self) -> float:
+        """Divide the accumulated gradient by Z once; returns Z."""
+        if self._open:
+            raise ValueError(f"finish_batch: trajectories {sorted(self._open)} still open")
+        z = opd_normaliser(self._finished_counts, self.aggregation)
+        for p in self.model.parameters():
+            if p.grad is not None:
+                p.grad.div_(z)
+        self._finished_counts = []
+        return z
+
+    # ------------------------------------------------------------------ strategies
+
+    def _turn_loss(self, all_tokens: torch.Tensor, start: int, logits_for_targets: torch.Tensor) -> torch.Tensor:
+        """sum_t c_t l_t over the turn's targets tokens[start:]; logits_for_targets[i] predicts
+        tokens[start + i]."""
+        targets = all_tokens[start:]
+        logp = _logp_of(logits_for_targets, targets)
+        teacher = self.teacher(all_tokens, start, all_tokens.numel())
+        mask = torch.ones_like(targets, dtype=torch.bool)
+        return opd_loss(logp, opd_coefficients(logp, teacher, mask, self.beta))
+
+    def _recompute(self, t: _Trajectory, segment: list[int], start: int, num_turn: int) -> None:
+        tokens = torch.tensor(t.tokens + segment)
+        logits = self.model(tokens[None])[0]
+        self.stats["forward_tokens"] += tokens.numel()
+        self._turn_loss(tokens, start, logits[start - 1 : tokens.numel() - 1]).backward()
+        self.stats["backward_calls"] += 1
+        self.stats["backward_tokens"] += tokens.numel()
+
+    def _segment_forward(self, t: _Trajectory, segment: list[int], attach_prefix: bool):
+        tokens = torch.tensor(t.tokens + segment)
+        seg = tokens[len(t.tokens):]
+        past = None
+        if t.segments:
+            source = (lambda s: s.kv_out) if attach_prefix else (lambda s: s.kv_leaf)
+            past = [
+                (torch.cat([source(s)[i][0] for s in t.segments], dim=2),
+                 torch.cat([source(s)[i][1] for s in t.segments], dim=2))
+                for i in range(len(self.model.blocks))
+            ]
+        logits, kv = self.model.forward_with_cache(seg[None], past)
+        self.stats["forward_tokens"] += seg.numel()
+        return tokens, logits[0], kv
+
+    def _logits_for_turn(self, t: _Trajectory, logits: torch.Tensor, segment_len: int, num_turn: int):
+        """Rows predicting the turn's tokens: the previous segment's last row if the turn starts
+        the segment (empty tool output), then this segment's rows."""
+        first = segment_len - num_turn  # offset of the turn inside the segment
+        rows = logits[max(first - 1, 0) : segment_len - 1]
+        if first == 0:
+            rows = torch.cat([t.segments[-1].last_logits[None], rows], dim=0)
+        return rows
+
+    def _kv_adjoint(self, t: _Trajectory, segment: list[int], start: int, num_turn: int) -> None:
+        tokens, logits, kv = self._segment_forward(t, segment, attach_prefix=False)
+        rows = self._logits_for_turn(t, logits, len(segment), num_turn)
+        self._turn_loss(tokens, start, rows).backward(retain_graph=True)
+        self.stats["backward_calls"] += 1
+        self.stats["backward_tokens"] += len(segment)
+        t.segment_lengths.append(len(segment))
+        leaves = [(k.detach().requires_grad_(), v.detach().requires_grad_()) for k, v in kv]
+        t.segments.append(_Segment(kv_out=kv, kv_leaf=leaves, last_logits=logits[-1]))
+
+    def _forward_early(self, t: _Trajectory, segment: list[int], start: int, num_turn: int) -> None:
+        tokens, logits, kv = self._segment_forward(t, segment, attach_prefix=True)
+        rows = self._logits_for_turn(t, logits, len(segment), num_turn)
+        t.losses.append(self._turn_loss(tokens, start, rows))
+        t.segment_lengths.append(len(segment))
+        t.segments.append(_Segment(kv_out=kv, kv_leaf=kv, last_logits=logits[-1]))
+
+
+def opd_reference_gradient(model: TorchDecoder, trajectories: list[tuple[torch.Tensor, torch.Tensor]],
+                           teacher: TeacherFn, beta: float, aggregation: OPDAggregation) -> torch.Tensor:
+    """Batch OPD on full trajectories: one forward each, c_t from it, one loss, one backward, /Z.
+
+    ``trajectories``: (tokens [L], trained-target mask [L-1]) pairs. Returns the flat gradient.
+    """
+    params = list(model.parameters())
+    saved = [p.grad for p in params]
+    for p in params:
+        p.grad = None
+    total = 0.0
+    counts = []
+    for tokens, mask in trajectories:
+        logits = model(tokens[None])[0, :-1]
+        logp = _logp_of(logits, tokens[1:])
+        teacher_all = teacher(tokens, 1, tokens.numel())
+        total = total + opd_loss(logp, opd_coefficients(logp, teacher_all, mask, beta))
+        counts.append(int(mask.sum()))
+    if isinstance(total, torch.Tensor):
+        total.backward()
+    flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
+    for p, g in zip(params, saved, strict=True):
+        p.grad = g
+    return flat / opd_normaliser(counts, aggregation)

@@ -1,0 +1,77 @@
+"""What a task is: instances (prompt, files to start from, container image), tools, a verifier.
+
+The agent loop asks a task for the first messages of an episode, sets the instance's files up in
+the episode's sandbox, lets the model act with the task's tools, then calls ``verify`` (through the
+verifier pool) for the reward. ``scripted_turns`` is a fixed, correct sequence of assistant turns
+for an instance, used by the scripted test/benchmark policy; it is not part of training.
+"""
+
+from __future__ import annotations
+
+import abc
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from megathunder.rollout.chat import tools_system_prompt
+
+if TYPE_CHECKING:
+    from megathunder.rollout.agent_loop import Episode
+    from megathunder.rollout.sandbox import Sandbox
+    from megathunder.rollout.tools import Tool
+
+
+@dataclass(frozen=True)
+class TaskInstance:
+    instance_id: str
+    prompt: str
+    answer: Any = None
+    files: Mapping[str, str] = field(
+        default_factory=dict
+    )  # relative path -> content, uploaded first
+    image: str | None = None  # container image (cluster backends)
+    metadata: Mapping[str, Any] = field(default_factory=dict)
+
+
+class Task(abc.ABC):
+    name: str
+    system_prompt: str = "You are a helpful assistant."
+    tools: tuple[Tool, ...] = ()
+    verifies_in_sandbox: bool = False  # the verifier inspects the sandbox (even without tools)
+
+    @property
+    def needs_sandbox(self) -> bool:
+        return self.verifies_in_sandbox or any(t.needs_sandbox for t in self.tools)
+
+    @abc.abstractmethod
+    def instances(self, num: int, seed: int = 0) -> list[TaskInstance]:
+        """``num`` instances, reproducible from ``seed``."""
+
+    def messages(self, inst: TaskInstance) -> list[dict[str, str]]:
+        system = tools_system_prompt(self.system_prompt, [t.schema() for t in self.tools])
+        return [{"role": "system", "content": system}, {"role": "user", "content": inst.prompt}]
+
+    async def setup(self, inst: TaskInstance, sandbox: Sandbox | None) -> None:
+        if inst.files:
+            await sandbox.upload(inst.files)
+
+    @abc.abstractmethod
+    async def verify(self, inst: TaskInstance, episode: Episode, sandbox: Sandbox | None) -> float:
+        """The reward of a finished episode (may run commands in the episode's sandbox)."""
+
+    def scripted_turns(self, inst: TaskInstance) -> Sequence[str]:
+        """A correct sequence of assistant turns (text, each ending the turn) for test policies."""
+        raise NotImplementedError(f"task {self.name} has no scripted solution")
+
+
+def tool_call_text(name: str, **arguments: str) -> str:
+    import json
+
+    return f"<tool_call>\n{json.dumps({'name': name, 'arguments': arguments})}\n</tool_call>"
+
+
+def last_number(text: str) -> float | None:
+    """The last number in a response (the answer convention of the arithmetic tasks)."""
+    found = re.findall(r"-?\d+(?:\.\d+)?", text)
+    return float(found[-1]) if found else None

@@ -1,0 +1,61 @@
+"""Multi-process learner tests: each test launches ranks with torchrun (gloo on CPU)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+WORKER = Path(__file__).with_name("learner_worker.py")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(nproc: int, mode: str, *args: str, timeout: int = 600) -> None:
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
+           f"--master-port={free_port()}", "--master-addr=127.0.0.1", str(WORKER), mode, *args]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    if proc.returncode != 0:
+        tail = "\n".join(line for line in proc.stderr.splitlines() if "Warning" not in line)[-6000:]
+        raise AssertionError(f"{mode} with {nproc} ranks failed ({proc.returncode}):\n{tail}")
+
+
+def make_hf_checkpoint(path: Path, family: str, tie: bool, seed: int = 0) -> Path:
+    """A tiny random model of the family, saved by transformers itself."""
+    import transformers
+
+    classes = {
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+    }
+    config_cls, model_cls = classes[family]
+    config = config_cls(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=128,
+        tie_word_embeddings=tie, rms_norm_eps=1e-6, rope_theta=10000.0,
+    )
+    torch.manual_seed(seed)
+    model = model_cls(config).float()
+    if family == "qwen2":  # random (not zero) biases, so the bias mapping is exercised
+        with torch.no_grad():
+            for layer in model.model.layers:
+                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                    proj.bias.normal_(std=0.1)
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def hf_qwen2(tmp_path_factory) -> Path:
+    return make_hf_checkpoint(tmp_path_factory.mktemp("hf") / "qwen2", "qwen2", tie=True)

@@ -1,0 +1,182 @@
+"""One rank of a multi-process learner check, launched by torchrun from the distributed tests.
+
+    python -m torch.distributed.run --nproc-per-node N learner_worker.py MODE --out FILE ...
+
+MODE equivalence: from the same HF weights, take one optimizer step with the streamed (thunder)
+gradient and, from the same starting point, one with the batch-synchronous gradient; rank 0
+saves the full (gathered) parameters before and after each.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from megathunder import synthetic as syn  # noqa: E402
+from megathunder.config import LearnerConfig, LedgerConfig, ObjectiveConfig  # noqa: E402
+from megathunder.learner import hf  # noqa: E402
+from megathunder.learner.learner import MegatronLearner  # noqa: E402
+from megathunder.learner.parallel import destroy_distributed, init_distributed  # noqa: E402
+
+
+def full_params(learner: MegatronLearner, source: str = "param") -> dict[str, torch.Tensor] | None:
+    return hf.gather_full_state(learner.model, learner.model_cfg, learner.groups, learner.offset, source)
+
+
+def restore(learner: MegatronLearner, full: dict[str, torch.Tensor] | None) -> None:
+    import torch.distributed as dist
+
+    box = [full]
+    dist.broadcast_object_list(box, src=0)
+    hf.load_full_state(learner.model, box[0], learner.model_cfg, learner.groups, learner.offset)
+
+
+def make_batch(seed: int, vocab: int):
+    rng = random.Random(seed)
+    batch = syn.random_batch(rng, [3, 4, 2, 3], vocab, 24, torch.float32, empty_prob=0.1)
+    rewards = syn.random_rewards(rng, batch, "binary")
+    events = syn.random_event_order(rng, len(batch))
+    return batch, rewards, events
+
+
+def equivalence(args) -> None:
+    cfg = LearnerConfig.model_validate({
+        "parallel": {"tensor_parallel": args.tp, "pipeline_parallel": args.pp},
+        "model": {"hf_checkpoint": args.hf},
+        "optimizer": {"name": args.optimizer, "lr": args.lr, "clip_grad": 0.0,
+                      "use_distributed_optimizer": args.dist_opt},
+    })
+    objective = ObjectiveConfig.model_validate_json(args.objective)
+    groups = init_distributed(cfg)
+    learner = MegatronLearner.build(cfg, objective, groups, LedgerConfig(max_group_slots=args.slots))
+    batch, rewards, events = make_batch(args.seed, learner.model_cfg.vocab_size)
+    dp, dp_rank = groups.dims.dp, groups.dp_rank
+    owner = [t.traj_id % dp for t in batch]
+    if objective.kl_coef > 0:
+        learner.fill_ref_logprobs(batch)
+    before = full_params(learner)
+
+    ledger = learner.ledger
+    ledger.begin_batch(syn.group_plan(batch))
+    for e in events:
+        t = batch[e.traj_id]
+        if e.kind == "reward":
+            ledger.on_reward(t.traj_id, rewards[t.traj_id])
+        elif owner[t.traj_id] == dp_rank:
+            ledger.on_finished(t)
+        else:
+            ledger.on_remote_finished(t.traj_id, learner.num_loss_tokens(t))
+    result = ledger.close_batch()
+    learner.step()
+    out = {"before": before, "stream": full_params(learner), "peak_buffers": result.peak_buffers}
+    if not args.dist_opt:  # all-reduced: every rank's buffers hold the full gradient
+        out["stream_grad"] = full_params(learner, "main_grad")
+
+    restore(learner, before)
+    learner.optimizer.optimizer.state.clear()  # fresh Adam moments for the second path
+    learner.sync_step_gradient(batch, rewards, owner)
+    learner.step()
+    out["sync"] = full_params(learner)
+    if not args.dist_opt:
+        out["sync_grad"] = full_params(learner, "main_grad")
+    if groups.rank == 0:
+        torch.save(out, args.out)
+    destroy_distributed()
+
+
+def _learner(args, objective=None):
+    cfg = LearnerConfig.model_validate({
+        "parallel": {"tensor_parallel": args.tp, "pipeline_parallel": args.pp},
+        "model": {"hf_checkpoint": args.hf},
+        "optimizer": {"name": "adam", "lr": 1e-2, "use_distributed_optimizer": args.dist_opt},
+    })
+    groups = init_distributed(cfg)
+    return MegatronLearner.build(cfg, objective or ObjectiveConfig(), groups, LedgerConfig(max_group_slots=1))
+
+
+def _streamed_step(learner: MegatronLearner, seed: int) -> None:
+    batch, rewards, events = make_batch(seed, learner.model_cfg.vocab_size)
+    dp, dp_rank = learner.groups.dims.dp, learner.groups.dp_rank
+    ledger = learner.ledger
+    ledger.begin_batch(syn.group_plan(batch))
+    for e in events:
+        t = batch[e.traj_id]
+        if e.kind == "reward":
+            ledger.on_reward(t.traj_id, rewards[t.traj_id])
+        elif t.traj_id % dp == dp_rank:
+            ledger.on_finished(t)
+        else:
+            ledger.on_remote_finished(t.traj_id, learner.num_loss_tokens(t))
+    ledger.close_batch()
+    learner.step()
+
+
+def checkpoint_save(args) -> None:
+    """Two steps from the HF weights, saving after the first; rank 0 records both parameter sets."""
+    from megathunder.learner.checkpoint import save_checkpoint
+
+    learner = _learner(args)
+    _streamed_step(learner, seed=1)
+    save_checkpoint(learner, args.ckpt)
+    after1 = full_params(learner)
+    _streamed_step(learner, seed=2)
+    after2 = full_params(learner)
+    if learner.groups.rank == 0:
+        torch.save({"after1": after1, "after2": after2}, args.out)
+    destroy_distributed()
+
+
+def checkpoint_resume(args) -> None:
+    """Load the latest checkpoint (any layout), record the loaded parameters, take the second step."""
+    from megathunder.learner.checkpoint import latest_checkpoint, load_checkpoint
+
+    learner = _learner(args)
+    load_checkpoint(learner, latest_checkpoint(args.ckpt))
+    loaded = full_params(learner)
+    num_steps = learner.num_steps
+    _streamed_step(learner, seed=2)
+    after2 = full_params(learner)
+    if learner.groups.rank == 0:
+        torch.save({"loaded": loaded, "after2": after2, "num_steps": num_steps}, args.out)
+    destroy_distributed()
+
+
+def hf_roundtrip(args) -> None:
+    """Import the HF checkpoint into this layout, export it again, and record logprobs."""
+    learner = _learner(args)
+    learner.export_hf(args.export)
+    batch, _, _ = make_batch(3, learner.model_cfg.vocab_size)
+    logps = learner.token_logprobs(batch)
+    if learner.groups.is_last_stage and learner.groups.tp_rank == 0 and learner.groups.dp_rank == 0:
+        torch.save({"logprobs": logps}, args.out)
+    destroy_distributed()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("mode", choices=["equivalence", "checkpoint_save", "checkpoint_resume", "hf_roundtrip"])
+    p.add_argument("--ckpt")
+    p.add_argument("--export")
+    p.add_argument("--out", required=True)
+    p.add_argument("--hf", required=True)
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--pp", type=int, default=1)
+    p.add_argument("--slots", type=int, default=2)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--optimizer", default="sgd")
+    p.add_argument("--lr", type=float, default=1.0)
+    p.add_argument("--dist-opt", action="store_true")
+    p.add_argument("--objective", default="{}")
+    args = p.parse_args()
+    {"equivalence": equivalence, "checkpoint_save": checkpoint_save,
+     "checkpoint_resume": checkpoint_resume, "hf_roundtrip": hf_roundtrip}[args.mode](args)
+
+
+if __name__ == "__main__":
+    main()

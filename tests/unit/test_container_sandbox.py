@@ -1,0 +1,192 @@
+"""Container backends. The Docker engine does not run on CPU CI machines, so the command lines are
+checked as built, and the lifecycle runs against a stand-in CLI that executes the in-container
+part of each command (the limits wrapper included) on the host."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import stat
+
+import pytest
+
+from megathunder.config import SandboxConfig
+from megathunder.rollout.sandbox import ContainerSandbox, SandboxError, build_sandbox
+from megathunder.rollout.sandbox import container as ct
+
+
+def _cfg(**kw):
+    return SandboxConfig(
+        **{"backend": "docker", "wall_time_s": 7, "cpu_time_s": 3, "memory_mb": 512, **kw}
+    )
+
+
+def test_docker_command_lines():
+    cfg = _cfg(max_processes=32, container_cpus=2)
+    start = ct.docker_start_argv(cfg, "swebench/sweb.eval.x86_64.a_1776_b:latest", "ep1")
+    joined = " ".join(start)
+    for flag in ("--network none", "--memory 512m", "--memory-swap 512m", "--pids-limit 32", "--cpus 2",
+                 "--cap-drop ALL", "no-new-privileges", "--rm", "--detach"):  # fmt: skip
+        assert flag in joined
+    assert start[-4:] == [
+        "--entrypoint",
+        "sleep",
+        "swebench/sweb.eval.x86_64.a_1776_b:latest",
+        "infinity",
+    ]
+    exec_ = ct.docker_exec_argv(cfg, "ep1", ["cat", "f"], True, 7)
+    assert exec_[:6] == ["docker", "exec", "--interactive", "--workdir", "/workspace", "ep1"]
+    limits = ["prlimit", "--cpu=3:4", f"--as={512 << 20}", "--nproc=32", f"--fsize={64 << 20}", "--"]
+    wall = ["timeout", "-s", "KILL", "7"]
+    assert exec_[6:] == ["env", "PYTHONDONTWRITEBYTECODE=1", *wall, *limits, "cat", "f"]
+    assert ct.docker_stop_argv(cfg, "ep1") == ["docker", "rm", "--force", "ep1"]
+
+
+def test_apptainer_and_enroot_command_lines():
+    cfg = _cfg(backend="apptainer", container_workdir="/testbed")
+    start = ct.apptainer_start_argv(cfg, "/images/x.sif", "ep1")
+    assert start[:3] == ["apptainer", "instance", "start"] and start[-2:] == [
+        "/images/x.sif",
+        "ep1",
+    ]
+    assert {"--containall", "--cleanenv", "--net", "--writable-tmpfs"} <= set(start)
+    assert start[start.index("--network") + 1] == "none"
+    exec_ = ct.apptainer_exec_argv(cfg, "ep1", ["ls"], False, 7)
+    assert exec_[:5] == ["apptainer", "exec", "--pwd", "/testbed", "instance://ep1"] and exec_[
+        -2:
+    ] == ["--", "ls"]
+    cfg = _cfg(backend="enroot", container_extra_args=["--mount", "/data:/data"])
+    assert ct.enroot_start_argv(cfg, "/images/x.sqsh", "ep1") == [
+        "enroot",
+        "create",
+        "--name",
+        "ep1",
+        "/images/x.sqsh",
+    ]
+    exec_ = ct.enroot_exec_argv(cfg, "ep1", ["ls"], False, 7)
+    assert (
+        exec_[:6] == ["enroot", "start", "--rw", "--mount", "/data:/data", "ep1"]
+        and exec_[-1] == "ls"
+    )
+
+
+def test_missing_cli_image_file_or_image_is_a_clear_error(tmp_path):
+    with pytest.raises(SandboxError, match="'no-such-docker' is not on PATH"):
+        asyncio.run(build_sandbox(_cfg(container_cli="no-such-docker"), "img"))
+    with pytest.raises(SandboxError, match="needs a container image"):
+        asyncio.run(build_sandbox(_cfg(), None))
+    with pytest.raises(SandboxError, match=f"apptainer image file not found: {tmp_path}/x.sif"):
+        asyncio.run(
+            build_sandbox(_cfg(backend="apptainer", container_cli="true"), str(tmp_path / "x.sif"))
+        )
+    cli = _fake_cli(tmp_path, fail_run=True)
+    with pytest.raises(
+        SandboxError,
+        match="cannot start docker container from image 'missing:1'.*Unable to find image",
+    ):
+        asyncio.run(build_sandbox(_cfg(container_cli=cli), "missing:1"))
+
+
+_RUN_FAILS = "  run) echo \"Unable to find image '$(eval echo \\${$(($#-1))})' locally\" >&2; exit 125;;\n"
+
+
+def _fake_cli(tmp_path, fail_run=False) -> str:
+    """A stand-in `docker`: logs its arguments; `exec` runs the in-container command on the host."""
+    path = tmp_path / "fake-docker"
+    path.write_text(
+        "#!/bin/sh\n"
+        f'echo "$@" >> {tmp_path}/calls.log\n'
+        'case "$1" in\n'
+        + (_RUN_FAILS if fail_run else "  run) echo 0123abcd; exit 0;;\n")
+        + '  exec) shift\n'
+        '        while [ "${1#-}" != "$1" ]; do [ "$1" = --workdir ] && { cd "$2"; shift; }; shift; done\n'
+        '        shift; exec "$@";;\n'
+        "  rm) exit 0;;\n"
+        "esac\n"
+    )  # fmt: skip
+    path.chmod(path.stat().st_mode | stat.S_IXUSR)
+    return str(path)
+
+
+def test_lifecycle_through_the_limits_wrapper(tmp_path):
+    work = tmp_path / "work"
+    work.mkdir()
+    cfg = _cfg(
+        container_cli=_fake_cli(tmp_path),
+        container_workdir=str(work),
+        wall_time_s=1,
+        max_output_bytes=4096,
+    )
+
+    async def go():
+        sb = await build_sandbox(cfg, "python:3.11")
+        assert isinstance(sb, ContainerSandbox)
+        await sb.upload({"pkg/a.txt": "hello"})
+        read = await sb.read_file("pkg/a.txt")
+        env = await sb.shell("echo $PYTHONDONTWRITEBYTECODE")
+        hung = await sb.shell("sleep 30")
+        big = await sb.exec(["python3", "-c", "x = bytearray(1 << 30)"])
+        await sb.close()
+        return read, env, hung, big
+
+    read, env, hung, big = asyncio.run(go())
+    assert read.ok and read.output == "hello" and env.output.strip() == "1"
+    assert (
+        hung.exit_code == 137 and "SIGKILL" in hung.observation() and hung.duration_s < 3
+    )  # in-container timeout
+    assert "MemoryError" in big.output and not big.ok  # prlimit --as inside the container
+    calls = (tmp_path / "calls.log").read_text().splitlines()
+    assert (
+        calls[0].startswith("run --detach --rm --name megathunder-")
+        and "--network none" in calls[0]
+    )
+    assert calls[-1].startswith("rm --force megathunder-")
+    assert os.path.exists(work / "pkg" / "a.txt")
+
+
+def test_dataset_instance_episode_through_the_container_backend(tmp_path):
+    """A SWE-smith-style record -> its image's container (stand-in CLI) -> scripted episode with
+    real tool calls -> the record's test command as the reward."""
+    import json
+
+    from megathunder.config import AgentLoopConfig, VerifierConfig
+    from megathunder.rollout.agent_loop import AgentLoop
+    from megathunder.rollout.scripted import ScriptedPolicy
+    from megathunder.rollout.verifiers import VerifierPool
+    from megathunder.tasks.base import tool_call_text
+    from megathunder.tasks.datasets import ContainerTestTask, load_swe_smith
+    from tests.rollout_helpers import codec
+
+    testbed = tmp_path / "testbed"  # what the image holds at its work dir
+    testbed.mkdir()
+    (testbed / "mod.py").write_text("def double(x):\n    return x + x + 1\n")
+    (testbed / "test_mod.py").write_text(
+        "import unittest\nfrom mod import double\n\n\nclass T(unittest.TestCase):\n"
+        "    def test_double(self):\n        self.assertEqual(double(4), 8)\n"
+    )
+    record = {
+        "instance_id": "toy__mod-1", "repo": "toy/mod", "image_name": "toy/mod:1",
+        "problem_statement": "double(4) returns 9", "FAIL_TO_PASS": ["test_mod.py::T::test_double"],
+        "PASS_TO_PASS": [], "test_command": "python3 -m unittest -q test_mod",
+    }  # fmt: skip
+    path = tmp_path / "smith.jsonl"
+    path.write_text(json.dumps(record) + "\n")
+    task = ContainerTestTask("swe_smith", load_swe_smith, str(path))
+    (inst,) = task.instances(1)
+    assert inst.image == "toy/mod:1"
+    c = codec()
+    sandbox = _cfg(container_cli=_fake_cli(tmp_path), container_workdir=str(testbed))
+
+    def run(turns):
+        policy = ScriptedPolicy(c, {inst.prompt: turns})
+        pool = VerifierPool(VerifierConfig(timeout_s=30))
+        loop = AgentLoop(policy, c, task, AgentLoopConfig(), sandbox, pool)
+        return asyncio.run(loop.run_batch([inst], 1))[0]
+
+    assert run(["I give up."]).reward.reward == 0.0  # the test really fails before the fix
+    fix = tool_call_text("str_replace", path="mod.py", old="x + x + 1", new="2 * x")
+    ep = run([fix, "Fixed."])
+    assert ep.turns[0].tool_runs[0].observation == "replaced 1 occurrence in mod.py"
+    assert ep.reward.status == "ok" and ep.reward.reward == 1.0
+    calls = (tmp_path / "calls.log").read_text()
+    assert "toy/mod:1" in calls and "python3 -m unittest -q test_mod" in calls

@@ -1,0 +1,172 @@
+"""Bundled tasks with correct and wrong scripted answers, and the dataset loaders' errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from megathunder.config import TaskConfig
+from megathunder.rollout.tools import safe_eval
+from megathunder.tasks import build_task
+from megathunder.tasks.base import tool_call_text
+from megathunder.tasks.datasets import (
+    DatasetError,
+    load_swe_bench,
+    load_swe_smith,
+    load_terminal_bench,
+    swe_bench_image,
+)
+from tests.rollout_helpers import needs_root, run_scripted
+
+
+@pytest.mark.parametrize(
+    "name", ["arithmetic", "calculator", pytest.param("terminal", marks=needs_root)]
+)
+def test_bundled_task_scripted_solutions_score_one(name, tmp_path):
+    task = build_task(TaskConfig(name=name))
+    insts = task.instances(3, seed=5)
+    episodes, _ = run_scripted(task, insts, tmp_path)
+    assert [ep.reward.reward for ep in episodes] == [1.0, 1.0, 1.0]
+    wrong = {
+        i.prompt: [tool_call_text("bash", command="true")] * (name == "terminal") + ["12345"]
+        for i in insts
+    }
+    episodes, _ = run_scripted(task, insts, tmp_path, scripts=wrong)
+    assert [ep.reward.reward for ep in episodes] == [0.0, 0.0, 0.0]
+
+
+def test_calculator_is_multi_turn_and_rejects_code():
+    task = build_task(TaskConfig(name="calculator"))
+    inst = task.instances(1, seed=0)[0]
+    assert len(task.scripted_turns(inst)) == 4
+    assert safe_eval("(3 + 4) * 5 - 2 ** 3") == 27
+    for bad in ("__import__('os')", "2 ** 1000", "[1] * 3", "a + 1"):
+        with pytest.raises((ValueError, SyntaxError)):
+            safe_eval(bad)
+
+
+def test_instances_are_reproducible_and_distinct():
+    for name in ("arithmetic", "calculator", "swe_local", "terminal"):
+        task = build_task(TaskConfig(name=name))
+        a, b = task.instances(6, seed=1), task.instances(6, seed=1)
+        assert a == b and len({i.prompt for i in a}) == 6  # the scripted policy keys on the prompt
+        assert [i.prompt for i in task.instances(6, seed=2)] != [i.prompt for i in a]
+
+
+SWE_BENCH = {
+    "instance_id": "astropy__astropy-12907",
+    "repo": "astropy/astropy",
+    "base_commit": "d16bfe05a744909de4b27f5875fe0d4ed41ce607",
+    "problem_statement": "separability_matrix is wrong for nested models",
+    "test_patch": "diff --git a/x b/x\n",
+    "FAIL_TO_PASS": json.dumps(
+        ["astropy/modeling/tests/test_separable.py::test_separable[compound_model6]"]
+    ),
+    "PASS_TO_PASS": json.dumps(["astropy/modeling/tests/test_separable.py::test_coord_matrix"]),
+}
+
+
+def _jsonl(tmp_path, records, name="data.jsonl"):
+    path = tmp_path / name
+    path.write_text("\n".join(r if isinstance(r, str) else json.dumps(r) for r in records) + "\n")
+    return path
+
+
+def test_swe_bench_jsonl_and_parquet(tmp_path):
+    (inst,) = load_swe_bench(_jsonl(tmp_path, [SWE_BENCH]))
+    assert inst.image == "swebench/sweb.eval.x86_64.astropy_1776_astropy-12907:latest"
+    assert inst.metadata["fail_to_pass"] == [
+        "astropy/modeling/tests/test_separable.py::test_separable[compound_model6]"
+    ]
+    assert "test_coord_matrix" in inst.metadata["test_command"] and inst.prompt.startswith(
+        "separability"
+    )
+    pq = pytest.importorskip("pyarrow.parquet", reason="parquet loading needs pyarrow")
+    import pyarrow as pa
+
+    path = tmp_path / "verified.parquet"
+    pq.write_table(
+        pa.Table.from_pylist([SWE_BENCH, {**SWE_BENCH, "instance_id": "django__django-11099"}]),
+        path,
+    )
+    insts = load_swe_bench(path)
+    assert [i.image for i in insts][1] == swe_bench_image("django__django-11099")
+
+
+def test_swe_smith_and_terminal_bench(tmp_path):
+    smith = {
+        **SWE_BENCH,
+        "FAIL_TO_PASS": ["t::a"],
+        "PASS_TO_PASS": [],
+        "image_name": "jyangballin/swesmith.x86_64.foo",
+    }
+    (inst,) = load_swe_smith(_jsonl(tmp_path, [smith]))
+    assert inst.image == "jyangballin/swesmith.x86_64.foo" and inst.metadata["fail_to_pass"] == [
+        "t::a"
+    ]
+    tb = {
+        "task_id": "hello-world",
+        "instruction": "Create hello.txt",
+        "docker_image": "tb/hello:latest",
+    }
+    (inst,) = load_terminal_bench(_jsonl(tmp_path, [tb], "tb.jsonl"))
+    assert (
+        inst.image == "tb/hello:latest"
+        and inst.metadata["test_command"] == "bash /tests/run-tests.sh"
+    )
+
+
+@pytest.mark.parametrize(
+    ("records", "loader", "message"),
+    [
+        ([SWE_BENCH, "{not json"], load_swe_bench, "data.jsonl:2: invalid JSON"),
+        (["[1, 2]"], load_swe_bench, "data.jsonl:1: expected a JSON object, got list"),
+        (
+            [{k: v for k, v in SWE_BENCH.items() if k != "base_commit"}],
+            load_swe_bench,
+            "data.jsonl:1: missing field 'base_commit'",
+        ),
+        (
+            [{**SWE_BENCH, "FAIL_TO_PASS": "[oops"}],
+            load_swe_bench,
+            "data.jsonl:1: field 'FAIL_TO_PASS' is not a JSON list",
+        ),
+        (
+            [{**SWE_BENCH, "FAIL_TO_PASS": 3}],
+            load_swe_bench,
+            "field 'FAIL_TO_PASS' must be a list of strings, got int",
+        ),
+        (
+            [{**SWE_BENCH, "problem_statement": "  "}],
+            load_swe_bench,
+            "field 'problem_statement' is empty",
+        ),
+        ([SWE_BENCH], load_swe_smith, "data.jsonl:1: missing field 'image_name'"),
+        (
+            [{"task_id": "t", "instruction": "x"}],
+            load_terminal_bench,
+            "data.jsonl:1: missing field 'docker_image'",
+        ),
+    ],
+)
+def test_malformed_records_name_file_line_and_field(tmp_path, records, loader, message):
+    path = _jsonl(tmp_path, records)
+    with pytest.raises(DatasetError) as err:
+        loader(path)
+    assert message in str(err.value) and str(path) in str(err.value)
+
+
+def test_missing_or_unknown_files(tmp_path):
+    with pytest.raises(DatasetError, match="nope.jsonl: file not found"):
+        load_swe_bench(tmp_path / "nope.jsonl")
+    (tmp_path / "x.csv").write_text("a,b\n")
+    with pytest.raises(DatasetError, match="expected a .jsonl or .parquet file"):
+        load_swe_bench(tmp_path / "x.csv")
+    (tmp_path / "empty.jsonl").write_text("\n")
+    with pytest.raises(DatasetError, match="no records"):
+        load_swe_bench(tmp_path / "empty.jsonl")
+    (tmp_path / "bad.parquet").write_text("not parquet")
+    pytest.importorskip("pyarrow.parquet", reason="parquet loading needs pyarrow")
+    with pytest.raises(DatasetError, match="bad.parquet: not a readable parquet file"):
+        load_swe_bench(tmp_path / "bad.parquet")

@@ -44,7 +44,9 @@ class ScriptedPolicy:
             raise KeyError(f"scripted policy has no script for the prompt {user[:60]!r}")
         return script[turn] if turn < len(script) else "I am done."
 
-    async def generate(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> Completion:
+    async def generate(
+        self, prompt_token_ids: Sequence[int], params: SamplingParams, *, session_id=None
+    ) -> Completion:
         self.num_calls += 1
         ids = self.codec.encode_trusted(self._turn_text(prompt_token_ids)) + [self.codec.im_end_id]
         finish = "stop"
@@ -56,7 +58,7 @@ class ScriptedPolicy:
             await asyncio.sleep(0)
         return Completion(ids, [scripted_logprob(t) for t in ids], finish, self.policy_version)
 
-    async def update_weights(self, named_tensors_path_or_iter, policy_version: int) -> None:
+    async def update_weights(self, weights, policy_version: int) -> None:
         self.policy_version = policy_version
 
     async def reset_prefix_cache(self) -> None:

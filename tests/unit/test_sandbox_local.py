@@ -136,3 +136,29 @@ def test_str_replace_edits_files_past_the_output_limit(tmp_path):
     assert edit == "replaced 1 occurrence in big.py"
     assert again.startswith("[error: the text to replace occurs 0 times")
     assert tail.output.split() == ["MARKER", "=", "2", str(len(big))]
+
+
+@needs_root
+@pytest.mark.parametrize("isolation", ISOLATIONS)
+def test_host_environment_does_not_reach_the_sandbox(isolation, tmp_path, monkeypatch):
+    """Found in CI: once vLLM's CPU build is imported it sets LD_PRELOAD to a host library, which
+    the launcher's shell inside the namespaces could not open (an ld.so error in every output).
+    Neither that nor any host variable (a secret, say) may reach the sandbox."""
+    import torch
+
+    libgomp = os.path.join(os.path.dirname(torch.__file__), "lib", "libgomp.so.1")
+    if os.path.exists(libgomp):
+        monkeypatch.setenv("LD_PRELOAD", libgomp)
+    monkeypatch.setenv("MEGATHUNDER_TEST_SECRET", "hunter2")
+
+    async def go():
+        box = LocalSandbox(sandbox_cfg(tmp_path, isolation=isolation))
+        try:
+            return await box.shell("echo hi; env")
+        finally:
+            await box.close()
+
+    result = asyncio.run(go())
+    assert result.ok and result.output.startswith("hi\n"), result.output
+    assert "ld.so" not in result.output and "hunter2" not in result.output
+    assert "LD_PRELOAD" not in result.output

@@ -197,6 +197,7 @@ class LocalSandbox(Sandbox):
             cpu_limit_s=self.cfg.cpu_time_s,
             preexec_fn=self._enter,
             cwd="/",
+            env=_launcher_env(),
         )
         if self.cgroup and self.cgroup.oom_kills() > ooms:
             result = dataclasses.replace(
@@ -212,3 +213,11 @@ class LocalSandbox(Sandbox):
         if self.cgroup is not None:
             self.cgroup.remove()
         _UIDS.give(self.uid)
+
+
+def _launcher_env() -> dict[str, str]:
+    """The environment of the launcher (bwrap / unshare and its shell), not of the sandboxed
+    command, which starts from an empty one. Nothing of the host's is passed on: no secrets, and
+    no loader settings such as an ``LD_PRELOAD`` of a host library (vLLM's CPU build sets one for
+    its process) that the launcher's shell inside the namespaces cannot open."""
+    return {"PATH": os.environ.get("PATH", _SANDBOX_PATH), "LANG": "C.UTF-8"}

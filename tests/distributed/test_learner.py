@@ -22,6 +22,21 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm()).item()
 
 
+def _assert_logprobs_match_transformers(hf_dir, logprobs) -> None:
+    """The learner's logprobs of the worker's batch vs a transformers fp32 forward of hf_dir."""
+    import transformers
+
+    from tests.distributed.learner_worker import make_batch
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir).float()
+    batch, _, _ = make_batch(3, 64)
+    for traj, logp in zip(batch, logprobs, strict=True):
+        with torch.no_grad():
+            logits = model(traj.tokens[None]).logits[0, :-1]
+        expected = torch.log_softmax(logits, -1).gather(-1, traj.tokens[1:, None])[:, 0]
+        torch.testing.assert_close(logp, expected, rtol=0, atol=2e-6)
+
+
 @pytest.fixture(scope="module")
 def single(hf_qwen2, tmp_path_factory):
     out = tmp_path_factory.mktemp("eq") / "single.pt"
@@ -67,10 +82,7 @@ def test_distributed_optimizer_adam_step_matches_single_process(hf_qwen2, tmp_pa
 
 
 def test_tp2_pp2_hf_roundtrip_is_bit_exact_and_logprobs_match_transformers(hf_qwen2, tmp_path):
-    import transformers
     from safetensors.torch import load_file
-
-    from tests.distributed.learner_worker import make_batch
 
     export, out = tmp_path / "export", tmp_path / "rt.pt"
     launch(4, "hf_roundtrip", "--out", str(out), "--hf", str(hf_qwen2), "--export", str(export),
@@ -78,31 +90,15 @@ def test_tp2_pp2_hf_roundtrip_is_bit_exact_and_logprobs_match_transformers(hf_qw
     original, exported = load_file(hf_qwen2 / "model.safetensors"), load_file(export / "model.safetensors")
     assert sorted(original) == sorted(exported)
     assert all(torch.equal(original[k], exported[k]) for k in original)
-    model = transformers.AutoModelForCausalLM.from_pretrained(export).float()
-    batch, _, _ = make_batch(3, 64)
-    for traj, logp in zip(batch, torch.load(out)["logprobs"], strict=True):
-        with torch.no_grad():
-            logits = model(traj.tokens[None]).logits[0, :-1]
-        expected = torch.log_softmax(logits, -1).gather(-1, traj.tokens[1:, None])[:, 0]
-        torch.testing.assert_close(logp, expected, rtol=0, atol=2e-6)
+    _assert_logprobs_match_transformers(export, torch.load(out)["logprobs"])
 
 
 @pytest.mark.parametrize("family,tie", [("qwen3", True), ("llama", False)])
 def test_other_families_import_and_match_transformers(tmp_path, family, tie):
-    import transformers
-
-    from tests.distributed.learner_worker import make_batch
-
     hf_dir = make_hf_checkpoint(tmp_path / family, family, tie=tie, seed=1)
     out, export = tmp_path / "rt.pt", tmp_path / "export"
     launch(2, "hf_roundtrip", "--out", str(out), "--hf", str(hf_dir), "--export", str(export), "--tp", "2")
-    model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir).float()
-    batch, _, _ = make_batch(3, 64)
-    for traj, logp in zip(batch, torch.load(out)["logprobs"], strict=True):
-        with torch.no_grad():
-            logits = model(traj.tokens[None]).logits[0, :-1]
-        expected = torch.log_softmax(logits, -1).gather(-1, traj.tokens[1:, None])[:, 0]
-        torch.testing.assert_close(logp, expected, rtol=0, atol=2e-6)
+    _assert_logprobs_match_transformers(hf_dir, torch.load(out)["logprobs"])
 
 
 def test_checkpoint_resume_is_exact_and_reshards_tp1_to_tp2(hf_qwen2, tmp_path):

@@ -1,0 +1,80 @@
+"""One learner process with an in-process vLLM engine: sync weights after a step, probe staleness.
+
+Run by tests/integration/test_weight_sync.py in its own process (the learner installs Megatron's
+process groups and the CPU compatibility layer, which must not leak into the test session).
+Prints one JSON line.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
+
+
+async def main(workdir: Path) -> dict:
+    import torch
+
+    from megathunder import synthetic as syn
+    from megathunder.config import LearnerConfig, LedgerConfig, ObjectiveConfig
+    from megathunder.config.schema import EngineConfig
+    from megathunder.learner.learner import MegatronLearner
+    from megathunder.learner.parallel import init_distributed
+    from megathunder.models.tiny_hf import save_tiny_qwen2
+    from megathunder.rollout.engines import start_engine
+    from megathunder.weight_sync import StaleWeightsError, probe_staleness, push_weights
+
+    model_dir = save_tiny_qwen2(workdir / "tiny")
+    cfg = LearnerConfig.model_validate({
+        "model": {"hf_checkpoint": str(model_dir)},
+        "optimizer": {"name": "sgd", "lr": 20.0, "clip_grad": 0.0, "use_distributed_optimizer": False},
+    })
+    learner = MegatronLearner.build(cfg, ObjectiveConfig(), init_distributed(cfg), LedgerConfig())
+    engine = await start_engine(
+        EngineConfig(deployment="in_process", dtype="float32", max_model_len=512, enforce_eager=True,
+                     gpu_memory_utilization=0.3, kv_cache_memory_bytes=128 * 2**20),
+        model_dir, log_dir=workdir / "logs",
+    )
+    prompt = list(range(5, 45))
+    out = {}
+    try:
+        out["gap_initial"] = await probe_staleness(learner, engine, prompt, 48, tolerance=1e-4, seed=1)
+
+        rng = random.Random(0)
+        vocab = learner.model_cfg.vocab_size
+        batch = syn.random_batch(rng, [4, 4], vocab, 64, torch.float32, empty_prob=0.0)
+        rewards = syn.random_rewards(rng, batch, "continuous")
+        ledger = learner.ledger
+        ledger.begin_batch(syn.group_plan(batch))
+        for e in syn.random_event_order(rng, len(batch)):
+            if e.kind == "finished":
+                ledger.on_finished(batch[e.traj_id])
+            else:
+                ledger.on_reward(e.traj_id, rewards[e.traj_id])
+        ledger.close_batch()
+        learner.step()
+
+        try:  # the engine still holds the old weights: the probe must say so
+            await probe_staleness(learner, engine, prompt, 48, tolerance=1e-4, seed=2)
+            out["stale_detected"] = False
+        except StaleWeightsError as err:
+            out["stale_detected"] = True
+            out["stale_message"] = str(err)
+
+        await push_weights(learner, engine, policy_version=1)
+        out["policy_version"] = engine.policy_version
+        out["gap_after_sync"] = await probe_staleness(learner, engine, prompt, 48, tolerance=1e-4, seed=3)
+    finally:
+        await engine.close()
+    return out
+
+
+if __name__ == "__main__":
+    result = asyncio.run(main(Path(sys.argv[1])))
+    print(json.dumps(result))

@@ -9,7 +9,7 @@ random order that respects causality (a trajectory's reward comes after it finis
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -120,3 +120,25 @@ def group_plan(batch: Sequence[Trajectory]) -> list[tuple[int, list[int]]]:
     for t in batch:
         plan.setdefault(t.group_id, []).append(t.traj_id)
     return list(plan.items())
+
+
+def feed_events(
+    ledger,
+    batch: Sequence[Trajectory],
+    rewards: Sequence[float],
+    events: Sequence[Event],
+    owner: Callable[[Trajectory], bool] | None = None,
+    num_loss_tokens: Callable[[Trajectory], int] | None = None,
+) -> None:
+    """Deliver ``events`` to a gradient ledger. With ``owner``, trajectories it rejects finish as
+    another data-parallel rank's (their loss-token count from ``num_loss_tokens``)."""
+    by_id = {t.traj_id: t for t in batch}
+    reward_of = {t.traj_id: r for t, r in zip(batch, rewards, strict=True)}
+    for ev in events:
+        traj = by_id[ev.traj_id]
+        if ev.kind == "reward":
+            ledger.on_reward(ev.traj_id, reward_of[ev.traj_id])
+        elif owner is None or owner(traj):
+            ledger.on_finished(traj)
+        else:
+            ledger.on_remote_finished(ev.traj_id, num_loss_tokens(traj))

@@ -37,13 +37,7 @@ def streamed_gradient(
     backend = TorchBackend(model, objective)
     ledger = GradientLedger(backend, objective, ledger_cfg, reward_shift=reward_shift)
     ledger.begin_batch(syn.group_plan(batch))
-    by_id = {t.traj_id: t for t in batch}
-    reward_of = {t.traj_id: r for t, r in zip(batch, rewards, strict=True)}
-    for ev in events:
-        if ev.kind == "finished":
-            ledger.on_finished(by_id[ev.traj_id])
-        else:
-            ledger.on_reward(ev.traj_id, reward_of[ev.traj_id])
+    syn.feed_events(ledger, batch, rewards, events)
     result = ledger.close_batch()
     return backend.live.flat().clone(), result, ledger
 

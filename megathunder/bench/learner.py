@@ -107,6 +107,7 @@ def main(argv: Sequence[str]) -> int:
     dp, dp_rank = groups.dims.dp, groups.dp_rank
     owner = [t.traj_id % dp for t in batch]
     plan = syn.group_plan(batch)
+    all_at_once = [syn.Event("finished", t.traj_id) for t in batch] + [syn.Event("reward", t.traj_id) for t in batch]
 
     def run_sync() -> None:
         learner.sync_step_gradient(batch, rewards, owner)
@@ -117,13 +118,8 @@ def main(argv: Sequence[str]) -> int:
 
         ledger = ledgers.setdefault(slots, GradientLedger(learner.backend, objective, LedgerConfig(max_group_slots=slots)))
         ledger.begin_batch(plan)
-        for t in batch:
-            if owner[t.traj_id] == dp_rank:
-                ledger.on_finished(t)
-            else:
-                ledger.on_remote_finished(t.traj_id, learner.num_loss_tokens(t))
-        for t in batch:
-            ledger.on_reward(t.traj_id, rewards[t.traj_id])
+        syn.feed_events(ledger, batch, rewards, all_at_once,
+                        owner=lambda t: owner[t.traj_id] == dp_rank, num_loss_tokens=learner.num_loss_tokens)
         ledger.close_batch()
         learner.step()
 

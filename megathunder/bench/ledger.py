@@ -64,11 +64,7 @@ def _round_robin_events(group_sizes: Sequence[int]) -> list[syn.Event]:
 def _run(ledger: GradientLedger, batch, rewards, events) -> float:
     t0 = time.perf_counter()
     ledger.begin_batch(syn.group_plan(batch))
-    for e in events:
-        if e.kind == "finished":
-            ledger.on_finished(batch[e.traj_id])
-        else:
-            ledger.on_reward(e.traj_id, rewards[e.traj_id])
+    syn.feed_events(ledger, batch, rewards, events)
     ledger.close_batch()
     return time.perf_counter() - t0
 

@@ -122,19 +122,12 @@ def _corpus(rng: random.Random, num_lines: int = 3000) -> Iterator[str]:
 
 def build_tokenizer(vocab_size: int = 512, seed: int = 0):
     """Byte-level BPE trained on the generated corpus, wrapped as a transformers fast tokenizer."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import AddedToken
     from transformers import PreTrainedTokenizerFast
 
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=list(SPECIAL_TOKENS),
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(_corpus(random.Random(seed)), trainer=trainer)
+    from megathunder.rollout.local_tokenizer import train_byte_level_bpe
+
+    tok = train_byte_level_bpe(_corpus(random.Random(seed)), vocab_size, SPECIAL_TOKENS)
     tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in TOOL_TOKENS])
     return PreTrainedTokenizerFast(
         tokenizer_object=tok,

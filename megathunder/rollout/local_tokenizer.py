@@ -8,6 +8,7 @@ tokens like Qwen's, and trains in well under a second. Not a model's tokenizer.
 from __future__ import annotations
 
 import functools
+from collections.abc import Iterable, Sequence
 
 from megathunder.rollout.chat import SPECIAL_TOKENS
 
@@ -26,9 +27,9 @@ _CORPUS = [
 ]
 
 
-@functools.lru_cache(maxsize=4)
-def train_local_chatml_tokenizer(vocab_size: int = 512):
-    """A ``tokenizers.Tokenizer`` (byte-level BPE, ``vocab_size`` including the special tokens)."""
+def train_byte_level_bpe(corpus: Iterable[str], vocab_size: int, special_tokens: Sequence[str]):
+    """A byte-level BPE ``tokenizers.Tokenizer`` trained on ``corpus`` (``vocab_size`` includes the
+    special tokens, which are never split). Shared by this module and ``models.tiny_hf``."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
@@ -36,9 +37,15 @@ def train_local_chatml_tokenizer(vocab_size: int = 512):
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=list(SPECIAL_TOKENS),
+        special_tokens=list(special_tokens),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(_CORPUS * 4, trainer=trainer)
+    tok.train_from_iterator(corpus, trainer=trainer)
     return tok
+
+
+@functools.lru_cache(maxsize=4)
+def train_local_chatml_tokenizer(vocab_size: int = 512):
+    """A ``tokenizers.Tokenizer`` (byte-level BPE, ``vocab_size`` including the special tokens)."""
+    return train_byte_level_bpe(_CORPUS * 4, vocab_size, SPECIAL_TOKENS)

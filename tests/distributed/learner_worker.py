@@ -64,14 +64,8 @@ def equivalence(args) -> None:
 
     ledger = learner.ledger
     ledger.begin_batch(syn.group_plan(batch))
-    for e in events:
-        t = batch[e.traj_id]
-        if e.kind == "reward":
-            ledger.on_reward(t.traj_id, rewards[t.traj_id])
-        elif owner[t.traj_id] == dp_rank:
-            ledger.on_finished(t)
-        else:
-            ledger.on_remote_finished(t.traj_id, learner.num_loss_tokens(t))
+    syn.feed_events(ledger, batch, rewards, events, owner=lambda t: owner[t.traj_id] == dp_rank,
+                    num_loss_tokens=learner.num_loss_tokens)
     result = ledger.close_batch()
     learner.step()
     out = {"before": before, "stream": full_params(learner), "peak_buffers": result.peak_buffers}
@@ -105,14 +99,8 @@ def _streamed_step(learner: MegatronLearner, seed: int) -> None:
     dp, dp_rank = learner.groups.dims.dp, learner.groups.dp_rank
     ledger = learner.ledger
     ledger.begin_batch(syn.group_plan(batch))
-    for e in events:
-        t = batch[e.traj_id]
-        if e.kind == "reward":
-            ledger.on_reward(t.traj_id, rewards[t.traj_id])
-        elif t.traj_id % dp == dp_rank:
-            ledger.on_finished(t)
-        else:
-            ledger.on_remote_finished(t.traj_id, learner.num_loss_tokens(t))
+    syn.feed_events(ledger, batch, rewards, events, owner=lambda t: t.traj_id % dp == dp_rank,
+                    num_loss_tokens=learner.num_loss_tokens)
     ledger.close_batch()
     learner.step()
 

@@ -42,11 +42,7 @@ def _run(layer_spec: str, fp8: str | None) -> tuple[float, float]:
         sync = learner.backend.live.flat().float().clone()
         ledger = learner.ledger
         ledger.begin_batch(syn.group_plan(batch))
-        for e in syn.random_event_order(rng, len(batch)):
-            if e.kind == "finished":
-                ledger.on_finished(batch[e.traj_id])
-            else:
-                ledger.on_reward(e.traj_id, rewards[e.traj_id])
+        syn.feed_events(ledger, batch, rewards, syn.random_event_order(rng, len(batch)))
         ledger.close_batch()
         streamed = learner.backend.live.flat().float()
         return ((streamed - sync).norm() / sync.norm()).item(), sync.norm().item()

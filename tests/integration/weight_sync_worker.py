@@ -52,11 +52,7 @@ async def main(workdir: Path) -> dict:
         rewards = syn.random_rewards(rng, batch, "continuous")
         ledger = learner.ledger
         ledger.begin_batch(syn.group_plan(batch))
-        for e in syn.random_event_order(rng, len(batch)):
-            if e.kind == "finished":
-                ledger.on_finished(batch[e.traj_id])
-            else:
-                ledger.on_reward(e.traj_id, rewards[e.traj_id])
+        syn.feed_events(ledger, batch, rewards, syn.random_event_order(rng, len(batch)))
         ledger.close_batch()
         learner.step()
 

@@ -10,6 +10,7 @@ import torch
 
 from megathunder import synthetic as syn
 from megathunder.config import LedgerConfig, ObjectiveConfig
+from megathunder.objectives import num_loss_tokens
 from megathunder.reference import reference_gradient
 from megathunder.streaming import GradientLedger, TorchBackend
 from tests.helpers import VOCAB, MAX_LEN, make_case, rel_err, small_model, streamed_gradient
@@ -128,15 +129,8 @@ def test_data_parallel_ranks_sum_to_the_global_gradient(advantage):
         backend = TorchBackend(model, objective)
         ledger = GradientLedger(backend, objective, LedgerConfig(max_group_slots=1))
         ledger.begin_batch(syn.group_plan(batch))
-        for e in events:
-            t = batch[e.traj_id]
-            if e.kind == "reward":
-                ledger.on_reward(t.traj_id, rewards[t.traj_id])
-            elif owner[t.traj_id] == rank:
-                ledger.on_finished(t)
-            else:
-                from megathunder.objectives import num_loss_tokens
-                ledger.on_remote_finished(t.traj_id, num_loss_tokens(t, objective))
+        syn.feed_events(ledger, batch, rewards, events, owner=lambda t: owner[t.traj_id] == rank,
+                        num_loss_tokens=lambda t: num_loss_tokens(t, objective))
         ledger.close_batch()
         grads.append(backend.live.flat().clone())
     reference = reference_gradient(model, batch, rewards, objective)

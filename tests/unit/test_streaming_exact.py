@@ -155,11 +155,7 @@ def test_group_close_summed_backward_is_exact(model64, case, monkeypatch):
     backend.backward_sum = lambda trajs, specs: calls.append(len(trajs)) or original(trajs, specs)
     ledger = ledger_module.GradientLedger(backend, objective, LedgerConfig(max_group_slots=slots))
     ledger.begin_batch(syn.group_plan(batch))
-    for e in syn.random_event_order(rng, len(batch)):
-        if e.kind == "finished":
-            ledger.on_finished(batch[e.traj_id])
-        else:
-            ledger.on_reward(e.traj_id, rewards[e.traj_id])
+    syn.feed_events(ledger, batch, rewards, syn.random_event_order(rng, len(batch)))
     ledger.close_batch()
     assert rel_err(backend.live.flat(), reference) <= 1e-10
     if slots == 0 and advantage != "batch_std" and not objective.dapo_dynamic_sampling:

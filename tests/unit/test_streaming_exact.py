@@ -119,25 +119,23 @@ def test_oracle_order_is_bitwise_equal(dtype, objective):
         assert torch.equal(streamed, reference), rel_err(streamed, reference)
 
 
-class SummingBackend:
-    """A TorchBackend that also sums several trajectories in one call (as the Megatron one does)."""
+def summing_backend(model, objective):
+    """A TorchBackend that can also sum several trajectories in one call, as the Megatron one does."""
+    from megathunder.objectives import token_logprobs_and_entropy, trajectory_loss
+    from megathunder.streaming import TorchBackend
 
-    def __new__(cls, model, objective):
-        from megathunder.objectives import token_logprobs_and_entropy, trajectory_loss
-        from megathunder.streaming import TorchBackend
+    backend = TorchBackend(model, objective)
 
-        backend = TorchBackend(model, objective)
+    def backward_sum(trajs, specs):
+        backend.live.zero_()
+        for traj, spec in zip(trajs, specs, strict=True):
+            logits = model(traj.tokens[None])[0, :-1]
+            logp, ent = token_logprobs_and_entropy(logits, traj.tokens[1:], objective.entropy_coef > 0)
+            trajectory_loss(logp, ent, traj, spec, objective).backward()
+        return backend.live
 
-        def backward_sum(trajs, specs):
-            backend.live.zero_()
-            for traj, spec in zip(trajs, specs, strict=True):
-                logits = model(traj.tokens[None])[0, :-1]
-                logp, ent = token_logprobs_and_entropy(logits, traj.tokens[1:], objective.entropy_coef > 0)
-                trajectory_loss(logp, ent, traj, spec, objective).backward()
-            return backend.live
-
-        backend.backward_sum = backward_sum
-        return backend
+    backend.backward_sum = backward_sum
+    return backend
 
 
 @pytest.mark.parametrize("case", range(0, len(GRID), 8))
@@ -149,7 +147,7 @@ def test_group_close_summed_backward_is_exact(model64, case, monkeypatch):
     rng, batch, rewards = make_case(3000 + case, torch.float64, reward_kind)
     objective = random_objective(rng, advantage, loss_agg)
     reference = reference_gradient(model64, batch, rewards, objective)
-    backend = SummingBackend(model64, objective)
+    backend = summing_backend(model64, objective)
     calls = []
     original = backend.backward_sum
     backend.backward_sum = lambda trajs, specs: calls.append(len(trajs)) or original(trajs, specs)

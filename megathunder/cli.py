@@ -12,6 +12,7 @@ BENCHMARKS = {
     "opd": "megathunder.bench.opd",
     "episodes": "megathunder.bench.episodes",
     "rollout": "megathunder.bench.rollout",
+    "schedules": "megathunder.bench.schedules",
 }
 SCHEDULES = ("sync", "async", "fully_async", "thunder")  # megathunder.simulate.SCHEDULES
 

@@ -205,6 +205,8 @@ class AgentLoop:
         ep.finished_at = time.monotonic()
         self._event("trajectory_finished", ep, payload={"episode": ep})
 
+        if self.cfg.added_verifier_latency_s:
+            await asyncio.sleep(self.cfg.added_verifier_latency_s)
         ep.reward = await self.verifiers.score(
             lambda: self.task.verify(inst, ep, sandbox), traj_id=traj_id
         )
@@ -271,6 +273,8 @@ class AgentLoop:
         self, call: ToolCall | ToolCallError, sandbox, deadline: float, turn: Turn
     ) -> str:
         t0 = time.monotonic()
+        if self.cfg.added_tool_latency_s:
+            await asyncio.sleep(min(self.cfg.added_tool_latency_s, _remaining(deadline)))
         name, args = getattr(call, "name", "?"), getattr(call, "arguments", None)
         if isinstance(call, ToolCallError):
             obs, ok = f"[error: {call.message}]", False

@@ -15,8 +15,8 @@ Every sample ends in one recorded outcome:
 * ``episode_error``: the episode itself raised (an engine failure); the sample is *missing*.
 
 pass@j is averaged over all ``num_instances`` instances and refuses (:class:`MissingSamplesError`)
-while any instance has fewer than j samples, so a score is never computed on fewer instances than
-it claims.
+while any sample is missing, so a score is never computed on fewer instances or samples than it
+claims.
 """
 
 from __future__ import annotations
@@ -104,14 +104,16 @@ class EvalResult:
         return sorted({v for i in self.instances for s in i.samples for v in s.policy_versions})
 
     def pass_at(self, k: int) -> tuple[float, float]:
-        """(pass@k, standard error) over every instance; raises when samples are missing."""
-        short = [i for i in self.instances if i.num_samples < k]
+        """(pass@k, standard error) over every instance; raises while any sample is missing."""
+        if not 1 <= k <= self.k:
+            raise ValueError(f"pass@{k}: this evaluation drew {self.k} samples per instance")
+        short = [i for i in self.instances if i.num_samples < self.k]
         if short:
             names = ", ".join(f"{i.instance_id} ({i.num_samples})" for i in short[:5])
             more = f" and {len(short) - 5} more" if len(short) > 5 else ""
             raise MissingSamplesError(
-                f"pass@{k} needs {k} samples of each of the {self.num_instances} instances; "
-                f"{len(short)} have fewer (samples with an outcome): {names}{more}"
+                f"pass@{k}: {len(short)} of the {self.num_instances} instances have fewer than "
+                f"the {self.k} samples drawn (episodes that raised): {names}{more}"
             )
         return pass_at_k_over_instances([(i.num_samples, i.num_correct) for i in self.instances], k)
 
@@ -274,12 +276,19 @@ async def evaluate(
 
     samples: list[list[SampleOutcome | None]] = [[None] * k for _ in instances]
     start = time.monotonic()
-    jobs = [one(g, s, inst) for g, inst in enumerate(instances) for s in range(k)]
+    # tasks created in order, so episodes start (and queue for slots) instance by instance
+    jobs = [
+        asyncio.ensure_future(one(g, s, inst)) for g, inst in enumerate(instances) for s in range(k)
+    ]
     with tqdm(total=len(jobs), desc="eval", unit="episode", disable=not progress) as bar:
-        for done in asyncio.as_completed(jobs):
-            g, s, outcome = await done
-            samples[g][s] = outcome
-            bar.update(1)
+        try:
+            for done in asyncio.as_completed(jobs):
+                g, s, outcome = await done
+                samples[g][s] = outcome
+                bar.update(1)
+        finally:  # cancelled (the caller gave up): no episode keeps running
+            for job in jobs:
+                job.cancel()
     return EvalResult(
         k=k,
         instances=[

@@ -30,9 +30,11 @@ def check_checkpoint(path: str | Path) -> Path:
 
 def format_table(result, task_name: str) -> str:
     lines = [f"evaluation: {task_name}, {result.num_instances} instances x {result.k} samples"]
+    from megathunder.eval.evaluate import MissingSamplesError
+
     try:
         scores = result.pass_at_all()
-    except Exception as err:  # MissingSamplesError: said instead of a score
+    except MissingSamplesError as err:  # said instead of a score
         lines.append(f"  no scores: {err}")
         scores = {}
     lines.append(f"  {'metric':<24} {'value':>10} {'stderr':>10}")

@@ -183,11 +183,11 @@ def _fmt(x, spec: str = ".3f") -> str:
 
 
 def markdown_table(rows: list[dict], baseline: RunCurve) -> str:
-    lines = [
-        f"| {'score'} | {baseline.schedule} GPU-h (step) | run | run GPU-h (step) | "
-        "GPU-h ratio | wall ratio |",
-        "|---|---|---|---|---|---|",
-    ]
+    header = (
+        f"| score | {baseline.schedule} GPU-h (step) | run | run GPU-h (step) | GPU-h ratio "
+        "| wall ratio |"
+    )
+    lines = [header, "|---|---|---|---|---|---|"]
     for r in rows:
         run_at = "not reached" if r["run_step"] is None else (
             f"{r['run_gpu_hours']:.4g} ({r['run_step']})"

@@ -25,7 +25,7 @@ from megathunder.rollout.chat import IM_START
 from megathunder.rollout.scripted import ScriptedPolicy
 from megathunder.tasks import build_task
 from megathunder.tasks.arithmetic import ArithmeticTask
-from tests.rollout_helpers import codec
+from tests.rollout_helpers import codec, needs_root
 
 ENGINE_CRASH = "<engine crash>"
 
@@ -115,8 +115,8 @@ class _CrashingArithmetic(ArithmeticTask):
 
 
 @pytest.mark.parametrize(
-    "verifier", [VerifierConfig(), VerifierConfig(on_failure="drop_group"),
-                 VerifierConfig(failure_reward=1.0)],  # fmt: skip
+    "verifier",
+    [VerifierConfig(), VerifierConfig(on_failure="drop_group"), VerifierConfig(failure_reward=1.0)],
     ids=["zero_reward", "drop_group", "failure_reward_1"],
 )
 def test_crashing_verifier_is_a_recorded_failure_never_a_dropped_instance(monkeypatch, verifier):
@@ -202,3 +202,30 @@ def test_eval_config_validation():
     with pytest.raises(ConfigError, match=r"eval\.bogus"):
         load_config(None, ["eval.bogus=1"])
     assert math.isclose(load_config(None, []).eval.heldout_fraction, 0.1)
+
+
+@needs_root
+def test_swe_local_through_sandboxes_counts_tool_cost():
+    """The SWE-style task: the scripted fix through real sandboxes passes; tool calls are costed."""
+    from megathunder.config import SandboxConfig
+
+    cfg = Config(
+        task=TaskConfig(name="swe_local"),
+        agent=AgentLoopConfig(max_total_tokens=8192, max_new_tokens_per_turn=1024,
+                              max_concurrent_episodes=4),
+        sandbox=SandboxConfig(root_dir="/tmp/megathunder-test-sandboxes", wall_time_s=5,
+                              cpu_time_s=2, memory_mb=256, max_processes=16),
+        eval=EvalConfig(k=2, num_instances=2, seed=3),
+    )  # fmt: skip
+    task = build_task(cfg.task)
+    insts = eval_instances(cfg, task)
+    c = codec()
+    # instance 0: the correct script; instance 1: gives up after running the tests
+    scripts = {insts[0].prompt: task.scripted_turns(insts[0]),
+               insts[1].prompt: [task.scripted_turns(insts[1])[1], "I give up."]}  # fmt: skip
+    result = asyncio.run(evaluate(cfg, ScriptedPolicy(c, scripts), c, insts))
+    assert [i.num_correct for i in result.instances] == [2, 0]
+    assert result.pass_at(1) == (0.5, 0.5) and result.num_failed == 0
+    cost = result.cost()
+    assert cost["num_tool_calls"] == 2 * 4 + 2 * 1 and cost["tool_s"] > 0
+    assert cost["num_tool_errors"] == 2 * 1 + 2 * 1  # the failing test run of each episode

@@ -79,3 +79,17 @@ def eval_instances(cfg, task: Task) -> list[TaskInstance]:
     return draw_instances(
         task, ev.num_instances, ev.seed, held_out=held_out, heldout_fraction=ev.heldout_fraction
     )
+
+
+def training_instances(cfg, task: Task, num: int, seed: int) -> list[TaskInstance]:
+    """``num`` distinct training instances drawn from ``seed``, never one of the held-out split
+    (for the trainer: vary ``seed`` per batch)."""
+    ev = cfg.eval
+    held_out = False if ev.split == "held_out" else None
+    return draw_instances(task, num, seed, held_out=held_out, heldout_fraction=ev.heldout_fraction)
+
+
+def eval_due(cfg, step: int) -> bool:
+    """Whether periodic evaluation runs after optimizer step ``step`` (``eval.every_n_steps``)."""
+    every = cfg.eval.every_n_steps
+    return every > 0 and step % every == 0

@@ -182,6 +182,22 @@ def test_held_out_split_is_disjoint_from_training_by_content():
     assert 0.05 < share < 0.15
 
 
+def test_trainer_helpers_keep_the_split():
+    from megathunder.eval import eval_due, training_instances
+
+    cfg = _cfg()
+    cfg.eval.num_instances = 30
+    task = build_task(cfg.task)
+    held = {i.prompt for i in eval_instances(cfg, task)}
+    for seed in range(5):  # the trainer varies the seed per batch; the split holds for every one
+        batch = training_instances(cfg, task, 16, seed=cfg.eval.seed + seed)
+        assert len(batch) == 16 and not held & {i.prompt for i in batch}
+    cfg.eval.every_n_steps = 3
+    assert [s for s in range(1, 10) if eval_due(cfg, s)] == [3, 6, 9]
+    cfg.eval.every_n_steps = 0
+    assert not any(eval_due(cfg, s) for s in range(1, 10))
+
+
 def test_too_few_distinct_instances_is_an_error():
     tiny = ArithmeticTask(max_operand=1)  # 8 distinct problems
     with pytest.raises(EvalInputError, match="only 8 distinct instances"):

@@ -127,3 +127,50 @@ def test_fewer_instances_than_asked(tmp_path, checkpoint, no_engine, capsys):
 def test_bad_eval_config(checkpoint, no_engine, capsys):
     rc, err = _eval(["eval.k=0", "--checkpoint", str(checkpoint)], capsys)
     assert rc == 2 and "eval.k" in err
+
+
+def test_wandb_offline_when_importable(tmp_path, config, checkpoint, monkeypatch, capsys):
+    """With wandb importable (a recording stand-in here; wandb is not a dependency), the metrics
+    go to an offline run; without it, nothing is attempted."""
+    import sys
+    import types
+
+    import megathunder.rollout.engines as engines
+    from megathunder.rollout.chat import ChatCodec
+
+    calls = {}
+
+    class Run:
+        dir = str(tmp_path / "wandb-run")
+
+        def log(self, metrics):
+            calls["log"] = metrics
+
+        def finish(self):
+            calls["finished"] = True
+
+    def init(**kw):
+        calls["init"] = kw
+        return Run()
+
+    monkeypatch.setitem(sys.modules, "wandb", types.SimpleNamespace(init=init))
+    cfg = load_config(config, OVERRIDES)
+    insts = eval_instances(cfg, build_task(cfg.task))
+
+    async def fake_start(*a, **kw):
+        return CannedPolicy(ChatCodec(train_local_chatml_tokenizer()),
+                            {i.prompt: [str(i.answer), "x"] for i in insts})  # fmt: skip
+
+    monkeypatch.setattr(engines, "start_engine", fake_start)
+    rc = cli.main(["eval", str(config), *OVERRIDES, f"run.output_dir={tmp_path}",
+                   "--checkpoint", str(checkpoint)])  # fmt: skip
+    assert rc == 0 and calls["init"]["mode"] == "offline" and calls["finished"]
+    assert calls["log"]["eval/pass@1"] == pytest.approx(0.5) and calls["log"]["eval/pass@2"] == 1.0
+    assert "wandb (offline)" in capsys.readouterr().out
+    assert (tmp_path / "eval.json").is_file()  # default path: run.output_dir/eval.json
+
+    monkeypatch.setitem(sys.modules, "wandb", None)  # import fails: skipped silently
+    calls.clear()
+    rc = cli.main(["eval", str(config), *OVERRIDES, f"run.output_dir={tmp_path}",
+                   "--checkpoint", str(checkpoint)])  # fmt: skip
+    assert rc == 0 and calls == {} and "wandb (offline)" not in capsys.readouterr().out

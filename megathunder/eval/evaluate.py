@@ -6,6 +6,12 @@ steps with its own rollout engine (``await evaluate(cfg, engine, codec, instance
 loop's own (:func:`~megathunder.rollout.agent_loop.build_agent_loop`: same template, tools,
 sandboxes, limits and verifier pool); nothing is emitted to a learner.
 
+In the trainer (``eval_instances`` drawn once; ``training_instances`` keeps batches off them)::
+
+    if eval_due(cfg, step):
+        result = await evaluate(cfg, engine, codec, eval_set)
+        row.update(result.metrics())  # eval/pass@1 ... into this step's metrics.jsonl row
+
 Every sample ends in one recorded outcome:
 
 * ``ok``: the verifier scored it; it passes when ``reward >= eval.pass_reward``;
@@ -252,6 +258,8 @@ async def evaluate(
     pass_reward = ev.pass_reward if pass_reward is None else pass_reward
     if k < 1:
         raise ValueError(f"k must be >= 1, got {k}")
+    if temperature < 0 or (temperature == 0 and k > 1):
+        raise ValueError(f"temperature {temperature} with k={k}: greedy (0) needs k=1, else > 0")
     if not instances:
         raise ValueError("evaluate: no instances")
     ids = [i.instance_id for i in instances]

@@ -165,6 +165,8 @@ def test_duplicate_and_empty_instances_are_refused():
         _run(cfg, {}, [insts[0], insts[0]])
     with pytest.raises(ValueError, match="no instances"):
         _run(cfg, {}, [])
+    with pytest.raises(ValueError, match="greedy"):
+        _run(cfg, {}, insts, temperature=0.0)
 
 
 def test_held_out_split_is_disjoint_from_training_by_content():

@@ -59,7 +59,8 @@ def format_table(result, task_name: str) -> str:
 
 
 def _log_wandb(cfg, result, out_dir: Path) -> str | None:
-    """Offline wandb run with the metrics, when wandb is installed; returns its folder."""
+    """Offline wandb run with the metrics, when wandb is installed (never online: evaluation of
+    a checkpoint is logged locally; ``run.wandb=disabled`` or --no-wandb skip it)."""
     try:
         import wandb
     except ImportError:
@@ -112,7 +113,7 @@ def run(args) -> int:
     out_path.write_text(json.dumps(record, indent=1) + "\n")
     print(format_table(result, cfg.task.name))
     print(f"wrote {out_path}")
-    if not args.no_wandb and record["error"] is None:
+    if not args.no_wandb and cfg.run.wandb != "disabled" and record["error"] is None:
         where = _log_wandb(cfg, result, out_path.parent)
         if where:
             print(f"wandb (offline): {where}")

@@ -169,6 +169,11 @@ def test_wandb_offline_when_importable(tmp_path, config, checkpoint, monkeypatch
     assert "wandb (offline)" in capsys.readouterr().out
     assert (tmp_path / "eval.json").is_file()  # default path: run.output_dir/eval.json
 
+    calls.clear()
+    rc = cli.main(["eval", str(config), *OVERRIDES, f"run.output_dir={tmp_path}", "run.wandb=disabled",
+                   "--checkpoint", str(checkpoint)])  # fmt: skip
+    assert rc == 0 and calls == {}
+
     monkeypatch.setitem(sys.modules, "wandb", None)  # import fails: skipped silently
     calls.clear()
     rc = cli.main(["eval", str(config), *OVERRIDES, f"run.output_dir={tmp_path}",

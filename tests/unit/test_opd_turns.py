@@ -96,3 +96,39 @@ def test_kv_adjoint_leaves_little_work_after_the_last_turn():
     total = len(flatten(parts)[0])
     assert forwarded["kv_adjoint"] == forwarded["forward_early"] == total
     assert forwarded["recompute"] > 3 * total
+
+
+def _bigger_teacher():
+    from megathunder.config import ModelConfig
+    from megathunder.models.torch_decoder import build_torch_decoder
+    from tests.helpers import MAX_LEN
+
+    cfg = ModelConfig(vocab_size=VOCAB, hidden_size=24, num_layers=3, num_heads=3, max_seq_len=MAX_LEN,
+                      dtype="float64")
+    return build_torch_decoder(cfg, seed=11)
+
+
+@pytest.mark.parametrize("strategy", ["recompute", "kv_adjoint"])
+def test_cached_teacher_scores_turns_without_rescoring_the_prefix(strategy):
+    """A teacher of another size with a per-trajectory K/V cache: the streamed gradient equals the
+    reference that scores whole trajectories, and the teacher forwards each token exactly once."""
+    from megathunder.streaming.opd_turns import CachedTeacher, TorchSegmentModel
+
+    student, teacher = small_model("float64", seed=0), _bigger_teacher()
+    score = _teacher_fn(teacher)
+    rng = random.Random(2)
+    episodes = [random_episode(rng) for _ in range(5)]
+    full = [flatten(e) for e in episodes]
+    reference = opd_reference_gradient(student, full, score, beta=1.0, aggregation="token_mean")
+    for p in student.parameters():
+        p.grad = None
+    cached = CachedTeacher(TorchSegmentModel(teacher))
+    streamer = TurnStreamer(student, cached, strategy=strategy)
+    stream(streamer, episodes)
+    streamer.finish_batch()
+    streamed = torch.cat([p.grad.reshape(-1) for p in student.parameters()])
+    assert rel_err(streamed, reference) <= 1e-10
+    # Every token up to each trajectory's last trained token, forwarded once.
+    last_trained = [max((i for i in range(len(m)) if m[i]), default=-1) + 2 for _, m in full]
+    assert cached.stats["forward_tokens"] == sum(n for n in last_trained if n > 1)
+    assert not cached._state  # released at trajectory end

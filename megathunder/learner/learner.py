@@ -138,6 +138,20 @@ class MegatronLearner:
         return StepResult(ok=bool(ok), grad_norm=float(grad_norm or 0.0),
                           lr=self.optimizer.param_groups[0]["lr"])
 
+    def turn_streamer(self, teacher):
+        """Per-turn OPD on this learner (``learner.opd``): gradients accumulate, unnormalised, in
+        DDP's buffers; ``finish_batch`` divides by Z once, then ``step`` as for RL."""
+        from megathunder.config import ConfigError
+        from megathunder.learner.opd import MegatronSegmentModel
+        from megathunder.streaming.opd_turns import TurnStreamer
+
+        if self.cfg.opd is None:
+            raise ConfigError("learner.opd: not set (per-turn OPD needs its strategy)")
+        opd = self.cfg.opd
+        self.ddp.zero_grad_buffer()
+        return TurnStreamer(MegatronSegmentModel(self.ddp, self.groups), teacher, beta=opd.beta,
+                            strategy=opd.strategy, aggregation=opd.aggregation)
+
     # ------------------------------------------------------------------ inference
 
     @torch.no_grad()

@@ -8,7 +8,9 @@ import pytest
 import torch
 
 from megathunder.streaming.opd_turns import TurnStreamer, opd_reference_gradient
+from tests import opd_helpers
 from tests.helpers import VOCAB, rel_err, small_model
+from tests.opd_helpers import flatten, stream
 
 
 def _teacher_fn(teacher):
@@ -19,40 +21,8 @@ def _teacher_fn(teacher):
     return score
 
 
-def random_episode(rng: random.Random) -> list[tuple[str, list[int]]]:
-    """[prompt, a_1, o_1, ..., a_K] with 1-8 turns, some empty turns and empty tool outputs."""
-    tok = lambda n: [rng.randrange(VOCAB) for _ in range(n)]  # noqa: E731
-    parts = [("prompt", tok(rng.randint(1, 4)))]
-    num_turns = rng.randint(1, 8)
-    for k in range(num_turns):
-        parts.append(("turn", tok(rng.choice([0, 1, 2, 3]))))
-        if k + 1 < num_turns:
-            parts.append(("tool", tok(rng.choice([0, 0, 1, 2]))))
-    return parts
-
-
-def flatten(parts) -> tuple[torch.Tensor, torch.Tensor]:
-    tokens, trained = [], []
-    for kind, toks in parts:
-        tokens += toks
-        trained += [kind == "turn"] * len(toks)
-    return torch.tensor(tokens), torch.tensor(trained[1:], dtype=torch.bool)
-
-
-def stream(streamer: TurnStreamer, episodes) -> None:
-    for tid, parts in enumerate(episodes):
-        streamer.begin_trajectory(tid, parts[0][1])
-    # Interleave trajectories' turns (they run concurrently), each in its own order.
-    cursors = {tid: 1 for tid in range(len(episodes))}
-    rng = random.Random(5)
-    while cursors:
-        tid = rng.choice(sorted(cursors))
-        kind, toks = episodes[tid][cursors[tid]]
-        (streamer.on_turn if kind == "turn" else streamer.on_tool_output)(tid, toks)
-        cursors[tid] += 1
-        if cursors[tid] == len(episodes[tid]):
-            streamer.end_trajectory(tid)
-            del cursors[tid]
+def random_episode(rng: random.Random):
+    return opd_helpers.random_episode(rng, VOCAB)
 
 
 @pytest.mark.parametrize("aggregation", ["token_mean", "seq_mean_token_sum"])

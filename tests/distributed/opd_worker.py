@@ -1,0 +1,114 @@
+"""One rank of the per-turn OPD check on the Megatron learner, launched by torchrun.
+
+    python -m torch.distributed.run --nproc-per-node N opd_worker.py opd --out FILE --hf S --teacher-hf T
+
+From the student's HF weights, for each strategy: the batch-synchronous OPD gradient on full
+trajectories (the learner's own Megatron schedule, teacher scoring whole trajectories) and one SGD
+step from it; then, from the same start, the per-turn streamed gradient (turn events of several
+trajectories interleaved, the teacher scoring each turn on its K/V cache) and one SGD step. Rank 0
+saves the full (gathered) gradients and parameters.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from megathunder.config import LearnerConfig, ObjectiveConfig  # noqa: E402
+from megathunder.learner.backend import run_schedule  # noqa: E402
+from megathunder.learner.learner import MegatronLearner  # noqa: E402
+from megathunder.learner.opd import build_teacher  # noqa: E402
+from megathunder.learner.parallel import destroy_distributed, init_distributed  # noqa: E402
+from megathunder.objectives.opd import opd_coefficients, opd_loss, opd_normaliser  # noqa: E402
+from megathunder.trajectory import Trajectory  # noqa: E402
+from tests.distributed.learner_worker import full_params, make_batch, restore  # noqa: E402
+from tests.opd_helpers import flatten, random_episode, stream  # noqa: E402
+
+BETA = 0.7
+
+
+def opd(args) -> None:
+    strategies = args.strategies.split(",")
+    cfg = LearnerConfig.model_validate({
+        "parallel": {"tensor_parallel": args.tp},
+        "model": {"hf_checkpoint": args.hf},
+        "precision": {"core_attention": "past_kv"},
+        "optimizer": {"name": "sgd", "lr": 1.0, "clip_grad": 0.0, "use_distributed_optimizer": False},
+        "opd": {"strategy": strategies[0], "beta": BETA, "aggregation": args.aggregation},
+    })
+    groups = init_distributed(cfg)
+    learner = MegatronLearner.build(cfg, ObjectiveConfig(), groups)
+    teacher = build_teacher(args.teacher_hf, cfg, groups)
+    vocab = learner.model_cfg.vocab_size
+    rng = random.Random(args.seed)
+    episodes = [random_episode(rng, vocab) for _ in range(args.num_trajectories)]
+    full = [flatten(e) for e in episodes]
+    out = {"before": full_params(learner), "strategies": {}}
+
+    # Logprobs of the past_kv model on whole sequences (the plain causal path), vs transformers.
+    out["logprobs"] = learner.token_logprobs(make_batch(3, vocab)[0])
+
+    # Teacher logprobs of whole trajectories, one plain forward each (no cache).
+    teacher_full = []
+    with torch.no_grad():
+        for tokens, _ in full:
+            logits, _ = teacher.model.forward_segment(tokens, None)
+            teacher_full.append(teacher.model.logprobs(logits[:-1], tokens[1:]).cpu())
+
+    # Batch-synchronous OPD through the learner's Megatron schedule.
+    items = [Trajectory(i, i, tokens, mask) for i, (tokens, mask) in enumerate(full) if tokens.numel() > 1]
+    learner.ddp.zero_grad_buffer()
+    with learner.ddp.no_sync():
+        run_schedule(
+            learner.ddp, groups, items,
+            lambda k, logp, _ent: opd_loss(logp, opd_coefficients(
+                logp, teacher_full[items[k].traj_id].to(logp), items[k].loss_mask.to(logp.device), BETA)),
+            need_entropy=False,
+        )
+    learner.backend.live.div_(opd_normaliser([int(m.sum()) for _, m in full], args.aggregation))
+    learner.step()
+    out["sync_grad"], out["sync"] = full_params(learner, "main_grad"), full_params(learner)
+
+    for strategy in strategies:
+        restore(learner, out["before"])
+        learner.optimizer.optimizer.state.clear()  # SGD momentum: every path takes a first step
+        learner.cfg.opd.strategy = strategy
+        streamer = learner.turn_streamer(teacher)
+        teacher.stats["forward_tokens"] = 0
+        stream(streamer, episodes, seed=args.seed)
+        streamer.finish_batch()
+        learner.step()
+        out["strategies"][strategy] = {
+            "grad": full_params(learner, "main_grad"), "params": full_params(learner),
+            "stats": dict(streamer.stats), "teacher_forward_tokens": teacher.stats["forward_tokens"],
+        }
+    out["num_tokens"] = [int(t.numel()) for t, _ in full]
+    out["last_trained"] = [max((i for i in range(len(m)) if m[i]), default=-1) + 2 for _, m in full]
+    if groups.rank == 0:
+        torch.save(out, args.out)
+    destroy_distributed()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("mode", choices=["opd"])
+    p.add_argument("--out", required=True)
+    p.add_argument("--hf", required=True)
+    p.add_argument("--teacher-hf", required=True)
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--num-trajectories", type=int, default=6)
+    p.add_argument("--strategies", default="recompute,kv_adjoint,forward_early")
+    p.add_argument("--aggregation", default="token_mean")
+    args = p.parse_args()
+    opd(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -235,6 +235,10 @@ class TurnStreamer:
         self._finished_counts = []
         return z
 
+    def reset_counts(self) -> None:
+        """Forget the finished trajectories' token counts (a caller that normalises itself)."""
+        self._finished_counts = []
+
     # ------------------------------------------------------------------ strategies
 
     def _turn_loss(self, traj_id: int, all_tokens: torch.Tensor, start: int,

@@ -81,6 +81,14 @@ def _megatron_student(args, max_len):
     from megathunder.learner.opd import MegatronSegmentModel
     from megathunder.learner.parallel import destroy_distributed, init_distributed
 
+    import os
+    import socket
+
+    if "MASTER_PORT" not in os.environ:  # one process, no launcher: any free local port
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            os.environ["MASTER_PORT"] = str(sock.getsockname()[1])
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     heads = max(2, args.hidden_size // 64)
     cfg = LearnerConfig.model_validate({
         "model": {"vocab_size": args.vocab_size, "hidden_size": args.hidden_size,

@@ -95,9 +95,79 @@ def opd(args) -> None:
     destroy_distributed()
 
 
+@torch.no_grad()
+def sample_episode(seg, gen: torch.Generator, rng: random.Random, vocab: int, num_turns: int):
+    """A multi-turn episode whose turns the student samples (on its own K/V cache); tool outputs
+    are random tokens, some turns and tool outputs empty."""
+    parts = [("prompt", [rng.randrange(vocab) for _ in range(3)])]
+    pending, kv, last = list(parts[0][1]), None, None
+    for k in range(num_turns):
+        turn = []
+        for _ in range(rng.choice([0, 2, 3, 4])):
+            if pending:
+                logits, new = seg.forward_segment(torch.tensor(pending), kv)
+                kv = new if kv is None else [(torch.cat([a, c]), torch.cat([b, d])) for (a, b), (c, d) in zip(kv, new)]
+                last, pending = logits[-1].float(), []
+            token = int(torch.multinomial(torch.softmax(last, -1), 1, generator=gen))
+            turn.append(token)
+            pending = [token]
+        parts.append(("turn", turn))
+        if k + 1 < num_turns:
+            tool = [rng.randrange(vocab) for _ in range(rng.choice([0, 1, 2]))]
+            parts.append(("tool", tool))
+            pending += tool
+    return parts
+
+
+@torch.no_grad()
+def reverse_kl(student_seg, teacher_seg, episodes) -> float:
+    """Mean over the trained positions of KL(student || teacher), exact over the vocabulary."""
+    total, count = 0.0, 0
+    for tokens, mask in (flatten(e) for e in episodes):
+        if not mask.any():
+            continue
+        ls = torch.log_softmax(student_seg.forward_segment(tokens, None)[0][:-1].float(), -1)[mask]
+        lt = torch.log_softmax(teacher_seg.forward_segment(tokens, None)[0][:-1].float(), -1)[mask]
+        total += float((ls.exp() * (ls - lt)).sum())
+        count += int(mask.sum())
+    return total / max(count, 1)
+
+
+def train(args) -> None:
+    """On-policy distillation: each step the student samples a batch of multi-turn episodes, the
+    per-turn streamer trains on them (teacher scoring each turn on its cache), one Adam step."""
+    from megathunder.learner.opd import MegatronSegmentModel
+
+    cfg = LearnerConfig.model_validate({
+        "model": {"hf_checkpoint": args.hf},
+        "precision": {"core_attention": "past_kv"},
+        "optimizer": {"name": "adam", "lr": args.lr, "clip_grad": 1.0},
+        "opd": {"strategy": args.strategies.split(",")[0]},
+    })
+    groups = init_distributed(cfg)
+    learner = MegatronLearner.build(cfg, ObjectiveConfig(), groups)
+    teacher = build_teacher(args.teacher_hf, cfg, groups)
+    seg = MegatronSegmentModel(learner.ddp, groups)
+    vocab = learner.model_cfg.vocab_size
+    rng, gen = random.Random(args.seed), torch.Generator().manual_seed(args.seed)
+    held_out = [sample_episode(seg, torch.Generator().manual_seed(99), random.Random(99), vocab, 4) for _ in range(8)]
+    curve, initial_fresh = [], reverse_kl(seg, teacher.model, held_out)
+    for _ in range(args.steps):
+        episodes = [sample_episode(seg, gen, rng, vocab, rng.randint(1, 6)) for _ in range(args.num_trajectories)]
+        curve.append(reverse_kl(seg, teacher.model, episodes))
+        streamer = learner.turn_streamer(teacher)
+        stream(streamer, episodes, seed=rng.randrange(1000))
+        streamer.finish_batch()
+        learner.step()
+    out = {"on_policy_kl": curve, "held_out_kl": (initial_fresh, reverse_kl(seg, teacher.model, held_out))}
+    if groups.rank == 0:
+        torch.save(out, args.out)
+    destroy_distributed()
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("mode", choices=["opd"])
+    p.add_argument("mode", choices=["opd", "train"])
     p.add_argument("--out", required=True)
     p.add_argument("--hf", required=True)
     p.add_argument("--teacher-hf", required=True)
@@ -106,8 +176,10 @@ def main() -> None:
     p.add_argument("--num-trajectories", type=int, default=6)
     p.add_argument("--strategies", default="recompute,kv_adjoint,forward_early")
     p.add_argument("--aggregation", default="token_mean")
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--lr", type=float, default=1e-2)
     args = p.parse_args()
-    opd(args)
+    {"opd": opd, "train": train}[args.mode](args)
 
 
 if __name__ == "__main__":

@@ -73,3 +73,37 @@ def test_tp2_every_strategy_equals_single_process_batch_opd(single, hf_qwen2, hf
     assert torch.equal(_flat(run["before"]), _flat(single["before"]))
     _check(run, _flat(single["sync_grad"]), single["sync"])
     _assert_logprobs_match_transformers(hf_qwen2, run["logprobs"])
+
+
+@pytest.fixture(scope="module")
+def hf_sharper_teacher(hf_qwen2, tmp_path_factory):
+    """The student with an untied output layer 4x its embedding: a sharper teacher the student
+    can reach (its final norm can scale), so a short run shows distillation working."""
+    import transformers
+
+    student = transformers.AutoModelForCausalLM.from_pretrained(hf_qwen2).float()
+    config = student.config
+    config.tie_word_embeddings = False
+    teacher = transformers.Qwen2ForCausalLM(config).float()
+    teacher.load_state_dict(student.state_dict(), strict=False)
+    with torch.no_grad():
+        teacher.lm_head.weight.copy_(student.model.embed_tokens.weight * 4)
+    path = tmp_path_factory.mktemp("sharper") / "qwen2"
+    teacher.save_pretrained(path)
+    return path
+
+
+def test_opd_training_run_reduces_reverse_kl(hf_qwen2, hf_sharper_teacher, tmp_path):
+    """30 steps of on-policy distillation (student samples 8 multi-turn episodes per step on its
+    own K/V cache, kv_adjoint per-turn gradients, AdamW): the exact reverse KL to the teacher goes
+    down on the student's own samples and on fixed held-out contexts (observed 0.094 -> 0.059 and
+    0.089 -> 0.049)."""
+    out = tmp_path / "train.pt"
+    launch(1, "train", "--out", str(out), "--hf", str(hf_qwen2), "--teacher-hf", str(hf_sharper_teacher),
+           "--strategies", "kv_adjoint", "--steps", "30", "--lr", "5e-3", "--num-trajectories", "8",
+           worker=OPD_WORKER)
+    run = torch.load(out)
+    curve = run["on_policy_kl"]
+    assert sum(curve[-5:]) / 5 < 0.8 * sum(curve[:5]) / 5, curve
+    before, after = run["held_out_kl"]
+    assert after < 0.75 * before, (before, after)

@@ -152,6 +152,22 @@ class MegatronLearner:
         return TurnStreamer(MegatronSegmentModel(self.ddp, self.groups), teacher, beta=opd.beta,
                             strategy=opd.strategy, aggregation=opd.aggregation)
 
+    def finish_opd_batch(self, streamer) -> float:
+        """Divide the streamed OPD gradient by the batch's Z, counted over every data-parallel
+        rank's trajectories (each rank streams only its own); returns Z. Then ``step``."""
+        import torch.distributed as dist
+
+        from megathunder.objectives.opd import opd_normaliser
+
+        counts = streamer.finished_counts
+        totals = torch.tensor([sum(counts), len(counts)], dtype=torch.float64, device=self.groups.device)
+        if self.groups.dims.dp > 1:
+            dist.all_reduce(totals, group=self.groups.dp)
+        num_tokens, num_trajs = int(totals[0]), int(totals[1])
+        z = opd_normaliser([num_tokens] if streamer.aggregation == "token_mean" else [0] * num_trajs,
+                           streamer.aggregation)
+        return streamer.finish_batch(z)
+
     # ------------------------------------------------------------------ inference
 
     @torch.no_grad()

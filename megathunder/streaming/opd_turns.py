@@ -226,11 +226,18 @@ class TurnStreamer:
         self.teacher.release(traj_id)
         self._finished_counts.append(t.num_trained)
 
-    def finish_batch(self) -> float:
-        """Divide the accumulated gradient by Z once; returns Z."""
+    @property
+    def finished_counts(self) -> list[int]:
+        """Trained-token counts of the trajectories finished since the last ``finish_batch``."""
+        return list(self._finished_counts)
+
+    def finish_batch(self, z: float | None = None) -> float:
+        """Divide the accumulated gradient by Z once; returns Z. ``z``: the normaliser when this
+        streamer holds only part of the batch (data parallel: computed from every rank's counts)."""
         if self._open:
             raise ValueError(f"finish_batch: trajectories {sorted(self._open)} still open")
-        z = opd_normaliser(self._finished_counts, self.aggregation)
+        if z is None:
+            z = opd_normaliser(self._finished_counts, self.aggregation)
         self.model.divide_grads(z)
         self._finished_counts = []
         return z

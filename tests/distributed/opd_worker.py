@@ -62,7 +62,9 @@ def opd(args) -> None:
             teacher_full.append(teacher.model.logprobs(logits[:-1], tokens[1:]).cpu())
 
     # Batch-synchronous OPD through the learner's Megatron schedule.
-    items = [Trajectory(i, i, tokens, mask) for i, (tokens, mask) in enumerate(full) if tokens.numel() > 1]
+    dp, dp_rank = groups.dims.dp, groups.dp_rank
+    mine = [i for i in range(len(full)) if i % dp == dp_rank]  # data parallel: each rank its share
+    items = [Trajectory(i, i, *full[i]) for i in mine if full[i][0].numel() > 1]
     learner.ddp.zero_grad_buffer()
     with learner.ddp.no_sync():
         run_schedule(
@@ -81,8 +83,8 @@ def opd(args) -> None:
         learner.cfg.opd.strategy = strategy
         streamer = learner.turn_streamer(teacher)
         teacher.stats["forward_tokens"] = 0
-        stream(streamer, episodes, seed=args.seed)
-        streamer.finish_batch()
+        stream(streamer, [episodes[i] for i in mine], seed=args.seed)
+        learner.finish_opd_batch(streamer)  # Z over every rank's trajectories
         learner.step()
         out["strategies"][strategy] = {
             "grad": full_params(learner, "main_grad"), "params": full_params(learner),
@@ -90,6 +92,13 @@ def opd(args) -> None:
         }
     out["num_tokens"] = [int(t.numel()) for t, _ in full]
     out["last_trained"] = [max((i for i in range(len(m)) if m[i]), default=-1) + 2 for _, m in full]
+    if dp > 1:  # every rank's teacher forwards, summed over the data-parallel ranks
+        import torch.distributed as dist
+
+        for res in out["strategies"].values():
+            box = torch.tensor([res["teacher_forward_tokens"]])
+            dist.all_reduce(box, group=groups.dp)
+            res["teacher_forward_tokens"] = int(box)
     if groups.rank == 0:
         torch.save(out, args.out)
     destroy_distributed()

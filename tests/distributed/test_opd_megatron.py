@@ -36,9 +36,9 @@ def hf_teacher(tmp_path_factory):
     return path
 
 
-def _run(nproc, hf_student, hf_teacher, out, *extra):
+def _run(nproc, hf_student, hf_teacher, out, *extra, tp=None):
     launch(nproc, "opd", "--out", str(out), "--hf", str(hf_student), "--teacher-hf", str(hf_teacher),
-           "--tp", str(nproc), *extra, worker=OPD_WORKER)
+           "--tp", str(tp or nproc), *extra, worker=OPD_WORKER)
     return torch.load(out)
 
 
@@ -73,6 +73,13 @@ def test_tp2_every_strategy_equals_single_process_batch_opd(single, hf_qwen2, hf
     assert torch.equal(_flat(run["before"]), _flat(single["before"]))
     _check(run, _flat(single["sync_grad"]), single["sync"])
     _assert_logprobs_match_transformers(hf_qwen2, run["logprobs"])
+
+
+def test_dp2_every_strategy_equals_single_process_batch_opd(single, hf_qwen2, hf_teacher, tmp_path):
+    """Each data-parallel rank streams its own trajectories; Z counts every rank's tokens
+    (``finish_opd_batch``), the step's DP reduction sums the ranks' shares."""
+    run = _run(2, hf_qwen2, hf_teacher, tmp_path / "dp2.pt", tp=1)
+    _check(run, _flat(single["sync_grad"]), single["sync"])
 
 
 @pytest.fixture(scope="module")

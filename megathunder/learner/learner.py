@@ -5,6 +5,8 @@
     learner.ledger.on_finished(traj); learner.ledger.on_reward(tid, r) ...
     learner.ledger.close_batch(); learner.step()  # ... one DP reduce + optimizer step per batch
     learner.sync_step_gradient(batch, rewards, owner); learner.step()   # batch-synchronous path
+    streamer = learner.turn_streamer(teacher)     # per-turn OPD (learner.opd): turn events ...
+    learner.finish_opd_batch(streamer); learner.step()
 
 Both paths leave the final gradient in DDP's buffers before ``step`` reduces it across
 data-parallel ranks (a sum: each rank holds its trajectories' share of (1/Z) sum_i grad loss_i).

@@ -166,7 +166,7 @@ def train(args) -> None:
         curve.append(reverse_kl(seg, teacher.model, episodes))
         streamer = learner.turn_streamer(teacher)
         stream(streamer, episodes, seed=rng.randrange(1000))
-        streamer.finish_batch()
+        learner.finish_opd_batch(streamer)
         learner.step()
     out = {"on_policy_kl": curve, "held_out_kl": (initial_fresh, reverse_kl(seg, teacher.model, held_out))}
     if groups.rank == 0:

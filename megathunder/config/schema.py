@@ -281,6 +281,11 @@ class LearnerOPDConfig(_Strict):
     beta: float = Field(1.0, gt=0)
     """Coefficient of the per-token reverse KL to the teacher."""
     aggregation: Literal["token_mean", "seq_mean_token_sum"] = "token_mean"
+    divergence: Literal["reverse_kl", "gjsd"] = "reverse_kl"
+    """reverse_kl: per-token l - l^T as a policy-gradient advantage; gjsd: GKD's generalized
+    Jensen-Shannon divergence over the vocabulary (needs a teacher with whole distributions)."""
+    jsd_lam: float = Field(0.5, gt=0, lt=1)
+    """Mixture weight of the teacher in the gjsd's M = lam P_T + (1 - lam) P_S."""
 
 
 class LearnerConfig(_Strict):

@@ -152,7 +152,8 @@ class MegatronLearner:
         opd = self.cfg.opd
         self.ddp.zero_grad_buffer()
         return TurnStreamer(MegatronSegmentModel(self.ddp, self.groups), teacher, beta=opd.beta,
-                            strategy=opd.strategy, aggregation=opd.aggregation)
+                            strategy=opd.strategy, aggregation=opd.aggregation,
+                            divergence=opd.divergence, jsd_lam=opd.jsd_lam)
 
     def finish_opd_batch(self, streamer) -> float:
         """Divide the streamed OPD gradient by the batch's Z, counted over every data-parallel

@@ -77,6 +77,33 @@ class MegatronSegmentModel:
     def logprobs(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return vocab_parallel_logprobs(logits, targets.to(logits.device), self.groups.tp)[0]
 
+    def log_softmax(self, logits: torch.Tensor) -> torch.Tensor:
+        """Log-probability rows of this rank's vocabulary slice. The log-partition is a sum over
+        every rank whose result feeds rank-local terms, so its reduction is an all-reduce in the
+        backward too (an identity backward would drop the other ranks' share of d/dlogZ)."""
+        logits = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
+        group = self.groups.tp
+        shift = logits.detach().amax(dim=-1, keepdim=True)
+        if self.groups.dims.tp > 1:
+            torch.distributed.all_reduce(shift, op=torch.distributed.ReduceOp.MAX, group=group)
+        shifted = logits - shift
+        sum_exp = shifted.exp().sum(dim=-1, keepdim=True)
+        if self.groups.dims.tp > 1:
+            from torch.distributed.nn.functional import all_reduce
+
+            sum_exp = all_reduce(sum_exp, group=group)
+        return shifted - sum_exp.log()
+
+    def vocab_sum(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum over the sharded vocabulary: the loss after it is replicated, so each rank's local
+        terms take the identity backward (Megatron's reduce-from-model-parallel region)."""
+        local = x.sum(dim=-1)
+        if self.groups.dims.tp == 1:
+            return local
+        from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
+
+        return reduce_from_tensor_model_parallel_region(local, group=self.groups.tp)
+
     def backward(self, outputs, grads, retain_graph: bool = False) -> None:
         with self.model.no_sync():
             torch.autograd.backward(list(outputs), None if grads is None else list(grads),

@@ -39,9 +39,10 @@ from typing import Literal, Protocol
 import torch
 
 from megathunder.models.torch_decoder import TorchDecoder
-from megathunder.objectives.opd import OPDAggregation, opd_coefficients, opd_loss, opd_normaliser
+from megathunder.objectives.opd import OPDAggregation, gjsd_terms, opd_coefficients, opd_loss, opd_normaliser
 
 Strategy = Literal["recompute", "kv_adjoint", "forward_early"]
+Divergence = Literal["reverse_kl", "gjsd"]
 KV = tuple[torch.Tensor, torch.Tensor]
 TeacherFn = Callable[[torch.Tensor, int, int], torch.Tensor]
 """teacher(tokens, start, end) -> teacher logprobs of tokens[start:end] given tokens[:start]."""
@@ -56,6 +57,12 @@ class SegmentModel(Protocol):
 
     def logprobs(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor: ...
 
+    def log_softmax(self, logits: torch.Tensor) -> torch.Tensor:
+        """Normalised log-probability rows (this rank's vocabulary slice under TP)."""
+
+    def vocab_sum(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum over the (whole, possibly sharded) vocabulary dim, differentiable."""
+
     def backward(self, outputs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor] | None,
                  retain_graph: bool = False) -> None:
         """Accumulate d(outputs)/d(params) (weighted by ``grads``) into the gradient storage."""
@@ -68,6 +75,9 @@ class Teacher(Protocol):
         """Teacher logprobs of tokens[start:] given tokens[:start] (detached)."""
 
     def release(self, traj_id: int) -> None: ...
+
+    # Teachers that hold the whole distribution (CachedTeacher) also provide, for the GJSD:
+    # score_rows(traj_id, tokens, start) -> log-prob rows [n, V(/tp)] predicting tokens[start:].
 
 
 def _logp_of(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -88,6 +98,12 @@ class TorchSegmentModel:
 
     def logprobs(self, logits, targets):
         return _logp_of(logits, targets)
+
+    def log_softmax(self, logits):
+        return torch.log_softmax(logits, dim=-1)
+
+    def vocab_sum(self, x):
+        return x.sum(dim=-1)
 
     def backward(self, outputs, grads, retain_graph=False):
         torch.autograd.backward(list(outputs), None if grads is None else list(grads), retain_graph=retain_graph)
@@ -129,7 +145,8 @@ class CachedTeacher:
         self.stats = {"forward_tokens": 0}
 
     @torch.no_grad()
-    def score(self, traj_id, tokens, start):
+    def score_rows(self, traj_id, tokens, start):
+        """Logit rows predicting tokens[start:], forwarding only the tokens not yet cached."""
         s = self._state.setdefault(traj_id, _TeacherState())
         n, end = s.num_tokens, tokens.numel()
         if not 1 <= start <= end or start < n:
@@ -143,7 +160,14 @@ class CachedTeacher:
         s.kv = kv if s.kv is None else [(torch.cat([pk, k], dim), torch.cat([pv, v], dim))
                                         for (pk, pv), (k, v) in zip(s.kv, kv, strict=True)]
         s.num_tokens, s.last_logits = end, logits[-1]
-        return self.model.logprobs(rows, tokens[start:end])
+        return rows
+
+    def score(self, traj_id, tokens, start):
+        return self.model.logprobs(self.score_rows(traj_id, tokens, start), tokens[start:])
+
+    def score_log_softmax(self, traj_id, tokens, start):
+        """The teacher's log-probability rows [n, V(/tp)] predicting tokens[start:] (for the GJSD)."""
+        return self.model.log_softmax(self.score_rows(traj_id, tokens, start))
 
     def release(self, traj_id):
         self._state.pop(traj_id, None)
@@ -168,8 +192,13 @@ class _Trajectory:
 
 class TurnStreamer:
     def __init__(self, model: TorchDecoder | SegmentModel, teacher: TeacherFn | Teacher, beta: float = 1.0,
-                 strategy: Strategy = "kv_adjoint", aggregation: OPDAggregation = "token_mean") -> None:
+                 strategy: Strategy = "kv_adjoint", aggregation: OPDAggregation = "token_mean",
+                 divergence: Divergence = "reverse_kl", jsd_lam: float = 0.5) -> None:
         self.model = TorchSegmentModel(model) if isinstance(model, torch.nn.Module) else model
+        if divergence == "gjsd" and not hasattr(teacher, "score_log_softmax"):
+            raise ValueError("divergence gjsd: the teacher must give whole distributions (CachedTeacher)")
+        self.divergence = divergence
+        self.jsd_lam = jsd_lam
         self.teacher = teacher if hasattr(teacher, "score") else FunctionTeacher(teacher)
         self.beta = beta
         self.strategy = strategy
@@ -252,6 +281,10 @@ class TurnStreamer:
                    logits_for_targets: torch.Tensor) -> torch.Tensor:
         """sum_t c_t l_t over the turn's targets tokens[start:]; logits_for_targets[i] predicts
         tokens[start + i]."""
+        if self.divergence == "gjsd":  # beta * sum_t JSD_lam(teacher || student) at the turn's positions
+            student = self.model.log_softmax(logits_for_targets)
+            teacher = self.teacher.score_log_softmax(traj_id, all_tokens, start).to(student)
+            return self.beta * self.model.vocab_sum(gjsd_terms(student, teacher, self.jsd_lam)).sum()
         targets = all_tokens[start:]
         logp = self.model.logprobs(logits_for_targets, targets)
         teacher = self.teacher.score(traj_id, all_tokens, start).to(logp)
@@ -321,6 +354,20 @@ def accumulate_full_trajectory_opd(model: SegmentModel, items: Sequence[tuple[to
         mask = mask.to(logp.device)
         loss = opd_loss(logp, opd_coefficients(logp, teacher_logp.to(logp), mask, beta))
         model.backward([loss], None)
+        counts.append(int(mask.sum()))
+    return counts
+
+
+def accumulate_full_trajectory_gjsd(model: SegmentModel, items: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+                                    beta: float, lam: float) -> list[int]:
+    """The same for the GJSD: items carry the teacher's log-probability rows [L-1, V(/tp)]."""
+    counts = []
+    for tokens, mask, teacher_rows in items:
+        logits, _ = model.forward_segment(tokens, None)
+        student = model.log_softmax(logits[:-1])
+        mask = mask.to(student.device)
+        per_token = model.vocab_sum(gjsd_terms(student, teacher_rows.to(student), lam))
+        model.backward([beta * torch.where(mask, per_token, 0.0).sum()], None)
         counts.append(int(mask.sum()))
     return counts
 

@@ -23,14 +23,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from megathunder.config import LearnerConfig, ObjectiveConfig  # noqa: E402
 from megathunder.learner.backend import run_schedule  # noqa: E402
 from megathunder.learner.learner import MegatronLearner  # noqa: E402
-from megathunder.learner.opd import build_teacher  # noqa: E402
+from megathunder.learner.opd import MegatronSegmentModel, build_teacher  # noqa: E402
 from megathunder.learner.parallel import destroy_distributed, init_distributed  # noqa: E402
 from megathunder.objectives.opd import opd_coefficients, opd_loss, opd_normaliser  # noqa: E402
+from megathunder.streaming.opd_turns import accumulate_full_trajectory_gjsd  # noqa: E402
 from megathunder.trajectory import Trajectory  # noqa: E402
 from tests.distributed.learner_worker import full_params, make_batch, restore  # noqa: E402
 from tests.opd_helpers import flatten, random_episode, stream  # noqa: E402
 
 BETA = 0.7
+JSD_LAM = 0.3
+BETA_GJSD = 10.0  # the JSD is small (bounded by log 2): a step that fp32 parameters resolve
 
 
 def opd(args) -> None:
@@ -40,7 +43,9 @@ def opd(args) -> None:
         "model": {"hf_checkpoint": args.hf},
         "precision": {"core_attention": "past_kv"},
         "optimizer": {"name": "sgd", "lr": 1.0, "clip_grad": 0.0, "use_distributed_optimizer": False},
-        "opd": {"strategy": strategies[0], "beta": BETA, "aggregation": args.aggregation},
+        "opd": {"strategy": strategies[0], "beta": BETA_GJSD if args.divergence == "gjsd" else BETA,
+                "aggregation": args.aggregation,
+                "divergence": args.divergence, "jsd_lam": JSD_LAM},
     })
     groups = init_distributed(cfg)
     learner = MegatronLearner.build(cfg, ObjectiveConfig(), groups)
@@ -66,13 +71,19 @@ def opd(args) -> None:
     mine = [i for i in range(len(full)) if i % dp == dp_rank]  # data parallel: each rank its share
     items = [Trajectory(i, i, *full[i]) for i in mine if full[i][0].numel() > 1]
     learner.ddp.zero_grad_buffer()
-    with learner.ddp.no_sync():
-        run_schedule(
-            learner.ddp, groups, items,
-            lambda k, logp, _ent: opd_loss(logp, opd_coefficients(
-                logp, teacher_full[items[k].traj_id].to(logp), items[k].loss_mask.to(logp.device), BETA)),
-            need_entropy=False,
-        )
+    if args.divergence == "gjsd":  # batch GJSD on full trajectories, teacher rows from plain forwards
+        seg = MegatronSegmentModel(learner.ddp, groups)
+        with torch.no_grad():
+            rows = [teacher.model.log_softmax(teacher.model.forward_segment(full[i][0], None)[0][:-1]) for i in mine]
+        accumulate_full_trajectory_gjsd(seg, [(*full[i], r) for i, r in zip(mine, rows, strict=True)], BETA_GJSD, JSD_LAM)
+    else:
+        with learner.ddp.no_sync():
+            run_schedule(
+                learner.ddp, groups, items,
+                lambda k, logp, _ent: opd_loss(logp, opd_coefficients(
+                    logp, teacher_full[items[k].traj_id].to(logp), items[k].loss_mask.to(logp.device), BETA)),
+                need_entropy=False,
+            )
     learner.backend.live.div_(opd_normaliser([int(m.sum()) for _, m in full], args.aggregation))
     learner.step()
     out["sync_grad"], out["sync"] = full_params(learner, "main_grad"), full_params(learner)
@@ -185,6 +196,7 @@ def main() -> None:
     p.add_argument("--num-trajectories", type=int, default=6)
     p.add_argument("--strategies", default="recompute,kv_adjoint,forward_early")
     p.add_argument("--aggregation", default="token_mean")
+    p.add_argument("--divergence", default="reverse_kl")
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--lr", type=float, default=1e-2)
     args = p.parse_args()

@@ -114,3 +114,14 @@ def test_opd_training_run_reduces_reverse_kl(hf_qwen2, hf_sharper_teacher, tmp_p
     assert sum(curve[-5:]) / 5 < 0.8 * sum(curve[:5]) / 5, curve
     before, after = run["held_out_kl"]
     assert after < 0.75 * before, (before, after)
+
+
+def test_gjsd_tp2_every_strategy_equals_single_process(hf_qwen2, hf_teacher, tmp_path):
+    """The generalized JSD (teacher's whole distribution from its K/V cache, vocabulary-parallel
+    log-softmax): TP=2 streamed per turn vs batch GJSD on full trajectories in one process.
+    Caught: reducing the log-partition with an identity backward drops the other rank's share of
+    d/dlogZ (4.3e-2 off); it needs an all-reduce backward."""
+    one = _run(1, hf_qwen2, hf_teacher, tmp_path / "gj1.pt", "--divergence", "gjsd")
+    two = _run(2, hf_qwen2, hf_teacher, tmp_path / "gj2.pt", "--divergence", "gjsd")
+    _check(one, _flat(one["sync_grad"]), one["sync"])
+    _check(two, _flat(one["sync_grad"]), one["sync"])

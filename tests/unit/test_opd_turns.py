@@ -102,3 +102,49 @@ def test_cached_teacher_scores_turns_without_rescoring_the_prefix(strategy):
     last_trained = [max((i for i in range(len(m)) if m[i]), default=-1) + 2 for _, m in full]
     assert cached.stats["forward_tokens"] == sum(n for n in last_trained if n > 1)
     assert not cached._state  # released at trajectory end
+
+
+@pytest.mark.parametrize("strategy", ["recompute", "kv_adjoint", "forward_early"])
+def test_gjsd_per_turn_equals_full_trajectory(strategy):
+    """The GKD-style generalized JSD (teacher's whole distribution from its K/V cache) streams per
+    turn as exactly as the reverse KL."""
+    from megathunder.objectives.opd import opd_normaliser
+    from megathunder.streaming.opd_turns import (
+        CachedTeacher,
+        TorchSegmentModel,
+        accumulate_full_trajectory_gjsd,
+    )
+
+    student, teacher = small_model("float64", seed=0), _bigger_teacher()
+    for seed in range(3):
+        rng = random.Random(seed)
+        episodes = [random_episode(rng) for _ in range(4)]
+        full = [flatten(e) for e in episodes]
+        student.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            items = [(t, m, torch.log_softmax(teacher(t[None])[0, :-1], -1)) for t, m in full]
+        counts = accumulate_full_trajectory_gjsd(TorchSegmentModel(student), items, beta=0.8, lam=0.3)
+        reference = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
+                               for p in student.parameters()]) / opd_normaliser(counts, "token_mean")
+        student.zero_grad(set_to_none=True)
+        streamer = TurnStreamer(student, CachedTeacher(TorchSegmentModel(teacher)), beta=0.8, strategy=strategy,
+                                divergence="gjsd", jsd_lam=0.3)
+        stream(streamer, episodes)
+        streamer.finish_batch()
+        streamed = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
+                              for p in student.parameters()])
+        assert reference.norm() > 0
+        assert rel_err(streamed, reference) <= 1e-10, (strategy, seed)
+
+
+def test_gjsd_is_the_jensen_shannon_divergence():
+    from megathunder.objectives.opd import gjsd_terms
+
+    g = torch.Generator().manual_seed(0)
+    s = torch.log_softmax(torch.randn(5, 11, generator=g, dtype=torch.float64), -1)
+    t = torch.log_softmax(torch.randn(5, 11, generator=g, dtype=torch.float64), -1)
+    lam = 0.3
+    m = lam * t.exp() + (1 - lam) * s.exp()
+    expected = lam * (t.exp() * (t - m.log())).sum(-1) + (1 - lam) * (s.exp() * (s - m.log())).sum(-1)
+    torch.testing.assert_close(gjsd_terms(s, t, lam).sum(-1), expected)
+    assert torch.all(gjsd_terms(s, s, lam).sum(-1).abs() < 1e-12)

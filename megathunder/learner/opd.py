@@ -15,7 +15,12 @@ interfaces:
 
     streamer = learner.turn_streamer(build_teacher(hf_dir, learner.cfg, learner.groups))
     streamer.begin_trajectory(i, prompt); streamer.on_turn(i, turn); streamer.on_tool_output(i, out)
-    ...; streamer.end_trajectory(i); streamer.finish_batch(); learner.step()
+    ...; streamer.end_trajectory(i); learner.finish_opd_batch(streamer); learner.step()
+
+Data parallel: each rank streams its own trajectories; ``finish_opd_batch`` divides by the Z of
+the whole batch (counts all-reduced over the DP group) and ``step`` sums the ranks' shares. The
+divergence is the reverse KL (sampled-token logprobs) or GKD's generalized JSD over the whole,
+vocabulary-parallel distribution (``log_softmax`` / ``vocab_sum`` below).
 
 Pipeline parallelism is not supported by the KV strategies (a segment forward is a plain model
 call, not a pipeline schedule); ``recompute`` needs no past K/V but uses the same plain call here.

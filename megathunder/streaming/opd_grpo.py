@@ -44,6 +44,12 @@ class _IntoAccumulator:
     def logprobs(self, logits, targets):
         return self.inner.logprobs(logits, targets)
 
+    def log_softmax(self, logits):
+        return self.inner.log_softmax(logits)
+
+    def vocab_sum(self, x):
+        return self.inner.vocab_sum(x)
+
     def backward(self, outputs, grads, retain_graph=False):
         self.live.zero_()
         self.inner.backward(outputs, grads, retain_graph)

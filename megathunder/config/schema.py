@@ -240,6 +240,10 @@ class PrecisionConfig(_Strict):
     params_dtype: Literal["float32", "bfloat16"] = "float32"
     layer_spec: Literal["local", "transformer_engine"] = "local"
     """local: Megatron's own layers (CPU and GPU); transformer_engine: TE layers (GPU only)."""
+    core_attention: Literal["megatron", "past_kv"] = "megatron"
+    """megatron: the layer spec's own core attention; past_kv: ours, which also attends to a cache
+    of past keys/values with autograd (needed by the per-turn OPD strategies kv_adjoint and
+    forward_early; same math as megatron on a whole sequence)."""
     fp8: Literal["e4m3", "hybrid"] | None = None
     """FP8 format for TE linear layers; hybrid = e4m3 forward, e5m2 backward."""
     fp8_recipe: Literal["delayed", "tensorwise", "mxfp8", "blockwise"] = "delayed"
@@ -287,12 +291,30 @@ class ReferenceModelConfig(_Strict):
     """Keep its weights in host memory between uses (GPU only; a no-op on CPU)."""
 
 
+class LearnerOPDConfig(_Strict):
+    """Per-turn on-policy distillation on the learner (``megathunder.learner.opd``)."""
+
+    strategy: Literal["recompute", "kv_adjoint", "forward_early"] = "kv_adjoint"
+    """How each completed turn's gradient is computed (DESIGN.md section 3; figures in BENCHMARKS.md).
+    kv_adjoint and forward_early need precision.core_attention=past_kv and no pipeline parallelism."""
+    beta: float = Field(1.0, gt=0)
+    """Coefficient of the per-token reverse KL to the teacher."""
+    aggregation: Literal["token_mean", "seq_mean_token_sum"] = "token_mean"
+    divergence: Literal["reverse_kl", "gjsd"] = "reverse_kl"
+    """reverse_kl: per-token l - l^T as a policy-gradient advantage; gjsd: GKD's generalized
+    Jensen-Shannon divergence over the vocabulary (needs a teacher with whole distributions)."""
+    jsd_lam: float = Field(0.5, gt=0, lt=1)
+    """Mixture weight of the teacher in the gjsd's M = lam P_T + (1 - lam) P_S."""
+
+
 class LearnerConfig(_Strict):
     parallel: ParallelConfig = ParallelConfig()
     model: PolicyModelConfig = PolicyModelConfig()
     precision: PrecisionConfig = PrecisionConfig()
     optimizer: LearnerOptimizerConfig = LearnerOptimizerConfig()
     reference: ReferenceModelConfig = ReferenceModelConfig()
+    opd: LearnerOPDConfig | None = None
+    """Set for on-policy distillation (per-turn streaming); null for RL only."""
     seed: int = 1234
 
     @model_validator(mode="after")
@@ -300,6 +322,11 @@ class LearnerConfig(_Strict):
         tp, pp, m = self.parallel.tensor_parallel, self.parallel.pipeline_parallel, self.model
         if m.hf_checkpoint is None:  # sizes known now; an HF checkpoint is checked when read
             check_parallel_divides_model(m, tp, pp)
+        if self.opd is not None and self.opd.strategy != "recompute":
+            if self.precision.core_attention != "past_kv":
+                raise ValueError(f"opd.strategy: {self.opd.strategy} needs precision.core_attention=past_kv")
+            if pp > 1:
+                raise ValueError(f"opd.strategy: {self.opd.strategy} does not run with parallel.pipeline_parallel > 1")
         return self
 
 

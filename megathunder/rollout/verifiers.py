@@ -27,7 +27,7 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class RewardOutcome:
     reward: float | None  # None when the group is dropped
-    status: Literal["ok", "error", "timeout"]
+    status: Literal["ok", "error", "timeout", "skipped"]  # skipped: the episode had failed
     drop_group: bool
     duration_s: float
     detail: str = ""

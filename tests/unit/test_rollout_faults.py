@@ -1,0 +1,200 @@
+"""Fault policies of the rollout side (RELIABILITY.md): every fault ends in a defined, recorded
+outcome. Episodes that cannot be trained on carry ``Episode.failure`` and a reward event with
+``drop_group``; nothing non-finite reaches an event the trainer feeds to the ledger."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+
+import pytest
+
+from megathunder.config import AgentLoopConfig, ConfigError, SandboxConfig, VerifierConfig, load_config
+from megathunder.rollout.agent_loop import AgentLoop
+from megathunder.rollout.scripted import ScriptedPolicy
+from megathunder.rollout.types import Completion
+from megathunder.rollout.verifiers import VerifierPool
+from megathunder.tasks.base import Task, TaskInstance, tool_call_text
+from tests.rollout_helpers import codec
+
+
+class _AnswerTask(Task):
+    """No tools, no sandbox: reward 1 when the answer says 'ok', or what ``verify`` returns."""
+
+    name = "answer_probe"
+
+    def __init__(self, verify=None) -> None:
+        self._verify = verify
+        self.num_verified = 0
+
+    def instances(self, num, seed=0):
+        return [TaskInstance(f"p-{k}", f"prompt {k}") for k in range(num)]
+
+    async def verify(self, inst, episode, sandbox):
+        self.num_verified += 1
+        if self._verify is not None:
+            return await self._verify(inst)
+        return float("ok" in episode.final_text)
+
+
+class _FaultyEngine(ScriptedPolicy):
+    """The scripted policy, with ``corrupt(prompt_text, turn, completion)`` applied to outputs."""
+
+    def __init__(self, codec_, scripts, corrupt) -> None:
+        super().__init__(codec_, scripts)
+        self.corrupt = corrupt
+
+    async def generate(self, prompt_token_ids, params, *, session_id=None) -> Completion:
+        out = await super().generate(prompt_token_ids, params, session_id=session_id)
+        text = self.codec.decode(prompt_token_ids)
+        turn = text.count("<|im_start|>assistant\n") - 1
+        return self.corrupt(text, turn, out)
+
+
+def _run(task, engine_factory, *, num_prompts=2, samples=2, verifier=None, scripts=None):
+    c = codec()
+    insts = task.instances(num_prompts)
+    scripts = scripts or {i.prompt: [tool_call_text("nope"), "ok"] for i in insts}
+    engine = engine_factory(c, scripts)
+    events = []
+    loop = AgentLoop(
+        engine, c, task, AgentLoopConfig(max_total_tokens=4096, max_new_tokens_per_turn=512),
+        SandboxConfig(), VerifierPool(VerifierConfig(**{"timeout_s": 5, **(verifier or {})})),
+        emit=events.append,
+    )  # fmt: skip
+    episodes = asyncio.run(loop.run_batch(insts, samples, seed=3))
+    return episodes, events
+
+
+def _finite_payloads(events) -> bool:
+    for ev in events:
+        if ev.kind == "turn_finished" and not all(map(math.isfinite, ev.payload["logprobs"])):
+            return False
+        if ev.kind == "reward":
+            r = ev.payload["reward"]
+            if r is None and not ev.payload["drop_group"]:
+                return False
+            if r is not None and not math.isfinite(r):
+                return False
+    return True
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+def test_non_finite_logprob_fails_the_episode_and_drops_its_group(bad):
+    def corrupt(text, turn, out):
+        if "prompt 1" in text and turn == 1:  # the second turn of group 1's episodes
+            lps = list(out.logprobs)
+            lps[len(lps) // 2] = bad
+            return Completion(out.token_ids, lps, out.finish_reason, out.policy_version)
+        return out
+
+    task = _AnswerTask()
+    episodes, events = _run(task, lambda c, s: _FaultyEngine(c, s, corrupt))
+    ok, failed = episodes[:2], episodes[2:]
+    assert all(e.failure is None and e.reward.reward == 1.0 for e in ok)
+    for ep in failed:
+        assert ep.failure.startswith(f"nonfinite_logprob: {bad}") and "(turn 1)" in ep.failure
+        assert ep.stop_reason == "failed" and len(ep.turns) == 1  # the bad turn is not kept
+        assert all(map(math.isfinite, ep.rollout_logprobs))
+        assert ep.reward.drop_group and ep.reward.reward is None and ep.reward.status == "skipped"
+    assert task.num_verified == 2  # the failed episodes' verifier never ran
+    rewards = {e.traj_id: e.payload for e in events if e.kind == "reward"}
+    assert [rewards[t]["drop_group"] for t in range(4)] == [False, False, True, True]
+    finished = {e.traj_id: e.payload["failure"] for e in events if e.kind == "trajectory_finished"}
+    assert finished[0] is None and finished[2] == failed[0].failure
+    turns = [(e.traj_id, e.turn_index) for e in events if e.kind == "turn_finished"]
+    assert (2, 1) not in turns and (2, 0) in turns and (0, 1) in turns
+    assert _finite_payloads(events)
+
+
+def test_logprob_count_mismatch_is_a_protocol_failure():
+    def corrupt(text, turn, out):
+        return Completion(out.token_ids, out.logprobs[:-1], out.finish_reason, out.policy_version)
+
+    episodes, _ = _run(_AnswerTask(), lambda c, s: _FaultyEngine(c, s, corrupt), num_prompts=1)
+    assert all(e.failure.startswith("engine_protocol: ") for e in episodes)
+
+
+@pytest.mark.parametrize("policy", ["zero_reward", "drop_group"])
+@pytest.mark.parametrize("bad", [math.nan, math.inf, "raise", "hang", "not a number"])
+def test_verifier_faults_follow_on_failure(policy, bad):
+    async def verify(inst):
+        if inst.instance_id != "p-0":
+            return 1.0
+        if bad == "raise":
+            raise RuntimeError("grader crashed")
+        if bad == "hang":
+            await asyncio.sleep(3600)
+        return bad
+
+    verifier = {"timeout_s": 0.3, "on_failure": policy, "failure_reward": -0.5}
+    episodes, events = _run(_AnswerTask(verify), lambda c, s: ScriptedPolicy(c, s), verifier=verifier)
+    hit, fine = episodes[:2], episodes[2:]
+    assert all(e.failure is None and e.reward.reward == 1.0 for e in fine)
+    status = "timeout" if bad == "hang" else "error"
+    for ep in hit:
+        assert ep.reward.status == status
+        if policy == "drop_group":
+            assert ep.failure.startswith(f"verifier_{status}: ") and ep.reward.reward is None
+        else:
+            assert ep.failure is None and ep.reward.reward == -0.5
+    assert _finite_payloads(events)
+
+
+@pytest.mark.parametrize("value", [".nan", ".inf", "-.inf"])
+def test_non_finite_failure_reward_is_a_config_error(value):
+    with pytest.raises(ConfigError, match="verifier.failure_reward"):
+        load_config(None, [f"verifier.failure_reward={value}"])
+
+
+def test_engine_error_ends_the_batch_and_cancels_the_other_episodes():
+    started, cancelled = [], []
+
+    class Dying(ScriptedPolicy):
+        async def generate(self, prompt_token_ids, params, *, session_id=None):
+            text = self.codec.decode(prompt_token_ids)
+            if "prompt 0" in text:
+                await asyncio.sleep(0.05)
+                raise RuntimeError("no rollout server left")
+            started.append(text)
+            try:
+                await asyncio.sleep(3600)
+            except asyncio.CancelledError:
+                cancelled.append(text)
+                raise
+
+    async def go():
+        c = codec()
+        task = _AnswerTask()
+        insts = task.instances(3)
+        loop = AgentLoop(
+            Dying(c, {i.prompt: ["ok"] for i in insts}), c, task, AgentLoopConfig(),
+            SandboxConfig(), VerifierPool(VerifierConfig()),
+        )  # fmt: skip
+        with pytest.raises(RuntimeError, match="no rollout server left"):
+            await asyncio.wait_for(loop.run_batch(insts, 2), 10)
+        await asyncio.sleep(0)
+        others = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        return others
+
+    assert asyncio.run(go()) == []  # nothing left running
+    assert len(started) == 4 and len(cancelled) == 4
+
+
+def test_fault_outcomes_are_deterministic_given_the_seed():
+    """The same batch (seed, scripts, faults) gives the same failures, stop reasons and rewards."""
+
+    def corrupt(text, turn, out):
+        if out.token_ids and out.token_ids[0] % 3 == 0 and turn == 0:
+            return Completion(out.token_ids, [math.nan] * len(out.token_ids), out.finish_reason, 0)
+        return out
+
+    def once():
+        task = _AnswerTask()
+        scripts = {f"prompt {k}": [f"{k} ok"] for k in range(6)}
+        eps, _ = _run(task, lambda c, s: _FaultyEngine(c, s, corrupt), num_prompts=6, scripts=scripts)
+        return [(e.traj_id, e.failure, e.stop_reason, e.reward.reward) for e in eps]
+
+    first = once()
+    assert first == once()
+    assert {f is None for _, f, _, _ in first} == {True, False}  # both outcomes occur

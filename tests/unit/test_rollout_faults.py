@@ -198,3 +198,108 @@ def test_fault_outcomes_are_deterministic_given_the_seed():
     first = once()
     assert first == once()
     assert {f is None for _, f, _, _ in first} == {True, False}  # both outcomes occur
+
+
+# --- budgets, malformed calls and sandbox faults: outcomes of a trainable episode, not failures ---
+
+
+def test_token_and_time_budgets_end_the_episode_without_failing_it():
+    task = _AnswerTask()
+    (inst,) = task.instances(1)
+    c = codec()
+    long_turn = "word " * 400
+
+    def run(agent, seconds_per_token):
+        loop = AgentLoop(
+            ScriptedPolicy(c, {inst.prompt: [long_turn]}, seconds_per_token=seconds_per_token),
+            c, task, AgentLoopConfig(**agent), SandboxConfig(), VerifierPool(VerifierConfig()),
+        )  # fmt: skip
+        return asyncio.run(loop.run_batch([inst], 1))[0]
+
+    ep = run({"max_total_tokens": 300, "max_new_tokens_per_turn": 100}, 0.0)
+    assert ep.stop_reason == "max_tokens" and ep.truncated and len(ep.token_ids) <= 300
+    assert ep.failure is None and ep.reward.status == "ok" and not ep.reward.drop_group
+
+    import time
+
+    start = time.monotonic()
+    ep = run({"episode_wall_time_s": 0.3}, 0.01)  # the turn would take ~4 s
+    assert time.monotonic() - start < 2 and ep.stop_reason == "wall_time"
+    assert ep.failure is None and ep.reward.status == "ok" and ep.reward.reward == 0.0
+
+
+def test_malformed_tool_calls_are_observations_not_failures():
+    from megathunder.rollout.tools import CALCULATOR
+
+    task = _AnswerTask()
+    task.tools = (CALCULATOR,)
+    (inst,) = task.instances(1)
+    script = [
+        "<tool_call>{not json</tool_call>", "<tool_call>[1, 2]</tool_call>",
+        '<tool_call>{"name": "calculator", "arguments": "[1]"}</tool_call>',
+        '<tool_call>{"name": "calculator"}</tool_call>', "</tool_call> stray",
+        '<tool_call>{"name": "calculator", "arguments": {"expression": "__import__(1)"}}</tool_call>',
+        "<tool_call>" * 3, "ok",
+    ]  # fmt: skip
+    episodes, events = _run(task, lambda c, s: ScriptedPolicy(c, s), num_prompts=1, samples=1,
+                            scripts={inst.prompt: script})  # fmt: skip
+    (ep,) = episodes
+    runs = [r for t in ep.turns for r in t.tool_runs]
+    assert len(ep.turns) == len(script) and len(runs) >= 7
+    assert all(r.observation.startswith("[error: ") and not r.ok for r in runs)
+    assert ep.failure is None and ep.stop_reason == "answered" and ep.reward.reward == 1.0
+
+
+def test_hanging_and_memory_hungry_sandbox_commands_with_the_real_sandbox(tmp_path):
+    """In the real local sandbox: a tool that hangs or exhausts memory is an error observation;
+    a verifier whose sandbox command hangs times out and follows verifier.on_failure."""
+    import os
+    import time
+
+    from megathunder.rollout.tools import BASH
+    from tests.rollout_helpers import needs_root, sandbox_cfg
+
+    if os.geteuid() != 0:
+        pytest.skip(needs_root.kwargs["reason"])
+
+    class SandboxTask(_AnswerTask):
+        tools = (BASH,)
+
+        async def verify(self, inst, episode, sandbox):
+            out = await sandbox.shell("sleep 600")  # hangs past the verifier's timeout
+            return float(out.ok)
+
+    from megathunder.rollout.sandbox.cgroups import create_cgroup
+
+    probe = create_cgroup("auto", 1 << 30, 16)
+    has_cgroup = probe is not None
+    if probe is not None:
+        probe.remove()
+    task = SandboxTask()
+    (inst,) = task.instances(1)
+    script = [
+        tool_call_text("bash", command="sleep 600"),
+        tool_call_text("bash", command="python3 -c 'x = bytearray(1 << 30)'"),
+        tool_call_text("bash", command="for i in 1 2 3 4; do python3 -c \"b = b'1' * (100 << 20)\" & done; wait"),
+        "ok",
+    ]  # fmt: skip
+    c = codec()
+    for policy in ("zero_reward", "drop_group"):
+        loop = AgentLoop(
+            ScriptedPolicy(c, {inst.prompt: script}), c, task, AgentLoopConfig(max_turns=6),
+            sandbox_cfg(tmp_path, wall_time_s=1, memory_mb=192),
+            VerifierPool(VerifierConfig(timeout_s=1, on_failure=policy, failure_reward=0.0)),
+        )  # fmt: skip
+        start = time.monotonic()
+        (ep,) = asyncio.run(loop.run_batch([inst], 1))
+        assert time.monotonic() - start < 15
+        hang, oom, many = [r.observation for t in ep.turns for r in t.tool_runs]
+        assert "[error: command killed: wall-time limit of 1 s exceeded]" in hang
+        assert "MemoryError" in oom and "[error: " in oom
+        if has_cgroup:  # the sandbox's cgroup bounds the tree's sum (4 x 100 MiB > 192 MiB)
+            assert "memory limit of 192 MiB was exceeded" in many
+        assert ep.stop_reason == "answered" and ep.reward.status == "timeout"
+        if policy == "drop_group":
+            assert ep.failure.startswith("verifier_timeout: ") and ep.reward.reward is None
+        else:
+            assert ep.failure is None and ep.reward.reward == 0.0

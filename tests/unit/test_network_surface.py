@@ -1,6 +1,6 @@
-"""No code path deserialises pickles (or other code-carrying formats) from outside: a static
-scan of the package's syntax trees, and the weight payload that crosses the network checked to
-be JSON carrying safetensors."""
+"""The package's network surface, checked statically: no code path deserialises pickles (or
+other code-carrying formats), nothing binds a wildcard address by default, and the weight payload
+that crosses the network is JSON carrying safetensors."""
 
 from __future__ import annotations
 
@@ -67,3 +67,45 @@ def test_weight_payload_is_json_with_safetensors():
     header_len = int.from_bytes(payload[:8], "little")
     assert json.loads(payload[8 : 8 + header_len])["layer.weight"]["dtype"] == "F32"
     assert not payload.startswith(b"\x80")  # no pickle protocol marker
+
+
+WILDCARDS = {"0.0.0.0", "::", "[::]", "*"}
+
+
+def _wildcard_binds(tree: ast.AST, where: str) -> list[str]:
+    """String constants naming a wildcard address, where a host is given: a default argument or
+    field value, a keyword ``host=``, or an address tuple passed to ``bind``."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.keyword) and node.arg in ("host", "bind", "address"):
+            if isinstance(node.value, ast.Constant) and node.value.value in WILDCARDS:
+                found.append(f"{where}:{node.value.lineno}: {node.arg}={node.value.value!r}")
+        if isinstance(node, ast.AnnAssign | ast.Assign):
+            targets = [node.target] if isinstance(node, ast.AnnAssign) else node.targets
+            names = [ast.unparse(t) for t in targets]
+            if any("host" in n or "addr" in n for n in names) and isinstance(node.value, ast.Constant):
+                if node.value.value in WILDCARDS:
+                    found.append(f"{where}:{node.lineno}: {names[0]} = {node.value.value!r}")
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "bind":
+            for arg in node.args:
+                if isinstance(arg, ast.Tuple) and arg.elts and isinstance(arg.elts[0], ast.Constant):
+                    if arg.elts[0].value in WILDCARDS or arg.elts[0].value == "":
+                        found.append(f"{where}:{node.lineno}: bind({ast.unparse(arg)})")
+    return found
+
+
+def test_scanner_catches_wildcard_binds():
+    bad = 'host: str = "0.0.0.0"\nrun(host="::")\ns.bind(("", 80))\nlisten_addr = "0.0.0.0"\n'
+    assert len(_wildcard_binds(ast.parse(bad), "x")) == 4
+    good = 'host: str = "127.0.0.1"\ns.bind(("127.0.0.1", 0))\n'
+    assert _wildcard_binds(ast.parse(good), "x") == []
+
+
+def test_nothing_binds_a_wildcard_address_by_default():
+    from megathunder.config.schema import EngineConfig
+
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        found += _wildcard_binds(ast.parse(path.read_text()), str(path.relative_to(PACKAGE.parent)))
+    assert found == []
+    assert EngineConfig().host == "127.0.0.1"

@@ -40,6 +40,19 @@ def _cmd_exactness(args: argparse.Namespace) -> int:
     return run(load_config(args.config, args.overrides))
 
 
+def _cmd_train(args: argparse.Namespace) -> int:
+    from megathunder.config import load_config
+    from megathunder.trainer.run import train
+
+    return train(load_config(args.config, args.overrides))
+
+
+def _cmd_replay(args: argparse.Namespace) -> int:
+    from megathunder.trainer.replay import main as replay_main
+
+    return replay_main(args.run_dir, args.overrides, args.out)
+
+
 def _cmd_simulate(args: argparse.Namespace) -> int:
     from megathunder.simulate.main import run
 
@@ -69,6 +82,29 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("config", help="YAML config file, e.g. configs/grpo_exactness.yaml")
     p.add_argument("overrides", nargs="*", metavar="key=value")
     p.set_defaults(func=_cmd_exactness)
+
+    p = sub.add_parser(
+        "train",
+        help="GRPO with vLLM rollouts and the Megatron learner under schedule.mode (sync, async, "
+        "fully_async, thunder); resumes the run directory's latest checkpoint",
+        description="Train: optional SFT warm start, then RL with weights pushed into vLLM after "
+        "every step and checked by the zero-staleness probe. Writes metrics.jsonl, journal.jsonl, "
+        "timeline.png, trace.json, summary.json and checkpoints/ under run.output_dir. Launch "
+        "with torchrun or srun for TP x PP x DP.",
+    )
+    p.add_argument("config", help="YAML config file, e.g. configs/quickstart.yaml")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="e.g. schedule.mode=sync run.num_steps=5")
+    p.set_defaults(func=_cmd_train)
+
+    p = sub.add_parser(
+        "replay",
+        help="retrain a run from its journal under any schedule's gradient path; prints a "
+        "parameter digest (same journal -> same parameters)",
+    )
+    p.add_argument("run_dir", help="a run directory (holds config.yaml and journal.jsonl)")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="e.g. schedule.mode=sync")
+    p.add_argument("--out", required=True, help="where the replayed weights go (a HF directory)")
+    p.set_defaults(func=_cmd_replay)
 
     p = sub.add_parser(
         "bench", help="run a benchmark; prints its figures, the last line one JSON object"

@@ -19,6 +19,7 @@ from megathunder.config.schema import (
     RunConfig,
     SandboxConfig,
     ScheduleConfig,
+    SftConfig,
     TaskConfig,
     VerifierConfig,
 )
@@ -42,6 +43,7 @@ __all__ = [
     "RunConfig",
     "SandboxConfig",
     "ScheduleConfig",
+    "SftConfig",
     "TaskConfig",
     "VerifierConfig",
     "load_config",

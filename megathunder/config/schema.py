@@ -70,6 +70,10 @@ class LedgerConfig(_Strict):
     reward_free_terms: Literal["with_score", "at_finish"] = "with_score"
     """When KL/entropy gradients are computed: in the same forward as the trajectory's score
     gradient (fewest passes), or as soon as the trajectory finishes (earliest)."""
+    hold_groups_until_close: bool = False
+    """Keep every part of a group's gradient in its slot until all its rewards are in, so a group
+    can still be dropped at its last reward (a failed trajectory under ``verifier.on_failure:
+    drop_group``). The trainer turns it on for that policy."""
 
 
 class BatchConfig(_Strict):
@@ -78,7 +82,22 @@ class BatchConfig(_Strict):
 
 
 class ScheduleConfig(_Strict):
+    """How rollout and training overlap (``megathunder.trainer.schedules``).
+
+    sync: the learner waits for the whole batch. thunder: streamed gradients, same update as sync.
+    async: batch k+1 is sampled while the learner trains on batch k (one step stale).
+    fully_async: episodes run continuously while weights change under them (bounded staleness).
+    """
+
     mode: Literal["sync", "async", "fully_async", "thunder"] = "thunder"
+    max_staleness: int = Field(2, ge=1)
+    """fully_async: a group whose oldest turn was sampled more than this many optimizer steps
+    before the step that would train on it is dropped (and logged)."""
+    probe_tokens: int = Field(16, ge=0)
+    """Zero-staleness probe after each weight sync: tokens sampled by the engine and scored by the
+    learner (0: off)."""
+    probe_tolerance: float = Field(1e-3, gt=0)
+    """Largest per-token |logprob gap| the probe accepts before it stops the run."""
 
 
 class ModelConfig(_Strict):
@@ -431,10 +450,29 @@ class TaskConfig(_Strict):
         return self
 
 
+class SftConfig(_Strict):
+    """Supervised warm start on the task's reference answers before RL (0 steps: none)."""
+
+    num_steps: int = Field(0, ge=0)
+    batch_size: int = Field(32, ge=1)
+    lr: float = Field(3e-3, gt=0)
+
+
 class RunConfig(_Strict):
     seed: int = 0
     num_steps: int = Field(10, ge=1)
     output_dir: str = "runs/latest"
+    init_model: str = "tiny"
+    """Where the policy starts when ``learner.model.hf_checkpoint`` is unset: ``tiny`` builds a
+    tiny Qwen2 and its tokenizer locally in the run directory (no hub)."""
+    checkpoint_every: int = Field(0, ge=0)
+    """Save a resumable checkpoint every N optimizer steps (0: only at the end)."""
+    resume: bool = True
+    """Continue from the run directory's latest checkpoint and journal when there is one."""
+    wandb: Literal["disabled", "offline", "online"] = "offline"
+    """wandb logging (offline: files under the run directory; disabled: none; skipped with a warning if wandb is not installed)."""
+    wandb_project: str = "megathunder"
+    progress: bool = True
 
 
 class Config(_Strict):
@@ -451,6 +489,7 @@ class Config(_Strict):
     sandbox: SandboxConfig = SandboxConfig()
     verifier: VerifierConfig = VerifierConfig()
     task: TaskConfig = TaskConfig()
+    sft: SftConfig = SftConfig()
 
     @model_validator(mode="after")
     def _check_rollout_side(self) -> Config:

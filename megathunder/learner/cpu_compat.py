@@ -94,6 +94,13 @@ def enable() -> bool:
     return True
 
 
+def enable_in_this_thread() -> None:
+    """Torch function modes are per thread: call this first in any other thread that runs
+    Megatron code (the trainer's learner thread does)."""
+    if _ENABLED:
+        _CudaToCpu().__enter__()
+
+
 @contextlib.contextmanager
 def suspended():
     """Run code that must see real devices (e.g. a transformers model) without the mapping."""

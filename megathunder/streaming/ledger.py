@@ -29,6 +29,10 @@ with Z computed by the same function as the reference from integers.
 DAPO dynamic sampling drops a group iff all its rewards are equal, i.e. iff every r_i - b_g is 0:
 nothing of a group that is later dropped ever reaches P (its q_i wait until the group is known
 to be kept: two distinct rewards seen, or closed), and its slot buffers are discarded.
+A failed trajectory (reward ``None``) drops its whole group; with ``hold_groups_until_close``
+nothing of any group reaches P before its last reward (the R-part of std-free variants waits in
+R_g too), so a group can be dropped up to that moment and the update is exactly the
+batch-synchronous update on the groups kept.
 
 Memory: at most K slots (``LedgerConfig.max_group_slots``), each 2 parameter-sized buffers (1 for
 std-free variants), plus P (plus P_A for batch_std): 2K + 1. Groups that find no free slot wait
@@ -80,6 +84,7 @@ class _Traj:
     data: Trajectory | None = None  # set on the rank that owns the trajectory
     num_loss_tokens: int | None = None  # set when it finishes (on every rank)
     reward: float | None = None
+    has_reward: bool = False  # False until its reward event (whose reward may be None: failed)
     score_done: bool = False
     reward_free_done: bool = False
 
@@ -101,6 +106,7 @@ class _Group:
     keep: bool | None = None  # None until decided (DAPO)
     slot: _Slot | None = None
     waiting_for_slot: bool = False
+    failed: bool = False  # a trajectory failed: the group leaves the batch at close
 
     @property
     def closed(self) -> bool:
@@ -131,7 +137,8 @@ class GradientLedger:
         self.config = config or LedgerConfig()
         self.reward_shift = reward_shift
         self.pool = BufferPool(backend)
-        self._std_free = coef_known_before_close(objective)
+        self._hold = self.config.hold_groups_until_close
+        self._std_free = coef_known_before_close(objective) and not self._hold
         self._has_reward_free = objective.has_reward_free_terms
         self._groups: dict[int, _Group] = {}
         self._trajs: dict[int, _Traj] = {}
@@ -161,7 +168,8 @@ class GradientLedger:
                 seen.add(tid)
         self._groups, self._trajs, self._order = {}, {}, []
         for gid, members in groups:
-            group = _Group(gid, keep=None if self.objective.dapo_dynamic_sampling else True)
+            undecided = self.objective.dapo_dynamic_sampling or self._hold
+            group = _Group(gid, keep=None if undecided else True)
             for tid in members:
                 t = _Traj(tid, group)
                 group.members.append(t)
@@ -201,23 +209,35 @@ class GradientLedger:
         t.num_loss_tokens = num_loss_tokens
         self._log("finished", traj_id)
 
-    def on_reward(self, traj_id: int, reward: float) -> None:
+    def on_reward(self, traj_id: int, reward: float | None) -> None:
+        """``reward=None``: the trajectory failed; its group is dropped (needs
+        ``hold_groups_until_close`` unless nothing of the group can have reached P yet)."""
         t = self._lookup(traj_id, "reward")
-        if t.reward is not None:
+        if t.has_reward:
             raise LedgerError(f"trajectory {traj_id}: duplicate reward ({t.reward} then {reward})")
         if t.num_loss_tokens is None:
             raise LedgerError(f"trajectory {traj_id}: reward before the trajectory finished")
-        reward = float(reward)
-        if not math.isfinite(reward):
-            raise LedgerError(f"trajectory {traj_id}: non-finite reward {reward}")
         g = t.group
-        t.reward = reward
+        if reward is None:
+            if not self._hold and g.keep is True:
+                raise LedgerError(
+                    f"trajectory {traj_id}: failed, but group {g.group_id} may already be in the "
+                    "update; set ledger.hold_groups_until_close to drop groups on failure"
+                )
+            g.failed = True
+        else:
+            reward = float(reward)
+            if not math.isfinite(reward):
+                raise LedgerError(f"trajectory {traj_id}: non-finite reward {reward}")
+        t.reward, t.has_reward = reward, True
         g.num_rewards += 1
         self._log("reward", traj_id)
         if g.num_rewards == len(g.members):
             self._close_group(g)
             return
-        if g.keep is None and any(m.reward not in (None, reward) for m in g.members):
+        if g.failed or reward is None:
+            return
+        if g.keep is None and not self._hold and any(m.reward not in (None, reward) for m in g.members):
             g.keep = True  # two distinct rewards: the group survives dynamic sampling
             self._advance_all(g.members)
         else:
@@ -306,7 +326,7 @@ class GradientLedger:
         g = t.group
         if t.data is None or t.num_loss_tokens is None:
             return
-        if g.keep is False:
+        if g.keep is False or g.failed:  # dropped: nothing of it is (or will be) in the update
             t.score_done = t.reward_free_done = True
             return
         specs: list[LossSpec] = []
@@ -374,8 +394,11 @@ class GradientLedger:
 
     def _close_group(self, g: _Group) -> None:
         rewards = [m.reward for m in g.members]  # sample order
-        g.stats = group_stats(rewards, self.objective)  # type: ignore[arg-type]
-        g.keep = keeps_group(rewards, self.objective)  # type: ignore[arg-type]
+        if g.failed:
+            g.stats, g.keep = GroupStats(mean=0.0, std=0.0, coef=0.0), False
+        else:
+            g.stats = group_stats(rewards, self.objective)  # type: ignore[arg-type]
+            g.keep = keeps_group(rewards, self.objective)  # type: ignore[arg-type]
         self._log("group_closed", g.group_id)
         slot = g.slot
         if slot is not None:

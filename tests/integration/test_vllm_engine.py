@@ -310,7 +310,10 @@ def test_update_waits_for_in_flight_requests(runner, hf_model, base_state):
     async def scenario():
         engine = runner.engine
         long = asyncio.ensure_future(engine.generate(p_long, SamplingParams(max_new_tokens=1000, ignore_eos=True)))
-        while not await runner.num_running_async():  # the long request is decoding (1-10 s in all)
+        deadline = time.monotonic() + 120
+        while not long.done() and not await runner.num_running_async():  # decoding: 1-10 s in all
+            if time.monotonic() > deadline:
+                raise AssertionError("the long request never showed up as running")
             await asyncio.sleep(0.01)
         update = asyncio.ensure_future(engine.update_weights(iter(new.items()), policy_version=old_version + 1))
         await asyncio.sleep(0.05)

@@ -45,6 +45,8 @@ from megathunder.rollout.engines.common import engine_kwargs, finish_reason, sin
 from megathunder.rollout.engines.weights import weight_load_call
 from megathunder.rollout.types import Completion, SamplingParams, WeightSource
 
+KEEPALIVE_S = 2.0  # below vLLM's HTTP keep-alive timeout (VLLM_HTTP_TIMEOUT_KEEP_ALIVE, 5 s)
+
 if TYPE_CHECKING:
     import aiohttp
 
@@ -225,7 +227,9 @@ class ServerEngine:
                 pool.stop()
             raise ServerError(str(err)) from None
         session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=0),
+            # Idle connections are dropped before the server's keep-alive timeout (uvicorn: 5 s)
+            # would close them under a request in flight (ServerDisconnectedError).
+            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_S),
             timeout=aiohttp.ClientTimeout(total=cfg.request_timeout_s),
             headers=None if key is None else {"Authorization": f"Bearer {key}"},
         )

@@ -1,0 +1,96 @@
+"""Replay a run from its journal: the same trajectories, rewards and event order, through any
+schedule's gradient path, from the run's initial weights.
+
+``thunder`` feeds each step's finish and reward events to the gradient ledger in the order they
+happened; every other schedule computes the batch-synchronous gradient of the step's batch
+(async and fully_async differ from sync only in *which* data a step gets, and that is what the
+journal recorded). Same journal, same parameters: ``tests/distributed`` replays one journal
+through sync and thunder on 1 process and on TP = 2 / DP = 2 and compares the weights.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import torch
+import yaml
+
+from megathunder.config import Config, load_config
+from megathunder.trainer.batch import BatchGradient
+from megathunder.trainer.journal import completed_steps
+
+
+def replay(cfg: Config, run_dir: Path, learner, num_steps: int | None = None) -> int:
+    """Apply the journal's steps (all, or the first ``num_steps``) to ``learner``; returns how many."""
+    streamed = cfg.schedule.mode == "thunder"
+    done = 0
+    for step, entries, _ in completed_steps(run_dir / "journal.jsonl"):
+        if num_steps is not None and done >= num_steps:
+            break
+        if step < learner.num_steps:
+            continue  # already in the learner's (resumed) weights
+        plan = _plan(entries)
+        batch = BatchGradient(learner, plan, streamed)
+        events = [(e.t_finished, 0, "finished", e) for e in entries] + [(e.t_reward, 1, "reward", e) for e in entries]
+        for _, _, kind, e in sorted(events, key=lambda ev: (ev[0], ev[1], ev[3].traj.traj_id)):
+            if kind == "finished":
+                batch.on_finished(e.traj)
+            else:
+                batch.on_reward(e.traj.traj_id, e.reward)
+        batch.close()
+        learner.step()
+        done += 1
+    return done
+
+
+def _plan(entries) -> list[tuple[int, list[int]]]:
+    groups: dict[int, list[int]] = {}
+    for e in entries:
+        groups.setdefault(e.traj.group_id, []).append(e.traj.traj_id)
+    return list(groups.items())
+
+
+def initial_weights(run_dir: Path) -> Path:
+    """The HF directory the run started from (after its warm start)."""
+    for name in ("sft_model", "init_model"):
+        if (run_dir / name / "config.json").is_file():
+            return run_dir / name
+    cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
+    return Path(cfg["learner"]["model"]["hf_checkpoint"])
+
+
+def build_replay_learner(cfg: Config, run_dir: Path):
+    from megathunder.learner.learner import MegatronLearner
+    from megathunder.learner.parallel import init_distributed
+
+    groups = init_distributed(cfg.learner)
+    learner_cfg = cfg.learner.model_copy(deep=True)
+    learner_cfg.model.hf_checkpoint = str(initial_weights(run_dir))
+    ledger_cfg = cfg.ledger
+    if cfg.verifier.on_failure == "drop_group":
+        ledger_cfg = ledger_cfg.model_copy(update={"hold_groups_until_close": True})
+    return MegatronLearner.build(learner_cfg, cfg.objective, groups, ledger_cfg)
+
+
+def digest(path: Path) -> str:
+    from safetensors.torch import load_file
+
+    h = hashlib.sha256()
+    for name, tensor in sorted(load_file(str(path / "model.safetensors")).items()):
+        h.update(name.encode())
+        h.update(tensor.to(torch.float32).numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def main(run_dir: str, overrides: list[str], out: str) -> int:
+    run_dir = Path(run_dir)
+    cfg = load_config(run_dir / "config.yaml", overrides)
+    learner = build_replay_learner(cfg, run_dir)
+    n = replay(cfg, run_dir, learner)
+    learner.export_hf(out)
+    if learner.groups.rank == 0:
+        print(json.dumps({"replayed_steps": n, "schedule": cfg.schedule.mode, "out": out,
+                          "digest": digest(Path(out))}))
+    return 0

@@ -1,0 +1,134 @@
+"""``megathunder train``: set up a run (or resume it), train, and write its report.
+
+    groups   = init_distributed(cfg.learner)                # TP x PP x DP, gloo or NCCL
+    model    = initial_model(cfg, out) -> sft warm start    # HF directory: learner and vLLM load it
+    learner  = MegatronLearner.build(...); resume from checkpoints/latest
+    rank 0:  engine, agent loop -> Trainer -> SCHEDULES[cfg.schedule.mode]
+    others:  LearnerService.serve()
+    rank 0:  timeline.png / trace.json, summary.json, checkpoint
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import shutil
+from pathlib import Path
+
+import torch.distributed as dist
+import yaml
+from tqdm import tqdm
+
+from megathunder.config import Config
+
+log = logging.getLogger(__name__)
+
+
+def initial_model(cfg: Config, out: Path, groups) -> Path:
+    """The HF directory the run starts from: the configured checkpoint, or a tiny model built here;
+    then the SFT warm start (if any) from it."""
+    from megathunder.trainer.sft import warm_start
+
+    if cfg.learner.model.hf_checkpoint is not None:
+        source = Path(cfg.learner.model.hf_checkpoint)
+        if not (source / "config.json").is_file():
+            raise FileNotFoundError(f"learner.model.hf_checkpoint: {source} has no config.json")
+    elif cfg.run.init_model == "tiny":
+        source = out / "init_model"
+        if groups.rank == 0 and not (source / "model.safetensors").is_file():
+            from megathunder.models.tiny_hf import save_tiny_qwen2
+
+            save_tiny_qwen2(source)
+        _barrier()
+    else:
+        source = Path(cfg.run.init_model)
+    if cfg.sft.num_steps == 0:
+        return source
+    return warm_start(cfg, groups, source, out / "sft_model")
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def prepare_run_dir(cfg: Config) -> Path:
+    out = Path(cfg.run.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    return out
+
+
+def train(cfg: Config) -> int:
+    from megathunder.learner.checkpoint import latest_checkpoint, load_checkpoint
+    from megathunder.learner.learner import MegatronLearner
+    from megathunder.learner.parallel import init_distributed
+    from megathunder.trainer.service import LearnerService
+    from megathunder.trainer.trainer import learner_handlers
+
+    out = prepare_run_dir(cfg)
+    groups = init_distributed(cfg.learner)
+    ckpt_dir = out / "checkpoints"
+    latest = latest_checkpoint(ckpt_dir) if cfg.run.resume else None
+    if groups.rank == 0:
+        if latest is None:  # a fresh run: nothing of an earlier one may be mixed in
+            for name in ("journal.jsonl", "metrics.jsonl", "checkpoints", "wandb", ".wandb_id"):
+                shutil.rmtree(out / name, ignore_errors=True) if (out / name).is_dir() else (out / name).unlink(missing_ok=True)
+        (out / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+    _barrier()
+    model_dir = initial_model(cfg, out, groups)
+    learner_cfg = cfg.learner.model_copy(deep=True)
+    learner_cfg.model.hf_checkpoint = str(model_dir)
+    ledger_cfg = cfg.ledger
+    if cfg.verifier.on_failure == "drop_group":
+        ledger_cfg = ledger_cfg.model_copy(update={"hold_groups_until_close": True})
+    learner = MegatronLearner.build(learner_cfg, cfg.objective, groups, ledger_cfg)
+    if latest is not None:
+        load_checkpoint(learner, latest)
+        if groups.rank == 0:
+            print(f"megathunder: resumed from {latest} (step {learner.num_steps})", flush=True)
+    start = learner.num_steps
+    service = LearnerService(learner_handlers(learner, ckpt_dir), groups.rank, groups.world_size)
+    if groups.rank != 0:
+        service.serve()
+        return 0
+    try:
+        summary = asyncio.run(_control(cfg, out, service, model_dir, start))
+    finally:
+        service.stop()
+    return 0 if summary is not None else 1
+
+
+async def _control(cfg: Config, out: Path, service, model_dir: Path, start: int):
+    from transformers import AutoTokenizer
+
+    from megathunder.rollout.agent_loop import build_agent_loop
+    from megathunder.rollout.chat import ChatCodec
+    from megathunder.rollout.engines import start_engine
+    from megathunder.tasks import build_task
+    from megathunder.trainer.schedules import SCHEDULES
+    from megathunder.trainer.timeline import write_timeline
+    from megathunder.trainer.trainer import Trainer, print_summary, write_summary
+
+    codec = ChatCodec(AutoTokenizer.from_pretrained(model_dir))
+    engine = await start_engine(cfg.rollout.engine, model_dir, log_dir=out / "logs", policy_version=start)
+    trainer = None
+    try:
+        agent_loop = build_agent_loop(cfg, engine, codec)
+        trainer = Trainer(cfg, out, service, engine, codec, agent_loop, build_task(cfg.task), start)
+        await trainer.push_weights()  # the engine samples from exactly the learner's weights
+        steps = range(start, cfg.run.num_steps)
+        trainer.bar = tqdm(total=len(steps), desc=f"grpo/{cfg.schedule.mode}", unit="step",
+                           disable=not cfg.run.progress, mininterval=1.0)
+        await SCHEDULES[cfg.schedule.mode](trainer, steps)
+        trainer.bar.close()
+        if steps:
+            await service.call("checkpoint")
+        summary = write_summary(out, trainer.metrics.rows)
+        write_timeline(out, trainer)
+        print_summary(summary, out)
+        return summary
+    finally:
+        if trainer is not None:
+            trainer.metrics.close()
+            trainer.journal.close()
+        await engine.close()

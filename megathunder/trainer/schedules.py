@@ -1,0 +1,109 @@
+"""The four schedules, one coroutine each, on the same trainer and components.
+
+    sync         rollout(k) ........ | learner(k) | push |
+    thunder      rollout(k) + learner(k) streaming  | close, step, push |   (same update as sync)
+    async        rollout(k+1) || learner(k)         | push |               (data one step stale)
+    fully_async  episodes run continuously; learner takes the next complete groups; push under them
+
+sync and thunder train on data from the current weights (policy lag 0); the probe after each push
+checks that. async's batch k was sampled by the weights before step k-1's update (lag 1), and
+fully_async's groups are at most ``schedule.max_staleness`` steps old (older groups are dropped);
+both rely on ``objective.tis`` for the importance correction.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+
+from megathunder.trainer.trainer import StepRecord, Trainer
+
+log = logging.getLogger(__name__)
+
+
+async def run_sync(tr: Trainer, steps: range) -> None:
+    for step in steps:
+        started = time.monotonic()
+        episodes = await tr.rollout(step)
+        outcome = await tr.train_at_end(episodes)
+        await tr.finish_step(step, StepRecord(episodes, started), outcome)
+
+
+async def run_thunder(tr: Trainer, steps: range) -> None:
+    for step in steps:
+        started = time.monotonic()
+        tr.service.submit("begin", tr.plan(), True)
+        episodes = await tr.rollout(step, stream=True)  # events reach the learner as they happen
+        outcome = await tr.service.call("close")
+        await tr.finish_step(step, StepRecord(episodes, started), outcome)
+
+
+async def run_async(tr: Trainer, steps: range) -> None:
+    pending = asyncio.create_task(tr.rollout(steps.start))
+    for step in steps:
+        started = time.monotonic()
+        episodes = await pending  # sampled one version behind the learner (except the first)
+        if step > steps.start:
+            await tr.push_weights()  # no request in flight: the next batch is one version old
+        if step + 1 < steps.stop:
+            pending = asyncio.create_task(tr.rollout(step + 1))  # overlaps the learner's work below
+        outcome = await tr.train_at_end(episodes)
+        await tr.finish_step(step, StepRecord(episodes, started), outcome, push=False)
+    await tr.push_weights()
+
+
+async def run_fully_async(tr: Trainer, steps: range) -> None:
+    cfg = tr.cfg
+    num_groups, size = cfg.batch.num_prompts_per_batch, cfg.batch.samples_per_prompt
+    done: asyncio.Queue = asyncio.Queue()
+    slots = asyncio.Semaphore(2 * num_groups)  # groups in flight: one batch ahead of the learner
+    counter = itertools.count()
+
+    async def run_group(g: int) -> None:
+        try:
+            step_seed, index = divmod(g, num_groups)
+            inst = tr.instances(steps.start + step_seed)[index]
+            eps = await asyncio.gather(*(
+                tr.loop.run_episode(inst, traj_id=g * size + k, group_id=g, seed=cfg.run.seed * 7919 + g * size + k)
+                for k in range(size)
+            ))  # fmt: skip
+            await done.put(list(eps))
+        finally:
+            slots.release()
+
+    tasks: set[asyncio.Task] = set()
+
+    async def produce() -> None:
+        while True:
+            await slots.acquire()
+            task = asyncio.create_task(run_group(next(counter)))
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
+
+    producer = asyncio.create_task(produce())
+    try:
+        for step in steps:
+            started = time.monotonic()
+            batch, stale = [], 0
+            while len(batch) < num_groups:
+                group = await done.get()
+                oldest = min((t.policy_version for e in group for t in e.turns), default=tr.version)
+                if tr.version - oldest > cfg.schedule.max_staleness:
+                    stale += 1
+                    log.info("step %d: dropped a group sampled at version %d (> %d behind)", step, oldest,
+                             cfg.schedule.max_staleness)
+                    continue
+                batch.append(group)
+            episodes = [e for group in batch for e in group]
+            outcome = await tr.train_at_end(episodes)
+            await tr.finish_step(step, StepRecord(episodes, started, dropped_stale=stale), outcome)
+    finally:
+        producer.cancel()
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(producer, *tasks, return_exceptions=True)
+
+
+SCHEDULES = {"sync": run_sync, "thunder": run_thunder, "async": run_async, "fully_async": run_fully_async}

@@ -1,0 +1,85 @@
+"""Supervised warm start: the task's reference solutions, trained on the Megatron learner.
+
+The demonstrations are real episodes: the scripted policy plays each instance's reference turns
+through the same agent loop (chat template, tool calls run in the sandbox, tool outputs masked),
+so the tokens the warm start trains on are laid out exactly as RL trajectories are. The loss is
+token-mean cross-entropy over the trained (model-written) targets of each batch. The result is
+exported as a Hugging Face directory, which both the RL learner and vLLM start from.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from pathlib import Path
+
+from tqdm import tqdm
+
+from megathunder.config import Config
+from megathunder.learner.backend import run_schedule
+from megathunder.trajectory import Trajectory
+
+
+async def demonstrations(cfg: Config, codec, num: int, seed: int) -> list[Trajectory]:
+    """``num`` reference episodes of the task (instances drawn with ``seed``)."""
+    from megathunder.rollout.agent_loop import build_agent_loop
+    from megathunder.rollout.scripted import ScriptedPolicy
+    from megathunder.tasks import build_task
+
+    task = build_task(cfg.task)
+    instances = task.instances(num, seed=seed)
+    policy = ScriptedPolicy(codec, {inst.prompt: list(task.scripted_turns(inst)) for inst in instances})
+    loop = build_agent_loop(cfg, policy, codec)
+    episodes = await loop.run_batch(instances, 1)
+    return [ep.to_trajectory() for ep in episodes]
+
+
+def sft_step(learner, batch: list[Trajectory]) -> float:
+    """One optimizer step of token-mean cross-entropy; each DP rank runs its share of ``batch``."""
+    groups = learner.groups
+    num_tokens = sum(int(t.loss_mask.sum()) for t in batch)
+    mine = batch[groups.dp_rank :: groups.dims.dp]
+    learner.ddp.zero_grad_buffer()
+    total = 0.0
+    if mine:
+        def loss(k, logp, _entropy):
+            return -(logp * mine[k].loss_mask.to(logp.device)).sum() / num_tokens
+
+        with learner.ddp.no_sync():
+            out = run_schedule(learner.ddp, groups, mine, loss, need_entropy=False)
+        if groups.is_last_stage:
+            total = -sum(float((o["logp"].cpu() * t.loss_mask).sum()) for o, t in zip(out, mine))
+    learner.step()
+    return total / max(num_tokens, 1)  # this rank's share of the mean loss
+
+
+def warm_start(cfg: Config, groups, source: Path, out_dir: Path) -> Path:
+    """Train ``sft.num_steps`` steps from the HF directory ``source``; export to ``out_dir``."""
+    from megathunder.config import ObjectiveConfig
+    from megathunder.learner.learner import MegatronLearner
+    from megathunder.rollout.chat import ChatCodec
+    from transformers import AutoTokenizer
+
+    if (out_dir / "config.json").is_file() and (out_dir / "model.safetensors").is_file():
+        return out_dir  # a resumed run: the warm start is done
+    sft = cfg.sft
+    learner_cfg = cfg.learner.model_copy(deep=True)
+    learner_cfg.model.hf_checkpoint = str(source)
+    learner_cfg.optimizer = learner_cfg.optimizer.model_copy(
+        update={"lr": sft.lr, "lr_warmup_steps": 0, "lr_decay_style": "constant", "min_lr": 0.0}
+    )
+    learner = MegatronLearner.build(learner_cfg, ObjectiveConfig(), groups)
+    codec = ChatCodec(AutoTokenizer.from_pretrained(source))
+    data = asyncio.run(demonstrations(cfg, codec, sft.num_steps * sft.batch_size, seed=cfg.run.seed + 7919))
+    random.Random(cfg.run.seed).shuffle(data)
+    show = cfg.run.progress and groups.rank == 0
+    bar = tqdm(range(sft.num_steps), desc="sft warm start", unit="step", disable=not show, mininterval=1.0)
+    for step in bar:
+        loss = sft_step(learner, data[step * sft.batch_size : (step + 1) * sft.batch_size])
+        bar.set_postfix(loss=f"{loss:.3f}")
+    learner.export_hf(out_dir)
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()
+    return out_dir

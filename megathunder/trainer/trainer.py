@@ -1,0 +1,302 @@
+"""The trainer: rollout and learner wired together under one of four schedules.
+
+    rank 0:  controller + rollout (vLLM engine, agent loop)   -- an asyncio loop
+             learner calls -> LearnerService (worker thread; broadcast to the other ranks)
+    others:  LearnerService.serve()  (the same learner calls, in the same order)
+
+Per optimizer step: episodes run on the engine; their events become learner calls
+(``begin`` / ``finished`` / ``reward`` / ``close``); then ``step``, the new weights are gathered,
+resharded to the inference layout and pushed into vLLM, and the zero-staleness probe checks that
+vLLM now samples from exactly the weights being trained. Everything is journaled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from megathunder.config import Config
+from megathunder.rollout.agent_loop import Episode
+from megathunder.trainer.batch import BatchGradient
+from megathunder.trainer.journal import Journal
+from megathunder.trainer.metrics import MetricsLog
+from megathunder.trainer.service import LearnerService
+from megathunder.trajectory import Trajectory
+from megathunder.weight_sync import StaleWeightsError, inference_weights, max_logprob_gap
+
+log = logging.getLogger(__name__)
+
+
+# ---------------------------------------------------------------------- learner calls (all ranks)
+
+
+def learner_handlers(learner, checkpoint_dir: Path) -> dict:
+    """The calls the controller makes; each runs on every learner rank."""
+    from megathunder.learner.checkpoint import save_checkpoint
+
+    state: dict = {}
+
+    def begin(plan, streamed):
+        state["batch"] = BatchGradient(learner, plan, streamed)
+
+    def score(tokens: list[int], prompt_len: int):
+        mask = torch.zeros(len(tokens) - 1, dtype=torch.bool)
+        mask[prompt_len - 1 :] = True
+        traj = Trajectory(traj_id=-1, group_id=-1, tokens=torch.tensor(tokens), loss_mask=mask)
+        out = learner.token_logprobs([traj])
+        return _from_last_stage(learner.groups, None if out is None else out[0][prompt_len - 1 :])
+
+    return {
+        "begin": begin,
+        "finished": lambda traj: state["batch"].on_finished(traj),
+        "reward": lambda tid, reward: state["batch"].on_reward(tid, reward),
+        "close": lambda: state.pop("batch").close(),
+        "step": learner.step,
+        "gather_weights": lambda: inference_weights(learner),
+        "score": score,
+        "checkpoint": lambda: str(save_checkpoint(learner, checkpoint_dir)),
+        "export": lambda path: learner.export_hf(path),
+    }
+
+
+def _from_last_stage(groups, value):
+    """A value computed on the last pipeline stage, on rank 0 too."""
+    if groups.dims.pp == 1:
+        return value
+    import torch.distributed as dist
+
+    box = [value]
+    dist.broadcast_object_list(box, src=dist.get_global_rank(groups.pp, groups.dims.pp - 1), group=groups.pp)
+    return box[0]
+
+
+# ---------------------------------------------------------------------- the controller (rank 0)
+
+
+@dataclass
+class StepRecord:
+    """What one optimizer step trained on and how long things took (for metrics and timeline)."""
+
+    episodes: list[Episode]
+    started: float  # time.monotonic() when the step's wait for data began
+    dropped_stale: int = 0
+
+
+class Trainer:
+    def __init__(self, cfg: Config, out: Path, service: LearnerService, engine, codec, agent_loop,
+                 task, start_step: int) -> None:
+        self.cfg, self.out, self.service = cfg, out, service
+        self.engine, self.codec, self.loop, self.task = engine, codec, agent_loop, task
+        self.start_step = start_step
+        self.version = start_step  # the learner's policy version == optimizer steps taken
+        self.journal = Journal(out / "journal.jsonl", keep_steps=start_step)
+        self.metrics = MetricsLog(out, cfg, keep_steps=start_step)
+        self.t0 = time.monotonic()
+        self.wall_offset = self.metrics.rows[-1]["wall_s"] if self.metrics.rows else 0.0
+        self.episode_spans: list[dict] = []  # for the timeline
+        self.sync_spans: list[tuple[float, float, int]] = []
+        self._route: BatchGradient | None = None
+        self.bar = None
+        loop_emit = getattr(agent_loop, "emit", None)
+        if loop_emit is not None:
+            agent_loop.emit = self._on_event
+
+    # ------------------------------------------------------------------ rollout
+
+    def instances(self, step: int):
+        return self.task.instances(self.cfg.batch.num_prompts_per_batch, seed=self.cfg.run.seed * 1_000_003 + step)
+
+    async def rollout(self, step: int, stream: bool = False) -> list[Episode]:
+        """One batch of episodes (group g = instance g); ``stream`` routes events to the learner."""
+        self._streaming = stream
+        try:
+            return await self.loop.run_batch(self.instances(step), self.cfg.batch.samples_per_prompt,
+                                             seed=self.cfg.run.seed * 7919 + step)
+        finally:
+            self._streaming = False
+
+    def _on_event(self, event) -> None:
+        if not getattr(self, "_streaming", False):
+            return
+        if event.kind == "trajectory_finished":
+            self.service.submit("finished", event.payload["episode"].to_trajectory())
+        elif event.kind == "reward":
+            self.service.submit("reward", event.traj_id, _reward(event.payload))
+
+    def plan(self) -> list[tuple[int, list[int]]]:
+        s = self.cfg.batch.samples_per_prompt
+        return [(g, [g * s + k for k in range(s)]) for g in range(self.cfg.batch.num_prompts_per_batch)]
+
+    # ------------------------------------------------------------------ learner side of a step
+
+    async def train_at_end(self, episodes: list[Episode]):
+        """The batch-synchronous path: every event of the batch, then the gradient."""
+        plan, trajs, rewards = as_batch(episodes)
+        self.service.submit("begin", plan, False)
+        for ep, traj in sorted(zip(episodes, trajs), key=lambda p: p[0].finished_at):
+            self.service.submit("finished", traj)
+        for tid, reward in rewards:
+            self.service.submit("reward", tid, reward)
+        return await self.service.call("close")
+
+    async def finish_step(self, step: int, rec: StepRecord, outcome, push: bool = True) -> dict:
+        result = await self.service.call("step")
+        self.version += 1
+        probe_gap = await self.push_weights() if push else float("nan")
+        row = self._row(step, rec, outcome, result, probe_gap)
+        for ep in rec.episodes:
+            self.journal.trajectory(step, ep.to_trajectory(), reward=_reward_of(ep), instance_id=ep.instance_id,
+                                    t_finished=ep.finished_at - rec.started, t_reward=_reward_time(ep) - rec.started,
+                                    policy_versions=[t.policy_version for t in ep.turns],
+                                    stop_reason=ep.stop_reason)  # fmt: skip
+        self.journal.end_step(step, row)
+        self.metrics.log(row)
+        every = self.cfg.run.checkpoint_every
+        if every and (step + 1) % every == 0 and step + 1 < self.cfg.run.num_steps:
+            await self.service.call("checkpoint")
+        self.service.step = step + 1
+        if self.bar is not None:
+            self.bar.update(1)
+            self.bar.set_postfix(reward=f"{row['reward_mean']:.3f}", lag=row["policy_lag_max"],
+                                 idle=f"{row['learner_idle_share']:.0%}")
+        return row
+
+    # ------------------------------------------------------------------ weights
+
+    async def push_weights(self) -> float:
+        """Gather + reshard on the learner, load into vLLM, then probe; returns the probe's gap."""
+        start = time.monotonic()
+        weights = await self.service.call("gather_weights")
+        await self.engine.update_weights(weights, self.version)
+        gap = await self.probe()
+        self.sync_spans.append((start, time.monotonic(), self.version))
+        return gap
+
+    async def probe(self) -> float:
+        from megathunder.rollout.types import SamplingParams
+
+        n = self.cfg.schedule.probe_tokens
+        if n == 0:
+            return float("nan")
+        prompt = self.codec.prompt_ids(self.task.messages(self.instances(0)[0]))
+        out = await self.engine.generate(prompt, SamplingParams(max_new_tokens=n, temperature=1.0, seed=self.version,
+                                                                ignore_eos=True))
+        learner_logp = await self.service.call("score", list(prompt) + list(out.token_ids), len(prompt))
+        gap = max_logprob_gap(out.logprobs, learner_logp)
+        if out.policy_version != self.version or gap > self.cfg.schedule.probe_tolerance:
+            raise StaleWeightsError(
+                f"after the weight sync of policy version {self.version}: vLLM sampled with version "
+                f"{out.policy_version} and its logprobs differ from the learner's by {gap:.3e} (> "
+                f"schedule.probe_tolerance={self.cfg.schedule.probe_tolerance:g}); the engine is not "
+                "sampling from the weights being trained"
+            )
+        return gap
+
+    # ------------------------------------------------------------------ metrics
+
+    def _row(self, step: int, rec: StepRecord, outcome, result, probe_gap: float) -> dict:
+        now = time.monotonic()
+        eps = rec.episodes
+        rewards = [r for r in (_reward_of(e) for e in eps) if r is not None]
+        lags = [self.version - 1 - min((t.policy_version for t in e.turns), default=self.version - 1) for e in eps]
+        busy = self.service.busy_seconds(rec.started, now)
+        step_s = now - rec.started
+        wall = self.wall_offset + now - self.t0
+        for e in eps:
+            self.episode_spans.append({"step": step, "start": e.started_at, "finished": e.finished_at,
+                                       "reward": _reward_time(e), "turns": len(e.turns)})
+        return {
+            "step": step,
+            "schedule": self.cfg.schedule.mode,
+            "reward_mean": sum(rewards) / max(len(rewards), 1),
+            "num_episodes": len(eps),
+            "num_failed": len(eps) - len(rewards),
+            "kept_groups": outcome.num_kept_groups,
+            "dropped_groups": outcome.num_dropped_groups,
+            "dropped_stale_groups": rec.dropped_stale,
+            "generated_tokens": sum(sum(e.loss_mask) for e in eps),
+            "policy_lag_max": max(lags, default=0),
+            "policy_lag_mean": sum(lags) / max(len(lags), 1),
+            "grad_norm": result.grad_norm,
+            "lr": result.lr,
+            "probe_gap": probe_gap,
+            "step_s": step_s,
+            "learner_busy_s": busy,
+            "learner_idle_share": max(0.0, 1.0 - busy / step_s) if step_s > 0 else 0.0,
+            "backward_after_last_reward": outcome.backward_after_last_reward,
+            "peak_buffers": outcome.peak_buffers,
+            "wall_s": wall,
+            "gpu_hours": wall * self.service.world_size / 3600.0,  # learner process-hours on CPU
+        }
+
+
+# ---------------------------------------------------------------------- helpers
+
+
+def _reward(payload: dict) -> float | None:
+    if payload.get("drop_group"):
+        return None
+    r = payload.get("reward")
+    return None if r is None or not math.isfinite(r) else float(r)
+
+
+def _reward_of(ep: Episode) -> float | None:
+    return None if ep.reward is None else _reward(ep.reward.as_payload())
+
+
+def _reward_time(ep: Episode) -> float:
+    return ep.finished_at + (ep.reward.duration_s if ep.reward is not None else 0.0)
+
+
+def as_batch(episodes: list[Episode]):
+    """Renumber episodes (grouped, in sample order) into a batch plan, trajectories and rewards."""
+    groups: dict[int, list[Episode]] = {}
+    for ep in episodes:
+        groups.setdefault(ep.group_id, []).append(ep)
+    plan, trajs, rewards, tid = [], [], [], 0
+    for g, (_, members) in enumerate(groups.items()):
+        ids = []
+        for ep in sorted(members, key=lambda e: e.traj_id):
+            traj = ep.to_trajectory()
+            traj.traj_id, traj.group_id = tid, g
+            trajs.append(traj)
+            rewards.append((tid, _reward_of(ep)))
+            ids.append(tid)
+            tid += 1
+        plan.append((g, ids))
+    return plan, trajs, rewards
+
+
+def write_summary(out: Path, rows: list[dict]) -> dict:
+    k = max(1, len(rows) // 5)
+    mean = lambda key, rs: sum(r[key] for r in rs) / max(len(rs), 1)  # noqa: E731
+    summary = {
+        "schedule": rows[-1]["schedule"] if rows else None,
+        "steps": len(rows),
+        "reward_first_steps": round(mean("reward_mean", rows[:k]), 4),
+        "reward_last_steps": round(mean("reward_mean", rows[-k:]), 4),
+        "mean_step_s": round(mean("step_s", rows), 3),
+        "learner_idle_share": round(mean("learner_idle_share", rows), 4),
+        "max_policy_lag": max((r["policy_lag_max"] for r in rows), default=0),
+        "max_probe_gap": max((r["probe_gap"] for r in rows if not math.isnan(r["probe_gap"])), default=float("nan")),
+        "mean_backward_after_last_reward": round(mean("backward_after_last_reward", rows), 3),
+        "wall_s": round(rows[-1]["wall_s"], 1) if rows else 0.0,
+    }
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return summary
+
+
+def print_summary(summary: dict, out: Path) -> None:
+    print(f"\n{'metric':<34} value")
+    for key, value in summary.items():
+        print(f"{key:<34} {value:.4g}" if isinstance(value, float) else f"{key:<34} {value}")
+    print(f"run directory: {out}  (metrics.jsonl, journal.jsonl, timeline.png, trace.json, checkpoints/)")
+    print(json.dumps(summary))

@@ -1,7 +1,9 @@
 """A stand-in for a vLLM server on loopback: the endpoints ServerEngine uses, answering after a
 fixed delay with tokens derived from the prompt. Run as a process so a test can kill it.
 
-    python -m tests.fake_rollout_server PORT DELAY_S   (FAKE_API_KEY: require a Bearer token)
+    python -m tests.fake_rollout_server PORT DELAY_S
+    FAKE_API_KEY (or VLLM_API_KEY): require this Bearer token on every path but /health
+    FAKE_DROP_FIRST=N: close the connection of the first N generate requests, without an answer
 """
 
 from __future__ import annotations
@@ -24,8 +26,14 @@ def main() -> None:
             return web.json_response({"error": "Unauthorized"}, status=401)
         return await handler(request)
 
+    drop_first = int(os.environ.get("FAKE_DROP_FIRST", "0"))
+
     async def generate(request):
         body = await request.json()
+        if served.setdefault("dropped", 0) < drop_first:  # drop the connection, stay alive
+            served["dropped"] += 1
+            request.transport.close()
+            await asyncio.sleep(3600)
         await asyncio.sleep(delay)
         n = body["sampling_params"]["max_tokens"]
         ids = [(sum(body["token_ids"]) + k) % 97 for k in range(n)]

@@ -424,7 +424,8 @@ class VerifierConfig(_Strict):
     max_concurrent: int = Field(4, ge=1)
     on_failure: Literal["zero_reward", "drop_group"] = "zero_reward"
     """zero_reward: the trajectory gets ``failure_reward``; drop_group: its whole group is
-    excluded from the batch (the reward event says so)."""
+    excluded from the batch (the reward event says so). Applies to every failed episode: a
+    verifier that raises, times out or returns NaN/inf, and non-finite engine logprobs."""
     failure_reward: float = 0.0
 
 

@@ -15,14 +15,16 @@ the room left; a turn cut by a length limit ends the episode as truncated, a too
 would not fit ends it before the output); ``agent.episode_wall_time_s`` (generation and tools are
 cancelled at the deadline, killing the tool's processes; the verifier still scores the state).
 
-Faults (RELIABILITY.md): an episode that cannot be trained on gets ``Episode.failure`` (a reason,
-never None then) and its reward event ``drop_group=True``: the trainer drops its whole group from
-the batch and the normaliser. That is a turn whose engine logprobs are not finite or do not match
-its tokens (the turn is not appended or emitted; the verifier is skipped), and a verifier failure
-under ``verifier.on_failure=drop_group``. A malformed tool call, a crashing, hung or memory-hungry
-tool and an exhausted token or time budget are not failures: they are observations or stop
-reasons of an episode that is trained as usual. An exception from the engine itself (no rollout
-server left) ends the whole batch: its other episodes are cancelled and their sandboxes closed.
+Faults (RELIABILITY.md): a failed episode gets ``Episode.failure`` (the reason) and the outcome
+``verifier.on_failure`` gives every failure: ``drop_group`` (its reward event has ``drop_group``
+True and reward None: the trainer drops the whole group from the batch and the normaliser) or
+``zero_reward`` (reward ``failure_reward``, trained). Failures are a turn whose engine logprobs
+are not finite or do not match its tokens (that turn is neither kept nor emitted, the episode
+ends there and its verifier is skipped) and a verifier that raises, times out or returns a
+non-finite reward. A malformed tool call, a crashing, hung or memory-hungry tool and an exhausted
+token or time budget are not failures: they are observations or stop reasons of an episode that
+is trained as usual. An exception from the engine itself (no rollout server left) ends the whole
+batch: its other episodes are cancelled and their sandboxes closed.
 """
 
 from __future__ import annotations
@@ -96,10 +98,9 @@ class Episode:
     reward: RewardOutcome | None = None
     final_text: str = ""  # the last model turn, decoded
     failure: str | None = None
-    """Why this episode cannot be trained on ("nonfinite_logprob: ...", "verifier_error: ...",
-    "verifier_timeout: ..."); None when it can. Not None exactly when its reward event has
-    ``drop_group`` True: the trainer then drops the whole group from the batch and the normaliser.
-    Final once the reward event is emitted."""
+    """What failed ("nonfinite_logprob: ...", "engine_protocol: ...", "verifier_error: ...",
+    "verifier_timeout: ..."), None when nothing did. What the trainer does about it is
+    ``reward.drop_group`` (``verifier.on_failure``). Final once the reward event is emitted."""
 
     @property
     def generation_s(self) -> float:
@@ -234,11 +235,10 @@ class AgentLoop:
             ep.reward = await self.verifiers.score(
                 lambda: self.task.verify(inst, ep, sandbox), traj_id=traj_id
             )
-            if ep.reward.drop_group:
+            if ep.reward.status != "ok":
                 ep.failure = f"verifier_{ep.reward.status}: {ep.reward.detail}"
-        else:
-            log.warning("trajectory %d failed (%s): group dropped", traj_id, ep.failure)
-            ep.reward = RewardOutcome(None, "skipped", True, 0.0, ep.failure)
+        else:  # nothing to score: the configured failure outcome, as for a failed verifier
+            ep.reward = self.verifiers.failed(traj_id, ep.failure)
         self._event("reward", ep, payload=ep.reward.as_payload())
         return ep
 
@@ -259,7 +259,7 @@ class AgentLoop:
                 self.engine.generate(ep.token_ids, params), _remaining(deadline)
             )
             bad = _bad_logprobs(out)
-            if bad is not None:  # nothing of this turn is kept or emitted; the group is dropped
+            if bad is not None:  # nothing of this turn is kept or emitted
                 ep.failure = f"{bad} (turn {index})"
                 return "failed"
             start = len(ep.token_ids)

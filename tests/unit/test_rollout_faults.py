@@ -1,6 +1,7 @@
 """Fault policies of the rollout side (RELIABILITY.md): every fault ends in a defined, recorded
-outcome. Episodes that cannot be trained on carry ``Episode.failure`` and a reward event with
-``drop_group``; nothing non-finite reaches an event the trainer feeds to the ledger."""
+outcome. A failed episode carries ``Episode.failure`` and the ``verifier.on_failure`` outcome
+(``drop_group`` in its reward event, or ``failure_reward``); nothing non-finite reaches an event
+the trainer feeds to the ledger."""
 
 from __future__ import annotations
 
@@ -79,8 +80,9 @@ def _finite_payloads(events) -> bool:
     return True
 
 
+@pytest.mark.parametrize("policy", ["drop_group", "zero_reward"])
 @pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
-def test_non_finite_logprob_fails_the_episode_and_drops_its_group(bad):
+def test_non_finite_logprob_fails_the_episode(bad, policy):
     def corrupt(text, turn, out):
         if "prompt 1" in text and turn == 1:  # the second turn of group 1's episodes
             lps = list(out.logprobs)
@@ -89,17 +91,21 @@ def test_non_finite_logprob_fails_the_episode_and_drops_its_group(bad):
         return out
 
     task = _AnswerTask()
-    episodes, events = _run(task, lambda c, s: _FaultyEngine(c, s, corrupt))
+    verifier = {"on_failure": policy, "failure_reward": -1.0}
+    episodes, events = _run(task, lambda c, s: _FaultyEngine(c, s, corrupt), verifier=verifier)
     ok, failed = episodes[:2], episodes[2:]
+    drop = policy == "drop_group"
     assert all(e.failure is None and e.reward.reward == 1.0 for e in ok)
     for ep in failed:
         assert ep.failure.startswith(f"nonfinite_logprob: {bad}") and "(turn 1)" in ep.failure
         assert ep.stop_reason == "failed" and len(ep.turns) == 1  # the bad turn is not kept
         assert all(map(math.isfinite, ep.rollout_logprobs))
-        assert ep.reward.drop_group and ep.reward.reward is None and ep.reward.status == "skipped"
+        assert ep.reward.status == "skipped" and ep.reward.drop_group == drop
+        assert ep.reward.reward == (None if drop else -1.0)
+        assert ep.to_trajectory().num_targets == len(ep.token_ids) - 1  # trainable prefix
     assert task.num_verified == 2  # the failed episodes' verifier never ran
     rewards = {e.traj_id: e.payload for e in events if e.kind == "reward"}
-    assert [rewards[t]["drop_group"] for t in range(4)] == [False, False, True, True]
+    assert [rewards[t]["drop_group"] for t in range(4)] == [False, False, drop, drop]
     finished = {e.traj_id: e.payload["failure"] for e in events if e.kind == "trajectory_finished"}
     assert finished[0] is None and finished[2] == failed[0].failure
     turns = [(e.traj_id, e.turn_index) for e in events if e.kind == "turn_finished"]
@@ -133,11 +139,11 @@ def test_verifier_faults_follow_on_failure(policy, bad):
     assert all(e.failure is None and e.reward.reward == 1.0 for e in fine)
     status = "timeout" if bad == "hang" else "error"
     for ep in hit:
-        assert ep.reward.status == status
+        assert ep.reward.status == status and ep.failure.startswith(f"verifier_{status}: ")
         if policy == "drop_group":
-            assert ep.failure.startswith(f"verifier_{status}: ") and ep.reward.reward is None
+            assert ep.reward.drop_group and ep.reward.reward is None
         else:
-            assert ep.failure is None and ep.reward.reward == -0.5
+            assert not ep.reward.drop_group and ep.reward.reward == -0.5
     assert _finite_payloads(events)
 
 
@@ -299,7 +305,5 @@ def test_hanging_and_memory_hungry_sandbox_commands_with_the_real_sandbox(tmp_pa
         if has_cgroup:  # the sandbox's cgroup bounds the tree's sum (4 x 100 MiB > 192 MiB)
             assert "memory limit of 192 MiB was exceeded" in many
         assert ep.stop_reason == "answered" and ep.reward.status == "timeout"
-        if policy == "drop_group":
-            assert ep.failure.startswith("verifier_timeout: ") and ep.reward.reward is None
-        else:
-            assert ep.failure is None and ep.reward.reward == 0.0
+        assert ep.failure.startswith("verifier_timeout: ")
+        assert ep.reward.reward == (None if policy == "drop_group" else 0.0)

@@ -293,3 +293,28 @@ def test_middleware_guards_vllm_dev_endpoints(monkeypatch):
 
     with pytest.raises(RuntimeError, match="VLLM_API_KEY is not set"):  # fails closed
         BearerAuthMiddleware(app)
+
+
+def test_dropped_connection_on_a_live_server_is_retried_not_fatal(fake_servers):
+    """A connection closed under a request (e.g. a keep-alive race) by a server whose /health
+    still answers: the request is sent again and the server stays in the pool; a server that
+    keeps dropping every request fails the request with a clear error instead of looping."""
+    urls, _ = fake_servers(1, delay=0.0, env={"FAKE_DROP_FIRST": "2"})
+    flaky, _ = fake_servers(1, delay=0.0, env={"FAKE_DROP_FIRST": "1000"})
+
+    async def go(server_urls):
+        engine = _engine(server_urls)
+        try:
+            try:
+                return await asyncio.wait_for(engine.generate([5, 6], _params(0)), 20), engine
+            except ServerError as err:
+                return err, engine
+        finally:
+            await engine.session.close()
+
+    out, engine = asyncio.run(go(urls))
+    assert out.token_ids == _expected([5, 6]) and not engine.balancer.dead
+    assert engine.balancer.num_routed == [3]
+    err, engine = asyncio.run(go(flaky))
+    assert isinstance(err, ServerError) and "connection dropped 3 times" in str(err)
+    assert not engine.balancer.dead

@@ -15,9 +15,10 @@ the command :func:`server_command` builds and ``VLLM_SERVER_DEV_MODE=1`` (it nee
 unless ``EngineConfig.host`` says otherwise; off loopback the config must name a shared secret
 (``api_key_env``), which guards every endpoint but ``/health`` (``auth.py``).
 
-A server that stops answering (connection refused or dropped: the process died) is marked dead:
-its in-flight requests are sent again, with the same sampling seed, to the least loaded live
-server, and it gets no further requests or weight updates. With no live server left,
+A server that stops answering (connection refused or dropped, and ``/health`` fails: the
+process died) is marked dead: its in-flight requests are sent again, with the same sampling seed,
+to the least loaded live server, and it gets no further requests or weight updates. A connection
+dropped by a server whose ``/health`` still answers is retried too, at most three times. With no live server left,
 :meth:`ServerEngine.generate` raises :class:`ServerError` naming every lost server. A request
 timeout (``request_timeout_s``) or an HTTP error status is not retried.
 """
@@ -45,6 +46,8 @@ from megathunder.rollout.engines.common import engine_kwargs, finish_reason, sin
 from megathunder.rollout.engines.weights import weight_load_call
 from megathunder.rollout.types import Completion, SamplingParams, WeightSource
 
+HEALTH_TIMEOUT_S = 5.0  # a server whose /health does not answer in this time counts as dead
+MAX_DROPPED_CONNECTIONS = 3  # per request, by servers whose /health still answers
 KEEPALIVE_S = 2.0  # below vLLM's HTTP keep-alive timeout (VLLM_HTTP_TIMEOUT_KEEP_ALIVE, 5 s)
 
 if TYPE_CHECKING:
@@ -272,6 +275,7 @@ class ServerEngine:
         """POST to the balancer's choice; on a dead server, again on another live one."""
         import aiohttp
 
+        num_dropped = 0
         while True:
             try:
                 server = self.balancer.acquire(session_id)
@@ -281,11 +285,31 @@ class ServerEngine:
             try:
                 return await self._post(self.urls[server], path, json=body)
             except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as err:
-                # refused, reset, disconnected, or the answer cut off: the server is gone
-                self._server_lost(server, err)
+                # refused, reset, disconnected or cut off: a dead server, or a dropped connection
+                # (a keep-alive race) on a live one, which /health tells apart
+                if server not in self.balancer.dead and not await self._healthy(self.urls[server]):
+                    self._server_lost(server, err)
+                elif server not in self.balancer.dead:
+                    num_dropped += 1
+                    if num_dropped >= MAX_DROPPED_CONNECTIONS:
+                        raise ServerError(
+                            f"POST {self.urls[server]}{path}: connection dropped {num_dropped} "
+                            f"times by live servers ({type(err).__name__}: {err})"
+                        ) from err
                 body = {**body, "request_id": next(self._request_ids)}
             finally:
                 self.balancer.release(server)
+
+    async def _healthy(self, url: str) -> bool:
+        import aiohttp
+
+        try:
+            async with self.session.get(
+                f"{url}/health", timeout=aiohttp.ClientTimeout(total=HEALTH_TIMEOUT_S)
+            ) as r:
+                return r.status == 200
+        except (aiohttp.ClientError, asyncio.TimeoutError):
+            return False
 
     async def generate(
         self, prompt_token_ids: Sequence[int], params: SamplingParams, *, session_id: Hashable | None = None

@@ -18,28 +18,19 @@ import hashlib
 import hmac
 import ipaddress
 import os
-import socket
 
 MIDDLEWARE = f"{__name__}.BearerAuthMiddleware"
 OPEN_PATHS = ("/health",)  # liveness probes carry no secret
 
 
 def is_loopback(host: str) -> bool:
-    """True for 127.0.0.0/8, ::1 and names that resolve only to those (``localhost``)."""
+    """True for 127.0.0.0/8, ::1 and ``localhost``. Other names count as exposed without a DNS
+    lookup: validating a config must not depend on the network it runs on."""
     host = host.strip("[]")
-    if not host:
-        return False
     try:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
-        pass
-    if host in ("localhost", "localhost.localdomain"):
-        return True
-    try:
-        infos = socket.getaddrinfo(host, None)
-    except (OSError, UnicodeError):
-        return False  # unknown: treat as exposed
-    return bool(infos) and all(ipaddress.ip_address(i[4][0]).is_loopback for i in infos)
+        return host.lower() in ("localhost", "localhost.localdomain")
 
 
 def read_api_key(env_name: str | None) -> str | None:

@@ -12,6 +12,7 @@ BENCHMARKS = {
     "opd": "megathunder.bench.opd",
     "episodes": "megathunder.bench.episodes",
     "rollout": "megathunder.bench.rollout",
+    "schedules": "megathunder.bench.schedules",
 }
 SCHEDULES = ("sync", "async", "fully_async", "thunder")  # megathunder.simulate.SCHEDULES
 
@@ -55,6 +56,18 @@ def _cmd_replay(args: argparse.Namespace) -> int:
 
 def _cmd_simulate(args: argparse.Namespace) -> int:
     from megathunder.simulate.main import run
+
+    return run(args)
+
+
+def _cmd_eval(args: argparse.Namespace) -> int:
+    from megathunder.eval.main import run
+
+    return run(args)
+
+
+def _cmd_eval_report(args: argparse.Namespace) -> int:
+    from megathunder.eval.report import run
 
     return run(args)
 
@@ -129,6 +142,28 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sensitivity", action="store_true",
                    help="also sweep K, tail heaviness, tool latency and the GPU split (~1 min)")
     p.set_defaults(func=_cmd_simulate)
+
+    p = sub.add_parser(
+        "eval",
+        help="pass@1..k of a checkpoint on the task's held-out instances, through the agent loop",
+    )
+    p.add_argument("config", help="YAML config file (task, agent, eval sections)")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="e.g. eval.k=4 eval.num_instances=16")
+    p.add_argument("--checkpoint", required=True, help="a Hugging Face model directory")
+    p.add_argument("--out", default=None, help="JSON output (default eval.output_path or RUN_DIR/eval.json)")
+    p.add_argument("--no-wandb", action="store_true", help="do not log to wandb even when installed")
+    p.set_defaults(func=_cmd_eval)
+
+    p = sub.add_parser(
+        "eval-report",
+        help="compare runs of different schedules: score vs GPU-hours (PNG) and the cost ratio at "
+        "which each run reaches the sync run's scores (table)",
+    )
+    p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="folders with metrics.jsonl and config.yaml")
+    p.add_argument("--out", required=True, help="output folder")
+    p.add_argument("--metric", default="eval/pass@1", help="score key in metrics.jsonl (default eval/pass@1)")
+    p.add_argument("--baseline", default=None, help="the run to compare against (default: the sync run)")
+    p.set_defaults(func=_cmd_eval_report)
     return parser
 
 

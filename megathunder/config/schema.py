@@ -359,6 +359,10 @@ class AgentLoopConfig(_Strict):
     max_tool_calls_per_turn: int = Field(4, ge=1)
     episode_wall_time_s: float = Field(600.0, gt=0)
     max_concurrent_episodes: int = Field(32, ge=1)
+    added_tool_latency_s: float = Field(0.0, ge=0)
+    """Benchmarks: extra seconds each tool call takes (a stand-in for slow sandboxes/containers)."""
+    added_verifier_latency_s: float = Field(0.0, ge=0)
+    """Benchmarks: extra seconds before each reward (a stand-in for running a test suite)."""
 
     @model_validator(mode="after")
     def _check(self) -> AgentLoopConfig:
@@ -451,6 +455,38 @@ class TaskConfig(_Strict):
         return self
 
 
+class EvalConfig(_Strict):
+    """Evaluation on task instances held out from training: pass@1..k (``megathunder eval``, and
+    every ``every_n_steps`` optimizer steps while training)."""
+
+    k: int = Field(4, ge=1)
+    """Samples per instance; pass@1 .. pass@k are reported."""
+    num_instances: int = Field(32, ge=1)
+    split: Literal["held_out", "all"] = "held_out"
+    """held_out: instances whose prompt hashes below heldout_fraction (training skips exactly
+    these; megathunder.eval.instances); all: every instance of the task (a separate test file)."""
+    heldout_fraction: float = Field(0.1, gt=0, lt=1)
+    seed: int = 1_000_000
+    """Draws the instances and seeds the samples."""
+    every_n_steps: int = Field(0, ge=0)
+    """Periodic evaluation during training; 0 = off."""
+    temperature: float = Field(1.0, ge=0)
+    """0 = greedy (then k must be 1: greedy samples are all the same)."""
+    pass_reward: float = 1.0
+    """A sample passes when its verifier's reward is at least this."""
+    output_path: str | None = None
+    """JSON written by megathunder eval; null: <run.output_dir>/eval.json."""
+
+    @model_validator(mode="after")
+    def _check(self) -> EvalConfig:
+        if self.temperature == 0 and self.k > 1:
+            raise ValueError(
+                f"k: {self.k} greedy samples (temperature=0) are identical; use k=1 or a "
+                "temperature > 0"
+            )
+        return self
+
+
 class SftConfig(_Strict):
     """Supervised warm start on the task's reference answers before RL (0 steps: none)."""
 
@@ -490,6 +526,7 @@ class Config(_Strict):
     sandbox: SandboxConfig = SandboxConfig()
     verifier: VerifierConfig = VerifierConfig()
     task: TaskConfig = TaskConfig()
+    eval: EvalConfig = EvalConfig()
     sft: SftConfig = SftConfig()
 
     @model_validator(mode="after")

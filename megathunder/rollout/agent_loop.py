@@ -232,6 +232,8 @@ class AgentLoop:
         self._event("trajectory_finished", ep, payload={"episode": ep, "failure": ep.failure})
 
         if ep.failure is None:
+            if self.cfg.added_verifier_latency_s:
+                await asyncio.sleep(self.cfg.added_verifier_latency_s)
             ep.reward = await self.verifiers.score(
                 lambda: self.task.verify(inst, ep, sandbox), traj_id=traj_id
             )
@@ -306,6 +308,8 @@ class AgentLoop:
         self, call: ToolCall | ToolCallError, sandbox, deadline: float, turn: Turn
     ) -> str:
         t0 = time.monotonic()
+        if self.cfg.added_tool_latency_s:
+            await asyncio.sleep(min(self.cfg.added_tool_latency_s, _remaining(deadline)))
         name, args = getattr(call, "name", "?"), getattr(call, "arguments", None)
         if isinstance(call, ToolCallError):
             obs, ok = f"[error: {call.message}]", False

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import shutil
 from pathlib import Path
 
@@ -59,6 +60,7 @@ def prepare_run_dir(cfg: Config) -> Path:
 
 
 def train(cfg: Config) -> int:
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # the progress bar is the run's output
     from megathunder.learner.checkpoint import latest_checkpoint, load_checkpoint
     from megathunder.learner.learner import MegatronLearner
     from megathunder.learner.parallel import init_distributed
@@ -123,6 +125,7 @@ async def _control(cfg: Config, out: Path, service, model_dir: Path, start: int)
         trainer.bar.close()
         if steps:
             await service.call("checkpoint")
+        await service.call("export", str(out / "final_model"))  # a HF directory: eval, serve, distill
         summary = write_summary(out, trainer.metrics.rows)
         write_timeline(out, trainer)
         print_summary(summary, out)

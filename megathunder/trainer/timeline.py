@@ -59,8 +59,8 @@ def _plot(path: Path, spans, episodes, syncs, rows, t0: float) -> None:
     ax_l.broken_barh([(a - t0, b - a) for a, b, _ in syncs], (1.1, 0.8), facecolors="#dd8452", label="weight sync")
     ax_l.set_yticks([0.5, 1.5], ["learner", "sync"])
     ax_l.set_xlim(0, end)
-    ax_l.legend(loc="upper center", ncol=8, fontsize=7, bbox_to_anchor=(0.5, 1.35))
-    ax_l.set_title("learner busy (coloured) / idle (blank), per call", fontsize=9, pad=22)
+    ax_l.legend(loc="upper left", ncol=1, fontsize=6, bbox_to_anchor=(1.005, 1.0))
+    ax_l.set_title("learner busy (coloured, by call) / idle (blank)", fontsize=9)
     # rollout lane: episodes in flight, reward arrivals
     points = sorted([(e["start"] - t0, 1) for e in episodes] + [(e["finished"] - t0, -1) for e in episodes])
     xs, ys, level = [0.0], [0], 0

@@ -103,7 +103,7 @@ class Trainer:
         self.wall_offset = self.metrics.rows[-1]["wall_s"] if self.metrics.rows else 0.0
         self.episode_spans: list[dict] = []  # for the timeline
         self.sync_spans: list[tuple[float, float, int]] = []
-        self._route: BatchGradient | None = None
+        self.last_probe_gap = float("nan")
         self.bar = None
         loop_emit = getattr(agent_loop, "emit", None)
         if loop_emit is not None:
@@ -150,7 +150,9 @@ class Trainer:
     async def finish_step(self, step: int, rec: StepRecord, outcome, push: bool = True) -> dict:
         result = await self.service.call("step")
         self.version += 1
-        probe_gap = await self.push_weights() if push else float("nan")
+        if push:
+            await self.push_weights()
+        probe_gap = self.last_probe_gap  # async: the push (and its probe) at this step's start
         row = self._row(step, rec, outcome, result, probe_gap)
         for ep in rec.episodes:
             self.journal.trajectory(step, ep.to_trajectory(), reward=_reward_of(ep), instance_id=ep.instance_id,
@@ -176,7 +178,7 @@ class Trainer:
         start = time.monotonic()
         weights = await self.service.call("gather_weights")
         await self.engine.update_weights(weights, self.version)
-        gap = await self.probe()
+        gap = self.last_probe_gap = await self.probe()
         self.sync_spans.append((start, time.monotonic(), self.version))
         return gap
 

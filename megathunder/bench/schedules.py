@@ -1,0 +1,95 @@
+"""``megathunder bench schedules``: one workload under all four schedules, in one invocation.
+
+Each schedule runs as its own ``megathunder train`` (fresh process, same config, same warm-started
+model), one after the other on the same machine. Workloads:
+
+- ``quickstart``: the arithmetic quickstart (one turn, no tools, instant verifier);
+- ``tools``: the multi-turn calculator task with ``--tool-latency`` seconds per tool call and
+  ``--verifier-latency`` seconds per reward (stand-ins for sandboxes and test suites).
+
+Per schedule: wall time per optimizer step, learner idle share, steps per hour, and thunder's
+(and every schedule's) ratio to sync in steps per hour. The first schedule's run does the SFT warm
+start; the others start from its result.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+SCHEDULES = ("sync", "thunder", "async", "fully_async")
+WORKLOADS = {
+    "quickstart": ["task.name=arithmetic", "agent.max_turns=1"],
+    "tools": ["task.name=calculator", "task.max_operand=9", "agent.max_turns=5", "agent.max_new_tokens_per_turn=40",
+              "agent.max_total_tokens=400", "rollout.engine.max_model_len=512"],
+}
+
+
+def _train(config: str, out: Path, overrides: list[str]) -> dict:
+    cmd = [sys.executable, "-m", "megathunder.cli", "train", config, f"run.output_dir={out}", *overrides]
+    env = {**os.environ, "VLLM_LOGGING_LEVEL": "WARNING", "TORCHDYNAMO_DISABLE": "1"}
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr[-4000:]}")
+    return json.loads((out / "summary.json").read_text())
+
+
+def run_workload(name: str, args, root: Path) -> dict:
+    common = [*WORKLOADS[name], f"run.num_steps={args.steps}", "run.progress=false", "run.wandb=disabled",
+              "run.checkpoint_every=0", "objective.tis=token",
+              f"agent.added_tool_latency_s={args.tool_latency if name == 'tools' else 0}",
+              f"agent.added_verifier_latency_s={args.verifier_latency if name == 'tools' else 0}",
+              f"batch.num_prompts_per_batch={args.prompts}", f"batch.samples_per_prompt={args.samples}",
+              *args.overrides]
+    results, warm = {}, [f"sft.num_steps={args.sft_steps}"]
+    for schedule in args.schedules:
+        out = root / name / schedule
+        summary = _train(args.config, out, [*common, *warm, f"schedule.mode={schedule}"])
+        if warm[0].startswith("sft."):
+            model = out / "sft_model" if args.sft_steps else out / "init_model"
+            warm = [f"learner.model.hf_checkpoint={model}", "sft.num_steps=0"]
+        step_s = summary["mean_step_s"]
+        results[schedule] = {
+            "step_s": step_s,
+            "learner_idle_share": summary["learner_idle_share"],
+            "steps_per_hour": 3600.0 / step_s,
+            "max_policy_lag": summary["max_policy_lag"],
+            "reward_last_steps": summary["reward_last_steps"],
+        }
+        print(f"  {name:<10} {schedule:<11} {step_s:7.2f} s/step  idle {summary['learner_idle_share']:5.1%}  "
+              f"{3600 / step_s:7.0f} steps/h  lag {summary['max_policy_lag']}", flush=True)
+    if "sync" in results:
+        for r in results.values():
+            r["vs_sync"] = r["steps_per_hour"] / results["sync"]["steps_per_hour"]
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="megathunder bench schedules", description=__doc__.splitlines()[0])
+    p.add_argument("--config", default=str(ROOT / "configs/quickstart.yaml"))
+    p.add_argument("--workloads", nargs="+", choices=sorted(WORKLOADS), default=["quickstart", "tools"])
+    p.add_argument("--schedules", nargs="+", choices=SCHEDULES, default=list(SCHEDULES))
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--sft-steps", type=int, default=60)
+    p.add_argument("--prompts", type=int, default=8)
+    p.add_argument("--samples", type=int, default=4)
+    p.add_argument("--tool-latency", type=float, default=0.5)
+    p.add_argument("--verifier-latency", type=float, default=1.0)
+    p.add_argument("--out", default=None, help="keep the runs here (default: a temporary folder)")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="applied to every run")
+    args = p.parse_args(argv)
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(args.out or tmp)
+        print(f"{'workload':<12}{'schedule':<12}{'step':>9}       {'learner idle':>12} {'steps/h':>9}")
+        report = {w: run_workload(w, args, root) for w in args.workloads}
+    for w, res in report.items():
+        if "thunder" in res and "sync" in res:
+            print(f"{w}: thunder/sync steps per hour = {res['thunder']['vs_sync']:.2f}")
+    print(json.dumps(report))
+    return 0

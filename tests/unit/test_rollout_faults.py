@@ -307,3 +307,28 @@ def test_hanging_and_memory_hungry_sandbox_commands_with_the_real_sandbox(tmp_pa
         assert ep.stop_reason == "answered" and ep.reward.status == "timeout"
         assert ep.failure.startswith("verifier_timeout: ")
         assert ep.reward.reward == (None if policy == "drop_group" else 0.0)
+
+
+def test_evaluation_counts_a_failed_episode_as_missing():
+    """eval: an episode failed by non-finite logprobs is a missing sample (episode_error), not a
+    scored one (and not a crash of the evaluation)."""
+    from megathunder.config import load_config
+    from megathunder.eval import evaluate
+    from megathunder.tasks import build_task
+
+    cfg = load_config(None, ["task.name=arithmetic"])
+    task = build_task(cfg.task)
+    insts = task.instances(2, seed=5)
+    c = codec()
+
+    def corrupt(text, turn, out):
+        if insts[0].prompt in text:
+            return Completion(out.token_ids, [math.nan] * len(out.token_ids), "stop", 0)
+        return out
+
+    engine = _FaultyEngine(c, {i.prompt: task.scripted_turns(i) for i in insts}, corrupt)
+    result = asyncio.run(evaluate(cfg, engine, c, insts, k=2, temperature=1.0))
+    first, second = result.instances
+    assert [s.status for s in first.samples] == ["episode_error"] * 2
+    assert all(s.reward is None and "nonfinite_logprob" in s.detail for s in first.samples)
+    assert [s.status for s in second.samples] == ["ok"] * 2 and second.num_correct == 2

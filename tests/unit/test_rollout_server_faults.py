@@ -319,3 +319,34 @@ def test_dropped_connection_on_a_live_server_is_retried_not_fatal(fake_servers):
     err, engine = asyncio.run(go(flaky))
     assert isinstance(err, ServerError) and "connection dropped 3 times" in str(err)
     assert not engine.balancer.dead
+
+
+def test_failover_under_load_leaks_nothing(fake_servers):
+    """600 concurrent requests over 3 servers, one killed under them, then the engine closed:
+    every request answered, and the client's file descriptors come back to their baseline."""
+    import psutil
+
+    urls, procs = fake_servers(3, delay=0.3)
+    me = psutil.Process()
+
+    async def go():
+        engine = _engine(urls)
+        try:
+            jobs = [
+                asyncio.ensure_future(engine.generate([k % 50, 3], _params(k), session_id=k % 40))
+                for k in range(600)
+            ]
+            await asyncio.sleep(0.1)
+            procs[2].send_signal(signal.SIGKILL)
+            outs = await asyncio.wait_for(asyncio.gather(*jobs), 60)
+            return outs, engine
+        finally:
+            await engine.session.close()
+            await asyncio.sleep(0.1)
+
+    fds_before = me.num_fds()
+    outs, engine = asyncio.run(go())
+    procs[2].wait()
+    assert [o.token_ids for o in outs] == [_expected([k % 50, 3]) for k in range(600)]
+    assert engine.balancer.dead == {2} and engine.balancer.outstanding == [0, 0, 0]
+    assert me.num_fds() == fds_before

@@ -160,11 +160,17 @@ def test_garbage_override_strings(items):
 @pytest.mark.parametrize(
     "text",
     ["a: [1, 2\n", "run: {seed: 1\n", "\tbad: tab\n", "!!python/object/apply:os.system ['true']\n",
-     "run:\n  seed: 1\n run: 2\n", b"\xff\xfe\x00run", "---\na: 1\n---\nb: 2\n"],
+     "run:\n  seed: 1\n run: 2\n", b"\xff\xfe\x00run", "---\na: 1\n---\nb: 2\n",
+     "run: " + "[" * 5000 + "\n"],
 )  # fmt: skip
 def test_unparsable_config_files_are_config_errors(text):
     with pytest.raises(ConfigError, match="cfg.yaml"):
         _load_text(text)
+
+
+def test_too_deeply_nested_override_is_a_config_error():
+    with pytest.raises(ConfigError, match="run.seed: cannot parse value"):
+        load_config(None, ["run.seed=" + "[" * 5000])
 
 
 def _load_text(text: str | bytes):

@@ -8,6 +8,7 @@ everything that communicates -- no code of ours reaches into Megatron's globals 
 
 from __future__ import annotations
 
+import os
 import sys
 from dataclasses import dataclass
 
@@ -109,10 +110,14 @@ def init_distributed(cfg: LearnerConfig) -> ProcessGroups:
     else:
         device = torch.device("cpu")
     if not dist.is_initialized():
+        alone = world_size == 1 and "MASTER_PORT" not in os.environ
         slurm_env.export(rdzv, backend=backend)
         if world_size > 1:
             print(f"megathunder: {rdzv.describe()}", file=sys.stderr, flush=True)
-        dist.init_process_group(backend, rank=rank, world_size=world_size)
+        if alone:  # an in-process store, so several single-process runs can share a machine
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+        else:
+            dist.init_process_group(backend, rank=rank, world_size=world_size)
     slurm_env.check_world(rdzv, dist.get_rank(), dist.get_world_size())
 
     from megatron.core import parallel_state

@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import shutil
@@ -118,6 +119,9 @@ async def _control(cfg: Config, out: Path, service, model_dir: Path, start: int)
         agent_loop = build_agent_loop(cfg, engine, codec)
         trainer = Trainer(cfg, out, service, engine, codec, agent_loop, build_task(cfg.task), start)
         await trainer.push_weights()  # the engine samples from exactly the learner's weights
+        if cfg.eval.every_n_steps and start == 0:  # the warm-started model, before RL
+            before = await trainer.periodic_eval(-1, force=True)
+            (out / "eval_before.json").write_text(json.dumps(before, indent=2) + "\n")
         steps = range(start, cfg.run.num_steps)
         trainer.bar = tqdm(total=len(steps), desc=f"grpo/{cfg.schedule.mode}", unit="step",
                            disable=not cfg.run.progress, mininterval=1.0)
@@ -127,6 +131,10 @@ async def _control(cfg: Config, out: Path, service, model_dir: Path, start: int)
             await service.call("checkpoint")
         await service.call("export", str(out / "final_model"))  # a HF directory: eval, serve, distill
         summary = write_summary(out, trainer.metrics.rows)
+        if (out / "eval_before.json").is_file():
+            before = json.loads((out / "eval_before.json").read_text())
+            if "eval/pass@1" in before:
+                summary = {**summary, "eval_pass@1_before_rl": round(before["eval/pass@1"], 4)}
         write_timeline(out, trainer)
         print_summary(summary, out)
         return summary

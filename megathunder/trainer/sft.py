@@ -26,8 +26,12 @@ async def demonstrations(cfg: Config, codec, num: int, seed: int) -> list[Trajec
     from megathunder.rollout.scripted import ScriptedPolicy
     from megathunder.tasks import build_task
 
+    from megathunder.eval.instances import is_held_out
+
     task = build_task(cfg.task)
     instances = task.instances(num, seed=seed)
+    if cfg.eval.split == "held_out":  # never train on what evaluation measures
+        instances = [i for i in instances if not is_held_out(i, cfg.eval.heldout_fraction)]
     policy = ScriptedPolicy(codec, {inst.prompt: list(task.scripted_turns(inst)) for inst in instances})
     loop = build_agent_loop(cfg, policy, codec)
     episodes = await loop.run_batch(instances, 1)
@@ -65,13 +69,15 @@ def warm_start(cfg: Config, groups, source: Path, out_dir: Path) -> Path:
     sft = cfg.sft
     learner_cfg = cfg.learner.model_copy(deep=True)
     learner_cfg.model.hf_checkpoint = str(source)
-    learner_cfg.optimizer = learner_cfg.optimizer.model_copy(
-        update={"lr": sft.lr, "lr_warmup_steps": 0, "lr_decay_style": "constant", "min_lr": 0.0}
-    )
+    learner_cfg.optimizer = learner_cfg.optimizer.model_copy(update={
+        "lr": sft.lr, "min_lr": sft.lr / 10, "lr_warmup_steps": max(1, sft.num_steps // 10),
+        "lr_decay_steps": sft.num_steps, "lr_decay_style": "cosine",
+    })  # fmt: skip
     learner = MegatronLearner.build(learner_cfg, ObjectiveConfig(), groups)
     codec = ChatCodec(AutoTokenizer.from_pretrained(source))
     data = asyncio.run(demonstrations(cfg, codec, sft.num_steps * sft.batch_size, seed=cfg.run.seed + 7919))
     random.Random(cfg.run.seed).shuffle(data)
+    data = data * -(-sft.num_steps * sft.batch_size // len(data))  # held-out instances were left out
     show = cfg.run.progress and groups.rank == 0
     bar = tqdm(range(sft.num_steps), desc="sft warm start", unit="step", disable=not show, mininterval=1.0)
     for step in bar:

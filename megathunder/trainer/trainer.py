@@ -104,6 +104,7 @@ class Trainer:
         self.episode_spans: list[dict] = []  # for the timeline
         self.sync_spans: list[tuple[float, float, int]] = []
         self.last_probe_gap = float("nan")
+        self.eval_set = None
         self.bar = None
         loop_emit = getattr(agent_loop, "emit", None)
         if loop_emit is not None:
@@ -112,7 +113,11 @@ class Trainer:
     # ------------------------------------------------------------------ rollout
 
     def instances(self, step: int):
-        return self.task.instances(self.cfg.batch.num_prompts_per_batch, seed=self.cfg.run.seed * 1_000_003 + step)
+        """Step ``step``'s prompts: distinct, reproducible, never from the evaluation split."""
+        from megathunder.eval.instances import training_instances
+
+        return training_instances(self.cfg, self.task, self.cfg.batch.num_prompts_per_batch,
+                                  seed=self.cfg.run.seed * 1_000_003 + step)
 
     async def rollout(self, step: int, stream: bool = False) -> list[Episode]:
         """One batch of episodes (group g = instance g); ``stream`` routes events to the learner."""
@@ -154,6 +159,7 @@ class Trainer:
             await self.push_weights()
         probe_gap = self.last_probe_gap  # async: the push (and its probe) at this step's start
         row = self._row(step, rec, outcome, result, probe_gap)
+        row.update(await self.periodic_eval(step))
         for ep in rec.episodes:
             self.journal.trajectory(step, ep.to_trajectory(), reward=_reward_of(ep), instance_id=ep.instance_id,
                                     t_finished=ep.finished_at - rec.started, t_reward=_reward_time(ep) - rec.started,
@@ -170,6 +176,23 @@ class Trainer:
             self.bar.set_postfix(reward=f"{row['reward_mean']:.3f}", lag=row["policy_lag_max"],
                                  idle=f"{row['learner_idle_share']:.0%}")
         return row
+
+    async def periodic_eval(self, step: int, force: bool = False) -> dict:
+        """pass@1..k on the held-out instances with the weights just pushed (``eval.every_n_steps``)."""
+        from megathunder.eval.evaluate import evaluate
+        from megathunder.eval.instances import eval_due, eval_instances
+
+        last = self.cfg.eval.every_n_steps and step + 1 == self.cfg.run.num_steps
+        if not (force or eval_due(self.cfg, step + 1) or last):
+            return {}
+        if self.eval_set is None:
+            self.eval_set = eval_instances(self.cfg, self.task)
+        result = await evaluate(self.cfg, self.engine, self.codec, self.eval_set)
+        try:
+            return result.metrics()
+        except Exception as err:  # missing samples: recorded, never a score over fewer instances
+            log.warning("step %d: evaluation incomplete: %s", step, err)
+            return {"eval/incomplete": 1}
 
     # ------------------------------------------------------------------ weights
 
@@ -292,6 +315,10 @@ def write_summary(out: Path, rows: list[dict]) -> dict:
         "mean_backward_after_last_reward": round(mean("backward_after_last_reward", rows), 3),
         "wall_s": round(rows[-1]["wall_s"], 1) if rows else 0.0,
     }
+    evals = [r for r in rows if "eval/pass@1" in r]
+    if evals:
+        summary["eval_pass@1_first"] = round(evals[0]["eval/pass@1"], 4)
+        summary["eval_pass@1_last"] = round(evals[-1]["eval/pass@1"], 4)
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
 

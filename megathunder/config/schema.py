@@ -13,7 +13,8 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # No NaN or infinity anywhere: a non-finite failure_reward would reach the gradient ledger.
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
 class ObjectiveConfig(_Strict):
@@ -155,7 +156,12 @@ class EngineConfig(_Strict):
     num_servers: int = Field(1, ge=1)
     """deployment=server: servers this process launches (one engine each)."""
     host: str = "127.0.0.1"
-    """Address launched servers bind to; loopback by default so nothing is reachable from outside."""
+    """Address launched servers bind to; loopback by default so nothing is reachable from outside.
+    Any other address needs ``api_key_env``."""
+    api_key_env: str | None = Field(None, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")
+    """Name of the environment variable holding the servers' shared secret (never the secret
+    itself): launched servers get it as VLLM_API_KEY and guard every endpoint but /health with it;
+    the client sends it as a Bearer token. Required off loopback (host or server_urls)."""
     base_port: int = Field(8100, ge=1024, le=65535)
     """Server i listens on base_port + i."""
     server_urls: list[str] = []
@@ -175,6 +181,21 @@ class EngineConfig(_Strict):
             raise ValueError("server_urls: only used with deployment=server")
         if self.base_port + self.num_servers - 1 > 65535:
             raise ValueError(f"base_port: {self.base_port} + num_servers exceeds 65535")
+        if self.deployment == "server" and self.api_key_env is None:
+            from urllib.parse import urlsplit
+
+            from megathunder.rollout.engines.auth import is_loopback
+
+            if not self.server_urls and not is_loopback(self.host):
+                raise ValueError(
+                    f"api_key_env: required when servers bind to host={self.host!r}, which is "
+                    "not loopback (their weight-sync endpoints would be open to the network)"
+                )
+            exposed = [u for u in self.server_urls if not is_loopback(urlsplit(u).hostname or "")]
+            if exposed:
+                raise ValueError(
+                    f"api_key_env: required to attach to servers off loopback ({exposed[0]})"
+                )
         return self
 
 
@@ -434,7 +455,8 @@ class VerifierConfig(_Strict):
     max_concurrent: int = Field(4, ge=1)
     on_failure: Literal["zero_reward", "drop_group"] = "zero_reward"
     """zero_reward: the trajectory gets ``failure_reward``; drop_group: its whole group is
-    excluded from the batch (the reward event says so)."""
+    excluded from the batch (the reward event says so). Applies to every failed episode: a
+    verifier that raises, times out or returns NaN/inf, and non-finite engine logprobs."""
     failure_reward: float = 0.0
 
 

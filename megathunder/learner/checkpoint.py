@@ -27,6 +27,16 @@ def _sharded_state(learner, is_loading: bool) -> dict:
     }
 
 
+def _materialise_optimizer_state(optimizer) -> None:
+    """A fresh distributed optimizer has no Adam state yet, and without TE/Apex Megatron's
+    ``state_dict`` needs one (its step count): create placeholder state (one zero-gradient step of
+    the inner optimizer) that the checkpoint then overwrites, as Megatron does for FSDP."""
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(opt, "optimizer", None)
+        if hasattr(opt, "_init_optimizer_states_with_dummy_values") and inner is not None and not inner.state:
+            opt._init_optimizer_states_with_dummy_values()
+
+
 def save_checkpoint(learner, root: str | Path) -> Path:
     from megatron.core import dist_checkpointing
 
@@ -64,6 +74,8 @@ def load_checkpoint(learner, path: str | Path, load_optimizer: bool = True) -> N
     path = Path(path)
     if not path.is_dir():
         raise FileNotFoundError(f"checkpoint directory {path} does not exist")
+    if load_optimizer:
+        _materialise_optimizer_state(learner.optimizer)
     state = _sharded_state(learner, is_loading=True)
     if not load_optimizer:
         del state["optimizer"]

@@ -8,6 +8,7 @@ so a crash mid-save never leaves a directory that looks complete; ``latest`` nam
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 from pathlib import Path
 
@@ -35,6 +36,44 @@ def _materialise_optimizer_state(optimizer) -> None:
         inner = getattr(opt, "optimizer", None)
         if hasattr(opt, "_init_optimizer_states_with_dummy_values") and inner is not None and not inner.state:
             opt._init_optimizer_states_with_dummy_values()
+
+
+@contextlib.contextmanager
+def _adam_step_kept_out_of_param_state(optimizer):
+    """megatron-core 0.16 without TE/Apex (torch Adam): loading a fully reshardable distributed
+    optimizer state copies every per-parameter state key from the checkpoint, but torch Adam's
+    ``step`` is stored per parameter group (and restored from there); keep it out of that copy
+    (tests/distributed: resume with the distributed optimizer is bit-exact)."""
+    patched = []
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        original = getattr(opt, "_set_main_param_and_optimizer_states", None)
+        if original is None:
+            continue
+
+        def without_step(model_param, tensors, opt=opt, original=original):
+            group_index, group_order = opt.model_param_group_index_map[model_param]
+            state = opt.optimizer.state[opt.optimizer.param_groups[group_index]["params"][group_order]]
+            step = state.pop("step", None) if "step" not in tensors else None
+            try:
+                original(model_param, tensors)
+            finally:
+                if step is not None:
+                    state["step"] = step
+
+        opt._set_main_param_and_optimizer_states = without_step
+        patched.append(opt)
+    try:
+        yield
+    finally:
+        for opt in patched:
+            del opt._set_main_param_and_optimizer_states
+    # ... and it restores that step as one tensor shared by every parameter's state, which torch
+    # Adam then increments in place once per parameter: give each state its own.
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(opt, "optimizer", None)
+        for state in (inner.state.values() if inner is not None else ()):
+            if torch.is_tensor(state.get("step")):
+                state["step"] = state["step"].clone()
 
 
 def save_checkpoint(learner, root: str | Path) -> Path:
@@ -84,7 +123,8 @@ def load_checkpoint(learner, path: str | Path, load_optimizer: bool = True) -> N
     loaded = dist_checkpointing.load(state, str(path))
     learner.model.load_state_dict(loaded["model"], strict=False)
     if load_optimizer:
-        learner.optimizer.load_state_dict(loaded["optimizer"])
+        with _adam_step_kept_out_of_param_state(learner.optimizer):
+            learner.optimizer.load_state_dict(loaded["optimizer"])
     learner.scheduler.load_state_dict(loaded["scheduler"])
     learner.num_steps = int(loaded["num_steps"])
     if learner.reference is not None and learner.num_steps == 0:

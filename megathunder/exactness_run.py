@@ -41,7 +41,7 @@ class ExactnessError(RuntimeError):
 def sample_group(
     model: TorchDecoder, ref: TorchDecoder, prompt: torch.Tensor, cfg: Config, first_id: int, group_id: int
 ) -> tuple[list[Trajectory], list[float]]:
-    size, max_new = cfg.batch.samples_per_prompt, cfg.rollout.max_new_tokens
+    size, max_new = cfg.batch.samples_per_prompt, cfg.agent.max_new_tokens_per_turn
     seqs = prompt.repeat(size, 1)
     logps = torch.zeros(size, 0, dtype=next(model.parameters()).dtype)
     done = torch.zeros(size, dtype=torch.bool)

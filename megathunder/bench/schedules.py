@@ -27,7 +27,7 @@ SCHEDULES = ("sync", "thunder", "async", "fully_async")
 WORKLOADS = {
     "quickstart": ["task.name=arithmetic", "agent.max_turns=1"],
     "tools": ["task.name=calculator", "task.max_operand=9", "agent.max_turns=5", "agent.max_new_tokens_per_turn=40",
-              "agent.max_total_tokens=400", "rollout.engine.max_model_len=512"],
+              "agent.max_total_tokens=800", "rollout.engine.max_model_len=1024"],
 }
 
 

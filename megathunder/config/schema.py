@@ -203,7 +203,9 @@ class EngineConfig(_Strict):
 
 
 class RolloutConfig(_Strict):
-    max_new_tokens: int = Field(24, ge=1)
+    """Sampling. Generation lengths are the agent loop's (``agent.max_new_tokens_per_turn``,
+    ``agent.max_total_tokens``), for the exactness run's decoder too: one place for each limit."""
+
     temperature: float = Field(1.0, gt=0)
     engine: EngineConfig = EngineConfig()
 

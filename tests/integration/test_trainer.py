@@ -30,6 +30,7 @@ SMALL = [
     # Adam's update divides by sqrt(v): eps keeps near-zero gradient coordinates from turning fp32
     # reassociation noise into full-size steps, so replays can be compared at a tight tolerance.
     "learner.optimizer.adam_eps=1e-6",
+    "eval.every_n_steps=1",  # pass@k on the held-out problems after every step (the report's curve)
 ]
 PARAM_ATOL = 1e-5  # max |delta theta| after 3 Adam steps at lr 2e-3 (fp32 summation order differs)
 
@@ -118,11 +119,30 @@ def test_replay_on_two_ranks_gives_the_same_parameters(base, tmp_path, layout):
     assert max_diff(tmp_path / "sync2", base / "final_model") <= PARAM_ATOL
 
 
-def test_sync_schedule_is_zero_stale(base, tmp_path):
-    train(tmp_path, "schedule.mode=sync", "run.num_steps=2", *warm(base))
-    r = rows(tmp_path)
+@pytest.fixture(scope="module")
+def sync_run(base, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("sync")
+    train(out, "schedule.mode=sync", "run.num_steps=2", *warm(base))
+    return out
+
+
+def test_sync_schedule_is_zero_stale(sync_run):
+    r = rows(sync_run)
     assert [x["policy_lag_max"] for x in r] == [0, 0]
     assert all(x["probe_gap"] <= 1e-3 for x in r)
+
+
+def test_eval_report_compares_two_schedules(base, sync_run, tmp_path):
+    """Periodic held-out evaluation lands in metrics.jsonl; the comparison report turns the sync
+    and thunder runs into a score-vs-GPU-hours picture and a time-to-score table."""
+    from megathunder.eval.report import build_report
+
+    for run in (base, sync_run):
+        evals = [x for x in rows(run) if "eval/pass@1" in x]
+        assert len(evals) == len(rows(run)) and all(x["eval/num_instances"] == 9 for x in evals)
+    build_report([str(sync_run), str(base)], tmp_path)
+    assert (tmp_path / "score_vs_gpu_hours.png").stat().st_size > 10_000
+    assert "thunder" in (tmp_path / "time_to_score.md").read_text()
 
 
 def test_async_schedule_is_one_step_stale(base, tmp_path):

@@ -109,6 +109,24 @@ class Runner:
         names = ("vllm:num_requests_running", "vllm:num_requests_waiting")
         return int(await self.metric_sum_async(names))
 
+    async def wait_decoding(self, task: asyncio.Future) -> None:
+        """Until the request behind ``task`` is at the engine and decoding (bounded). A server's
+        Prometheus gauges can lag a whole request under load, so there the client-side in-flight
+        count is used, plus a moment for the request to reach the server on loopback."""
+        deadline = time.monotonic() + 120
+        if self.deployment == "in_process":
+            busy = lambda: self.engine.llm.get_num_unfinished_requests()  # noqa: E731
+        else:
+            busy = lambda: sum(self.engine.balancer.outstanding)  # noqa: E731
+        while not busy() and not task.done():
+            assert time.monotonic() < deadline, "the request never reached the engine"
+            await asyncio.sleep(0.01)
+        if self.deployment == "server":
+            await asyncio.sleep(0.3)
+        if task.done():
+            c = task.result()
+            raise AssertionError(f"the long request already ended ({len(c.token_ids)} tokens, {c.finish_reason})")
+
     def metric_sum(self, prefixes: tuple[str, ...], label: str = "") -> float:
         return self.run(self.metric_sum_async(prefixes, label))
 
@@ -198,9 +216,7 @@ def test_cancelled_request_is_aborted(runner):
 
     async def start_then_cancel():
         task = asyncio.ensure_future(runner.engine.generate(p_long, long_params))
-        while not await runner.num_running_async():  # decoding
-            await asyncio.sleep(0.01)
-        assert not task.done(), "the long request already ended: lengthen it"
+        await runner.wait_decoding(task)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
@@ -310,11 +326,7 @@ def test_update_waits_for_in_flight_requests(runner, hf_model, base_state):
     async def scenario():
         engine = runner.engine
         long = asyncio.ensure_future(engine.generate(p_long, SamplingParams(max_new_tokens=1000, ignore_eos=True)))
-        deadline = time.monotonic() + 120
-        while not long.done() and not await runner.num_running_async():  # decoding: 1-10 s in all
-            if time.monotonic() > deadline:
-                raise AssertionError("the long request never showed up as running")
-            await asyncio.sleep(0.01)
+        await runner.wait_decoding(long)  # decoding: 1-10 s in all
         update = asyncio.ensure_future(engine.update_weights(iter(new.items()), policy_version=old_version + 1))
         await asyncio.sleep(0.05)
         during = asyncio.ensure_future(engine.generate(p_during, SamplingParams(max_new_tokens=8)))

@@ -8,6 +8,7 @@ so a crash mid-save never leaves a directory that looks complete; ``latest`` nam
 
 from __future__ import annotations
 
+import functools
 import shutil
 from pathlib import Path
 
@@ -58,12 +59,47 @@ def latest_checkpoint(root: str | Path) -> Path | None:
     return path if path.is_dir() else None
 
 
+def _prepare_distributed_optimizer(optimizer) -> None:
+    """Let a fresh process's DistributedOptimizer (torch Adam, no apex / TE) load a checkpoint.
+
+    Megatron 0.16 builds the optimizer's state dict from the inner optimizer's per-parameter state
+    (``assert len(steps) == 1`` on its 'step' entries), which exists only after a first step:
+    its own helper takes one on zero gradients (the values are then replaced by the checkpoint's).
+    Loading then restores 'step' from the param groups and copies every per-parameter entry,
+    'step' included, from the checkpoint's parameter state, which holds no 'step': the copy is
+    limited to the entries the checkpoint has, and each parameter gets its own 'step' tensor
+    (Megatron gives all of them one, which torch's Adam would increment once per parameter). (Seen on the first requeued DP=2 trainer run.)
+    """
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(opt, "optimizer", None)
+        if inner is None or not hasattr(opt, "_init_optimizer_states_with_dummy_values"):
+            continue  # not a DistributedOptimizer
+        if opt.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
+            continue  # TE's optimizer: its own state handling
+        if not inner.state:
+            opt._init_optimizer_states_with_dummy_values()
+        opt._set_main_param_and_optimizer_states = functools.partial(_set_saved_states, opt)
+
+
+def _set_saved_states(opt, model_param, tensors: dict) -> None:
+    group_index, group_order = opt.model_param_group_index_map[model_param]
+    main_param = opt.optimizer.param_groups[group_index]["params"][group_order]
+    state = opt.optimizer.state[main_param]
+    if "step" in state:  # Megatron set one tensor for all parameters; torch Adam increments each in place
+        state["step"] = state["step"].clone()
+    dst = {"param": main_param, **state}
+    for key, value in tensors.items():
+        dst[key].copy_(value)
+
+
 def load_checkpoint(learner, path: str | Path, load_optimizer: bool = True) -> None:
     from megatron.core import dist_checkpointing
 
     path = Path(path)
     if not path.is_dir():
         raise FileNotFoundError(f"checkpoint directory {path} does not exist")
+    if load_optimizer:
+        _prepare_distributed_optimizer(learner.optimizer)
     state = _sharded_state(learner, is_loading=True)
     if not load_optimizer:
         del state["optimizer"]

@@ -4,12 +4,12 @@
 # controller (agent loop, schedule) on learner rank 0, attached to the servers over HTTP.
 #
 #   sbatch launch/slurm/grpo_128gpu.sh                      # from the repository root
-#   MT_CONFIG=configs/grpo_128gpu.yaml MT_OVERRIDES="learner.model.hf_checkpoint=/models/qwen2.5-32b" \
+#   MT_OVERRIDES="learner.model.hf_checkpoint=/models/qwen2.5-32b" \
 #     sbatch launch/slurm/grpo_128gpu.sh
 #   MT_DRY_RUN=1 MT_NODELIST='gpu[01-16]' bash launch/slurm/grpo_128gpu.sh   # print the plan only
 #
 # Environment (defaults for 16 x 8 GPUs):
-#   MT_CONFIG        megathunder YAML config (default configs/grpo_128gpu.yaml)
+#   MT_CONFIG        megathunder YAML config (default launch/slurm/grpo_128gpu.yaml)
 #   MT_OVERRIDES     space-separated key=value overrides
 #   MT_ROLLOUT_NODES 4; MT_LEARNER_NODES: the rest. MT_GPUS_PER_NODE 8 (0: CPU nodes)
 #   MT_ROLLOUT_TP    8 (GPUs per vLLM server); MT_SERVERS_PER_NODE GPUs / TP; MT_SERVER_PORT 8100
@@ -35,7 +35,7 @@
 set -uo pipefail
 cd "${MT_REPO:-${SLURM_SUBMIT_DIR:-.}}" || exit 1
 source launch/slurm/lib.sh
-MT_CONFIG=${MT_CONFIG:-configs/grpo_128gpu.yaml}
+MT_CONFIG=${MT_CONFIG:-launch/slurm/grpo_128gpu.yaml}
 
 mt_settings
 mt_network_env

@@ -11,7 +11,7 @@
 # Environment (defaults for 16 x 8 GPUs):
 #   MT_CONFIG        megathunder YAML config (default launch/slurm/grpo_128gpu.yaml)
 #   MT_OVERRIDES     space-separated key=value overrides
-#   MT_ROLLOUT_NODES 4; MT_LEARNER_NODES: the rest. MT_GPUS_PER_NODE 8 (0: CPU nodes)
+#   MT_ROLLOUT_NODES 4 (0: the config's engine runs on learner rank 0); MT_LEARNER_NODES: the rest. MT_GPUS_PER_NODE 8 (0: CPU nodes)
 #   MT_ROLLOUT_TP    8 (GPUs per vLLM server); MT_SERVERS_PER_NODE GPUs / TP; MT_SERVER_PORT 8100
 #   MT_LEARNER_TASKS_PER_NODE  GPUs per node (learner ranks per node)
 #   MT_ROLLOUT_MODEL serve this HF directory instead of the config's policy model
@@ -41,7 +41,11 @@ mt_settings
 mt_network_env
 mt_plan
 mt_check_config
-mt_start_rollout rollout "$MT_CONFIG" "${MT_OVERRIDE_ARGS[@]}"
+mt_start_rollout
 mt_learner_preflight
 mt_wait_healthy
-mt_train rollout.engine.deployment=server "$(mt_urls_override rollout.engine.server_urls)"
+if ((MT_ROLLOUT_NODES > 0)); then
+  mt_train rollout.engine.deployment=server "$(mt_urls_override rollout.engine.server_urls)"
+else
+  mt_train  # the config's engine (e.g. in_process) next to the controller
+fi

@@ -19,7 +19,8 @@ mt_settings() {
   mapfile -t MT_NODES < <($MT_PYTHON -c 'import sys; from megathunder.launch.slurm_env import expand_hostlist
 print("\n".join(expand_hostlist(sys.argv[1])))' "$MT_NODELIST") || mt_die launch "cannot expand node list $MT_NODELIST"
   MT_ROLLOUT_NODES=${MT_ROLLOUT_NODES:-4}
-  MT_LEARNER_NODES=${MT_LEARNER_NODES:-$((${#MT_NODES[@]} - MT_ROLLOUT_NODES))}
+  MT_TEACHER_NODES=${MT_TEACHER_NODES:-0}  # OPD: teacher servers, on the nodes after the rollout nodes
+  MT_LEARNER_NODES=${MT_LEARNER_NODES:-$((${#MT_NODES[@]} - MT_ROLLOUT_NODES - MT_TEACHER_NODES))}
   if ((MT_GPUS_PER_NODE > 0)); then
     MT_ROLLOUT_TP=${MT_ROLLOUT_TP:-8}
     MT_SERVERS_PER_NODE=${MT_SERVERS_PER_NODE:-$((MT_GPUS_PER_NODE / MT_ROLLOUT_TP))}
@@ -36,13 +37,19 @@ print("\n".join(expand_hostlist(sys.argv[1])))' "$MT_NODELIST") || mt_die launch
   export MT_PYTHON MT_GPUS_PER_NODE MT_ROLLOUT_TP MT_SERVERS_PER_NODE MT_SERVER_PORT
   export PYTHONUNBUFFERED=1
 
-  ((${#MT_NODES[@]} == MT_ROLLOUT_NODES + MT_LEARNER_NODES)) || mt_die launch \
-    "the job has ${#MT_NODES[@]} nodes ($MT_NODELIST) but MT_ROLLOUT_NODES + MT_LEARNER_NODES = $MT_ROLLOUT_NODES + $MT_LEARNER_NODES"
+  if ((MT_TEACHER_NODES > 0)); then
+    ((${#MT_NODES[@]} == MT_ROLLOUT_NODES + MT_TEACHER_NODES + MT_LEARNER_NODES)) || mt_die launch \
+      "the job has ${#MT_NODES[@]} nodes ($MT_NODELIST) but MT_ROLLOUT_NODES + MT_TEACHER_NODES + MT_LEARNER_NODES = $MT_ROLLOUT_NODES + $MT_TEACHER_NODES + $MT_LEARNER_NODES"
+  else
+    ((${#MT_NODES[@]} == MT_ROLLOUT_NODES + MT_LEARNER_NODES)) || mt_die launch \
+      "the job has ${#MT_NODES[@]} nodes ($MT_NODELIST) but MT_ROLLOUT_NODES + MT_LEARNER_NODES = $MT_ROLLOUT_NODES + $MT_LEARNER_NODES"
+  fi
   ((MT_LEARNER_NODES >= 1)) || mt_die launch "MT_LEARNER_NODES=$MT_LEARNER_NODES: the learner needs a node"
   ((MT_GPUS_PER_NODE == 0 || MT_SERVERS_PER_NODE * MT_ROLLOUT_TP <= MT_GPUS_PER_NODE)) || mt_die launch \
     "MT_SERVERS_PER_NODE x MT_ROLLOUT_TP = $MT_SERVERS_PER_NODE x $MT_ROLLOUT_TP > MT_GPUS_PER_NODE=$MT_GPUS_PER_NODE"
   MT_ROLLOUT_HOSTS=("${MT_NODES[@]:0:MT_ROLLOUT_NODES}")
-  MT_LEARNER_HOSTS=("${MT_NODES[@]:MT_ROLLOUT_NODES}")
+  MT_TEACHER_HOSTS=("${MT_NODES[@]:MT_ROLLOUT_NODES:MT_TEACHER_NODES}")
+  MT_LEARNER_HOSTS=("${MT_NODES[@]:MT_ROLLOUT_NODES+MT_TEACHER_NODES}")
   MT_LEARNER_WORLD=$((MT_LEARNER_NODES * MT_LEARNER_TASKS_PER_NODE))
   MT_LEARNER_NODELIST=$(IFS=,; echo "${MT_LEARNER_HOSTS[*]}")
   mkdir -p "$MT_LOG_DIR"
@@ -71,7 +78,12 @@ mt_node_addr() {  # the address Slurm reaches NODE at (NodeAddr); the name itsel
 
 mt_plan() {
   mt_log "job ${SLURM_JOB_ID:-dry-run} (attempt ${SLURM_RESTART_COUNT:-0}): ${#MT_NODES[@]} nodes ($MT_NODELIST), ${MT_GPUS_PER_NODE} GPUs each"
-  mt_log "rollout: ${MT_ROLLOUT_NODES} nodes (${MT_ROLLOUT_HOSTS[*]:-none}), ${MT_SERVERS_PER_NODE} vLLM servers per node, TP ${MT_ROLLOUT_TP} each"
+  if ((MT_ROLLOUT_NODES == 0)); then
+    mt_log "rollout: no rollout nodes: the engine of the config (rollout.engine) runs with the controller on learner rank 0"
+  else
+    mt_log "rollout: ${MT_ROLLOUT_NODES} nodes (${MT_ROLLOUT_HOSTS[*]:-none}), ${MT_SERVERS_PER_NODE} vLLM servers per node, TP ${MT_ROLLOUT_TP} each"
+  fi
+  ((MT_TEACHER_NODES == 0)) || mt_log "teacher: ${MT_TEACHER_NODES} nodes (${MT_TEACHER_HOSTS[*]}), ${MT_SERVERS_PER_NODE} vLLM servers per node of ${MT_TEACHER_MODEL:-?}"
   mt_log "learner: ${MT_LEARNER_NODES} nodes (${MT_LEARNER_HOSTS[*]}), ${MT_LEARNER_TASKS_PER_NODE} ranks per node, world ${MT_LEARNER_WORLD}; controller on learner rank 0 (${MT_LEARNER_HOSTS[0]})"
   mt_log "config: $MT_CONFIG ${MT_OVERRIDES:-}; logs: $MT_LOG_DIR"
 }
@@ -81,25 +93,33 @@ mt_check_config() {  # a bad config is named before any node is touched
     2>"$MT_LOG_DIR/config.err" || mt_die config "$(cat "$MT_LOG_DIR/config.err")"
 }
 
-# ---- rollout servers ---------------------------------------------------------------------------
-MT_ROLLOUT_PIDS=()
-MT_ROLLOUT_URLS=()
+# ---- vLLM server pools (rollout; teacher for OPD) -----------------------------------------------
+MT_ROLLOUT_PIDS=()         # pid:node:pool of each node's srun task
+declare -A MT_POOL_URLS=() # pool -> space-separated URLs
 
-mt_start_rollout() {  # one srun task per rollout node; POOL names the servers in messages
-  local pool=${1:-rollout} config=${2:-$MT_CONFIG} node addr i
-  shift 2 || true
-  for node in "${MT_ROLLOUT_HOSTS[@]}"; do
+mt_start_servers() {  # POOL HOSTS_ARRAY PORT MODEL(empty: the config's) CONFIG [overrides...]
+  local pool=$1
+  local -n hosts=$2
+  local port=$3 model=$4 config=$5 node addr i
+  shift 5
+  for node in "${hosts[@]}"; do
     addr=$(mt_node_addr "$node")
     [[ -n "$addr" ]] || mt_die "$pool" "no address for node $node"
     for ((i = 0; i < MT_SERVERS_PER_NODE; i++)); do
-      MT_ROLLOUT_URLS+=("http://$addr:$((MT_SERVER_PORT + i))")
+      MT_POOL_URLS[$pool]+="http://$addr:$((port + i)) "
     done
     local cmd=(srun --nodes=1 --ntasks=1 --nodelist="$node" --kill-on-bad-exit=1 --job-name="$pool"
-               --output="$MT_LOG_DIR/$pool-$node.out" bash launch/slurm/rollout_node.sh "$addr" "$MT_LOG_DIR" "$config" "$@")
+               --output="$MT_LOG_DIR/$pool-$node.out"
+               env MT_SERVER_PORT="$port" MT_ROLLOUT_MODEL="$model" MT_POOL="$pool"
+               bash launch/slurm/rollout_node.sh "$addr" "$MT_LOG_DIR" "$config" "$@")
     if [[ "$MT_DRY_RUN" == 1 ]]; then echo "would run: ${cmd[*]} &"; continue; fi
     "${cmd[@]}" &
     MT_ROLLOUT_PIDS+=("$!:$node:$pool")
   done
+}
+
+mt_start_rollout() {  # the policy's servers on the rollout nodes
+  mt_start_servers rollout MT_ROLLOUT_HOSTS "$MT_SERVER_PORT" "${MT_ROLLOUT_MODEL:-}" "$MT_CONFIG" "${MT_OVERRIDE_ARGS[@]}"
 }
 
 mt_stop_rollout() {
@@ -107,7 +127,7 @@ mt_stop_rollout() {
   for entry in "${MT_ROLLOUT_PIDS[@]}"; do kill -TERM "${entry%%:*}" 2>/dev/null || true; done
 }
 
-mt_check_rollout_alive() {  # a rollout task that ended is a failure, named with its log's tail
+mt_check_rollout_alive() {  # a server task that ended is a failure, named with its log's tail
   local entry pid node pool status
   for entry in "${MT_ROLLOUT_PIDS[@]}"; do
     IFS=: read -r pid node pool <<<"$entry"
@@ -119,25 +139,30 @@ $(tail -n 25 "$MT_LOG_DIR/$pool-$node.out" 2>/dev/null)"
   done
 }
 
-mt_wait_healthy() {  # every server's /health answers 200, or the component is named
-  [[ "$MT_DRY_RUN" == 1 ]] && return 0
-  local deadline=$((SECONDS + MT_HEALTH_TIMEOUT_S)) url pending
+mt_wait_healthy() {  # every server of every pool answers /health with 200, or the component is named
+  [[ "$MT_DRY_RUN" == 1 || ${#MT_POOL_URLS[@]} == 0 ]] && return 0
+  local deadline=$((SECONDS + MT_HEALTH_TIMEOUT_S)) pool url pending
   while true; do
     mt_check_rollout_alive "before it was healthy"
     pending=()
-    for url in "${MT_ROLLOUT_URLS[@]}"; do
-      curl -sf -m 2 -o /dev/null "$url/health" || pending+=("$url")
+    for pool in "${!MT_POOL_URLS[@]}"; do
+      for url in ${MT_POOL_URLS[$pool]}; do
+        curl -sf -m 2 -o /dev/null "$url/health" || pending+=("$pool:$url")
+      done
     done
     ((${#pending[@]} == 0)) && break
-    ((SECONDS < deadline)) || mt_die "rollout" "servers not healthy after ${MT_HEALTH_TIMEOUT_S} s: ${pending[*]}"
+    ((SECONDS < deadline)) || mt_die "${pending[0]%%:*}" "servers not healthy after ${MT_HEALTH_TIMEOUT_S} s: ${pending[*]}"
     sleep 2
   done
-  mt_log "rollout healthy: ${#MT_ROLLOUT_URLS[@]} vLLM servers answer /health (${MT_ROLLOUT_URLS[*]})"
+  for pool in "${!MT_POOL_URLS[@]}"; do
+    local urls=(${MT_POOL_URLS[$pool]})
+    mt_log "$pool healthy: ${#urls[@]} vLLM servers answer /health (${urls[*]})"
+  done
 }
 
-mt_urls_override() {  # KEY=["url",...] for the trainer
+mt_urls_override() {  # KEY POOL -> KEY=["url",...]
   local joined
-  joined=$(printf '"%s",' "${MT_ROLLOUT_URLS[@]}")
+  joined=$(printf '"%s",' ${MT_POOL_URLS[${2:-rollout}]})
   echo "$1=[${joined%,}]"
 }
 

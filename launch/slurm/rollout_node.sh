@@ -21,15 +21,15 @@ for ((i = 0; i < MT_SERVERS_PER_NODE; i++)); do
   [[ "$MT_ROLLOUT_TP" -gt 1 ]] && tp_args=(--tensor-parallel "$MT_ROLLOUT_TP")
   model_args=()
   [[ -n "${MT_ROLLOUT_MODEL:-}" ]] && model_args=(--model "$MT_ROLLOUT_MODEL")
-  echo "rollout node $node: server $i on $addr:$port (log $log_dir/rollout-$node-$port.log)"
+  echo "${MT_POOL:-rollout} node $node: server $i on $addr:$port (log $log_dir/${MT_POOL:-rollout}-$node-$port.log)"
   $MT_PYTHON -m megathunder.cli serve "$config" "$@" --host "$addr" --port "$port" "${tp_args[@]}" \
-    "${model_args[@]}" >"$log_dir/rollout-$node-$port.log" 2>&1 &
+    "${model_args[@]}" >"$log_dir/${MT_POOL:-rollout}-$node-$port.log" 2>&1 &
   pids+=($!)
 done
 wait -n "${pids[@]}"
 status=$?
-echo "rollout node $node: a vLLM server exited with status $status; stopping the others" >&2
-tail -n 20 "$log_dir"/rollout-"$node"-*.log >&2
+echo "${MT_POOL:-rollout} node $node: a vLLM server exited with status $status; stopping the others" >&2
+tail -n 20 "$log_dir/${MT_POOL:-rollout}-$node"-*.log >&2
 stop_servers
 wait
 exit $(( status == 0 ? 1 : status ))

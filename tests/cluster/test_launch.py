@@ -114,3 +114,21 @@ def test_a_learner_that_cannot_form_its_world_fails_the_job_naming_it(slurm_clus
     assert "learner.parallel.data_parallel: 3, but world size 2 = 1 (tp) x 1 (pp) x 2 (dp)" in out
     assert "training: srun" not in out
     assert job.seconds < 60, job.seconds
+
+
+def test_opd_dry_run_adds_a_teacher_pool_between_rollout_and_learner_nodes(tmp_path):
+    env = dict(os.environ, MT_DRY_RUN="1", MT_NODELIST="gpu[01-16]", MT_LOG_DIR=str(tmp_path),
+               MT_TEACHER_MODEL="/models/teacher", MT_TEACHER_URLS_KEY="teacher.server_urls")
+    env.pop("SLURM_JOB_NODELIST", None)
+    out = subprocess.run(["bash", "launch/slurm/opd_128gpu.sh"], env=env, cwd=REPO, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "teacher: 2 nodes (gpu05 gpu06), 1 vLLM servers per node of /models/teacher" in out.stdout
+    assert "learner: 10 nodes (gpu07" in out.stdout and "world 80" in out.stdout
+    teacher = [line for line in out.stdout.splitlines() if "--job-name=teacher" in line]
+    assert len(teacher) == 2 and all("MT_ROLLOUT_MODEL=/models/teacher" in line for line in teacher)
+    train = next(line for line in out.stdout.splitlines() if "megathunder.cli train" in line)
+    assert 'teacher.server_urls=["http://gpu05:8200","http://gpu06:8200"]' in train
+    missing = subprocess.run(["bash", "launch/slurm/opd_128gpu.sh"], env={**env, "MT_TEACHER_MODEL": ""},
+                             cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert missing.returncode != 0 and "MT_TEACHER_MODEL" in missing.stderr

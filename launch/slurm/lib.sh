@@ -13,11 +13,17 @@ mt_die() {  # COMPONENT MESSAGE: stop what we started, say which component faile
 mt_settings() {
   MT_CONFIG=${MT_CONFIG:?set MT_CONFIG to the YAML config}
   read -r -a MT_OVERRIDE_ARGS <<<"${MT_OVERRIDES:-}"
+  read -r -a MT_SRUN_EXTRA <<<"${MT_SRUN_ARGS:-}"  # added to every srun, e.g. Pyxis' --container-image=...
   MT_PYTHON=${MT_PYTHON:-python}
   MT_GPUS_PER_NODE=${MT_GPUS_PER_NODE:-8}   # 0: CPU nodes (the local test cluster)
   MT_NODELIST=${MT_NODELIST:-${SLURM_JOB_NODELIST:?not in a Slurm job: set MT_NODELIST (and MT_DRY_RUN=1)}}
-  mapfile -t MT_NODES < <($MT_PYTHON -c 'import sys; from megathunder.launch.slurm_env import expand_hostlist
-print("\n".join(expand_hostlist(sys.argv[1])))' "$MT_NODELIST") || mt_die launch "cannot expand node list $MT_NODELIST"
+  if [[ "${MT_DRY_RUN:-0}" == 1 ]]; then  # outside Slurm: megathunder's own host-list expansion
+    mapfile -t MT_NODES < <($MT_PYTHON -c 'import sys; from megathunder.launch.slurm_env import expand_hostlist
+print("\n".join(expand_hostlist(sys.argv[1])))' "$MT_NODELIST")
+  else  # the batch script runs on the host (the image, if any, is for the steps): Slurm's own
+    mapfile -t MT_NODES < <(scontrol show hostnames "$MT_NODELIST")
+  fi
+  ((${#MT_NODES[@]} > 0)) || mt_die launch "cannot expand node list $MT_NODELIST"
   MT_ROLLOUT_NODES=${MT_ROLLOUT_NODES:-4}
   MT_TEACHER_NODES=${MT_TEACHER_NODES:-0}  # OPD: teacher servers, on the nodes after the rollout nodes
   MT_LEARNER_NODES=${MT_LEARNER_NODES:-$((${#MT_NODES[@]} - MT_ROLLOUT_NODES - MT_TEACHER_NODES))}
@@ -88,9 +94,11 @@ mt_plan() {
   mt_log "config: $MT_CONFIG ${MT_OVERRIDES:-}; logs: $MT_LOG_DIR"
 }
 
-mt_check_config() {  # a bad config is named before any node is touched
-  $MT_PYTHON -m megathunder.cli config "$MT_CONFIG" "${MT_OVERRIDE_ARGS[@]}" "$@" >"$MT_LOG_DIR/config.yaml" \
-    2>"$MT_LOG_DIR/config.err" || mt_die config "$(cat "$MT_LOG_DIR/config.err")"
+mt_check_config() {  # a bad config is named before any server or rank starts (in the steps' environment)
+  local cmd=($MT_PYTHON -m megathunder.cli config "$MT_CONFIG" "${MT_OVERRIDE_ARGS[@]}" "$@")
+  [[ "$MT_DRY_RUN" == 1 ]] || cmd=(srun "${MT_SRUN_EXTRA[@]}" --nodes=1 --ntasks=1 --nodelist="${MT_LEARNER_HOSTS[0]}"
+                                    --job-name=config "${cmd[@]}")
+  "${cmd[@]}" >"$MT_LOG_DIR/config.yaml" 2>"$MT_LOG_DIR/config.err" || mt_die config "$(grep -v Warning "$MT_LOG_DIR/config.err")"
 }
 
 # ---- vLLM server pools (rollout; teacher for OPD) -----------------------------------------------
@@ -108,7 +116,7 @@ mt_start_servers() {  # POOL HOSTS_ARRAY PORT MODEL(empty: the config's) CONFIG 
     for ((i = 0; i < MT_SERVERS_PER_NODE; i++)); do
       MT_POOL_URLS[$pool]+="http://$addr:$((port + i)) "
     done
-    local cmd=(srun --nodes=1 --ntasks=1 --nodelist="$node" --kill-on-bad-exit=1 --job-name="$pool"
+    local cmd=(srun "${MT_SRUN_EXTRA[@]}" --nodes=1 --ntasks=1 --nodelist="$node" --kill-on-bad-exit=1 --job-name="$pool"
                --output="$MT_LOG_DIR/$pool-$node.out"
                env MT_SERVER_PORT="$port" MT_ROLLOUT_MODEL="$model" MT_POOL="$pool"
                bash launch/slurm/rollout_node.sh "$addr" "$MT_LOG_DIR" "$config" "$@")
@@ -170,7 +178,7 @@ mt_urls_override() {  # KEY POOL -> KEY=["url",...]
 mt_learner_srun() {  # NAME CMD...: one task per learner rank over the learner nodes
   local name=$1
   shift
-  echo srun --nodes="$MT_LEARNER_NODES" --ntasks-per-node="$MT_LEARNER_TASKS_PER_NODE" \
+  echo srun "${MT_SRUN_EXTRA[@]}" --nodes="$MT_LEARNER_NODES" --ntasks-per-node="$MT_LEARNER_TASKS_PER_NODE" \
     --ntasks="$MT_LEARNER_WORLD" --nodelist="$MT_LEARNER_NODELIST" --kill-on-bad-exit=1 --label \
     --job-name="$name" --output="$MT_LOG_DIR/$name-%N.out" "$@"
 }

@@ -41,6 +41,10 @@ def test_dry_run_prints_the_128_gpu_plan_and_refuses_a_bad_split(tmp_path):
     assert bad.returncode == 1
     assert "FAILED: launch: the job has 16 nodes (gpu[01-16]) but MT_ROLLOUT_NODES + MT_LEARNER_NODES = 4 + 13" \
         in bad.stderr, bad.stderr
+    bad = subprocess.run(["bash", SCRIPT], env=dict(env, MT_OVERRIDES="learner.parallel.tensor_parallel=0"),
+                         cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 1 and "would run" not in bad.stdout
+    assert "FAILED: config: megathunder: invalid configuration:\n  learner.parallel.tensor_parallel:" in bad.stderr
 
 
 def test_grpo_job_trains_on_two_nodes_checkpoints_on_sigusr1_requeues_and_resumes(slurm_cluster, tmp_path):

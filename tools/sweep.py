@@ -202,6 +202,7 @@ def measure(run_dir: Path, gpus: int | None, peak_tflops: float | None) -> dict:
     if (run_dir / "journal.jsonl").is_file():
         for line in (run_dir / "journal.jsonl").read_text().splitlines():
             entry = json.loads(line)
+            entry = entry.get("rec", entry)  # journal records are {"crc": ..., "rec": {...}}
             if entry.get("type") == "trajectory":
                 trained += len(entry["tokens"])
     step_s = sum(r["step_s"] for r in rows)

@@ -40,6 +40,7 @@ print("\n".join(expand_hostlist(sys.argv[1])))' "$MT_NODELIST")
   MT_HEALTH_TIMEOUT_S=${MT_HEALTH_TIMEOUT_S:-900}
   MT_LOG_DIR=${MT_LOG_DIR:-logs/slurm/${SLURM_JOB_ID:-dry-run}}/attempt-${SLURM_RESTART_COUNT:-0}
   MT_DRY_RUN=${MT_DRY_RUN:-0}
+  trap mt_on_usr1 USR1  # from here on: SIGUSR1's default action would end the batch script
   export MT_PYTHON MT_GPUS_PER_NODE MT_ROLLOUT_TP MT_SERVERS_PER_NODE MT_SERVER_PORT
   export PYTHONUNBUFFERED=1
 
@@ -206,11 +207,15 @@ mt_train() {  # the learner step (controller on rank 0); checkpoint-and-requeue 
   read -r -a cmd <<<"$(mt_learner_srun learner $MT_PYTHON -m megathunder.cli train)"
   cmd+=("$MT_CONFIG" "${MT_OVERRIDE_ARGS[@]}" "$@")
   if [[ "$MT_DRY_RUN" == 1 ]]; then echo "would run: ${cmd[*]}"; return 0; fi
-  trap mt_on_usr1 USR1
+  if ((MT_GOT_USR1)); then  # the time limit is near before training started: nothing to save
+    mt_stop_rollout
+    mt_log "SIGUSR1 before training started; requeueing job $SLURM_JOB_ID"
+    scontrol requeue "$SLURM_JOB_ID" || mt_die "requeue" "scontrol requeue $SLURM_JOB_ID failed (submit with --requeue)"
+    exit 0
+  fi
   mt_log "training: ${cmd[*]}"
   "${cmd[@]}" &
   MT_LEARNER_PID=$!
-  ((MT_GOT_USR1)) && kill -USR1 "$MT_LEARNER_PID"
   while true; do
     wait "$MT_LEARNER_PID"; status=$?
     kill -0 "$MT_LEARNER_PID" 2>/dev/null || break  # else a trap interrupted the wait

@@ -36,6 +36,8 @@ print("\n".join(expand_hostlist(sys.argv[1])))' "$MT_NODELIST")
     MT_SERVERS_PER_NODE=${MT_SERVERS_PER_NODE:-1}
     MT_LEARNER_TASKS_PER_NODE=${MT_LEARNER_TASKS_PER_NODE:-1}
   fi
+  MT_GPU_ARGS=()  # server and learner steps get their nodes' GPUs explicitly
+  ((MT_GPUS_PER_NODE > 0)) && MT_GPU_ARGS=(--gpus-per-node="$MT_GPUS_PER_NODE")
   MT_SERVER_PORT=${MT_SERVER_PORT:-8100}
   MT_HEALTH_TIMEOUT_S=${MT_HEALTH_TIMEOUT_S:-900}
   MT_LOG_DIR=${MT_LOG_DIR:-logs/slurm/${SLURM_JOB_ID:-dry-run}}/attempt-${SLURM_RESTART_COUNT:-0}
@@ -117,7 +119,7 @@ mt_start_servers() {  # POOL HOSTS_ARRAY PORT MODEL(empty: the config's) CONFIG 
     for ((i = 0; i < MT_SERVERS_PER_NODE; i++)); do
       MT_POOL_URLS[$pool]+="http://$addr:$((port + i)) "
     done
-    local cmd=(srun "${MT_SRUN_EXTRA[@]}" --nodes=1 --ntasks=1 --nodelist="$node" --kill-on-bad-exit=1 --job-name="$pool"
+    local cmd=(srun "${MT_SRUN_EXTRA[@]}" "${MT_GPU_ARGS[@]}" --nodes=1 --ntasks=1 --nodelist="$node" --kill-on-bad-exit=1 --job-name="$pool"
                --output="$MT_LOG_DIR/$pool-$node.out"
                env MT_SERVER_PORT="$port" MT_ROLLOUT_MODEL="$model" MT_POOL="$pool"
                bash launch/slurm/rollout_node.sh "$addr" "$MT_LOG_DIR" "$config" "$@")
@@ -179,7 +181,7 @@ mt_urls_override() {  # KEY POOL -> KEY=["url",...]
 mt_learner_srun() {  # NAME CMD...: one task per learner rank over the learner nodes
   local name=$1
   shift
-  echo srun "${MT_SRUN_EXTRA[@]}" --nodes="$MT_LEARNER_NODES" --ntasks-per-node="$MT_LEARNER_TASKS_PER_NODE" \
+  echo srun "${MT_SRUN_EXTRA[@]}" "${MT_GPU_ARGS[@]}" --nodes="$MT_LEARNER_NODES" --ntasks-per-node="$MT_LEARNER_TASKS_PER_NODE" \
     --ntasks="$MT_LEARNER_WORLD" --nodelist="$MT_LEARNER_NODELIST" --kill-on-bad-exit=1 --label \
     --job-name="$name" --output="$MT_LOG_DIR/$name-%N.out" "$@"
 }

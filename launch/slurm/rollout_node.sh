@@ -13,7 +13,7 @@ stop_servers() { for pid in "${pids[@]}"; do kill -TERM "$pid" 2>/dev/null; done
 trap 'stop_servers; exit 143' TERM INT
 for ((i = 0; i < MT_SERVERS_PER_NODE; i++)); do
   port=$((MT_SERVER_PORT + i))
-  if [[ "${MT_GPUS_PER_NODE:-0}" -gt 0 && "${MT_CPU:-0}" != 1 ]]; then
+  if [[ "${MT_GPUS_PER_NODE:-0}" -gt 0 ]]; then  # server i: GPUs i*TP .. i*TP+TP-1
     first=$((i * MT_ROLLOUT_TP))
     export CUDA_VISIBLE_DEVICES=$(seq -s, "$first" $((first + MT_ROLLOUT_TP - 1)))
   fi

@@ -1,7 +1,9 @@
 """``megathunder bench opd``: per-turn OPD strategies' cost, for trajectories of 2, 8 and 32 turns.
 
 For each strategy (recompute, kv_adjoint, forward_early), on one trajectory whose turns arrive
-one by one (prompt, then turn / tool output alternating):
+one by one (prompt, then turn / tool output alternating), on the small torch decoder or on the
+Megatron learner (``--learner megatron``: GPTModel with the past-K/V attention layer spec, one
+process, gradients into DDP's buffers):
 
 - learner work in token passes (forward tokens + backward tokens), relative to one full-trajectory
   forward + backward (2 L): deterministic, the figure to choose by;
@@ -27,7 +29,7 @@ import torch
 
 from megathunder.config import ModelConfig
 from megathunder.models.torch_decoder import build_torch_decoder
-from megathunder.streaming.opd_turns import TurnStreamer, opd_reference_gradient
+from megathunder.streaming.opd_turns import TorchSegmentModel, TurnStreamer, accumulate_full_trajectory_opd
 
 
 class _SavedBytes:
@@ -66,21 +68,62 @@ def _release(owner: _SavedBytes, n: int) -> None:
     owner.live -= n
 
 
+def _torch_student(args, max_len):
+    cfg = ModelConfig(vocab_size=args.vocab_size, hidden_size=args.hidden_size, num_layers=args.num_layers,
+                      num_heads=max(1, args.hidden_size // 64), max_seq_len=max_len)
+    student = build_torch_decoder(cfg, seed=0)
+    return TorchSegmentModel(student), lambda: student.zero_grad(set_to_none=True), lambda: None
+
+
+def _megatron_student(args, max_len):
+    """The Megatron learner (one process, past-K/V attention layer spec); gradients in DDP's buffers."""
+    from megathunder.config import LearnerConfig
+    from megathunder.learner.opd import MegatronSegmentModel
+    from megathunder.learner.parallel import destroy_distributed, init_distributed
+
+    import os
+    import socket
+
+    if "MASTER_PORT" not in os.environ:  # one process, no launcher: any free local port
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            os.environ["MASTER_PORT"] = str(sock.getsockname()[1])
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    heads = max(2, args.hidden_size // 64)
+    cfg = LearnerConfig.model_validate({
+        "model": {"vocab_size": args.vocab_size, "hidden_size": args.hidden_size,
+                  "ffn_hidden_size": 4 * args.hidden_size, "num_layers": args.num_layers,
+                  "num_attention_heads": heads, "num_query_groups": heads // 2,
+                  "max_position_embeddings": max_len, "tie_word_embeddings": False},
+        "precision": {"core_attention": "past_kv"},
+        "optimizer": {"name": "sgd", "use_distributed_optimizer": False},
+    })
+    from megathunder.config import ObjectiveConfig
+    from megathunder.learner.learner import MegatronLearner
+
+    learner = MegatronLearner.build(cfg, ObjectiveConfig(), init_distributed(cfg))
+    return MegatronSegmentModel(learner.ddp, learner.groups), learner.ddp.zero_grad_buffer, destroy_distributed
+
+
 def main(argv: Sequence[str]) -> int:
     p = argparse.ArgumentParser(prog="megathunder bench opd", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--learner", choices=["torch", "megatron"], default="torch",
+                   help="the small torch decoder, or the Megatron learner (one process)")
     p.add_argument("--turns", type=int, nargs="+", default=[2, 8, 32])
     p.add_argument("--turn-tokens", type=int, default=32)
     p.add_argument("--tool-tokens", type=int, default=32)
     p.add_argument("--hidden-size", type=int, default=256)
     p.add_argument("--num-layers", type=int, default=4)
+    p.add_argument("--vocab-size", type=int, default=512)
     p.add_argument("--repeats", type=int, default=2)
     args = p.parse_args(argv)
 
     max_len = 16 + max(args.turns) * (args.turn_tokens + args.tool_tokens)
-    cfg = ModelConfig(vocab_size=512, hidden_size=args.hidden_size, num_layers=args.num_layers,
-                      num_heads=max(1, args.hidden_size // 64), max_seq_len=max_len)
-    student, teacher = build_torch_decoder(cfg, seed=0), build_torch_decoder(cfg, seed=1)
+    student, zero_grad, close = (_megatron_student if args.learner == "megatron" else _torch_student)(args, max_len)
+    teacher_cfg = ModelConfig(vocab_size=args.vocab_size, hidden_size=args.hidden_size, num_layers=args.num_layers,
+                              num_heads=max(1, args.hidden_size // 64), max_seq_len=max_len)
+    teacher = build_torch_decoder(teacher_cfg, seed=1)
 
     @torch.no_grad()
     def score(tokens, start, end):  # teacher scoring is not learner work: kept outside the timers
@@ -88,11 +131,12 @@ def main(argv: Sequence[str]) -> int:
         return torch.log_softmax(logits, -1)[start - 1 : end - 1].gather(-1, tokens[start:end, None])[:, 0]
 
     rows = []
+    print(f"learner: {args.learner}")
     print(f"{'turns':>5} {'strategy':<14} {'work/full':>9} {'after last turn':>15} {'activations':>11}"
           f" {'time/full':>9} {'time after last':>15}")
     for num_turns in args.turns:
         rng = random.Random(num_turns)
-        tok = lambda n: [rng.randrange(512) for _ in range(n)]  # noqa: E731
+        tok = lambda n: [rng.randrange(args.vocab_size) for _ in range(n)]  # noqa: E731
         parts = [("prompt", tok(16))]
         for k in range(num_turns):
             parts.append(("turn", tok(args.turn_tokens)))
@@ -100,14 +144,14 @@ def main(argv: Sequence[str]) -> int:
                 parts.append(("tool", tok(args.tool_tokens)))
         tokens = torch.tensor([t for _, toks in parts for t in toks])
         mask = torch.tensor([kind == "turn" for kind, toks in parts for _ in toks][1:])
+        teacher_logp = score(tokens, 1, tokens.numel())
 
         def full_pass(measure_memory: bool):
-            student.zero_grad(set_to_none=True)
-            timed = _Timed(score)
+            zero_grad()
             with _SavedBytes() if measure_memory else contextlib.nullcontext() as saved:
                 t0 = time.perf_counter()
-                opd_reference_gradient(student, [(tokens, mask)], timed, 1.0, "token_mean")
-                elapsed = time.perf_counter() - t0 - timed.seconds
+                accumulate_full_trajectory_opd(student, [(tokens, mask, teacher_logp)], 1.0)
+                elapsed = time.perf_counter() - t0
             return elapsed, saved.peak if measure_memory else 0
 
         full_bytes = full_pass(True)[1]
@@ -115,7 +159,7 @@ def main(argv: Sequence[str]) -> int:
         for strategy in ("recompute", "kv_adjoint", "forward_early"):
             totals, tails, peaks, work, work_tail = [], [], [], [], []
             for rep in range(args.repeats + 2):  # run 0 measures memory (hooks distort time)
-                student.zero_grad(set_to_none=True)
+                zero_grad()
                 timed = _Timed(score)
                 streamer = TurnStreamer(student, timed, strategy=strategy)
                 with _SavedBytes() if rep == 0 else contextlib.nullcontext() as saved:
@@ -139,28 +183,33 @@ def main(argv: Sequence[str]) -> int:
                 passes = streamer.stats["forward_tokens"] + streamer.stats["backward_tokens"]
                 work.append(passes / (2 * len(tokens)))
                 work_tail.append((passes - passes_before) / (2 * len(tokens)))
-            row = {"turns": num_turns, "strategy": strategy,
+            row = {"learner": args.learner, "turns": num_turns, "strategy": strategy,
                    "work_vs_full": round(work[-1], 3),
                    "work_after_last_turn_vs_full": round(work_tail[-1], 3),
                    "activations_vs_full": round(peaks[0] / full_bytes, 3),
                    "time_vs_full": round(statistics.median(totals[1:]) / full_s, 3),
-                   "time_after_last_turn_vs_full": round(statistics.median(tails[1:]) / full_s, 3)}
+                   "time_after_last_turn_vs_full": round(statistics.median(tails[1:]) / full_s, 3),
+                   "full_pass_s": round(full_s, 4)}
             rows.append(row)
             print(f"{num_turns:>5} {strategy:<14} {row['work_vs_full']:>9.2f} "
                   f"{row['work_after_last_turn_vs_full']:>15.2f} {row['activations_vs_full']:>11.2f}"
                   f" {row['time_vs_full']:>9.2f} {row['time_after_last_turn_vs_full']:>15.2f}")
     print(json.dumps({"bench": "opd", "rows": rows}))
+    close()
     return 0
 
 
 class _Timed:
-    """Wraps the teacher so its time can be taken out of the learner's."""
+    """A stateless teacher whose time is taken out of the learner's."""
 
     def __init__(self, fn) -> None:
         self.fn, self.seconds = fn, 0.0
 
-    def __call__(self, *a):
+    def score(self, traj_id, tokens, start):
         t0 = time.perf_counter()
-        out = self.fn(*a)
+        out = self.fn(tokens, start, tokens.numel())
         self.seconds += time.perf_counter() - t0
         return out
+
+    def release(self, traj_id):
+        pass

@@ -25,8 +25,8 @@ def parse_overrides(overrides: Sequence[str]) -> dict[str, Any]:
             raise ConfigError(f"override {item!r}: expected dotted.key=value")
         try:
             value = yaml.safe_load(raw) if raw else ""
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"{key}: cannot parse value {raw!r}: {exc}") from None
+        except (yaml.YAMLError, RecursionError) as exc:
+            raise ConfigError(f"{key}: cannot parse value {raw!r}: {_one_line(exc)}") from None
         node = tree
         parts = key.split(".")
         for depth, part in enumerate(parts[:-1]):
@@ -36,6 +36,10 @@ def parse_overrides(overrides: Sequence[str]) -> dict[str, Any]:
             node = child
         node[parts[-1]] = value
     return tree
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split()) or type(exc).__name__
 
 
 def _merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
@@ -48,6 +52,13 @@ def _merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
     return merged
 
 
+def _show(part: Any) -> str:
+    """A location part as text; a key that is empty, padded or holds control characters (a line
+    break would split the message) is quoted."""
+    text = str(part)
+    return text if text and text.isprintable() and text.strip() == text else repr(text)
+
+
 def _format(err: ValidationError) -> str:
     """One line per error, each starting with the dotted path of the field at fault.
 
@@ -56,7 +67,7 @@ def _format(err: ValidationError) -> str:
     """
     lines = []
     for e in err.errors():
-        loc = ".".join(str(p) for p in e["loc"])
+        loc = ".".join(_show(p) for p in e["loc"])
         msg = e["msg"].removeprefix("Value error, ")
         names_field = e["type"] == "value_error" and ": " in msg
         if not loc:
@@ -74,7 +85,12 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
         path = Path(path)
         if not path.is_file():
             raise ConfigError(f"config file not found: {path}")
-        loaded = yaml.safe_load(path.read_text())
+        try:
+            loaded = yaml.safe_load(path.read_bytes().decode("utf-8"))
+        except UnicodeDecodeError as exc:
+            raise ConfigError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+        except (yaml.YAMLError, RecursionError) as exc:
+            raise ConfigError(f"{path}: not valid YAML: {_one_line(exc)}") from None
         if loaded is not None and not isinstance(loaded, dict):
             raise ConfigError(f"{path}: top level must be a mapping of sections")
         data = loaded or {}

@@ -13,7 +13,8 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # No NaN or infinity anywhere: a non-finite failure_reward would reach the gradient ledger.
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
 class ObjectiveConfig(_Strict):
@@ -155,7 +156,12 @@ class EngineConfig(_Strict):
     num_servers: int = Field(1, ge=1)
     """deployment=server: servers this process launches (one engine each)."""
     host: str = "127.0.0.1"
-    """Address launched servers bind to; loopback by default so nothing is reachable from outside."""
+    """Address launched servers bind to; loopback by default so nothing is reachable from outside.
+    Any other address needs ``api_key_env``."""
+    api_key_env: str | None = Field(None, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")
+    """Name of the environment variable holding the servers' shared secret (never the secret
+    itself): launched servers get it as VLLM_API_KEY and guard every endpoint but /health with it;
+    the client sends it as a Bearer token. Required off loopback (host or server_urls)."""
     base_port: int = Field(8100, ge=1024, le=65535)
     """Server i listens on base_port + i."""
     server_urls: list[str] = []
@@ -175,6 +181,21 @@ class EngineConfig(_Strict):
             raise ValueError("server_urls: only used with deployment=server")
         if self.base_port + self.num_servers - 1 > 65535:
             raise ValueError(f"base_port: {self.base_port} + num_servers exceeds 65535")
+        if self.deployment == "server" and self.api_key_env is None:
+            from urllib.parse import urlsplit
+
+            from megathunder.rollout.engines.auth import is_loopback
+
+            if not self.server_urls and not is_loopback(self.host):
+                raise ValueError(
+                    f"api_key_env: required when servers bind to host={self.host!r}, which is "
+                    "not loopback (their weight-sync endpoints would be open to the network)"
+                )
+            exposed = [u for u in self.server_urls if not is_loopback(urlsplit(u).hostname or "")]
+            if exposed:
+                raise ValueError(
+                    f"api_key_env: required to attach to servers off loopback ({exposed[0]})"
+                )
         return self
 
 
@@ -240,6 +261,10 @@ class PrecisionConfig(_Strict):
     params_dtype: Literal["float32", "bfloat16"] = "float32"
     layer_spec: Literal["local", "transformer_engine"] = "local"
     """local: Megatron's own layers (CPU and GPU); transformer_engine: TE layers (GPU only)."""
+    core_attention: Literal["megatron", "past_kv"] = "megatron"
+    """megatron: the layer spec's own core attention; past_kv: ours, which also attends to a cache
+    of past keys/values with autograd (needed by the per-turn OPD strategies kv_adjoint and
+    forward_early; same math as megatron on a whole sequence)."""
     fp8: Literal["e4m3", "hybrid"] | None = None
     """FP8 format for TE linear layers; hybrid = e4m3 forward, e5m2 backward."""
     fp8_recipe: Literal["delayed", "tensorwise", "mxfp8", "blockwise"] = "delayed"
@@ -287,12 +312,30 @@ class ReferenceModelConfig(_Strict):
     """Keep its weights in host memory between uses (GPU only; a no-op on CPU)."""
 
 
+class LearnerOPDConfig(_Strict):
+    """Per-turn on-policy distillation on the learner (``megathunder.learner.opd``)."""
+
+    strategy: Literal["recompute", "kv_adjoint", "forward_early"] = "kv_adjoint"
+    """How each completed turn's gradient is computed (DESIGN.md section 3; figures in BENCHMARKS.md).
+    kv_adjoint and forward_early need precision.core_attention=past_kv and no pipeline parallelism."""
+    beta: float = Field(1.0, gt=0)
+    """Coefficient of the per-token reverse KL to the teacher."""
+    aggregation: Literal["token_mean", "seq_mean_token_sum"] = "token_mean"
+    divergence: Literal["reverse_kl", "gjsd"] = "reverse_kl"
+    """reverse_kl: per-token l - l^T as a policy-gradient advantage; gjsd: GKD's generalized
+    Jensen-Shannon divergence over the vocabulary (needs a teacher with whole distributions)."""
+    jsd_lam: float = Field(0.5, gt=0, lt=1)
+    """Mixture weight of the teacher in the gjsd's M = lam P_T + (1 - lam) P_S."""
+
+
 class LearnerConfig(_Strict):
     parallel: ParallelConfig = ParallelConfig()
     model: PolicyModelConfig = PolicyModelConfig()
     precision: PrecisionConfig = PrecisionConfig()
     optimizer: LearnerOptimizerConfig = LearnerOptimizerConfig()
     reference: ReferenceModelConfig = ReferenceModelConfig()
+    opd: LearnerOPDConfig | None = None
+    """Set for on-policy distillation (per-turn streaming); null for RL only."""
     seed: int = 1234
 
     @model_validator(mode="after")
@@ -300,6 +343,11 @@ class LearnerConfig(_Strict):
         tp, pp, m = self.parallel.tensor_parallel, self.parallel.pipeline_parallel, self.model
         if m.hf_checkpoint is None:  # sizes known now; an HF checkpoint is checked when read
             check_parallel_divides_model(m, tp, pp)
+        if self.opd is not None and self.opd.strategy != "recompute":
+            if self.precision.core_attention != "past_kv":
+                raise ValueError(f"opd.strategy: {self.opd.strategy} needs precision.core_attention=past_kv")
+            if pp > 1:
+                raise ValueError(f"opd.strategy: {self.opd.strategy} does not run with parallel.pipeline_parallel > 1")
         return self
 
 
@@ -407,7 +455,8 @@ class VerifierConfig(_Strict):
     max_concurrent: int = Field(4, ge=1)
     on_failure: Literal["zero_reward", "drop_group"] = "zero_reward"
     """zero_reward: the trajectory gets ``failure_reward``; drop_group: its whole group is
-    excluded from the batch (the reward event says so)."""
+    excluded from the batch (the reward event says so). Applies to every failed episode: a
+    verifier that raises, times out or returns NaN/inf, and non-finite engine logprobs."""
     failure_reward: float = 0.0
 
 

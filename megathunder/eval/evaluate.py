@@ -18,7 +18,8 @@ Every sample ends in one recorded outcome:
 * ``verifier_error`` / ``verifier_timeout``: the verifier crashed or ran out of time. The episode
   is complete, so the sample counts, as a fail, whatever ``verifier.on_failure`` says for
   training; its instance is counted in ``num_failed`` and the message is kept;
-* ``episode_error``: the episode itself raised (an engine failure); the sample is *missing*.
+* ``episode_error``: the episode itself raised or failed before scoring (an engine failure, such as
+  non-finite logprobs: ``Episode.failure``); the sample is *missing*.
 
 pass@j is averaged over all ``num_instances`` instances and refuses (:class:`MissingSamplesError`)
 while any sample is missing, so a score is never computed on fewer instances or samples than it
@@ -205,14 +206,15 @@ def _finite(x: float) -> float | None:
 
 def _sample_outcome(sample: int, ep, pass_reward: float) -> SampleOutcome:
     out = ep.reward
-    status: SampleStatus = {"ok": "ok", "error": "verifier_error", "timeout": "verifier_timeout"}[
-        out.status
-    ]
+    status: SampleStatus = {
+        "ok": "ok", "error": "verifier_error", "timeout": "verifier_timeout",
+        "skipped": "episode_error",  # the episode failed before scoring (non-finite logprobs)
+    }[out.status]  # fmt: skip
     runs = [r for t in ep.turns for r in t.tool_runs]
     return SampleOutcome(
         sample=sample,
         status=status,
-        reward=out.reward,
+        reward=None if status == "episode_error" else out.reward,
         passed=status == "ok" and out.reward is not None and out.reward >= pass_reward,
         detail=out.detail,
         stop_reason=ep.stop_reason,

@@ -8,7 +8,7 @@ so a crash mid-save never leaves a directory that looks complete; ``latest`` nam
 
 from __future__ import annotations
 
-import functools
+import contextlib
 import shutil
 from pathlib import Path
 
@@ -26,6 +26,54 @@ def _sharded_state(learner, is_loading: bool) -> dict:
         "optimizer": learner.optimizer.sharded_state_dict(model_sd, is_loading=is_loading,
                                                           metadata=_OPTIM_METADATA),
     }
+
+
+def _materialise_optimizer_state(optimizer) -> None:
+    """A fresh distributed optimizer has no Adam state yet, and without TE/Apex Megatron's
+    ``state_dict`` needs one (its step count): create placeholder state (one zero-gradient step of
+    the inner optimizer) that the checkpoint then overwrites, as Megatron does for FSDP."""
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(opt, "optimizer", None)
+        if hasattr(opt, "_init_optimizer_states_with_dummy_values") and inner is not None and not inner.state:
+            opt._init_optimizer_states_with_dummy_values()
+
+
+@contextlib.contextmanager
+def _adam_step_kept_out_of_param_state(optimizer):
+    """megatron-core 0.16 without TE/Apex (torch Adam): loading a fully reshardable distributed
+    optimizer state copies every per-parameter state key from the checkpoint, but torch Adam's
+    ``step`` is stored per parameter group (and restored from there); keep it out of that copy
+    (tests/distributed: resume with the distributed optimizer is bit-exact)."""
+    patched = []
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        original = getattr(opt, "_set_main_param_and_optimizer_states", None)
+        if original is None:
+            continue
+
+        def without_step(model_param, tensors, opt=opt, original=original):
+            group_index, group_order = opt.model_param_group_index_map[model_param]
+            state = opt.optimizer.state[opt.optimizer.param_groups[group_index]["params"][group_order]]
+            step = state.pop("step", None) if "step" not in tensors else None
+            try:
+                original(model_param, tensors)
+            finally:
+                if step is not None:
+                    state["step"] = step
+
+        opt._set_main_param_and_optimizer_states = without_step
+        patched.append(opt)
+    try:
+        yield
+    finally:
+        for opt in patched:
+            del opt._set_main_param_and_optimizer_states
+    # ... and it restores that step as one tensor shared by every parameter's state, which torch
+    # Adam then increments in place once per parameter: give each state its own.
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(opt, "optimizer", None)
+        for state in (inner.state.values() if inner is not None else ()):
+            if torch.is_tensor(state.get("step")):
+                state["step"] = state["step"].clone()
 
 
 def save_checkpoint(learner, root: str | Path) -> Path:
@@ -59,39 +107,6 @@ def latest_checkpoint(root: str | Path) -> Path | None:
     return path if path.is_dir() else None
 
 
-def _prepare_distributed_optimizer(optimizer) -> None:
-    """Let a fresh process's DistributedOptimizer (torch Adam, no apex / TE) load a checkpoint.
-
-    Megatron 0.16 builds the optimizer's state dict from the inner optimizer's per-parameter state
-    (``assert len(steps) == 1`` on its 'step' entries), which exists only after a first step:
-    its own helper takes one on zero gradients (the values are then replaced by the checkpoint's).
-    Loading then restores 'step' from the param groups and copies every per-parameter entry,
-    'step' included, from the checkpoint's parameter state, which holds no 'step': the copy is
-    limited to the entries the checkpoint has, and each parameter gets its own 'step' tensor
-    (Megatron gives all of them one, which torch's Adam would increment once per parameter). (Seen on the first requeued DP=2 trainer run.)
-    """
-    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
-        inner = getattr(opt, "optimizer", None)
-        if inner is None or not hasattr(opt, "_init_optimizer_states_with_dummy_values"):
-            continue  # not a DistributedOptimizer
-        if opt.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
-            continue  # TE's optimizer: its own state handling
-        if not inner.state:
-            opt._init_optimizer_states_with_dummy_values()
-        opt._set_main_param_and_optimizer_states = functools.partial(_set_saved_states, opt)
-
-
-def _set_saved_states(opt, model_param, tensors: dict) -> None:
-    group_index, group_order = opt.model_param_group_index_map[model_param]
-    main_param = opt.optimizer.param_groups[group_index]["params"][group_order]
-    state = opt.optimizer.state[main_param]
-    if "step" in state:  # Megatron set one tensor for all parameters; torch Adam increments each in place
-        state["step"] = state["step"].clone()
-    dst = {"param": main_param, **state}
-    for key, value in tensors.items():
-        dst[key].copy_(value)
-
-
 def load_checkpoint(learner, path: str | Path, load_optimizer: bool = True) -> None:
     from megatron.core import dist_checkpointing
 
@@ -99,7 +114,7 @@ def load_checkpoint(learner, path: str | Path, load_optimizer: bool = True) -> N
     if not path.is_dir():
         raise FileNotFoundError(f"checkpoint directory {path} does not exist")
     if load_optimizer:
-        _prepare_distributed_optimizer(learner.optimizer)
+        _materialise_optimizer_state(learner.optimizer)
     state = _sharded_state(learner, is_loading=True)
     if not load_optimizer:
         del state["optimizer"]
@@ -108,7 +123,8 @@ def load_checkpoint(learner, path: str | Path, load_optimizer: bool = True) -> N
     loaded = dist_checkpointing.load(state, str(path))
     learner.model.load_state_dict(loaded["model"], strict=False)
     if load_optimizer:
-        learner.optimizer.load_state_dict(loaded["optimizer"])
+        with _adam_step_kept_out_of_param_state(learner.optimizer):
+            learner.optimizer.load_state_dict(loaded["optimizer"])
     learner.scheduler.load_state_dict(loaded["scheduler"])
     learner.num_steps = int(loaded["num_steps"])
     if learner.reference is not None and learner.num_steps == 0:

@@ -5,6 +5,8 @@
     learner.ledger.on_finished(traj); learner.ledger.on_reward(tid, r) ...
     learner.ledger.close_batch(); learner.step()  # ... one DP reduce + optimizer step per batch
     learner.sync_step_gradient(batch, rewards, owner); learner.step()   # batch-synchronous path
+    streamer = learner.turn_streamer(teacher)     # per-turn OPD (learner.opd): turn events ...
+    learner.finish_opd_batch(streamer); learner.step()
 
 Both paths leave the final gradient in DDP's buffers before ``step`` reduces it across
 data-parallel ranks (a sum: each rank holds its trajectories' share of (1/Z) sum_i grad loss_i).
@@ -137,6 +139,37 @@ class MegatronLearner:
         self.num_steps += 1
         return StepResult(ok=bool(ok), grad_norm=float(grad_norm or 0.0),
                           lr=self.optimizer.param_groups[0]["lr"])
+
+    def turn_streamer(self, teacher):
+        """Per-turn OPD on this learner (``learner.opd``): gradients accumulate, unnormalised, in
+        DDP's buffers; ``finish_batch`` divides by Z once, then ``step`` as for RL."""
+        from megathunder.config import ConfigError
+        from megathunder.learner.opd import MegatronSegmentModel
+        from megathunder.streaming.opd_turns import TurnStreamer
+
+        if self.cfg.opd is None:
+            raise ConfigError("learner.opd: not set (per-turn OPD needs its strategy)")
+        opd = self.cfg.opd
+        self.ddp.zero_grad_buffer()
+        return TurnStreamer(MegatronSegmentModel(self.ddp, self.groups), teacher, beta=opd.beta,
+                            strategy=opd.strategy, aggregation=opd.aggregation,
+                            divergence=opd.divergence, jsd_lam=opd.jsd_lam)
+
+    def finish_opd_batch(self, streamer) -> float:
+        """Divide the streamed OPD gradient by the batch's Z, counted over every data-parallel
+        rank's trajectories (each rank streams only its own); returns Z. Then ``step``."""
+        import torch.distributed as dist
+
+        from megathunder.objectives.opd import opd_normaliser
+
+        counts = streamer.finished_counts
+        totals = torch.tensor([sum(counts), len(counts)], dtype=torch.float64, device=self.groups.device)
+        if self.groups.dims.dp > 1:
+            dist.all_reduce(totals, group=self.groups.dp)
+        num_tokens, num_trajs = int(totals[0]), int(totals[1])
+        z = opd_normaliser([num_tokens] if streamer.aggregation == "token_mean" else [0] * num_trajs,
+                           streamer.aggregation)
+        return streamer.finish_batch(z)
 
     # ------------------------------------------------------------------ inference
 

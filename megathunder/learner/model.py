@@ -3,7 +3,8 @@
 All three families are RMSNorm + SwiGLU + RoPE + grouped-query attention; they differ in
 biases (Qwen2 has q/k/v biases), q/k RMSNorm (Qwen3) and tied embeddings (small Qwen models).
 The layer spec is Megatron's ``local`` spec (CPU and GPU) or Transformer Engine's (GPU; required
-for FP8, whose format and recipe are passed to TE through ``TransformerConfig``).
+for FP8, whose format and recipe are passed to TE through ``TransformerConfig``), either with its
+own core attention or with ours over past keys/values (``megathunder.learner.past_kv``).
 """
 
 from __future__ import annotations
@@ -98,14 +99,22 @@ def transformer_config(model: PolicyModelConfig, precision: PrecisionConfig, gro
 
 
 def layer_spec(model: PolicyModelConfig, precision: PrecisionConfig):
+    """The GPT layer spec: local or Transformer Engine, with Megatron's core attention or ours
+    (``past_kv``: attends to a cache of past keys/values with autograd, for per-turn OPD)."""
     qk_norm = model.family == "qwen3"
     if precision.layer_spec == "transformer_engine":
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
-        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_norm)
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+        spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_norm)
+    else:
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    return get_gpt_layer_local_spec(qk_layernorm=qk_norm, normalization="RMSNorm")
+        spec = get_gpt_layer_local_spec(qk_layernorm=qk_norm, normalization="RMSNorm")
+    if precision.core_attention == "past_kv":
+        from megathunder.learner.past_kv import with_past_kv_attention
+
+        spec = with_past_kv_attention(spec)
+    return spec
 
 
 def resolve_model_config(cfg: LearnerConfig) -> PolicyModelConfig:

@@ -14,12 +14,24 @@ Limits: ``agent.max_turns``; ``agent.max_total_tokens`` over the whole episode (
 the room left; a turn cut by a length limit ends the episode as truncated, a tool output that
 would not fit ends it before the output); ``agent.episode_wall_time_s`` (generation and tools are
 cancelled at the deadline, killing the tool's processes; the verifier still scores the state).
+
+Faults (RELIABILITY.md): a failed episode gets ``Episode.failure`` (the reason) and the outcome
+``verifier.on_failure`` gives every failure: ``drop_group`` (its reward event has ``drop_group``
+True and reward None: the trainer drops the whole group from the batch and the normaliser) or
+``zero_reward`` (reward ``failure_reward``, trained). Failures are a turn whose engine logprobs
+are not finite or do not match its tokens (that turn is neither kept nor emitted, the episode
+ends there and its verifier is skipped) and a verifier that raises, times out or returns a
+non-finite reward. A malformed tool call, a crashing, hung or memory-hungry tool and an exhausted
+token or time budget are not failures: they are observations or stop reasons of an episode that
+is trained as usual. An exception from the engine itself (no rollout server left) ends the whole
+batch: its other episodes are cancelled and their sandboxes closed.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -34,7 +46,7 @@ from megathunder.tasks.base import Task, TaskInstance
 
 log = logging.getLogger(__name__)
 
-StopReason = Literal["answered", "max_turns", "max_tokens", "wall_time", "engine_abort"]
+StopReason = Literal["answered", "max_turns", "max_tokens", "wall_time", "engine_abort", "failed"]
 
 
 @dataclass
@@ -85,6 +97,10 @@ class Episode:
     finished_at: float = 0.0
     reward: RewardOutcome | None = None
     final_text: str = ""  # the last model turn, decoded
+    failure: str | None = None
+    """What failed ("nonfinite_logprob: ...", "engine_protocol: ...", "verifier_error: ...",
+    "verifier_timeout: ..."), None when nothing did. What the trainer does about it is
+    ``reward.drop_group`` (``verifier.on_failure``). Final once the reward event is emitted."""
 
     @property
     def generation_s(self) -> float:
@@ -174,8 +190,18 @@ class AgentLoop:
             for k in range(samples_per_prompt):
                 traj_id = g * samples_per_prompt + k
                 ep_seed = None if seed is None else seed * 1_000_003 + traj_id
-                jobs.append(self.run_episode(inst, traj_id=traj_id, group_id=g, seed=ep_seed))
-        return list(await asyncio.gather(*jobs))
+                jobs.append(
+                    asyncio.ensure_future(
+                        self.run_episode(inst, traj_id=traj_id, group_id=g, seed=ep_seed)
+                    )
+                )
+        try:
+            return list(await asyncio.gather(*jobs))
+        except BaseException:  # one episode raised (or we were cancelled): stop the others too
+            for job in jobs:
+                job.cancel()
+            await asyncio.gather(*jobs, return_exceptions=True)  # their sandboxes are closed
+            raise
 
     async def run_episode(
         self, inst: TaskInstance, *, traj_id: int, group_id: int, seed: int | None = None
@@ -203,13 +229,18 @@ class AgentLoop:
         except TimeoutError:
             ep.stop_reason = "wall_time"
         ep.finished_at = time.monotonic()
-        self._event("trajectory_finished", ep, payload={"episode": ep})
+        self._event("trajectory_finished", ep, payload={"episode": ep, "failure": ep.failure})
 
-        if self.cfg.added_verifier_latency_s:
-            await asyncio.sleep(self.cfg.added_verifier_latency_s)
-        ep.reward = await self.verifiers.score(
-            lambda: self.task.verify(inst, ep, sandbox), traj_id=traj_id
-        )
+        if ep.failure is None:
+            if self.cfg.added_verifier_latency_s:
+                await asyncio.sleep(self.cfg.added_verifier_latency_s)
+            ep.reward = await self.verifiers.score(
+                lambda: self.task.verify(inst, ep, sandbox), traj_id=traj_id
+            )
+            if ep.reward.status != "ok":
+                ep.failure = f"verifier_{ep.reward.status}: {ep.reward.detail}"
+        else:  # nothing to score: the configured failure outcome, as for a failed verifier
+            ep.reward = self.verifiers.failed(traj_id, ep.failure)
         self._event("reward", ep, payload=ep.reward.as_payload())
         return ep
 
@@ -229,6 +260,10 @@ class AgentLoop:
             out: Completion = await asyncio.wait_for(
                 self.engine.generate(ep.token_ids, params), _remaining(deadline)
             )
+            bad = _bad_logprobs(out)
+            if bad is not None:  # nothing of this turn is kept or emitted
+                ep.failure = f"{bad} (turn {index})"
+                return "failed"
             start = len(ep.token_ids)
             turn = Turn(
                 index=index, start=start, end=start + len(out.token_ids),
@@ -297,6 +332,16 @@ class AgentLoop:
                 obs, ok = f"[error: tool {call.name!r} crashed: {type(err).__name__}: {err}]", False
         turn.tool_runs.append(ToolRun(name, args, obs, time.monotonic() - t0, ok))
         return obs
+
+
+def _bad_logprobs(out: Completion) -> str | None:
+    """Why a completion's logprobs cannot be trained on, or None."""
+    if len(out.logprobs) != len(out.token_ids):
+        return f"engine_protocol: {len(out.logprobs)} logprobs for {len(out.token_ids)} tokens"
+    for k, lp in enumerate(out.logprobs):
+        if not math.isfinite(lp):
+            return f"nonfinite_logprob: {lp} at token {k}"
+    return None
 
 
 def _remaining(deadline: float) -> float:

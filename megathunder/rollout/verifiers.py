@@ -6,7 +6,8 @@ instead of freezing the event loop). The pool bounds how many run at once
 (``verifier.max_concurrent``) and how long each may take (``verifier.timeout_s``, from when it
 starts, not while it queues). A verifier that raises or times out never hangs the episode: it
 produces ``verifier.on_failure`` -- ``zero_reward`` (the trajectory gets ``failure_reward``) or
-``drop_group`` (its group leaves the batch) -- and a warning in the log. Timed-out verifiers are
+``drop_group`` (its group leaves the batch) -- and a warning in the log. The agent loop applies the
+same policy to an episode that failed before scoring (:meth:`VerifierPool.failed`). Timed-out verifiers are
 cancelled; one that runs a sandbox command has that command's process tree killed.
 """
 
@@ -27,7 +28,7 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class RewardOutcome:
     reward: float | None  # None when the group is dropped
-    status: Literal["ok", "error", "timeout"]
+    status: Literal["ok", "error", "timeout", "skipped"]  # skipped: the episode had failed
     drop_group: bool
     duration_s: float
     detail: str = ""
@@ -64,6 +65,11 @@ class VerifierPool:
                     traj_id, "error", f"verifier raised {type(err).__name__}: {err}", start
                 )
             return RewardOutcome(reward, "ok", False, time.monotonic() - start)
+
+    def failed(self, traj_id: int, detail: str) -> RewardOutcome:
+        """The ``on_failure`` outcome of an episode that failed before its verifier could run
+        (status ``skipped``): the same policy as a verifier failure."""
+        return self._failed(traj_id, "skipped", detail, time.monotonic())
 
     def _failed(self, traj_id: int, status, detail: str, start: float) -> RewardOutcome:
         self.num_failures += 1

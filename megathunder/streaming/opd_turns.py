@@ -18,36 +18,165 @@ computing every grad L_k is exact. Three strategies, all driven by the same even
                    graph (no backward); at trajectory end one backward of sum_k L_k.
 
 c_t needs the student's own l_t, which each strategy gets from the forward it runs for the turn.
-Gradients accumulate, unnormalised, into the parameters' ``.grad``; ``finish_batch`` divides by Z
-once. The first target of a segment is predicted by the previous segment's last position; when
+Gradients accumulate, unnormalised, into the model's gradient storage; ``finish_batch`` divides
+by Z once. The first target of a segment is predicted by the previous segment's last position; when
 the tool output between two turns is empty that target is trained, and its term reaches back
 through the previous segment's graph, which both KV strategies keep until the trajectory ends.
+
+The streamer is written against two small interfaces, so the same strategies run on the plain
+torch decoder (fp64 exactness tests) and on the Megatron learner (``megathunder.learner.opd``):
+``SegmentModel`` (forward a segment on top of past K/V, token logprobs, backward, divide the
+gradient) and ``Teacher`` (per-turn scores; ``CachedTeacher`` keeps each trajectory's teacher K/V
+so a turn is scored without re-scoring its prefix).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, Protocol
 
 import torch
 
 from megathunder.models.torch_decoder import TorchDecoder
-from megathunder.objectives.opd import OPDAggregation, opd_coefficients, opd_loss, opd_normaliser
+from megathunder.objectives.opd import OPDAggregation, gjsd_terms, opd_coefficients, opd_loss, opd_normaliser
 
 Strategy = Literal["recompute", "kv_adjoint", "forward_early"]
+Divergence = Literal["reverse_kl", "gjsd"]
+KV = tuple[torch.Tensor, torch.Tensor]
 TeacherFn = Callable[[torch.Tensor, int, int], torch.Tensor]
 """teacher(tokens, start, end) -> teacher logprobs of tokens[start:end] given tokens[:start]."""
+
+
+class SegmentModel(Protocol):
+    kv_seq_dim: int  # the sequence dim of the per-layer K/V tensors
+
+    def forward_segment(self, tokens: torch.Tensor, past: Sequence[KV] | None) -> tuple[torch.Tensor, list[KV]]:
+        """Logits rows [L, V or V/tp] of ``tokens`` [L] continuing ``past`` (per layer K/V of every
+        earlier token), and the segment's own per-layer K/V; differentiable in ``past``."""
+
+    def logprobs(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor: ...
+
+    def log_softmax(self, logits: torch.Tensor) -> torch.Tensor:
+        """Normalised log-probability rows (this rank's vocabulary slice under TP)."""
+
+    def vocab_sum(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum over the (whole, possibly sharded) vocabulary dim, differentiable."""
+
+    def backward(self, outputs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor] | None,
+                 retain_graph: bool = False) -> None:
+        """Accumulate d(outputs)/d(params) (weighted by ``grads``) into the gradient storage."""
+
+    def divide_grads(self, z: float) -> None: ...
+
+
+class Teacher(Protocol):
+    def score(self, traj_id: int, tokens: torch.Tensor, start: int) -> torch.Tensor:
+        """Teacher logprobs of tokens[start:] given tokens[:start] (detached)."""
+
+    def release(self, traj_id: int) -> None: ...
+
+    # Teachers that hold the whole distribution (CachedTeacher) also provide, for the GJSD:
+    # score_rows(traj_id, tokens, start) -> log-prob rows [n, V(/tp)] predicting tokens[start:].
 
 
 def _logp_of(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
 
 
+class TorchSegmentModel:
+    """``SegmentModel`` over the plain torch decoder; gradients in the parameters' ``.grad``."""
+
+    kv_seq_dim = 2
+
+    def __init__(self, model: TorchDecoder) -> None:
+        self.model = model
+
+    def forward_segment(self, tokens, past):
+        logits, kv = self.model.forward_with_cache(tokens[None], list(past) if past else None)
+        return logits[0], kv
+
+    def logprobs(self, logits, targets):
+        return _logp_of(logits, targets)
+
+    def log_softmax(self, logits):
+        return torch.log_softmax(logits, dim=-1)
+
+    def vocab_sum(self, x):
+        return x.sum(dim=-1)
+
+    def backward(self, outputs, grads, retain_graph=False):
+        torch.autograd.backward(list(outputs), None if grads is None else list(grads), retain_graph=retain_graph)
+
+    def divide_grads(self, z):
+        for p in self.model.parameters():
+            if p.grad is not None:
+                p.grad.div_(z)
+
+
+class FunctionTeacher:
+    """A stateless teacher: every call scores the whole prefix again (tests, references)."""
+
+    def __init__(self, fn: TeacherFn) -> None:
+        self.fn = fn
+
+    def score(self, traj_id, tokens, start):
+        return self.fn(tokens, start, tokens.numel())
+
+    def release(self, traj_id):
+        pass
+
+
+@dataclass
+class _TeacherState:
+    num_tokens: int = 0  # tokens forwarded so far
+    kv: list[KV] | None = None
+    last_logits: torch.Tensor | None = None  # predicts token num_tokens
+
+
+class CachedTeacher:
+    """Forward-only teacher with a K/V cache per trajectory: each call forwards only the tokens
+    it has not seen, on top of the cached K/V (the prefix is never re-scored). Student and
+    teacher may differ in size; they share the tokenizer (the vocabulary)."""
+
+    def __init__(self, model: SegmentModel) -> None:
+        self.model = model
+        self._state: dict[int, _TeacherState] = {}
+        self.stats = {"forward_tokens": 0}
+
+    @torch.no_grad()
+    def score_rows(self, traj_id, tokens, start):
+        """Logit rows predicting tokens[start:], forwarding only the tokens not yet cached."""
+        s = self._state.setdefault(traj_id, _TeacherState())
+        n, end = s.num_tokens, tokens.numel()
+        if not 1 <= start <= end or start < n:
+            raise ValueError(f"CachedTeacher: trajectory {traj_id}: scoring from {start} but {n} tokens are cached")
+        logits, kv = self.model.forward_segment(tokens[n:end], s.kv)
+        self.stats["forward_tokens"] += end - n
+        rows = logits[max(start - 1 - n, 0) : end - 1 - n]
+        if start == n:  # the first target is predicted by the previous call's last position
+            rows = torch.cat([s.last_logits[None], rows], dim=0)
+        dim = self.model.kv_seq_dim
+        s.kv = kv if s.kv is None else [(torch.cat([pk, k], dim), torch.cat([pv, v], dim))
+                                        for (pk, pv), (k, v) in zip(s.kv, kv, strict=True)]
+        s.num_tokens, s.last_logits = end, logits[-1]
+        return rows
+
+    def score(self, traj_id, tokens, start):
+        return self.model.logprobs(self.score_rows(traj_id, tokens, start), tokens[start:])
+
+    def score_log_softmax(self, traj_id, tokens, start):
+        """The teacher's log-probability rows [n, V(/tp)] predicting tokens[start:] (for the GJSD)."""
+        return self.model.log_softmax(self.score_rows(traj_id, tokens, start))
+
+    def release(self, traj_id):
+        self._state.pop(traj_id, None)
+
+
 @dataclass
 class _Segment:
-    kv_out: list[tuple[torch.Tensor, torch.Tensor]]  # attached to this segment's graph
-    kv_leaf: list[tuple[torch.Tensor, torch.Tensor]]  # detached copies the next segments read
+    kv_out: list[KV]  # attached to this segment's graph
+    kv_leaf: list[KV]  # detached copies the next segments read
     last_logits: torch.Tensor  # logits of the segment's last position (predicts the next token)
 
 
@@ -62,10 +191,15 @@ class _Trajectory:
 
 
 class TurnStreamer:
-    def __init__(self, model: TorchDecoder, teacher: TeacherFn, beta: float = 1.0,
-                 strategy: Strategy = "kv_adjoint", aggregation: OPDAggregation = "token_mean") -> None:
-        self.model = model
-        self.teacher = teacher
+    def __init__(self, model: TorchDecoder | SegmentModel, teacher: TeacherFn | Teacher, beta: float = 1.0,
+                 strategy: Strategy = "kv_adjoint", aggregation: OPDAggregation = "token_mean",
+                 divergence: Divergence = "reverse_kl", jsd_lam: float = 0.5) -> None:
+        self.model = TorchSegmentModel(model) if isinstance(model, torch.nn.Module) else model
+        if divergence == "gjsd" and not hasattr(teacher, "score_log_softmax"):
+            raise ValueError("divergence gjsd: the teacher must give whole distributions (CachedTeacher)")
+        self.divergence = divergence
+        self.jsd_lam = jsd_lam
+        self.teacher = teacher if hasattr(teacher, "score") else FunctionTeacher(teacher)
         self.beta = beta
         self.strategy = strategy
         self.aggregation = aggregation
@@ -96,7 +230,7 @@ class TurnStreamer:
         start = len(t.tokens) + len(t.pending)  # index of the turn's first token
         t.num_trained += len(turn)
         {"recompute": self._recompute, "kv_adjoint": self._kv_adjoint,
-         "forward_early": self._forward_early}[self.strategy](t, segment, start, len(turn))
+         "forward_early": self._forward_early}[self.strategy](traj_id, t, segment, start, len(turn))
         t.tokens.extend(segment)
         t.pending = []
 
@@ -111,42 +245,57 @@ class TurnStreamer:
                             outs.append(out)
                             grads.append(leaf.grad)
                 if outs:
-                    torch.autograd.backward(outs, grads)
+                    self.model.backward(outs, grads)
                     self.stats["backward_calls"] += 1
             self.stats["backward_tokens"] += sum(t.segment_lengths[:-1])  # the last has no adjoint
         elif self.strategy == "forward_early" and t.losses:
-            torch.stack(t.losses).sum().backward()
+            self.model.backward([torch.stack(t.losses).sum()], None)
             self.stats["backward_calls"] += 1
             self.stats["backward_tokens"] += sum(t.segment_lengths)
+        self.teacher.release(traj_id)
         self._finished_counts.append(t.num_trained)
 
-    def finish_batch(self) -> float:
-        """Divide the accumulated gradient by Z once; returns Z."""
+    @property
+    def finished_counts(self) -> list[int]:
+        """Trained-token counts of the trajectories finished since the last ``finish_batch``."""
+        return list(self._finished_counts)
+
+    def finish_batch(self, z: float | None = None) -> float:
+        """Divide the accumulated gradient by Z once; returns Z. ``z``: the normaliser when this
+        streamer holds only part of the batch (data parallel: computed from every rank's counts)."""
         if self._open:
             raise ValueError(f"finish_batch: trajectories {sorted(self._open)} still open")
-        z = opd_normaliser(self._finished_counts, self.aggregation)
-        for p in self.model.parameters():
-            if p.grad is not None:
-                p.grad.div_(z)
+        if z is None:
+            z = opd_normaliser(self._finished_counts, self.aggregation)
+        self.model.divide_grads(z)
         self._finished_counts = []
         return z
 
+    def reset_counts(self) -> None:
+        """Forget the finished trajectories' token counts (a caller that normalises itself)."""
+        self._finished_counts = []
+
     # ------------------------------------------------------------------ strategies
 
-    def _turn_loss(self, all_tokens: torch.Tensor, start: int, logits_for_targets: torch.Tensor) -> torch.Tensor:
+    def _turn_loss(self, traj_id: int, all_tokens: torch.Tensor, start: int,
+                   logits_for_targets: torch.Tensor) -> torch.Tensor:
         """sum_t c_t l_t over the turn's targets tokens[start:]; logits_for_targets[i] predicts
         tokens[start + i]."""
+        if self.divergence == "gjsd":  # beta * sum_t JSD_lam(teacher || student) at the turn's positions
+            student = self.model.log_softmax(logits_for_targets)
+            teacher = self.teacher.score_log_softmax(traj_id, all_tokens, start).to(student)
+            return self.beta * self.model.vocab_sum(gjsd_terms(student, teacher, self.jsd_lam)).sum()
         targets = all_tokens[start:]
-        logp = _logp_of(logits_for_targets, targets)
-        teacher = self.teacher(all_tokens, start, all_tokens.numel())
-        mask = torch.ones_like(targets, dtype=torch.bool)
+        logp = self.model.logprobs(logits_for_targets, targets)
+        teacher = self.teacher.score(traj_id, all_tokens, start).to(logp)
+        mask = torch.ones_like(logp, dtype=torch.bool)
         return opd_loss(logp, opd_coefficients(logp, teacher, mask, self.beta))
 
-    def _recompute(self, t: _Trajectory, segment: list[int], start: int, num_turn: int) -> None:
+    def _recompute(self, traj_id, t: _Trajectory, segment: list[int], start: int, num_turn: int) -> None:
         tokens = torch.tensor(t.tokens + segment)
-        logits = self.model(tokens[None])[0]
+        logits, _ = self.model.forward_segment(tokens, None)
         self.stats["forward_tokens"] += tokens.numel()
-        self._turn_loss(tokens, start, logits[start - 1 : tokens.numel() - 1]).backward()
+        self.model.backward([self._turn_loss(traj_id, tokens, start, logits[start - 1 : tokens.numel() - 1])], None)
         self.stats["backward_calls"] += 1
         self.stats["backward_tokens"] += tokens.numel()
 
@@ -155,15 +304,16 @@ class TurnStreamer:
         seg = tokens[len(t.tokens):]
         past = None
         if t.segments:
+            dim = self.model.kv_seq_dim
             source = (lambda s: s.kv_out) if attach_prefix else (lambda s: s.kv_leaf)
             past = [
-                (torch.cat([source(s)[i][0] for s in t.segments], dim=2),
-                 torch.cat([source(s)[i][1] for s in t.segments], dim=2))
-                for i in range(len(self.model.blocks))
+                (torch.cat([source(s)[i][0] for s in t.segments], dim=dim),
+                 torch.cat([source(s)[i][1] for s in t.segments], dim=dim))
+                for i in range(len(t.segments[0].kv_out))
             ]
-        logits, kv = self.model.forward_with_cache(seg[None], past)
+        logits, kv = self.model.forward_segment(seg, past)
         self.stats["forward_tokens"] += seg.numel()
-        return tokens, logits[0], kv
+        return tokens, logits, kv
 
     def _logits_for_turn(self, t: _Trajectory, logits: torch.Tensor, segment_len: int, num_turn: int):
         """Rows predicting the turn's tokens: the previous segment's last row if the turn starts
@@ -174,22 +324,52 @@ class TurnStreamer:
             rows = torch.cat([t.segments[-1].last_logits[None], rows], dim=0)
         return rows
 
-    def _kv_adjoint(self, t: _Trajectory, segment: list[int], start: int, num_turn: int) -> None:
+    def _kv_adjoint(self, traj_id, t: _Trajectory, segment: list[int], start: int, num_turn: int) -> None:
         tokens, logits, kv = self._segment_forward(t, segment, attach_prefix=False)
         rows = self._logits_for_turn(t, logits, len(segment), num_turn)
-        self._turn_loss(tokens, start, rows).backward(retain_graph=True)
+        self.model.backward([self._turn_loss(traj_id, tokens, start, rows)], None, retain_graph=True)
         self.stats["backward_calls"] += 1
         self.stats["backward_tokens"] += len(segment)
         t.segment_lengths.append(len(segment))
         leaves = [(k.detach().requires_grad_(), v.detach().requires_grad_()) for k, v in kv]
         t.segments.append(_Segment(kv_out=kv, kv_leaf=leaves, last_logits=logits[-1]))
 
-    def _forward_early(self, t: _Trajectory, segment: list[int], start: int, num_turn: int) -> None:
+    def _forward_early(self, traj_id, t: _Trajectory, segment: list[int], start: int, num_turn: int) -> None:
         tokens, logits, kv = self._segment_forward(t, segment, attach_prefix=True)
         rows = self._logits_for_turn(t, logits, len(segment), num_turn)
-        t.losses.append(self._turn_loss(tokens, start, rows))
+        t.losses.append(self._turn_loss(traj_id, tokens, start, rows))
         t.segment_lengths.append(len(segment))
         t.segments.append(_Segment(kv_out=kv, kv_leaf=kv, last_logits=logits[-1]))
+
+
+def accumulate_full_trajectory_opd(model: SegmentModel, items: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+                                   beta: float) -> list[int]:
+    """Batch OPD's unnormalised gradient on full trajectories into the model's gradient storage:
+    per (tokens [L], trained-target mask [L-1], teacher logprobs [L-1]) one forward, c_t from it,
+    one backward. Returns the trained-token counts (for ``opd_normaliser``)."""
+    counts = []
+    for tokens, mask, teacher_logp in items:
+        logits, _ = model.forward_segment(tokens, None)
+        logp = model.logprobs(logits[:-1], tokens[1:])
+        mask = mask.to(logp.device)
+        loss = opd_loss(logp, opd_coefficients(logp, teacher_logp.to(logp), mask, beta))
+        model.backward([loss], None)
+        counts.append(int(mask.sum()))
+    return counts
+
+
+def accumulate_full_trajectory_gjsd(model: SegmentModel, items: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+                                    beta: float, lam: float) -> list[int]:
+    """The same for the GJSD: items carry the teacher's log-probability rows [L-1, V(/tp)]."""
+    counts = []
+    for tokens, mask, teacher_rows in items:
+        logits, _ = model.forward_segment(tokens, None)
+        student = model.log_softmax(logits[:-1])
+        mask = mask.to(student.device)
+        per_token = model.vocab_sum(gjsd_terms(student, teacher_rows.to(student), lam))
+        model.backward([beta * torch.where(mask, per_token, 0.0).sum()], None)
+        counts.append(int(mask.sum()))
+    return counts
 
 
 def opd_reference_gradient(model: TorchDecoder, trajectories: list[tuple[torch.Tensor, torch.Tensor]],
@@ -202,16 +382,8 @@ def opd_reference_gradient(model: TorchDecoder, trajectories: list[tuple[torch.T
     saved = [p.grad for p in params]
     for p in params:
         p.grad = None
-    total = 0.0
-    counts = []
-    for tokens, mask in trajectories:
-        logits = model(tokens[None])[0, :-1]
-        logp = _logp_of(logits, tokens[1:])
-        teacher_all = teacher(tokens, 1, tokens.numel())
-        total = total + opd_loss(logp, opd_coefficients(logp, teacher_all, mask, beta))
-        counts.append(int(mask.sum()))
-    if isinstance(total, torch.Tensor):
-        total.backward()
+    items = [(tokens, mask, teacher(tokens, 1, tokens.numel())) for tokens, mask in trajectories]
+    counts = accumulate_full_trajectory_opd(TorchSegmentModel(model), items, beta)
     flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
     for p, g in zip(params, saved, strict=True):
         p.grad = g

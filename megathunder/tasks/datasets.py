@@ -47,13 +47,19 @@ def read_records(path: str | Path) -> list[tuple[str, dict[str, Any]]]:
     if path.suffix not in (".jsonl", ".json"):
         raise DatasetError(f"{path}: expected a .jsonl or .parquet file")
     out = []
-    for num, line in enumerate(path.read_text().splitlines(), 1):
+    for num, raw in enumerate(path.read_bytes().split(b"\n"), 1):
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as err:
+            raise DatasetError(f"{path}:{num}: not UTF-8 ({err.reason} at byte {err.start})") from None
         if not line.strip():
             continue
         try:
             record = json.loads(line)
         except json.JSONDecodeError as err:
             raise DatasetError(f"{path}:{num}: invalid JSON ({err.msg})") from err
+        except RecursionError:
+            raise DatasetError(f"{path}:{num}: JSON nested too deeply") from None
         if not isinstance(record, dict):
             raise DatasetError(f"{path}:{num}: expected a JSON object, got {type(record).__name__}")
         out.append((f"{path}:{num}", record))

@@ -101,13 +101,15 @@ def test_other_families_import_and_match_transformers(tmp_path, family, tie):
     _assert_logprobs_match_transformers(hf_dir, torch.load(out)["logprobs"])
 
 
-def test_checkpoint_resume_is_exact_and_reshards_tp1_to_tp2(hf_qwen2, tmp_path):
+@pytest.mark.parametrize("dist_opt", [[], ["--dist-opt"]], ids=["plain_optimizer", "distributed_optimizer"])
+def test_checkpoint_resume_is_exact_and_reshards_tp1_to_tp2(hf_qwen2, tmp_path, dist_opt):
     ckpt, saved = tmp_path / "ckpt", tmp_path / "saved.pt"
-    launch(1, "checkpoint_save", "--out", str(saved), "--hf", str(hf_qwen2), "--ckpt", str(ckpt))
+    launch(1, "checkpoint_save", "--out", str(saved), "--hf", str(hf_qwen2), "--ckpt", str(ckpt), *dist_opt)
     reference = torch.load(saved)
     same, tp2 = tmp_path / "same.pt", tmp_path / "tp2.pt"
-    launch(1, "checkpoint_resume", "--out", str(same), "--hf", str(hf_qwen2), "--ckpt", str(ckpt))
-    launch(2, "checkpoint_resume", "--out", str(tp2), "--hf", str(hf_qwen2), "--ckpt", str(ckpt), "--tp", "2")
+    launch(1, "checkpoint_resume", "--out", str(same), "--hf", str(hf_qwen2), "--ckpt", str(ckpt), *dist_opt)
+    launch(2, "checkpoint_resume", "--out", str(tp2), "--hf", str(hf_qwen2), "--ckpt", str(ckpt), "--tp", "2",
+           *dist_opt)
     same, tp2 = torch.load(same), torch.load(tp2)
     assert same["num_steps"] == tp2["num_steps"] == 1
     assert torch.equal(_flat(same["loaded"]), _flat(reference["after1"]))

@@ -8,7 +8,9 @@ import pytest
 import torch
 
 from megathunder.streaming.opd_turns import TurnStreamer, opd_reference_gradient
+from tests import opd_helpers
 from tests.helpers import VOCAB, rel_err, small_model
+from tests.opd_helpers import flatten, stream
 
 
 def _teacher_fn(teacher):
@@ -19,40 +21,8 @@ def _teacher_fn(teacher):
     return score
 
 
-def random_episode(rng: random.Random) -> list[tuple[str, list[int]]]:
-    """[prompt, a_1, o_1, ..., a_K] with 1-8 turns, some empty turns and empty tool outputs."""
-    tok = lambda n: [rng.randrange(VOCAB) for _ in range(n)]  # noqa: E731
-    parts = [("prompt", tok(rng.randint(1, 4)))]
-    num_turns = rng.randint(1, 8)
-    for k in range(num_turns):
-        parts.append(("turn", tok(rng.choice([0, 1, 2, 3]))))
-        if k + 1 < num_turns:
-            parts.append(("tool", tok(rng.choice([0, 0, 1, 2]))))
-    return parts
-
-
-def flatten(parts) -> tuple[torch.Tensor, torch.Tensor]:
-    tokens, trained = [], []
-    for kind, toks in parts:
-        tokens += toks
-        trained += [kind == "turn"] * len(toks)
-    return torch.tensor(tokens), torch.tensor(trained[1:], dtype=torch.bool)
-
-
-def stream(streamer: TurnStreamer, episodes) -> None:
-    for tid, parts in enumerate(episodes):
-        streamer.begin_trajectory(tid, parts[0][1])
-    # Interleave trajectories' turns (they run concurrently), each in its own order.
-    cursors = {tid: 1 for tid in range(len(episodes))}
-    rng = random.Random(5)
-    while cursors:
-        tid = rng.choice(sorted(cursors))
-        kind, toks = episodes[tid][cursors[tid]]
-        (streamer.on_turn if kind == "turn" else streamer.on_tool_output)(tid, toks)
-        cursors[tid] += 1
-        if cursors[tid] == len(episodes[tid]):
-            streamer.end_trajectory(tid)
-            del cursors[tid]
+def random_episode(rng: random.Random):
+    return opd_helpers.random_episode(rng, VOCAB)
 
 
 @pytest.mark.parametrize("aggregation", ["token_mean", "seq_mean_token_sum"])
@@ -96,3 +66,85 @@ def test_kv_adjoint_leaves_little_work_after_the_last_turn():
     total = len(flatten(parts)[0])
     assert forwarded["kv_adjoint"] == forwarded["forward_early"] == total
     assert forwarded["recompute"] > 3 * total
+
+
+def _bigger_teacher():
+    from megathunder.config import ModelConfig
+    from megathunder.models.torch_decoder import build_torch_decoder
+    from tests.helpers import MAX_LEN
+
+    cfg = ModelConfig(vocab_size=VOCAB, hidden_size=24, num_layers=3, num_heads=3, max_seq_len=MAX_LEN,
+                      dtype="float64")
+    return build_torch_decoder(cfg, seed=11)
+
+
+@pytest.mark.parametrize("strategy", ["recompute", "kv_adjoint"])
+def test_cached_teacher_scores_turns_without_rescoring_the_prefix(strategy):
+    """A teacher of another size with a per-trajectory K/V cache: the streamed gradient equals the
+    reference that scores whole trajectories, and the teacher forwards each token exactly once."""
+    from megathunder.streaming.opd_turns import CachedTeacher, TorchSegmentModel
+
+    student, teacher = small_model("float64", seed=0), _bigger_teacher()
+    score = _teacher_fn(teacher)
+    rng = random.Random(2)
+    episodes = [random_episode(rng) for _ in range(5)]
+    full = [flatten(e) for e in episodes]
+    reference = opd_reference_gradient(student, full, score, beta=1.0, aggregation="token_mean")
+    for p in student.parameters():
+        p.grad = None
+    cached = CachedTeacher(TorchSegmentModel(teacher))
+    streamer = TurnStreamer(student, cached, strategy=strategy)
+    stream(streamer, episodes)
+    streamer.finish_batch()
+    streamed = torch.cat([p.grad.reshape(-1) for p in student.parameters()])
+    assert rel_err(streamed, reference) <= 1e-10
+    # Every token up to each trajectory's last trained token, forwarded once.
+    last_trained = [max((i for i in range(len(m)) if m[i]), default=-1) + 2 for _, m in full]
+    assert cached.stats["forward_tokens"] == sum(n for n in last_trained if n > 1)
+    assert not cached._state  # released at trajectory end
+
+
+@pytest.mark.parametrize("strategy", ["recompute", "kv_adjoint", "forward_early"])
+def test_gjsd_per_turn_equals_full_trajectory(strategy):
+    """The GKD-style generalized JSD (teacher's whole distribution from its K/V cache) streams per
+    turn as exactly as the reverse KL."""
+    from megathunder.objectives.opd import opd_normaliser
+    from megathunder.streaming.opd_turns import (
+        CachedTeacher,
+        TorchSegmentModel,
+        accumulate_full_trajectory_gjsd,
+    )
+
+    student, teacher = small_model("float64", seed=0), _bigger_teacher()
+    for seed in range(3):
+        rng = random.Random(seed)
+        episodes = [random_episode(rng) for _ in range(4)]
+        full = [flatten(e) for e in episodes]
+        student.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            items = [(t, m, torch.log_softmax(teacher(t[None])[0, :-1], -1)) for t, m in full]
+        counts = accumulate_full_trajectory_gjsd(TorchSegmentModel(student), items, beta=0.8, lam=0.3)
+        reference = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
+                               for p in student.parameters()]) / opd_normaliser(counts, "token_mean")
+        student.zero_grad(set_to_none=True)
+        streamer = TurnStreamer(student, CachedTeacher(TorchSegmentModel(teacher)), beta=0.8, strategy=strategy,
+                                divergence="gjsd", jsd_lam=0.3)
+        stream(streamer, episodes)
+        streamer.finish_batch()
+        streamed = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
+                              for p in student.parameters()])
+        assert reference.norm() > 0
+        assert rel_err(streamed, reference) <= 1e-10, (strategy, seed)
+
+
+def test_gjsd_is_the_jensen_shannon_divergence():
+    from megathunder.objectives.opd import gjsd_terms
+
+    g = torch.Generator().manual_seed(0)
+    s = torch.log_softmax(torch.randn(5, 11, generator=g, dtype=torch.float64), -1)
+    t = torch.log_softmax(torch.randn(5, 11, generator=g, dtype=torch.float64), -1)
+    lam = 0.3
+    m = lam * t.exp() + (1 - lam) * s.exp()
+    expected = lam * (t.exp() * (t - m.log())).sum(-1) + (1 - lam) * (s.exp() * (s - m.log())).sum(-1)
+    torch.testing.assert_close(gjsd_terms(s, t, lam).sum(-1), expected)
+    assert torch.all(gjsd_terms(s, s, lam).sum(-1).abs() < 1e-12)

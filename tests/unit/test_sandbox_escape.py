@@ -170,3 +170,114 @@ def test_output_flood_is_truncated(isolation, tmp_path):
     )
     assert result.ok and len(result.output) == 1000 and result.output_truncated
     assert result.observation().endswith("[output truncated]") and not leftover
+
+
+def test_host_files_are_unreadable(isolation, tmp_path):
+    """Root-only host files (a private key, /etc/shadow, /root) cannot be read; under bwrap no
+    host path outside the read-only system directories is visible at all. (Under unshare the
+    host tree stays visible read-only, so world-readable host files are: RELIABILITY.md.)"""
+    import tempfile
+
+    host = tempfile.mkdtemp(prefix="megathunder-host-", dir="/tmp")
+    os.chmod(host, 0o755)
+    private, public = os.path.join(host, "id_rsa"), os.path.join(host, "public.txt")
+    for path, mode in ((private, 0o600), (public, 0o644)):
+        with open(path, "w") as f:
+            f.write("HOST-SECRET-41\n")
+        os.chmod(path, mode)
+    try:
+        result, _, leftover, _ = _run(
+            isolation, tmp_path,
+            f"cat {private}; cat /etc/shadow | head -c 100; ls /root; cat {public}; echo END",
+        )  # fmt: skip
+    finally:
+        import shutil
+
+        shutil.rmtree(host)
+    out = result.output
+    assert out.rstrip().endswith("END") and not leftover
+    assert "root:" not in out and ("Permission denied" in out or "No such file" in out)
+    if isolation == "bwrap":
+        assert "HOST-SECRET-41" not in out and "No such file" in out
+    else:
+        assert out.count("HOST-SECRET-41") <= 1 and f"{private}: Permission denied" in out
+
+
+def test_host_processes_are_invisible_and_unkillable(isolation, tmp_path):
+    """The sandbox's /proc shows its own pid namespace: no host process, its command line or
+    environment; signalling a host pid fails."""
+    import subprocess
+    import sys
+
+    marker = subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(60)", "megathunder-marker-proc"],
+        env={**os.environ, "MEGATHUNDER_MARKER_SECRET": "hunter3"},
+    )
+    try:
+        probe = (
+            "ls /proc | grep -c '^[0-9]'; "
+            "for p in /proc/[0-9]*; do cat $p/cmdline $p/environ 2>/dev/null; done | tr '\\0' ' '; "
+            f"echo; kill -9 {marker.pid} && echo KIL''LED; echo END"
+        )
+        result, _, leftover, _ = _run(isolation, tmp_path, probe)
+        alive = marker.poll() is None
+    finally:
+        marker.kill()
+        marker.wait()
+    out = result.output
+    assert out.rstrip().endswith("END") and not leftover
+    assert int(out.split()[0]) < 10  # a handful of the sandbox's own processes
+    assert "megathunder-marker-proc" not in out and "hunter3" not in out
+    assert "KILLED" not in out and "No such process" in out and alive
+
+
+def test_other_episodes_cannot_be_read_written_or_signalled(isolation, tmp_path):
+    async def go():
+        a = LocalSandbox(sandbox_cfg(tmp_path, isolation=isolation, wall_time_s=10))
+        b = LocalSandbox(sandbox_cfg(tmp_path, isolation=isolation))
+        try:
+            await a.upload({"notes.txt": "episode A\n"})
+            root = os.path.dirname(a.host_dir)
+            work = asyncio.ensure_future(a.shell("sleep 2; cat notes.txt; echo done-A"))
+            await asyncio.sleep(0.5)  # A's command is running
+            attack = await b.shell(
+                f"ls {root}; ls {a.host_dir}; echo x > {a.host_dir}/notes.txt; "
+                f"touch {a.host_dir}/planted; rm -rf {a.host_dir}; kill -9 -1; echo END"
+            )
+            return await work, attack, a.host_dir
+        finally:
+            await a.close()
+            await b.close()
+
+    work, attack, a_dir = asyncio.run(go())
+    assert work.ok and work.output == "episode A\ndone-A\n"  # untouched and not killed
+    assert attack.output.rstrip().endswith("END") or attack.exit_code == 137
+    assert "notes.txt" not in attack.output.replace(f"{a_dir}/notes.txt", "")
+
+
+def test_setuid_and_user_namespaces_grant_nothing(isolation, tmp_path):
+    """No new privileges: setuid-root binaries run without their bits, no capabilities, and root
+    inside a fresh user namespace still cannot write the host's files."""
+    probe = (
+        "grep -E '^(NoNewPrivs|CapEff|CapPrm):' /proc/self/status; "
+        "mkdir -p m; mount -t tmpfs none m 2>&1 && echo MOUNTED; "
+        "su -c 'id -u' root </dev/null 2>&1 && echo SU_OK; "
+        "umount /usr 2>&1 && echo UMOUNTED; "
+        "unshare -rm sh -c 'echo x > /etc/megathunder_userns' 2>&1; "
+        "echo uid=$(id -u)"
+    )
+
+    async def go():
+        sb = LocalSandbox(sandbox_cfg(tmp_path, isolation=isolation))
+        try:
+            return await sb.shell(probe), sb.uid
+        finally:
+            await sb.close()
+
+    result, uid = asyncio.run(go())
+    out = result.output
+    assert "NoNewPrivs:\t1" in out
+    assert "CapEff:\t0000000000000000" in out and "CapPrm:\t0000000000000000" in out
+    assert not any(w in out for w in ("MOUNTED", "SU_OK", "UMOUNTED"))
+    assert not os.path.exists("/etc/megathunder_userns")
+    assert out.rstrip().endswith(f"uid={uid}")

@@ -8,6 +8,9 @@ Multi-turn episodes resend their whole history every turn, which only the server
 previous turn holds in its prefix cache. A request with a ``session`` key therefore goes back to
 that session's server unless that server has more than ``max_imbalance`` requests in flight above
 the least loaded one (then it moves, and the session follows it).
+
+A server found dead (:meth:`mark_dead`) gets no further requests and its sessions move; with no
+live server left, :meth:`acquire` raises :class:`NoLiveServerError`.
 """
 
 from __future__ import annotations
@@ -15,6 +18,10 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Hashable, Iterator
 from contextlib import contextmanager
+
+
+class NoLiveServerError(RuntimeError):
+    pass
 
 
 class LeastOutstandingBalancer:
@@ -27,11 +34,23 @@ class LeastOutstandingBalancer:
         self.max_sessions = max_sessions
         self._sessions: OrderedDict[Hashable, int] = OrderedDict()  # LRU: session -> server
         self._next = 0
+        self.dead: set[int] = set()
+
+    @property
+    def live(self) -> list[int]:
+        return [i for i in range(len(self.outstanding)) if i not in self.dead]
+
+    def mark_dead(self, server: int) -> None:
+        self.dead.add(server)
+        for session in [s for s, i in self._sessions.items() if i == server]:
+            del self._sessions[session]
 
     def acquire(self, session: Hashable | None = None) -> int:
         """The server for the next request (its outstanding count is incremented)."""
         n = len(self.outstanding)
-        order = [(self._next + k) % n for k in range(n)]
+        order = [(self._next + k) % n for k in range(n) if (self._next + k) % n not in self.dead]
+        if not order:
+            raise NoLiveServerError(f"all {n} servers are dead")
         server = min(order, key=lambda i: self.outstanding[i])
         self._next = (server + 1) % n
         if session is not None:

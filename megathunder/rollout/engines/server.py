@@ -11,9 +11,16 @@ vllm.entrypoints.openai.api_server``; ``vllm serve`` does not exist in the ``vll
 distribution) and stops them by the process-group id of the process it started. On clusters the
 servers run on rollout nodes and :class:`ServerEngine` attaches to their URLs; start them with
 the command :func:`server_command` builds and ``VLLM_SERVER_DEV_MODE=1`` (it needs
-``--enable-scale-out`` and megathunder's ``--worker-extension-cls``). The development endpoints
-have no authentication: servers bind to 127.0.0.1 unless ``EngineConfig.host`` says otherwise,
-and off-loopback they belong on a private cluster network only.
+``--enable-scale-out`` and megathunder's ``--worker-extension-cls``). Servers bind to 127.0.0.1
+unless ``EngineConfig.host`` says otherwise; off loopback the config must name a shared secret
+(``api_key_env``), which guards every endpoint but ``/health`` (``auth.py``).
+
+A server that stops answering (connection refused or dropped, and ``/health`` fails: the
+process died) is marked dead: its in-flight requests are sent again, with the same sampling seed,
+to the least loaded live server, and it gets no further requests or weight updates. A connection
+dropped by a server whose ``/health`` still answers is retried too, at most three times. With no live server left,
+:meth:`ServerEngine.generate` raises :class:`ServerError` naming every lost server. A request
+timeout (``request_timeout_s``) or an HTTP error status is not retried.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import itertools
+import logging
 import os
 import signal
 import subprocess
@@ -32,17 +40,22 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from megathunder.rollout.engines.balancer import LeastOutstandingBalancer
+from megathunder.rollout.engines.auth import MIDDLEWARE, read_api_key
+from megathunder.rollout.engines.balancer import LeastOutstandingBalancer, NoLiveServerError
 from megathunder.rollout.engines.common import engine_kwargs, finish_reason, single_version
 from megathunder.rollout.engines.weights import weight_load_call
 from megathunder.rollout.types import Completion, SamplingParams, WeightSource
 
+HEALTH_TIMEOUT_S = 5.0  # a server whose /health does not answer in this time counts as dead
+MAX_DROPPED_CONNECTIONS = 3  # per request, by servers whose /health still answers
 KEEPALIVE_S = 2.0  # below vLLM's HTTP keep-alive timeout (VLLM_HTTP_TIMEOUT_KEEP_ALIVE, 5 s)
 
 if TYPE_CHECKING:
     import aiohttp
 
     from megathunder.config.schema import EngineConfig
+
+log = logging.getLogger(__name__)
 
 
 class ServerError(RuntimeError):
@@ -53,6 +66,8 @@ def server_command(model_path: str, cfg: EngineConfig, port: int) -> list[str]:
     """The command line of one server: EngineConfig's engine arguments as CLI flags."""
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_path)]
     cmd += ["--host", cfg.host, "--port", str(port), "--enable-scale-out"]  # /inference/v1/generate
+    if cfg.api_key_env is not None:  # the key itself goes in the environment (VLLM_API_KEY)
+        cmd += ["--middleware", MIDDLEWARE]
     for key, value in engine_kwargs(cfg).items():
         flag = "--" + key.replace("_", "-")
         if value is None:
@@ -112,6 +127,13 @@ class ServerPool:
         log_dir = Path(log_dir)
         log_dir.mkdir(parents=True, exist_ok=True)
         env = dict(os.environ, VLLM_SERVER_DEV_MODE="1")
+        env.pop("VLLM_API_KEY", None)
+        try:
+            key = read_api_key(cfg.api_key_env)
+        except RuntimeError as err:
+            raise ServerError(str(err)) from None
+        if key is not None:
+            env["VLLM_API_KEY"] = key
         servers = []
         for i in range(cfg.num_servers):
             port = cfg.base_port + i
@@ -177,6 +199,7 @@ class ServerEngine:
         max_imbalance: int = 4,
     ) -> None:
         self.urls = list(urls)
+        self.lost: dict[int, str] = {}  # server index -> why it was marked dead
         self.session = session
         self.pool = pool
         self.balancer = LeastOutstandingBalancer(len(self.urls), max_imbalance)
@@ -200,11 +223,18 @@ class ServerEngine:
                 raise ValueError("model_path is needed to launch servers (or set server_urls)")
             pool = await ServerPool.launch(model_path, cfg, log_dir)
             urls = pool.urls
+        try:
+            key = read_api_key(cfg.api_key_env)
+        except RuntimeError as err:
+            if pool is not None:
+                pool.stop()
+            raise ServerError(str(err)) from None
         session = aiohttp.ClientSession(
             # Idle connections are dropped before the server's keep-alive timeout (uvicorn: 5 s)
             # would close them under a request in flight (ServerDisconnectedError).
             connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_S),
             timeout=aiohttp.ClientTimeout(total=cfg.request_timeout_s),
+            headers=None if key is None else {"Authorization": f"Bearer {key}"},
         )
         engine = cls(urls, session, policy_version, pool, cfg.session_affinity_max_imbalance)
         try:
@@ -225,8 +255,61 @@ class ServerEngine:
                 raise ServerError(f"POST {url}{path} -> {r.status}: {text[:2000]}")
             return await r.json(content_type=None) if text else {}
 
+    @property
+    def live_urls(self) -> list[str]:
+        return [self.urls[i] for i in self.balancer.live]
+
     async def _on_all(self, path: str, **kwargs) -> list[dict]:
-        return await asyncio.gather(*(self._post(url, path, **kwargs) for url in self.urls))
+        return await asyncio.gather(*(self._post(url, path, **kwargs) for url in self.live_urls))
+
+    def _server_lost(self, server: int, err: BaseException) -> None:
+        if server not in self.balancer.dead:
+            self.balancer.mark_dead(server)
+            self.lost[server] = f"{type(err).__name__}: {err}"
+            log.warning(
+                "rollout server %s lost (%s); %d of %d left, its requests move to them",
+                self.urls[server], self.lost[server], len(self.balancer.live), len(self.urls),
+            )  # fmt: skip
+
+    async def _post_routed(self, session_id: Hashable | None, path: str, body: dict) -> dict:
+        """POST to the balancer's choice; on a dead server, again on another live one."""
+        import aiohttp
+
+        num_dropped = 0
+        while True:
+            try:
+                server = self.balancer.acquire(session_id)
+            except NoLiveServerError:
+                lost = "; ".join(f"{self.urls[i]} ({why})" for i, why in self.lost.items())
+                raise ServerError(f"no live rollout server left: lost {lost}") from None
+            try:
+                return await self._post(self.urls[server], path, json=body)
+            except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as err:
+                # refused, reset, disconnected or cut off: a dead server, or a dropped connection
+                # (a keep-alive race) on a live one, which /health tells apart
+                if server not in self.balancer.dead and not await self._healthy(self.urls[server]):
+                    self._server_lost(server, err)
+                elif server not in self.balancer.dead:
+                    num_dropped += 1
+                    if num_dropped >= MAX_DROPPED_CONNECTIONS:
+                        raise ServerError(
+                            f"POST {self.urls[server]}{path}: connection dropped {num_dropped} "
+                            f"times by live servers ({type(err).__name__}: {err})"
+                        ) from err
+                body = {**body, "request_id": next(self._request_ids)}
+            finally:
+                self.balancer.release(server)
+
+    async def _healthy(self, url: str) -> bool:
+        import aiohttp
+
+        try:
+            async with self.session.get(
+                f"{url}/health", timeout=aiohttp.ClientTimeout(total=HEALTH_TIMEOUT_S)
+            ) as r:
+                return r.status == 200
+        except (aiohttp.ClientError, asyncio.TimeoutError):
+            return False
 
     async def generate(
         self, prompt_token_ids: Sequence[int], params: SamplingParams, *, session_id: Hashable | None = None
@@ -247,8 +330,7 @@ class ServerEngine:
                 "detokenize": False,
             },
         }
-        with self.balancer.route(session_id) as server:
-            out = await self._post(self.urls[server], "/inference/v1/generate", json=body)
+        out = await self._post_routed(session_id, "/inference/v1/generate", body)
         choice = out["choices"][0]
         token_ids = choice["token_ids"]
         content = (choice.get("logprobs") or {}).get("content") or []
@@ -277,7 +359,7 @@ class ServerEngine:
             await self._post(url, "/resume")
 
         async with self._update_lock:
-            await asyncio.gather(*(update(url) for url in self.urls))
+            await asyncio.gather(*(update(url) for url in self.live_urls))
             self._policy_version = policy_version
 
     async def _reset_one(self, url: str) -> None:
@@ -285,7 +367,7 @@ class ServerEngine:
             raise ServerError(f"{url} refused to reset its prefix cache (blocks still in use)")
 
     async def reset_prefix_cache(self) -> None:
-        await asyncio.gather(*(self._reset_one(url) for url in self.urls))
+        await asyncio.gather(*(self._reset_one(url) for url in self.live_urls))
 
     async def close(self) -> None:
         await self.session.close()

@@ -1,0 +1,207 @@
+"""One rank of the per-turn OPD check on the Megatron learner, launched by torchrun.
+
+    python -m torch.distributed.run --nproc-per-node N opd_worker.py opd --out FILE --hf S --teacher-hf T
+
+From the student's HF weights, for each strategy: the batch-synchronous OPD gradient on full
+trajectories (the learner's own Megatron schedule, teacher scoring whole trajectories) and one SGD
+step from it; then, from the same start, the per-turn streamed gradient (turn events of several
+trajectories interleaved, the teacher scoring each turn on its K/V cache) and one SGD step. Rank 0
+saves the full (gathered) gradients and parameters.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from megathunder.config import LearnerConfig, ObjectiveConfig  # noqa: E402
+from megathunder.learner.backend import run_schedule  # noqa: E402
+from megathunder.learner.learner import MegatronLearner  # noqa: E402
+from megathunder.learner.opd import MegatronSegmentModel, build_teacher  # noqa: E402
+from megathunder.learner.parallel import destroy_distributed, init_distributed  # noqa: E402
+from megathunder.objectives.opd import opd_coefficients, opd_loss, opd_normaliser  # noqa: E402
+from megathunder.streaming.opd_turns import accumulate_full_trajectory_gjsd  # noqa: E402
+from megathunder.trajectory import Trajectory  # noqa: E402
+from tests.distributed.learner_worker import full_params, make_batch, restore  # noqa: E402
+from tests.opd_helpers import flatten, random_episode, stream  # noqa: E402
+
+BETA = 0.7
+JSD_LAM = 0.3
+BETA_GJSD = 10.0  # the JSD is small (bounded by log 2): a step that fp32 parameters resolve
+
+
+def opd(args) -> None:
+    strategies = args.strategies.split(",")
+    cfg = LearnerConfig.model_validate({
+        "parallel": {"tensor_parallel": args.tp},
+        "model": {"hf_checkpoint": args.hf},
+        "precision": {"core_attention": "past_kv"},
+        "optimizer": {"name": "sgd", "lr": 1.0, "clip_grad": 0.0, "use_distributed_optimizer": False},
+        "opd": {"strategy": strategies[0], "beta": BETA_GJSD if args.divergence == "gjsd" else BETA,
+                "aggregation": args.aggregation,
+                "divergence": args.divergence, "jsd_lam": JSD_LAM},
+    })
+    groups = init_distributed(cfg)
+    learner = MegatronLearner.build(cfg, ObjectiveConfig(), groups)
+    teacher = build_teacher(args.teacher_hf, cfg, groups)
+    vocab = learner.model_cfg.vocab_size
+    rng = random.Random(args.seed)
+    episodes = [random_episode(rng, vocab) for _ in range(args.num_trajectories)]
+    full = [flatten(e) for e in episodes]
+    out = {"before": full_params(learner), "strategies": {}}
+
+    # Logprobs of the past_kv model on whole sequences (the plain causal path), vs transformers.
+    out["logprobs"] = learner.token_logprobs(make_batch(3, vocab)[0])
+
+    # Teacher logprobs of whole trajectories, one plain forward each (no cache).
+    teacher_full = []
+    with torch.no_grad():
+        for tokens, _ in full:
+            logits, _ = teacher.model.forward_segment(tokens, None)
+            teacher_full.append(teacher.model.logprobs(logits[:-1], tokens[1:]).cpu())
+
+    # Batch-synchronous OPD through the learner's Megatron schedule.
+    dp, dp_rank = groups.dims.dp, groups.dp_rank
+    mine = [i for i in range(len(full)) if i % dp == dp_rank]  # data parallel: each rank its share
+    items = [Trajectory(i, i, *full[i]) for i in mine if full[i][0].numel() > 1]
+    learner.ddp.zero_grad_buffer()
+    if args.divergence == "gjsd":  # batch GJSD on full trajectories, teacher rows from plain forwards
+        seg = MegatronSegmentModel(learner.ddp, groups)
+        with torch.no_grad():
+            rows = [teacher.model.log_softmax(teacher.model.forward_segment(full[i][0], None)[0][:-1]) for i in mine]
+        accumulate_full_trajectory_gjsd(seg, [(*full[i], r) for i, r in zip(mine, rows, strict=True)], BETA_GJSD, JSD_LAM)
+    else:
+        with learner.ddp.no_sync():
+            run_schedule(
+                learner.ddp, groups, items,
+                lambda k, logp, _ent: opd_loss(logp, opd_coefficients(
+                    logp, teacher_full[items[k].traj_id].to(logp), items[k].loss_mask.to(logp.device), BETA)),
+                need_entropy=False,
+            )
+    learner.backend.live.div_(opd_normaliser([int(m.sum()) for _, m in full], args.aggregation))
+    learner.step()
+    out["sync_grad"], out["sync"] = full_params(learner, "main_grad"), full_params(learner)
+
+    for strategy in strategies:
+        restore(learner, out["before"])
+        learner.optimizer.optimizer.state.clear()  # SGD momentum: every path takes a first step
+        learner.cfg.opd.strategy = strategy
+        streamer = learner.turn_streamer(teacher)
+        teacher.stats["forward_tokens"] = 0
+        stream(streamer, [episodes[i] for i in mine], seed=args.seed)
+        learner.finish_opd_batch(streamer)  # Z over every rank's trajectories
+        learner.step()
+        out["strategies"][strategy] = {
+            "grad": full_params(learner, "main_grad"), "params": full_params(learner),
+            "stats": dict(streamer.stats), "teacher_forward_tokens": teacher.stats["forward_tokens"],
+        }
+    out["num_tokens"] = [int(t.numel()) for t, _ in full]
+    out["last_trained"] = [max((i for i in range(len(m)) if m[i]), default=-1) + 2 for _, m in full]
+    if dp > 1:  # every rank's teacher forwards, summed over the data-parallel ranks
+        import torch.distributed as dist
+
+        for res in out["strategies"].values():
+            box = torch.tensor([res["teacher_forward_tokens"]])
+            dist.all_reduce(box, group=groups.dp)
+            res["teacher_forward_tokens"] = int(box)
+    if groups.rank == 0:
+        torch.save(out, args.out)
+    destroy_distributed()
+
+
+@torch.no_grad()
+def sample_episode(seg, gen: torch.Generator, rng: random.Random, vocab: int, num_turns: int):
+    """A multi-turn episode whose turns the student samples (on its own K/V cache); tool outputs
+    are random tokens, some turns and tool outputs empty."""
+    parts = [("prompt", [rng.randrange(vocab) for _ in range(3)])]
+    pending, kv, last = list(parts[0][1]), None, None
+    for k in range(num_turns):
+        turn = []
+        for _ in range(rng.choice([0, 2, 3, 4])):
+            if pending:
+                logits, new = seg.forward_segment(torch.tensor(pending), kv)
+                kv = new if kv is None else [(torch.cat([a, c]), torch.cat([b, d])) for (a, b), (c, d) in zip(kv, new)]
+                last, pending = logits[-1].float(), []
+            token = int(torch.multinomial(torch.softmax(last, -1), 1, generator=gen))
+            turn.append(token)
+            pending = [token]
+        parts.append(("turn", turn))
+        if k + 1 < num_turns:
+            tool = [rng.randrange(vocab) for _ in range(rng.choice([0, 1, 2]))]
+            parts.append(("tool", tool))
+            pending += tool
+    return parts
+
+
+@torch.no_grad()
+def reverse_kl(student_seg, teacher_seg, episodes) -> float:
+    """Mean over the trained positions of KL(student || teacher), exact over the vocabulary."""
+    total, count = 0.0, 0
+    for tokens, mask in (flatten(e) for e in episodes):
+        if not mask.any():
+            continue
+        ls = torch.log_softmax(student_seg.forward_segment(tokens, None)[0][:-1].float(), -1)[mask]
+        lt = torch.log_softmax(teacher_seg.forward_segment(tokens, None)[0][:-1].float(), -1)[mask]
+        total += float((ls.exp() * (ls - lt)).sum())
+        count += int(mask.sum())
+    return total / max(count, 1)
+
+
+def train(args) -> None:
+    """On-policy distillation: each step the student samples a batch of multi-turn episodes, the
+    per-turn streamer trains on them (teacher scoring each turn on its cache), one Adam step."""
+    from megathunder.learner.opd import MegatronSegmentModel
+
+    cfg = LearnerConfig.model_validate({
+        "model": {"hf_checkpoint": args.hf},
+        "precision": {"core_attention": "past_kv"},
+        "optimizer": {"name": "adam", "lr": args.lr, "clip_grad": 1.0},
+        "opd": {"strategy": args.strategies.split(",")[0]},
+    })
+    groups = init_distributed(cfg)
+    learner = MegatronLearner.build(cfg, ObjectiveConfig(), groups)
+    teacher = build_teacher(args.teacher_hf, cfg, groups)
+    seg = MegatronSegmentModel(learner.ddp, groups)
+    vocab = learner.model_cfg.vocab_size
+    rng, gen = random.Random(args.seed), torch.Generator().manual_seed(args.seed)
+    held_out = [sample_episode(seg, torch.Generator().manual_seed(99), random.Random(99), vocab, 4) for _ in range(8)]
+    curve, initial_fresh = [], reverse_kl(seg, teacher.model, held_out)
+    for _ in range(args.steps):
+        episodes = [sample_episode(seg, gen, rng, vocab, rng.randint(1, 6)) for _ in range(args.num_trajectories)]
+        curve.append(reverse_kl(seg, teacher.model, episodes))
+        streamer = learner.turn_streamer(teacher)
+        stream(streamer, episodes, seed=rng.randrange(1000))
+        learner.finish_opd_batch(streamer)
+        learner.step()
+    out = {"on_policy_kl": curve, "held_out_kl": (initial_fresh, reverse_kl(seg, teacher.model, held_out))}
+    if groups.rank == 0:
+        torch.save(out, args.out)
+    destroy_distributed()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("mode", choices=["opd", "train"])
+    p.add_argument("--out", required=True)
+    p.add_argument("--hf", required=True)
+    p.add_argument("--teacher-hf", required=True)
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--num-trajectories", type=int, default=6)
+    p.add_argument("--strategies", default="recompute,kv_adjoint,forward_early")
+    p.add_argument("--aggregation", default="token_mean")
+    p.add_argument("--divergence", default="reverse_kl")
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--lr", type=float, default=1e-2)
+    args = p.parse_args()
+    {"opd": opd, "train": train}[args.mode](args)
+
+
+if __name__ == "__main__":
+    main()

@@ -13,6 +13,11 @@ mt_die() {  # COMPONENT MESSAGE: stop what we started, say which component faile
 mt_settings() {
   MT_CONFIG=${MT_CONFIG:?set MT_CONFIG to the YAML config}
   read -r -a MT_OVERRIDE_ARGS <<<"${MT_OVERRIDES:-}"
+  # the servers' shared secret: one per job (every step inherits it; never on a command line);
+  # the servers need it for any endpoint but /health, the trainer sends it
+  [[ -n "${MT_VLLM_API_KEY:-}" ]] || MT_VLLM_API_KEY=$(head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \n')
+  export MT_VLLM_API_KEY
+  MT_OVERRIDE_ARGS+=(rollout.engine.api_key_env=MT_VLLM_API_KEY)
   read -r -a MT_SRUN_EXTRA <<<"${MT_SRUN_ARGS:-}"  # added to every srun, e.g. Pyxis' --container-image=...
   MT_PYTHON=${MT_PYTHON:-python}
   MT_GPUS_PER_NODE=${MT_GPUS_PER_NODE:-8}   # 0: CPU nodes (the local test cluster)

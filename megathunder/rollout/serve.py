@@ -53,8 +53,28 @@ def serve_command(cfg: Config, port: int, host: str, model: str | None = None,
     return server_command(str(serve_model_dir(cfg, model, port)), engine, port)
 
 
+def serve_env(cfg: Config, host: str) -> dict[str, str]:
+    """The server's environment: the weight-update endpoints on, and the shared secret of
+    ``rollout.engine.api_key_env`` as VLLM_API_KEY (required off loopback, as the config requires)."""
+    from megathunder.rollout.engines.auth import is_loopback, read_api_key
+
+    try:
+        key = read_api_key(cfg.rollout.engine.api_key_env)
+    except RuntimeError as err:
+        raise ServeError(f"rollout server: {err}") from None
+    if key is None and not is_loopback(host):
+        raise ServeError(f"rollout server: binding to {host} (not loopback) needs rollout.engine.api_key_env "
+                         "(the endpoints that load weights would be open to the network)")
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_API_KEY"}
+    env["VLLM_SERVER_DEV_MODE"] = "1"
+    if key is not None:
+        env["VLLM_API_KEY"] = key
+    return env
+
+
 def serve(cfg: Config, port: int, host: str, model: str | None = None, tensor_parallel: int = 1) -> int:
     try:
+        env = serve_env(cfg, host)
         cmd = serve_command(cfg, port, host, model, tensor_parallel)
     except ServeError as err:
         print(f"megathunder serve: {err}", file=sys.stderr, flush=True)
@@ -62,5 +82,5 @@ def serve(cfg: Config, port: int, host: str, model: str | None = None, tensor_pa
     node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
     print(f"megathunder serve: vLLM server on {node} at http://{host}:{port} (model {cmd[cmd.index('--model') + 1]}, "
           f"tensor parallel {tensor_parallel})", file=sys.stderr, flush=True)
-    os.execve(cmd[0], cmd, dict(os.environ, VLLM_SERVER_DEV_MODE="1"))
+    os.execve(cmd[0], cmd, env)
     return 0  # not reached

@@ -203,8 +203,10 @@ $(tail -n 25 "$MT_LOG_DIR"/preflight-*.out 2>/dev/null)"
 
 MT_LEARNER_PID=
 MT_GOT_USR1=0
+MT_NUM_USR1=0
 mt_on_usr1() {
   MT_GOT_USR1=1
+  MT_NUM_USR1=$((MT_NUM_USR1 + 1))
   mt_log "SIGUSR1 (time limit or preemption near): asking the trainer to checkpoint after this step"
   [[ -n "$MT_LEARNER_PID" ]] && kill -USR1 "$MT_LEARNER_PID" 2>/dev/null
 }
@@ -223,9 +225,13 @@ mt_train() {  # the learner step (controller on rank 0); checkpoint-and-requeue 
   mt_log "training: ${cmd[*]}"
   "${cmd[@]}" &
   MT_LEARNER_PID=$!
-  while true; do
-    wait "$MT_LEARNER_PID"; status=$?
-    kill -0 "$MT_LEARNER_PID" 2>/dev/null || break  # else a trap interrupted the wait
+  local traps waited
+  while true; do  # a SIGUSR1 trap interrupts `wait` (status > 128): wait again for the real status
+    traps=$MT_NUM_USR1
+    wait "$MT_LEARNER_PID"; waited=$?
+    ((waited == 127)) && break  # already collected: keep the status from before
+    status=$waited
+    ((MT_NUM_USR1 == traps)) && break
   done
   if ((status == 75)); then  # the trainer checkpointed and stopped (SIGUSR1)
     mt_stop_rollout

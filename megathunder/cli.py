@@ -48,6 +48,13 @@ def _cmd_train(args: argparse.Namespace) -> int:
     return train(load_config(args.config, args.overrides))
 
 
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from megathunder.config import load_config
+    from megathunder.rollout.serve import serve
+
+    return serve(load_config(args.config, args.overrides), args.port, args.host, args.model, args.tensor_parallel)
+
+
 def _cmd_replay(args: argparse.Namespace) -> int:
     from megathunder.trainer.replay import main as replay_main
 
@@ -108,6 +115,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("config", help="YAML config file, e.g. configs/quickstart.yaml")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="e.g. schedule.mode=sync run.num_steps=5")
     p.set_defaults(func=_cmd_train)
+
+    p = sub.add_parser(
+        "serve",
+        help="run one vLLM server for the config's policy model (rollout nodes); the trainer "
+        "attaches with rollout.engine.deployment=server rollout.engine.server_urls=[...]",
+    )
+    p.add_argument("config", help="YAML config file (rollout.engine: the engine arguments)")
+    p.add_argument("overrides", nargs="*", metavar="key=value")
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (the node's cluster address)")
+    p.add_argument("--model", default=None, help="HF directory (default: the config's policy model)")
+    p.add_argument("--tensor-parallel", type=int, default=1, help="vLLM tensor parallel size")
+    p.set_defaults(func=_cmd_serve)
 
     p = sub.add_parser(
         "replay",

@@ -6,6 +6,10 @@
     rank 0:  engine, agent loop -> Trainer -> SCHEDULES[cfg.schedule.mode]
     others:  LearnerService.serve()
     rank 0:  timeline.png / trace.json, summary.json, checkpoint
+
+SIGUSR1 (Slurm's ``--signal=B:USR1@T`` forwarded by the launch script) ends the step loop after
+the current step; rank 0 saves a checkpoint and the command exits with STOPPED_EARLY (75), so the
+script can requeue the job and the same command resumes from checkpoints/latest.
 """
 
 from __future__ import annotations
@@ -15,6 +19,8 @@ import json
 import logging
 import os
 import shutil
+import signal
+import threading
 from pathlib import Path
 
 import torch.distributed as dist
@@ -24,6 +30,24 @@ from tqdm import tqdm
 from megathunder.config import Config
 
 log = logging.getLogger(__name__)
+
+STOPPED_EARLY = 75  # exit status: stopped on SIGUSR1 with a checkpoint saved; run again to resume
+
+
+class StepsUntilSignal:
+    """``range(start, stop)`` that ends early once ``stop_requested`` is set (checked before each step)."""
+
+    def __init__(self, steps: range, stop_requested: threading.Event) -> None:
+        self.start, self.stop, self._steps, self._stop_requested = steps.start, steps.stop, steps, stop_requested
+
+    def __len__(self) -> int:
+        return len(self._steps)
+
+    def __iter__(self):
+        for step in self._steps:
+            if self._stop_requested.is_set():
+                return
+            yield step
 
 
 def initial_model(cfg: Config, out: Path, groups) -> Path:
@@ -68,6 +92,8 @@ def train(cfg: Config) -> int:
     from megathunder.trainer.service import LearnerService
     from megathunder.trainer.trainer import learner_handlers
 
+    stop_requested = threading.Event()  # every rank: SIGUSR1's default action would kill the process
+    signal.signal(signal.SIGUSR1, lambda signum, frame: stop_requested.set())
     out = prepare_run_dir(cfg)
     groups = init_distributed(cfg.learner)
     ckpt_dir = out / "checkpoints"
@@ -95,13 +121,15 @@ def train(cfg: Config) -> int:
         service.serve()
         return 0
     try:
-        summary = asyncio.run(_control(cfg, out, service, model_dir, start))
+        summary = asyncio.run(_control(cfg, out, service, model_dir, start, stop_requested))
     finally:
         service.stop()
+    if summary == STOPPED_EARLY:
+        return STOPPED_EARLY
     return 0 if summary is not None else 1
 
 
-async def _control(cfg: Config, out: Path, service, model_dir: Path, start: int):
+async def _control(cfg: Config, out: Path, service, model_dir: Path, start: int, stop_requested: threading.Event):
     from transformers import AutoTokenizer
 
     from megathunder.rollout.agent_loop import build_agent_loop
@@ -122,11 +150,16 @@ async def _control(cfg: Config, out: Path, service, model_dir: Path, start: int)
         if cfg.eval.every_n_steps and start == 0:  # the warm-started model, before RL
             before = await trainer.periodic_eval(-1, force=True)
             (out / "eval_before.json").write_text(json.dumps(before, indent=2) + "\n")
-        steps = range(start, cfg.run.num_steps)
+        steps = StepsUntilSignal(range(start, cfg.run.num_steps), stop_requested)
         trainer.bar = tqdm(total=len(steps), desc=f"grpo/{cfg.schedule.mode}", unit="step",
                            disable=not cfg.run.progress, mininterval=1.0)
         await SCHEDULES[cfg.schedule.mode](trainer, steps)
         trainer.bar.close()
+        if trainer.version < cfg.run.num_steps:  # SIGUSR1: checkpoint now, resume later
+            path = await service.call("checkpoint")
+            print(f"megathunder: SIGUSR1: stopped after step {trainer.version} of {cfg.run.num_steps}; "
+                  f"checkpoint {path}; the same command resumes from it", flush=True)
+            return STOPPED_EARLY
         if steps:
             await service.call("checkpoint")
         await service.call("export", str(out / "final_model"))  # a HF directory: eval, serve, distill

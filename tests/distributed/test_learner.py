@@ -135,3 +135,15 @@ def test_tp2_with_kl_entropy_and_dapo_matches_single_process(hf_qwen2, tmp_path)
     assert _rel(_flat(one["stream_grad"]), reference) <= GRAD_TOL
     assert _rel(_flat(two["stream_grad"]), reference) <= GRAD_TOL
     assert _rel(_flat(two["sync_grad"]), reference) <= GRAD_TOL
+
+
+def test_checkpoint_resume_with_dp2_and_the_distributed_optimizer_is_exact(hf_qwen2, tmp_path):
+    """A fresh process's DistributedOptimizer has no per-parameter state to load into (Megatron
+    asserts on it without apex/TE): the requeued multi-rank trainer hit this on resume."""
+    ckpt, saved, resumed = tmp_path / "ckpt", tmp_path / "saved.pt", tmp_path / "resumed.pt"
+    launch(2, "checkpoint_save", "--out", str(saved), "--hf", str(hf_qwen2), "--ckpt", str(ckpt), "--dist-opt")
+    launch(2, "checkpoint_resume", "--out", str(resumed), "--hf", str(hf_qwen2), "--ckpt", str(ckpt), "--dist-opt")
+    reference, resumed = torch.load(saved), torch.load(resumed)
+    assert resumed["num_steps"] == 1
+    assert torch.equal(_flat(resumed["loaded"]), _flat(reference["after1"]))
+    assert torch.equal(_flat(resumed["after2"]), _flat(reference["after2"]))

@@ -1,0 +1,59 @@
+"""The learner's health check before training: the ranks form their world and it is the expected one.
+
+    srun ... python -m megathunder.launch.preflight CONFIG [k=v ...] --expect-world N
+
+Every rank bootstraps from Slurm's environment exactly as ``megathunder train`` does
+(``init_distributed``: rendezvous, TP x PP x DP checked against the world, Megatron's groups), then
+the ranks all-gather their node names and rank 0 prints one line with the layout. A rank that
+cannot start, a layout that does not divide the world, or a world of the wrong size fails here in
+seconds, before any rollout or training time is spent.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import sys
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m megathunder.launch.preflight")
+    parser.add_argument("config")
+    parser.add_argument("overrides", nargs="*")
+    parser.add_argument("--expect-world", type=int, required=True)
+    args = parser.parse_args(argv)
+
+    import os
+    import socket
+
+    import torch.distributed as dist
+
+    from megathunder.config import ConfigError, load_config
+    from megathunder.learner.parallel import init_distributed
+
+    try:
+        groups = init_distributed(load_config(args.config, args.overrides).learner)
+    except ConfigError as err:
+        print(f"megathunder preflight: learner: {err}", file=sys.stderr, flush=True)
+        return 2
+    nodes = [None] * groups.world_size
+    node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+    if groups.world_size > 1:
+        dist.all_gather_object(nodes, node)
+    else:
+        nodes = [node]
+    if groups.world_size != args.expect_world:
+        print(f"megathunder preflight: learner: world size {groups.world_size}, expected {args.expect_world}",
+              file=sys.stderr, flush=True)
+        return 3
+    if groups.rank == 0:
+        per_node = ", ".join(f"{n} x{c}" for n, c in collections.Counter(nodes).items())
+        d = groups.dims
+        print(f"megathunder preflight: learner world {groups.world_size} = tp {d.tp} x pp {d.pp} x dp {d.dp} "
+              f"on {per_node}", flush=True)
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,138 @@
+"""launch/slurm/grpo_128gpu.sh, the real script, on the local two-node cluster with CPU settings.
+
+The job splits its two nodes into a rollout node (node1: one vLLM server, `megathunder serve`) and
+a learner node (node2: the Megatron learner, DP=2 as two srun tasks, controller on rank 0), checks
+both before training, trains, and on SIGUSR1 checkpoints and requeues itself; the requeued job
+resumes. A component that does not come up ends the job quickly, naming it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import time
+
+from tests.cluster.conftest import REPO
+from tests.cluster.launch_jobs import mt_env, submit, wait_for
+
+SCRIPT = "launch/slurm/grpo_128gpu.sh"
+NUM_STEPS = 8
+
+
+def test_dry_run_prints_the_128_gpu_plan_and_refuses_a_bad_split(tmp_path):
+    env = dict(os.environ, MT_DRY_RUN="1", MT_NODELIST="gpu[01-16]", MT_LOG_DIR=str(tmp_path),
+               MT_CONFIG="launch/slurm/grpo_128gpu.yaml")
+    env.pop("SLURM_JOB_NODELIST", None)
+    out = subprocess.run(["bash", SCRIPT], env=env, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert "rollout: 4 nodes (gpu01 gpu02 gpu03 gpu04), 1 vLLM servers per node, TP 8 each" in out.stdout
+    assert "learner: 12 nodes (gpu05" in out.stdout and "8 ranks per node, world 96" in out.stdout
+    assert sum("launch/slurm/rollout_node.sh" in line for line in lines) == 4
+    train = [line for line in lines if "megathunder.cli train" in line]
+    assert len(train) == 1 and "--ntasks=96" in train[0] and "--nodelist=gpu05,gpu06" in train[0]
+    assert 'rollout.engine.server_urls=["http://gpu01:8100","http://gpu02:8100","http://gpu03:8100",' \
+           '"http://gpu04:8100"]' in train[0]
+
+    bad = subprocess.run(["bash", SCRIPT], env=dict(env, MT_LEARNER_NODES="13"), cwd=REPO,
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 1
+    assert "FAILED: launch: the job has 16 nodes (gpu[01-16]) but MT_ROLLOUT_NODES + MT_LEARNER_NODES = 4 + 13" \
+        in bad.stderr, bad.stderr
+    bad = subprocess.run(["bash", SCRIPT], env=dict(env, MT_OVERRIDES="learner.parallel.tensor_parallel=0"),
+                         cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 1 and "would run" not in bad.stdout
+    assert "FAILED: config: megathunder: invalid configuration:\n  learner.parallel.tensor_parallel:" in bad.stderr
+
+
+def test_grpo_job_trains_on_two_nodes_checkpoints_on_sigusr1_requeues_and_resumes(slurm_cluster, tmp_path):
+    run_dir = tmp_path / "run"
+    env = mt_env(slurm_cluster, tmp_path, MT_OVERRIDES=f"run.output_dir={run_dir} run.num_steps={NUM_STEPS}")
+    job = submit(slurm_cluster, SCRIPT, env, tmp_path / "job.out")
+    t0 = time.monotonic()
+    metrics = run_dir / "metrics.jsonl"
+    # training has begun (a step is done): the time limit is "near"
+    wait_for(slurm_cluster, job, 240, until=lambda info: metrics.is_file() and metrics.read_text().strip()
+             or info.get("JobState") not in ("PENDING", "RUNNING"))
+    assert job.state == "RUNNING", job.describe()
+    slurm_cluster.run_client("scancel", "--signal=USR1", "--batch", str(job.job_id))
+    wait_for(slurm_cluster, job, 120, until=lambda info: info.get("Restarts") == "1")
+    first = job.logs(0)
+    # Slurm holds a requeued job back (BeginTime); start it now rather than in two minutes
+    slurm_cluster.run_client("scontrol", "update", f"JobId={job.job_id}", "StartTime=now", check=False)
+    wait_for(slurm_cluster, job, 300, t0=t0)
+    print(job.describe())
+    assert (job.state, job.exit_code) == ("COMPLETED", "0:0"), job.describe()
+
+    out = job.output()
+    # both components came up, on their own nodes, and were checked before training
+    assert "rollout: 1 nodes (node1)" in out and "learner: 1 nodes (node2), 2 ranks per node, world 2" in out
+    assert "learner healthy: megathunder preflight: learner world 2 = tp 1 x pp 1 x dp 2 on node2 x2" in out
+    assert re.search(r"rollout healthy: 1 vLLM servers answer /health \(http://127\.0\.0\.1:\d+\)", out), out
+    assert out.count("training: srun") == 2  # the first attempt and the requeued one
+    assert "rollout node node1: server 0 on 127.0.0.1:" in first["rollout-node1.out"]
+    learner_log = next(text for name, text in first.items() if name.startswith("learner-"))
+    assert "megathunder: rank 0/2 (local 0) on node2" in learner_log
+    assert "megathunder: rank 1/2 (local 1) on node2" in learner_log
+    # checkpoint-and-requeue: stopped after step k, resumed at k, every step trained once
+    stop = re.search(r"SIGUSR1: stopped after step (\d+) of 8; checkpoint (\S+);", learner_log)
+    assert stop, learner_log
+    k = int(stop.group(1))
+    assert 1 <= k < NUM_STEPS
+    assert "requeueing job" in out
+    second = next(text for name, text in job.logs(1).items() if name.startswith("learner-"))
+    assert f"resumed from {stop.group(2)} (step {k})" in second, second
+    steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
+    assert steps == list(range(NUM_STEPS)), steps
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == NUM_STEPS and summary["max_policy_lag"] == 0
+    assert summary["max_probe_gap"] < 1e-3  # vLLM on node1 samples from the weights trained on node2
+    print(f"job {job.job_id}: {job.seconds:.0f} s for both attempts; stopped after step {k}")
+
+
+def test_a_rollout_server_that_cannot_start_fails_the_job_naming_it(slurm_cluster, tmp_path):
+    env = mt_env(slurm_cluster, tmp_path, MT_ROLLOUT_MODEL=str(tmp_path / "no-such-model"),
+                 MT_OVERRIDES=f"run.output_dir={tmp_path / 'run'}")
+    job = submit(slurm_cluster, SCRIPT, env, tmp_path / "job.out")
+    wait_for(slurm_cluster, job, 120)
+    print(job.describe())
+    assert job.state == "FAILED" and job.exit_code == "1:0", job.describe()
+    out = job.output()
+    assert "megathunder launch: FAILED: rollout server on node1: exited with status 2 before it was healthy" in out
+    assert f"rollout server: model {tmp_path / 'no-such-model'} has no config.json" in out
+    assert "training: srun" not in out
+    assert job.seconds < 60, job.seconds
+
+
+def test_a_learner_that_cannot_form_its_world_fails_the_job_naming_it(slurm_cluster, tmp_path):
+    env = mt_env(slurm_cluster, tmp_path,
+                 MT_OVERRIDES=f"run.output_dir={tmp_path / 'run'} learner.parallel.data_parallel=3")
+    job = submit(slurm_cluster, SCRIPT, env, tmp_path / "job.out")
+    wait_for(slurm_cluster, job, 120)
+    print(job.describe())
+    assert job.state == "FAILED" and job.exit_code == "1:0", job.describe()
+    out = job.output()
+    assert "megathunder launch: FAILED: learner: preflight failed (ranks did not form a world of 2)" in out
+    assert "learner.parallel.data_parallel: 3, but world size 2 = 1 (tp) x 1 (pp) x 2 (dp)" in out
+    assert "training: srun" not in out
+    assert job.seconds < 60, job.seconds
+
+
+def test_opd_dry_run_adds_a_teacher_pool_between_rollout_and_learner_nodes(tmp_path):
+    env = dict(os.environ, MT_DRY_RUN="1", MT_NODELIST="gpu[01-16]", MT_LOG_DIR=str(tmp_path),
+               MT_TEACHER_MODEL="/models/teacher", MT_TEACHER_URLS_KEY="teacher.server_urls")
+    env.pop("SLURM_JOB_NODELIST", None)
+    out = subprocess.run(["bash", "launch/slurm/opd_128gpu.sh"], env=env, cwd=REPO, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "teacher: 2 nodes (gpu05 gpu06), 1 vLLM servers per node of /models/teacher" in out.stdout
+    assert "learner: 10 nodes (gpu07" in out.stdout and "world 80" in out.stdout
+    teacher = [line for line in out.stdout.splitlines() if "--job-name=teacher" in line]
+    assert len(teacher) == 2 and all("MT_ROLLOUT_MODEL=/models/teacher" in line for line in teacher)
+    train = next(line for line in out.stdout.splitlines() if "megathunder.cli train" in line)
+    assert 'teacher.server_urls=["http://gpu05:8200","http://gpu06:8200"]' in train
+    missing = subprocess.run(["bash", "launch/slurm/opd_128gpu.sh"], env={**env, "MT_TEACHER_MODEL": ""},
+                             cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert missing.returncode != 0 and "MT_TEACHER_MODEL" in missing.stderr

@@ -42,7 +42,7 @@ def _train(config: str, out: Path, overrides: list[str]) -> dict:
 
 def run_workload(name: str, args, root: Path) -> dict:
     common = [*WORKLOADS[name], f"run.num_steps={args.steps}", "run.progress=false", "run.wandb=disabled",
-              "run.checkpoint_every=0", "objective.tis=token",
+              "run.checkpoint_every=0", "objective.tis=token", "eval.every_n_steps=0",
               f"agent.added_tool_latency_s={args.tool_latency if name == 'tools' else 0}",
               f"agent.added_verifier_latency_s={args.verifier_latency if name == 'tools' else 0}",
               f"batch.num_prompts_per_batch={args.prompts}", f"batch.samples_per_prompt={args.samples}",

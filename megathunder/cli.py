@@ -196,6 +196,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as err:
         print(f"megathunder: {err}", file=sys.stderr)
         return 2
+    except Exception as err:
+        if type(err).__name__ != "LearnerRankLost":
+            raise
+        print(f"megathunder: {err}", file=sys.stderr, flush=True)
+        return 1
 
 
 if __name__ == "__main__":

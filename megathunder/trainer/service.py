@@ -13,6 +13,11 @@ to be installed on the cluster. Collectives inside the calls (DP reduce, TP/PP e
 weight gather) then line up on all ranks by construction.
 
 Each call is timed; the spans feed the run's timeline.
+
+Failure: every rank writes a heartbeat to the job's store each second. When a collective fails on
+rank 0 (gloo notices a dead peer within a second), it names the ranks whose heartbeat stopped and
+raises ``LearnerRankLost``; the run ends at once, and the last checkpoint (written atomically)
+resumes it. A follower that loses rank 0 exits with a message saying so.
 """
 
 from __future__ import annotations
@@ -27,6 +32,47 @@ from dataclasses import dataclass, field
 import torch.distributed as dist
 
 _STOP = "__stop__"
+HEARTBEAT_S = 1.0
+
+
+class LearnerRankLost(RuntimeError):
+    """A learner rank died or became unreachable; the message names it."""
+
+
+class _Heartbeat:
+    """Each rank stamps ``megathunder/alive/<rank>`` in the process group's store every second."""
+
+    def __init__(self, rank: int, world_size: int) -> None:
+        # The default group's store (torchrun's / our rendezvous'): private but long-stable API.
+        self.store = dist.distributed_c10d._get_default_store()
+        self.rank, self.world_size = rank, world_size
+        self._stop = threading.Event()
+        self._beat()
+        threading.Thread(target=self._loop, name="heartbeat", daemon=True).start()
+
+    def _beat(self) -> None:
+        self.store.set(f"megathunder/alive/{self.rank}", repr(time.time()))
+
+    def _loop(self) -> None:
+        while not self._stop.wait(HEARTBEAT_S):
+            try:
+                self._beat()
+            except Exception:  # the store is gone with rank 0: the collectives report it
+                return
+
+    def silent_ranks(self) -> list[tuple[int, float]]:
+        """(rank, seconds since its last heartbeat) for ranks silent for over 2.5 beats."""
+        time.sleep(2.5 * HEARTBEAT_S)
+        out, now = [], time.time()
+        for r in range(self.world_size):
+            key = f"megathunder/alive/{r}"
+            age = now - float(self.store.get(key)) if self.store.check([key]) else float("inf")
+            if age > 2.5 * HEARTBEAT_S:
+                out.append((r, age))
+        return out
+
+    def stop(self) -> None:
+        self._stop.set()
 
 
 @dataclass
@@ -52,6 +98,7 @@ class LearnerService:
             1, thread_name_prefix="learner", initializer=cpu_compat.enable_in_this_thread
         )
         self._group = dist.new_group(backend="gloo") if self.world_size > 1 else None
+        self._heartbeat = _Heartbeat(self.rank, self.world_size) if self.world_size > 1 else None
         self._lock = threading.Lock()
 
     # ------------------------------------------------------------------ controller (rank 0)
@@ -65,7 +112,11 @@ class LearnerService:
 
     def stop(self) -> None:
         if self.world_size > 1:
-            self._pool.submit(self._broadcast, (_STOP, ())).result()
+            try:
+                self._pool.submit(self._run, _STOP, ()).result()
+            except LearnerRankLost:
+                pass  # already reported by the call that found it
+            self._heartbeat.stop()
         self._pool.shutdown(wait=True)
 
     def _broadcast(self, msg):
@@ -74,9 +125,20 @@ class LearnerService:
         return box[0]
 
     def _run(self, method: str, args: tuple):
-        if self.world_size > 1:
+        if self.world_size == 1:
+            return self._execute(method, args)
+        try:
             self._broadcast((method, args))
-        return self._execute(method, args)
+            return None if method == _STOP else self._execute(method, args)
+        except RuntimeError as err:  # gloo: a peer closed its connection or timed out
+            silent = self._heartbeat.silent_ranks()
+            if not silent:
+                raise  # every rank is alive: a real error of the call itself
+            who = ", ".join(f"rank {r} (silent {age:.0f} s)" for r, age in silent)
+            raise LearnerRankLost(
+                f"learner call '{method}' failed: {who} stopped responding; the run stops now and "
+                f"resumes from its last checkpoint when restarted ({str(err).splitlines()[0][:200]})"
+            ) from err
 
     def _execute(self, method: str, args: tuple):
         start = time.monotonic()
@@ -91,8 +153,14 @@ class LearnerService:
     def serve(self) -> None:
         """Run rank 0's calls until it stops the service."""
         while True:
-            method, args = self._broadcast(None)
+            try:
+                method, args = self._broadcast(None)
+            except RuntimeError as err:
+                raise LearnerRankLost(
+                    f"learner rank {self.rank}: lost the controller (rank 0): {str(err).splitlines()[0][:200]}"
+                ) from err
             if method == _STOP:
+                self._heartbeat.stop()
                 return
             self._execute(method, args)
 

@@ -43,6 +43,7 @@ class BatchGradient:
     def __init__(self, learner, plan: list[tuple[int, list[int]]], streamed: bool) -> None:
         self.learner, self.plan, self.streamed = learner, plan, streamed
         self.balancer = TokenBalancer(learner.groups.dims.dp)
+        self.group_of = {tid: g for g, members in plan for tid in members}
         self.owner: dict[int, int] = {}
         self.trajs: dict[int, Trajectory] = {}
         self.rewards: dict[int, float] = {}
@@ -75,7 +76,7 @@ class BatchGradient:
         """``None``: the trajectory failed (verifier policy drop_group); its group leaves the batch."""
         self._passes_at_last_reward = self.learner.backend.num_backward
         if reward is None:
-            self.dropped.add(next(g for g, members in self.plan if traj_id in members))
+            self.dropped.add(self.group_of[traj_id])
         if self.streamed:
             self.learner.ledger.on_reward(traj_id, reward)
         self.rewards[traj_id] = reward
@@ -86,7 +87,7 @@ class BatchGradient:
             kept, dropped = result.num_kept_groups, result.num_dropped_groups
             num_kept, peak = result.num_kept_trajectories, result.peak_buffers
         else:
-            order = [tid for _, members in self.plan for tid in members if _gid(self.plan, tid) not in self.dropped]
+            order = [tid for g, members in self.plan if g not in self.dropped for tid in members]
             batch = [self.trajs[t] for t in order]
             rewards = [self.rewards[t] for t in order]
             owner = [self.owner[t] for t in order]
@@ -95,7 +96,3 @@ class BatchGradient:
             dropped, num_kept, peak = len(self.dropped), len(batch), 1
         total = self.learner.backend.num_backward
         return BatchOutcome(kept, dropped, num_kept, peak, total - self._passes_at_last_reward)
-
-
-def _gid(plan, tid: int) -> int:
-    return next(g for g, members in plan if tid in members)

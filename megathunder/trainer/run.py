@@ -100,8 +100,10 @@ def train(cfg: Config) -> int:
     latest = latest_checkpoint(ckpt_dir) if cfg.run.resume else None
     if groups.rank == 0:
         if latest is None:  # a fresh run: nothing of an earlier one may be mixed in
-            for name in ("journal.jsonl", "metrics.jsonl", "checkpoints", "wandb", ".wandb_id"):
-                shutil.rmtree(out / name, ignore_errors=True) if (out / name).is_dir() else (out / name).unlink(missing_ok=True)
+            for name in ("journal.jsonl", "metrics.jsonl", ".wandb_id"):
+                (out / name).unlink(missing_ok=True)
+            for name in ("checkpoints", "wandb"):
+                shutil.rmtree(out / name, ignore_errors=True)
         (out / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
     _barrier()
     model_dir = initial_model(cfg, out, groups)

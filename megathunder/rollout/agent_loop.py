@@ -20,8 +20,9 @@ Faults (RELIABILITY.md): a failed episode gets ``Episode.failure`` (the reason) 
 True and reward None: the trainer drops the whole group from the batch and the normaliser) or
 ``zero_reward`` (reward ``failure_reward``, trained). Failures are a turn whose engine logprobs
 are not finite or do not match its tokens (that turn is neither kept nor emitted, the episode
-ends there and its verifier is skipped) and a verifier that raises, times out or returns a
-non-finite reward. A malformed tool call, a crashing, hung or memory-hungry tool and an exhausted
+ends there and its verifier is skipped), a sandbox that cannot be built or set up (no turn is
+sampled; a batch where no sandbox could be set up is an error, a misconfiguration rather than a
+fault) and a verifier that raises, times out or returns a non-finite reward. A malformed tool call, a crashing, hung or memory-hungry tool and an exhausted
 token or time budget are not failures: they are observations or stop reasons of an episode that
 is trained as usual. An exception from the engine itself (no rollout server left) ends the whole
 batch: its other episodes are cancelled and their sandboxes closed.
@@ -38,13 +39,16 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from megathunder.rollout.chat import IM_END, ChatCodec, ToolCall, ToolCallError, parse_tool_calls
-from megathunder.rollout.sandbox import Sandbox, build_sandbox
+from megathunder.rollout.sandbox import Sandbox, SandboxError, build_sandbox
 from megathunder.rollout.tools import Tool, ToolArgumentError
 from megathunder.rollout.types import Completion, RolloutEngine, RolloutEvent, SamplingParams
 from megathunder.rollout.verifiers import RewardOutcome, VerifierPool
 from megathunder.tasks.base import Task, TaskInstance
 
 log = logging.getLogger(__name__)
+
+SANDBOX_FAILURE = "sandbox_error: "
+"""Prefix of ``Episode.failure`` when the episode's sandbox could not be built or set up."""
 
 StopReason = Literal["answered", "max_turns", "max_tokens", "wall_time", "engine_abort", "failed"]
 
@@ -196,38 +200,49 @@ class AgentLoop:
                     )
                 )
         try:
-            return list(await asyncio.gather(*jobs))
+            episodes = list(await asyncio.gather(*jobs))
         except BaseException:  # one episode raised (or we were cancelled): stop the others too
             for job in jobs:
                 job.cancel()
             await asyncio.gather(*jobs, return_exceptions=True)  # their sandboxes are closed
             raise
+        if self.task.needs_sandbox and all((e.failure or "").startswith(SANDBOX_FAILURE) for e in episodes):
+            raise SandboxError(f"no sandbox of the batch could be set up; the first: {episodes[0].failure}")
+        return episodes
 
     async def run_episode(
         self, inst: TaskInstance, *, traj_id: int, group_id: int, seed: int | None = None
     ) -> Episode:
         async with self._slots:
-            sandbox = (
-                await build_sandbox(self.sandbox_cfg, inst.image)
-                if self.task.needs_sandbox
-                else None
-            )
+            prompt = self.codec.prompt_ids(self.task.messages(inst))
+            ep = Episode.from_prompt(traj_id, group_id, inst.instance_id, prompt, time.monotonic())
+            sandbox = None
             try:
-                return await self._episode(inst, traj_id, group_id, seed, sandbox)
+                try:
+                    if self.task.needs_sandbox:
+                        sandbox = await build_sandbox(self.sandbox_cfg, inst.image)
+                    await self.task.setup(inst, sandbox)
+                except SandboxError as err:  # this episode fails (recorded); the batch goes on
+                    ep.failure, ep.stop_reason = f"{SANDBOX_FAILURE}{err}", "failed"
+                    log.warning("episode %d: %s", traj_id, ep.failure)
+                    return await self._finish(ep, inst, None)
+                ep.started_at = time.monotonic()  # the wall-time budget starts with the first turn
+                return await self._episode(ep, inst, seed, sandbox)
             finally:
                 if sandbox is not None:
                     await sandbox.close()
 
-    async def _episode(self, inst, traj_id, group_id, seed, sandbox: Sandbox | None) -> Episode:
-        started = time.monotonic()
-        deadline = started + self.cfg.episode_wall_time_s
-        await self.task.setup(inst, sandbox)
-        prompt = self.codec.prompt_ids(self.task.messages(inst))
-        ep = Episode.from_prompt(traj_id, group_id, inst.instance_id, prompt, started)
+    async def _episode(self, ep: Episode, inst, seed, sandbox: Sandbox | None) -> Episode:
+        deadline = ep.started_at + self.cfg.episode_wall_time_s
         try:
             ep.stop_reason = await self._turns(ep, sandbox, deadline, seed)
         except TimeoutError:
             ep.stop_reason = "wall_time"
+        return await self._finish(ep, inst, sandbox)
+
+    async def _finish(self, ep: Episode, inst, sandbox: Sandbox | None) -> Episode:
+        """Emit the trajectory's end, score it (unless it failed), emit its reward."""
+        traj_id = ep.traj_id
         ep.finished_at = time.monotonic()
         self._event("trajectory_finished", ep, payload={"episode": ep, "failure": ep.failure})
 

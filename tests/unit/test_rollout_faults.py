@@ -187,6 +187,62 @@ def test_engine_error_ends_the_batch_and_cancels_the_other_episodes():
     assert len(started) == 4 and len(cancelled) == 4
 
 
+class _FakeSandbox:
+    def __init__(self) -> None:
+        self.closed = False
+
+    async def close(self) -> None:
+        self.closed = True
+
+
+@pytest.mark.parametrize("where", ["build", "setup"])
+def test_a_sandbox_that_cannot_be_set_up_fails_its_episode_not_the_batch(monkeypatch, where):
+    """A sandbox that cannot be built (or whose files cannot be uploaded) fails that episode with
+    ``sandbox_error`` and the configured outcome; the rest of the batch trains as usual, every
+    built sandbox is closed; a batch where no sandbox could be set up is an error."""
+    import megathunder.rollout.agent_loop as agent_loop
+    from megathunder.rollout.sandbox import SandboxError
+
+    built = []
+
+    def broken(inst) -> bool:
+        return inst.instance_id in task.broken
+
+    async def build_sandbox(cfg, image=None):
+        if where == "build" and image == "broken":
+            raise SandboxError("container start failed")
+        built.append(_FakeSandbox())
+        return built[-1]
+
+    class Task_(_AnswerTask):
+        needs_sandbox = True
+        broken: set[str] = {"p-1"}
+
+        def instances(self, num, seed=0):
+            return [TaskInstance(f"p-{k}", f"prompt {k}", image="broken" if f"p-{k}" in self.broken else None)
+                    for k in range(num)]  # fmt: skip
+
+        async def setup(self, inst, sandbox):
+            if where == "setup" and broken(inst):
+                raise SandboxError("upload of 1 files failed")
+
+    monkeypatch.setattr(agent_loop, "build_sandbox", build_sandbox)
+    task = Task_()
+    episodes, events = _run(task, ScriptedPolicy, num_prompts=3, samples=2, scripts={
+        f"prompt {k}": ["ok"] for k in range(3)}, verifier={"on_failure": "drop_group"})  # fmt: skip
+    failed = [e for e in episodes if e.failure]
+    assert [e.instance_id for e in failed] == ["p-1", "p-1"]
+    assert all(e.failure.startswith(agent_loop.SANDBOX_FAILURE) and not e.turns for e in failed)
+    rewards = {ev.traj_id: ev.payload for ev in events if ev.kind == "reward"}
+    assert all(rewards[e.traj_id]["drop_group"] for e in failed)
+    assert [rewards[e.traj_id]["reward"] for e in episodes if not e.failure] == [1.0] * 4
+    assert built and all(sb.closed for sb in built)
+
+    task.broken = {"p-0", "p-1", "p-2"}
+    with pytest.raises(SandboxError, match="no sandbox of the batch could be set up"):
+        _run(task, ScriptedPolicy, num_prompts=3, samples=2, scripts={f"prompt {k}": ["ok"] for k in range(3)})
+
+
 def test_fault_outcomes_are_deterministic_given_the_seed():
     """The same batch (seed, scripts, faults) gives the same failures, stop reasons and rewards."""
 

@@ -7,10 +7,9 @@ workload under its schedule, and compare the predicted step time with the measur
 
 Fitted inputs (see ``README.md``, "Calibration"):
 
-- ``rollout.decode_tokens_per_s``: aggregate decode tokens/s of the engine at each concurrency,
-  by non-negative least squares over every turn: a turn of d tokens that spent tau_c seconds
-  generating while c turns were generating satisfies d = sum_c tau_c * agg(c) / c (processor
-  sharing), with agg piecewise linear between concurrencies 1, 2, 4, ... (prefill is folded in).
+- ``rollout.decode_tokens_per_s``: aggregate decode tokens/s of the engine at each concurrency c
+  (turns generating at once): per bin of turns by their mean concurrency, their tokens over their
+  seconds, times c (``fit_decode_table``; prefill and request handling are folded in);
 - the workload, replayed step by step: per trajectory its group, prompt and total tokens, its
   turns' generated tokens, the time between turns (tool calls and the agent loop) and from its
   last turn to its reward (verifier);
@@ -23,12 +22,10 @@ Fitted inputs (see ``README.md``, "Calibration"):
 
 from __future__ import annotations
 
-import math
 from collections import defaultdict
 from dataclasses import dataclass
 
 import numpy as np
-from scipy.optimize import nnls
 
 from megathunder.simulate.metrics import summary
 from megathunder.simulate.profile import Dist, Profile
@@ -38,6 +35,7 @@ from megathunder.simulate.workload import Batch
 
 GRADIENT_CALLS = frozenset({"begin", "finished", "reward", "close"})
 PREFILL_FOLDED_TOKENS_PER_S = 1e12  # prefill time is inside the fitted decode rates
+MIN_TURNS_PER_BIN = 20  # decode-rate bins: fewer turns than this join the next bin
 FULLY_ASYNC_IN_FLIGHT_BATCHES = 2  # megathunder.trainer.schedules.run_fully_async's semaphore
 
 
@@ -75,23 +73,39 @@ def _max_concurrency(edges) -> int:
 
 
 def fit_decode_table(turns: list[Turn]) -> list[tuple[float, float]]:
-    """[(concurrency, aggregate tokens/s)] that best explains every turn's duration (see above)."""
+    """[(concurrency, aggregate tokens/s)]: turns binned by their mean concurrency (1, 2, 3-4,
+    5-8, ...; a bin of fewer than ``MIN_TURNS_PER_BIN`` turns joins the next); per bin, the
+    per-sequence rate is its tokens over its generation seconds (a ratio of sums: time-weighted, so
+    engine stalls count as the time they took), times the bin's mean concurrency. Below the first
+    bin and above the last, up to the highest concurrency seen, the per-sequence rate stays the
+    nearest bin's."""
     tau = concurrency_exposure(turns)
-    cmax = tau.shape[1]
-    c = np.arange(1, cmax + 1, dtype=float)
-    points = sorted({1, cmax, *(2**k for k in range(1, int(math.log2(cmax)) + 1))})
-    tokens = np.array([t.tokens for t in turns], dtype=float)
-    while True:
-        hats = np.stack([np.interp(c, points, np.eye(len(points))[k]) for k in range(len(points))], axis=1)
-        design = (tau / c) @ hats  # [turns, points]
-        agg, _ = nnls(design, tokens)
-        keep = [p for p, a in zip(points, agg, strict=True) if a > 0]
-        if len(keep) == len(points) or not keep:
-            break
-        points = keep
-    if not keep:
-        raise ValueError("decode rates: no turn generated any token")
-    return [(float(p), float(a)) for p, a in zip(points, agg, strict=True)]
+    seconds = tau.sum(axis=1)
+    timed = seconds > 0
+    if not timed.any():
+        raise ValueError("decode rates: no turn took any time")
+    mean_c = (tau * np.arange(1, tau.shape[1] + 1)).sum(axis=1)[timed] / seconds[timed]
+    tokens, seconds = np.array([t.tokens for t in turns], dtype=float)[timed], seconds[timed]
+    bins = np.ceil(np.log2(mean_c) - 1e-9).astype(int)
+    groups: list[np.ndarray] = []
+    for b in np.unique(bins):
+        members = np.flatnonzero(bins == b)
+        if groups and len(groups[-1]) < MIN_TURNS_PER_BIN:
+            groups[-1] = np.concatenate([groups[-1], members])
+        else:
+            groups.append(members)
+    if len(groups) > 1 and len(groups[-1]) < MIN_TURNS_PER_BIN:
+        groups[-2:] = [np.concatenate(groups[-2:])]
+    table = []
+    for m in groups:
+        c = float((mean_c[m] * seconds[m]).sum() / seconds[m].sum())
+        table.append((c, c * float(tokens[m].sum() / seconds[m].sum())))
+    if table[0][0] > 1:
+        table.insert(0, (1.0, table[0][1] / table[0][0]))
+    top = float(tau.shape[1])  # the highest concurrency seen
+    if table[-1][0] < top:
+        table.append((top, table[-1][1] / table[-1][0] * top))
+    return table
 
 
 def replay_batch(episodes: list[Episode]) -> Batch:

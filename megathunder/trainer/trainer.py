@@ -281,6 +281,8 @@ def _reward_of(ep: Episode) -> float | None:
 
 
 def _reward_time(ep: Episode) -> float:
+    if ep.rewarded_at is not None:
+        return ep.rewarded_at
     return ep.finished_at + (ep.reward.duration_s if ep.reward is not None else 0.0)
 
 

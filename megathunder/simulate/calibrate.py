@@ -16,7 +16,8 @@ Fitted inputs (see ``README.md``, "Calibration"):
 - ``learner.seconds_per_token``: the learner's gradient calls (begin / finished / reward / close)
   over the run, divided by the tokens of its trajectories;
 - ``learner.optimizer_step_s``: the mean ``step`` call; ``learner.weight_sync_s``: the mean weight
-  sync (gather, reshard, load into vLLM, probe), the initial one left out;
+  sync (gather, reshard, load into vLLM, probe), the initial one left out, and
+  ``learner.weight_sync_learner_s`` the learner's calls in it (gather, probe scoring);
 - the run's config: schedule, batch shape, the ledger's K, fully_async's groups in flight.
 """
 
@@ -34,6 +35,7 @@ from megathunder.simulate.schedules import RUNNERS
 from megathunder.simulate.workload import Batch
 
 GRADIENT_CALLS = frozenset({"begin", "finished", "reward", "close"})
+PUSH_CALLS = frozenset({"gather_weights", "score"})  # the learner's calls inside a weight sync
 PREFILL_FOLDED_TOKENS_PER_S = 1e12  # prefill time is inside the fitted decode rates
 MIN_TURNS_PER_BIN = 20  # decode-rate bins: fewer turns than this join the next bin
 FULLY_ASYNC_IN_FLIGHT_BATCHES = 2  # megathunder.trainer.schedules.run_fully_async's semaphore
@@ -146,8 +148,9 @@ def fit(run: RunDir) -> Calibration:
     tokens = sum(int(b.total_tokens.sum()) for b in batches)
     grad_s = sum(s.duration for s in run.learner if s.kind in GRADIENT_CALLS)
     steps = [s.duration for s in run.learner if s.kind == "step"]
-    syncs = [s.duration for s in run.weight_syncs]
-    syncs = syncs[1:] if len(syncs) > 1 else syncs  # the first is the initial push, before step 0
+    syncs = run.weight_syncs[1:] if len(run.weight_syncs) > 1 else run.weight_syncs  # [0]: before step 0
+    in_sync = [s.duration for s in run.learner if s.kind in PUSH_CALLS
+               and any(w.start <= s.start and s.end <= w.end for w in syncs)]
     P, S = cfg["batch"]["num_prompts_per_batch"], cfg["batch"]["samples_per_prompt"]
     num_steps = len(run.metrics)
     model = cfg["learner"]["model"]
@@ -164,7 +167,8 @@ def fit(run: RunDir) -> Calibration:
                     "decode_tokens_per_s": fit_decode_table([t for e in run.episodes for t in e.turns]),
                     "prefill_tokens_per_s": PREFILL_FOLDED_TOKENS_PER_S},
         "learner": {"seconds_per_token": grad_s / tokens, "optimizer_step_s": float(np.mean(steps)),
-                    "weight_sync_s": float(np.mean(syncs)), "layerwise_overlap": False},
+                    "weight_sync_s": float(np.mean([w.duration for w in syncs])),
+                    "weight_sync_learner_s": sum(in_sync) / len(syncs), "layerwise_overlap": False},
         "workload": {
             "num_prompts_per_batch": P, "samples_per_prompt": S,
             "prompt_tokens": _dist(cat(lambda b: b.prompt_tokens)), "turns": _dist(cat(lambda b: b.num_turns)),

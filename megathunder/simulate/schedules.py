@@ -83,8 +83,9 @@ def _learner(profile: Profile, bursts: list[Burst], trace: Trace, step: int) -> 
     end = last.end + update_tail_s(profile, last.last_backward_s)
     for b in bursts:
         trace.intervals.append(Interval(f"learner{b.rank}", b.start, b.end, "train", step))
+    busy_end = max(last.end, end - (profile.learner.weight_sync_s - profile.learner.push_busy_s))
     for r in range(profile.num_dp):
-        trace.intervals.append(Interval(f"learner{r}", last.end, end, "update", step))
+        trace.intervals.append(Interval(f"learner{r}", last.end, busy_end, "update", step))
     return end
 
 
@@ -155,7 +156,8 @@ def run_async(profile: Profile, batches: list[Batch]) -> Trace:
             start, version = push + s, k - 1
             _push(profile, start, trace, k)
             for r in range(dp):  # the learner sends a copy of version k-1 while it trains
-                trace.intervals.append(Interval(f"learner{r}", push, start, "weight_sync", k))
+                trace.intervals.append(Interval(f"learner{r}", push, push + profile.learner.push_busy_s,
+                                                "weight_sync", k))
         reward = _rollout(profile, batch, start, trace, k)
         rollout_end.append(float(reward.max()))
         t_learn = max(rollout_end[k], learner_end[k - 1] if k else 0.0)

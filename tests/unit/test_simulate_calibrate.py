@@ -19,7 +19,7 @@ from megathunder.trainer.timeline import write_trace
 
 RATE = 50.0  # tokens/s of each generating sequence, whatever the concurrency
 TOOL_S, VERIFY_S = 0.5, 1.0
-SECONDS_PER_TOKEN, STEP_S, SYNC_S = 1e-3, 0.2, 0.3
+SECONDS_PER_TOKEN, STEP_S, SYNC_S, GATHER_S = 1e-3, 0.2, 0.3, 0.1  # the rest of a sync: loading into vLLM
 PROMPT, OBS = 100, 15
 GROUPS, SAMPLES, STEPS = 2, 2, 3
 
@@ -34,7 +34,8 @@ def write_sync_run(out: Path) -> list[float]:
         spans.append(SimpleNamespace(kind=kind, start=start, end=start + dur, step=step))
         return start + dur
 
-    t = learner("gather_weights", 0.0, SYNC_S, 0)
+    learner("gather_weights", 0.0, GATHER_S, 0)
+    t = SYNC_S
     syncs.append((0.0, t, 0))
     for step in range(STEPS):
         start, tokens = t, 0
@@ -50,8 +51,9 @@ def write_sync_run(out: Path) -> list[float]:
         t = max(e["reward"] for e in episodes[-GROUPS * SAMPLES:])
         t = learner("close", t, SECONDS_PER_TOKEN * tokens, step)
         t = learner("step", t, STEP_S, step)
-        sync_start, t = t, learner("gather_weights", t, SYNC_S, step + 1)
-        syncs.append((sync_start, t, step + 1))
+        learner("gather_weights", t, GATHER_S, step + 1)
+        syncs.append((t, t + SYNC_S, step + 1))
+        t += SYNC_S
         busy = sum(s.end - s.start for s in spans if s.start >= start)
         rows.append({"step": step, "schedule": "sync", "step_s": t - start, "learner_busy_s": busy,
                      "learner_idle_share": 1 - busy / (t - start)})
@@ -73,6 +75,7 @@ def test_calibration_recovers_component_times_and_predicts_the_step(tmp_path):
     assert lrn.seconds_per_token == pytest.approx(SECONDS_PER_TOKEN, rel=1e-3)
     assert lrn.optimizer_step_s == pytest.approx(STEP_S, abs=1e-5)
     assert lrn.weight_sync_s == pytest.approx(SYNC_S, abs=1e-5)
+    assert lrn.weight_sync_learner_s == pytest.approx(GATHER_S, abs=1e-5)
     for c, agg in cal.profile.rollout.decode_tokens_per_s:
         assert agg == pytest.approx(RATE * c, rel=1e-3)
     for b in cal.batches:  # the run's own workload, replayed

@@ -3,13 +3,15 @@ workload under its schedule, and compare the predicted step time with the measur
 
     run = load_run("runs/bench/tools/thunder")
     cal = fit(run)                     # a Profile + the run's batches; never the step times
-    predict(cal)                       # {"step_s": ..., "learner_idle_share": ...}
+    predict(cal, replay=True)          # {"step_s": ..., "learner_idle_share": ...}
 
 Fitted inputs (see ``README.md``, "Calibration"):
 
-- ``rollout.decode_tokens_per_s``: aggregate decode tokens/s of the engine at each concurrency c
-  (turns generating at once): per bin of turns by their mean concurrency, their tokens over their
-  seconds, times c (``fit_decode_table``; prefill and request handling are folded in);
+- each turn's generation: *replayed* as measured (its ``generate`` span: on a CPU this includes
+  the slowdown from the learner computing on the same cores, and any stall of the machine), or
+  *modelled* by ``rollout.decode_tokens_per_s``, the engine's aggregate decode tokens/s at each
+  concurrency c (turns generating at once): per bin of turns by mean concurrency, their tokens
+  over their seconds, times c (``fit_decode_table``; prefill and request handling folded in);
 - the workload, replayed step by step: per trajectory its group, prompt and total tokens, its
   turns' generated tokens, the time between turns (tool calls and the agent loop) and from its
   last turn to its reward (verifier);
@@ -23,6 +25,7 @@ Fitted inputs (see ``README.md``, "Calibration"):
 
 from __future__ import annotations
 
+import dataclasses
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -36,8 +39,8 @@ from megathunder.simulate.workload import Batch
 
 GRADIENT_CALLS = frozenset({"begin", "finished", "reward", "close"})
 PUSH_CALLS = frozenset({"gather_weights", "score"})  # the learner's calls inside a weight sync
+MIN_TURNS_PER_BIN = 50  # decode-rate bins: fewer turns than this join the next bin
 PREFILL_FOLDED_TOKENS_PER_S = 1e12  # prefill time is inside the fitted decode rates
-MIN_TURNS_PER_BIN = 20  # decode-rate bins: fewer turns than this join the next bin
 FULLY_ASYNC_IN_FLIGHT_BATCHES = 2  # megathunder.trainer.schedules.run_fully_async's semaphore
 
 
@@ -78,9 +81,9 @@ def fit_decode_table(turns: list[Turn]) -> list[tuple[float, float]]:
     """[(concurrency, aggregate tokens/s)]: turns binned by their mean concurrency (1, 2, 3-4,
     5-8, ...; a bin of fewer than ``MIN_TURNS_PER_BIN`` turns joins the next); per bin, the
     per-sequence rate is its tokens over its generation seconds (a ratio of sums: time-weighted, so
-    engine stalls count as the time they took), times the bin's mean concurrency. Below the first
-    bin and above the last, up to the highest concurrency seen, the per-sequence rate stays the
-    nearest bin's."""
+    engine stalls, and on a CPU the learner computing on the same cores, count as the time they
+    took), times the bin's mean concurrency. Below the first bin and above the last, up to the
+    highest concurrency seen, the per-sequence rate stays the nearest bin's."""
     tau = concurrency_exposure(turns)
     seconds = tau.sum(axis=1)
     timed = seconds > 0
@@ -114,13 +117,14 @@ def replay_batch(episodes: list[Episode]) -> Batch:
     """One step's trajectories as the simulator's batch (groups renumbered 0.. in group order)."""
     eps = sorted(episodes, key=lambda e: (e.group, e.start))
     gid = {g: k for k, g in enumerate(sorted({e.group for e in eps}))}
-    dec, obs, gaps, verify, turns = [], [], [], [], []
+    dec, gen, obs, gaps, verify, turns = [], [], [], [], [], []
     for e in eps:
         ts = e.turns or [Turn(e.start, e.finished, 1)]
         d = [t.tokens for t in ts]
         n_obs = max(0, e.tokens - e.prompt_tokens - sum(d))
         split = np.diff(np.linspace(0, n_obs, len(ts), dtype=np.int64)) if len(ts) > 1 else np.zeros(0, np.int64)
         dec += d
+        gen += [t.end - t.start for t in ts]
         obs += [*split.tolist(), 0]
         gaps += [b.start - a.end for a, b in zip(ts, ts[1:], strict=False)] + [0.0]
         verify.append(e.reward - ts[-1].end)
@@ -128,7 +132,8 @@ def replay_batch(episodes: list[Episode]) -> Batch:
     return Batch(group=np.array([gid[e.group] for e in eps]), prompt_tokens=np.array([e.prompt_tokens for e in eps]),
                  turn_start=np.concatenate([[0], np.cumsum(turns)]).astype(np.int64),
                  decode_tokens=np.array(dec, dtype=np.int64), observation_tokens=np.array(obs, dtype=np.int64),
-                 tool_latency_s=np.maximum(0.0, gaps), verifier_latency_s=np.maximum(0.0, verify))
+                 tool_latency_s=np.maximum(0.0, gaps), verifier_latency_s=np.maximum(0.0, verify),
+                 decode_s=np.array(gen))
 
 
 def _dist(values) -> Dist:
@@ -189,9 +194,10 @@ def fit(run: RunDir) -> Calibration:
 # ---------------------------------------------------------------------- predicting, measuring
 
 
-def predict(cal: Calibration) -> dict:
-    """The run's schedule simulated on its own batches with the fitted inputs."""
-    batches = cal.batches
+def predict(cal: Calibration, replay: bool) -> dict:
+    """The run's schedule simulated on its own batches with the fitted inputs; ``replay``: each
+    turn generates for its measured seconds, else at the fitted decode rates."""
+    batches = cal.batches if replay else [dataclasses.replace(b, decode_s=None) for b in cal.batches]
     if cal.run.schedule == "fully_async":  # groups still in flight at the end: the run's again
         extra = FULLY_ASYNC_IN_FLIGHT_BATCHES + 1
         batches = batches + [batches[k % len(batches)] for k in range(extra)]
@@ -207,20 +213,25 @@ def measured(run: RunDir, warmup_steps: int) -> dict:
 
 
 def calibrate(run: RunDir) -> dict:
+    """Measured vs predicted with turns replayed (``predicted_*``, ``error``) and with the fitted
+    decode rates (``model_*``)."""
     cal = fit(run)
-    pred, meas = predict(cal), measured(run, cal.profile.run.warmup_steps)
+    meas = measured(run, cal.profile.run.warmup_steps)
+    pred, model = predict(cal, replay=True), predict(cal, replay=False)
     lrn = cal.profile.learner
+    gaps = [g for b in cal.batches for g in b.tool_latency_s[b.tool_latency_s > 0]]
     return {
         "run": str(run.path), "schedule": run.schedule, "steps": len(run.metrics),
         "measured_step_s": meas["step_s"], "predicted_step_s": pred["step_s"],
         "error": pred["step_s"] / meas["step_s"] - 1,
+        "model_step_s": model["step_s"], "model_error": model["step_s"] / meas["step_s"] - 1,
         "measured_learner_idle": meas["learner_idle_share"], "predicted_learner_idle": pred["learner_idle_share"],
         "fitted": {
             "decode_tokens_per_s": cal.profile.rollout.decode_tokens_per_s,
+            "generate_s_mean": float(np.mean([t for b in cal.batches for t in b.decode_s])),
             "learner_seconds_per_token": lrn.seconds_per_token, "optimizer_step_s": lrn.optimizer_step_s,
-            "weight_sync_s": lrn.weight_sync_s,
-            "tool_gap_s_mean": float(np.mean([g for b in cal.batches for g in b.tool_latency_s[b.tool_latency_s > 0]]
-                                             or [0.0])),
+            "weight_sync_s": lrn.weight_sync_s, "weight_sync_learner_s": lrn.weight_sync_learner_s,
+            "tool_gap_s_mean": float(np.mean(gaps or [0.0])),
             "verifier_s_mean": float(np.mean([v for b in cal.batches for v in b.verifier_latency_s])),
         },
         "profile": cal.profile,

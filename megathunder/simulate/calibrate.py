@@ -16,16 +16,19 @@ Fitted inputs (see ``README.md``, "Calibration"):
   turns' generated tokens, the time between turns (tool calls and the agent loop) and from its
   last turn to its reward (verifier);
 - ``learner.seconds_per_token``: the learner's gradient calls (begin / finished / reward / close)
-  over the run, divided by the tokens of its trajectories;
-- ``learner.optimizer_step_s``: the mean ``step`` call; ``learner.weight_sync_s``: the mean weight
+  after the first step (which runs cold and is left out of the measured mean too), divided by the
+  tokens of those steps' trajectories;
+- ``learner.optimizer_step_s``: the mean ``step`` call after the first step; ``learner.weight_sync_s``: the mean weight
   sync (gather, reshard, load into vLLM, probe), the initial one left out, and
   ``learner.weight_sync_learner_s`` the learner's calls in it (gather, probe scoring);
-- the run's config: schedule, batch shape, the ledger's K, fully_async's groups in flight.
+- the run's config: schedule, batch shape, the ledger's K, fully_async's groups in flight; and
+  the trainer's order: async pushes before it trains.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -126,7 +129,7 @@ def replay_batch(episodes: list[Episode]) -> Batch:
         dec += d
         gen += [t.end - t.start for t in ts]
         obs += [*split.tolist(), 0]
-        gaps += [b.start - a.end for a, b in zip(ts, ts[1:], strict=False)] + [0.0]
+        gaps += [b.start - a.end for a, b in itertools.pairwise(ts)] + [0.0]
         verify.append(e.reward - ts[-1].end)
         turns.append(len(ts))
     return Batch(group=np.array([gid[e.group] for e in eps]), prompt_tokens=np.array([e.prompt_tokens for e in eps]),
@@ -149,15 +152,24 @@ def fit(run: RunDir) -> Calibration:
     by_step: dict[int, list[Episode]] = defaultdict(list)
     for e in run.episodes:
         by_step[e.step].append(e)
-    batches = [replay_batch(by_step[s]) for s in sorted(by_step)]
-    tokens = sum(int(b.total_tokens.sum()) for b in batches)
-    grad_s = sum(s.duration for s in run.learner if s.kind in GRADIENT_CALLS)
-    steps = [s.duration for s in run.learner if s.kind == "step"]
+    grad_by_step: dict[int, float] = defaultdict(float)
+    for s in run.learner:
+        if s.kind in GRADIENT_CALLS:
+            grad_by_step[s.step] += s.duration
+    batches = []
+    for k in sorted(by_step):  # replayed: each step's learner seconds shared by its tokens
+        b = replay_batch(by_step[k])
+        tokens_k = b.total_tokens.astype(float)
+        batches.append(dataclasses.replace(b, work_s=tokens_k * grad_by_step[k] / tokens_k.sum()))
+    num_steps = len(run.metrics)
+    warmup = min(1, num_steps - 1)  # the first step's learner calls run cold: left out, as when measuring
+    tokens = sum(int(b.total_tokens.sum()) for b in batches[warmup:])
+    grad_s = sum(grad_by_step[k] for k in grad_by_step if k >= warmup)
+    steps = [s.duration for s in run.learner if s.kind == "step" and s.step >= warmup]
     syncs = run.weight_syncs[1:] if len(run.weight_syncs) > 1 else run.weight_syncs  # [0]: before step 0
     in_sync = [s.duration for s in run.learner if s.kind in PUSH_CALLS
                and any(w.start <= s.start and s.end <= w.end for w in syncs)]
     P, S = cfg["batch"]["num_prompts_per_batch"], cfg["batch"]["samples_per_prompt"]
-    num_steps = len(run.metrics)
     model = cfg["learner"]["model"]
     cat = lambda f: np.concatenate([f(b) for b in batches])  # noqa: E731
     not_last = lambda b: np.setdiff1d(np.arange(len(b.decode_tokens)), b.turn_start[1:] - 1)  # noqa: E731
@@ -185,8 +197,9 @@ def fit(run: RunDir) -> Calibration:
         },
         "schedules": {"max_group_slots": cfg["ledger"]["max_group_slots"],
                       "max_staleness": num_steps + FULLY_ASYNC_IN_FLIGHT_BATCHES + 1,  # no launch rule
-                      "max_in_flight_prompts": FULLY_ASYNC_IN_FLIGHT_BATCHES * P},
-        "run": {"num_steps": num_steps, "warmup_steps": min(1, num_steps - 1), "seed": cfg["run"]["seed"]},
+                      "max_in_flight_prompts": FULLY_ASYNC_IN_FLIGHT_BATCHES * P,
+                      "async_push_overlaps_training": False},
+        "run": {"num_steps": num_steps, "warmup_steps": warmup, "seed": cfg["run"]["seed"]},
     })
     return Calibration(run, profile, batches)
 
@@ -195,9 +208,10 @@ def fit(run: RunDir) -> Calibration:
 
 
 def predict(cal: Calibration, replay: bool) -> dict:
-    """The run's schedule simulated on its own batches with the fitted inputs; ``replay``: each
-    turn generates for its measured seconds, else at the fitted decode rates."""
-    batches = cal.batches if replay else [dataclasses.replace(b, decode_s=None) for b in cal.batches]
+    """The run's schedule simulated on its own batches; ``replay``: each turn generates for its
+    measured seconds and each step's learner work takes its measured seconds, else the fitted
+    decode rates and learner seconds per token."""
+    batches = cal.batches if replay else [dataclasses.replace(b, decode_s=None, work_s=None) for b in cal.batches]
     if cal.run.schedule == "fully_async":  # groups still in flight at the end: the run's again
         extra = FULLY_ASYNC_IN_FLIGHT_BATCHES + 1
         batches = batches + [batches[k % len(batches)] for k in range(extra)]

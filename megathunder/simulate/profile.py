@@ -203,6 +203,10 @@ class ScheduleSpec(_Strict):
     """fully_async: a trajectory may start at most this many versions ahead of the learner."""
     max_in_flight_prompts: int | None = Field(None, ge=1)
     """fully_async: groups in flight at once; null = num_prompts_per_batch."""
+    async_push_overlaps_training: bool = True
+    """async: the learner trains the next batch while it pushes the new weights (a copy, over its
+    own link); false: the push (gather, load into the engines, probe) completes first, as
+    megathunder's trainer does."""
 
 
 class RunSpec(_Strict):

@@ -226,8 +226,8 @@ CALIBRATION_TOLERANCE = 0.15  # issue 9: predicted step time within 15% of the m
 def format_calibration(results: list[dict]) -> str:
     """Predicted vs measured per run (turns replayed; and with the fitted decode rates), then the
     fitted inputs of each."""
-    lines = [f"{'run':<26}{'schedule':<12}{'steps':>6}{'measured s':>11}{'predicted s':>12}{'error':>8}"
-             f"{'idle meas':>10}{'idle pred':>10}{'| decode model s':>17}{'error':>8}"]
+    lines = [(f"{'run':<26}{'schedule':<12}{'steps':>6}{'measured s':>11}{'predicted s':>12}{'error':>8}"
+              f"{'idle meas':>10}{'idle pred':>10}{'| decode model s':>17}{'error':>8}")]
     for r in results:
         flag = "" if abs(r["error"]) <= CALIBRATION_TOLERANCE else "  > 15%"
         lines.append(f"{_short(r['run']):<26}{r['schedule']:<12}{r['steps']:>6}{r['measured_step_s']:>11.2f}"

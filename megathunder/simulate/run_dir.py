@@ -32,6 +32,7 @@ class Span:
     kind: str
     start: float
     end: float
+    step: int = -1  # learner calls: the optimizer step it belongs to
 
     @property
     def duration(self) -> float:
@@ -94,7 +95,7 @@ def load_run(path: str | Path) -> RunDir:
 
 def _parse(events: list[dict]) -> tuple[list[Span], list[Span], list[Episode]]:
     spans = [e for e in events if e.get("ph") == "X"]
-    s = lambda e: Span(e["name"], e["ts"] / 1e6, (e["ts"] + e["dur"]) / 1e6)  # noqa: E731
+    s = lambda e: Span(e["name"], e["ts"] / 1e6, (e["ts"] + e["dur"]) / 1e6, e.get("args", {}).get("step", -1))  # noqa: E731
     learner = [s(e) for e in spans if e["pid"] == 0 and e["tid"] == 0]
     syncs = [s(e) for e in spans if e["pid"] == 0 and e["tid"] == 1]
     generated = [e for e in spans if e["pid"] == 1 and e["name"] == "generate+tools"]

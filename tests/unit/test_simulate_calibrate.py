@@ -85,7 +85,8 @@ def test_calibration_recovers_component_times_and_predicts_the_step(tmp_path):
     assert w.tool_latency_s.median == pytest.approx(TOOL_S, abs=1e-5)  # fitted, for fresh batches
     result = calibrate(run)
     assert result["measured_step_s"] == pytest.approx(sum(step_s[1:]) / (STEPS - 1))
-    assert result["predicted_step_s"] == pytest.approx(result["measured_step_s"], rel=1e-3)
+    assert result["predicted_step_s"] == pytest.approx(result["measured_step_s"], rel=1e-3)  # replayed
+    assert result["model_step_s"] == pytest.approx(result["measured_step_s"], rel=1e-3)  # fitted rates
     assert result["predicted_learner_idle"] == pytest.approx(result["measured_learner_idle"], abs=1e-3)
 
 

@@ -5,7 +5,7 @@ workload under its schedule, and compare the predicted step time with the measur
     cal = fit(run)                     # a Profile + the run's batches; never the step times
     predict(cal, replay=True)          # {"step_s": ..., "learner_idle_share": ...}
 
-Fitted inputs (see ``README.md``, "Calibration"):
+Fitted inputs (see ``README.md``, "Calibration against real runs"):
 
 - each turn's generation: *replayed* as measured (its ``generate`` span: on a CPU this includes
   the slowdown from the learner computing on the same cores, and any stall of the machine), or
@@ -15,12 +15,13 @@ Fitted inputs (see ``README.md``, "Calibration"):
 - the workload, replayed step by step: per trajectory its group, prompt and total tokens, its
   turns' generated tokens, the time between turns (tool calls and the agent loop) and from its
   last turn to its reward (verifier);
-- ``learner.seconds_per_token``: the learner's gradient calls (begin / finished / reward / close)
-  after the first step (which runs cold and is left out of the measured mean too), divided by the
-  tokens of those steps' trajectories;
-- ``learner.optimizer_step_s``: the mean ``step`` call after the first step; ``learner.weight_sync_s``: the mean weight
-  sync (gather, reshard, load into vLLM, probe), the initial one left out, and
-  ``learner.weight_sync_learner_s`` the learner's calls in it (gather, probe scoring);
+- each step's learner work: *replayed* as its gradient calls' measured seconds (begin / finished /
+  reward / close), shared by its trajectories by tokens; or *modelled* by
+  ``learner.seconds_per_token``, those calls after the first step (which runs cold and is left
+  out of the measured mean too) over those steps' tokens;
+- ``learner.optimizer_step_s``: the mean ``step`` call after the first step;
+  ``learner.weight_sync_s``: the mean weight sync (gather, reshard, load into vLLM, probe), the
+  initial one left out, and ``learner.weight_sync_learner_s`` the learner's calls in it;
 - the run's config: schedule, batch shape, the ledger's K, fully_async's groups in flight; and
   the trainer's order: async pushes before it trains.
 """

@@ -1,6 +1,7 @@
 """``megathunder simulate --calibrate``: on a synthetic run directory written in the trainer's own
 trace format from a sync timeline with known component times, calibration recovers those times
-and predicts the step time; a run directory with missing files is a clear error."""
+and predicts the step time; a run directory with missing files is a clear error; replayed turns
+and weight syncs compose as on vLLM."""
 
 from __future__ import annotations
 
@@ -8,13 +9,16 @@ import json
 from pathlib import Path
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import yaml
 
 from megathunder.cli import main
 from megathunder.config.loader import ConfigError
 from megathunder.simulate.calibrate import calibrate, fit
+from megathunder.simulate.rollout import RolloutCluster
 from megathunder.simulate.run_dir import load_run
+from megathunder.simulate.workload import Batch
 from megathunder.trainer.timeline import write_trace
 
 RATE = 50.0  # tokens/s of each generating sequence, whatever the concurrency
@@ -118,3 +122,18 @@ def test_a_trace_without_turns_is_a_clear_error(tmp_path):
     (tmp_path / "run" / "trace.json").write_text(json.dumps(trace))
     with pytest.raises(ConfigError, match="no per-turn spans"):
         load_run(tmp_path / "run")
+
+
+def test_a_replayed_turn_runs_through_a_weight_sync_and_the_next_waits_for_its_end(tmp_path):
+    """vLLM's pause(mode="wait"): running requests finish, new ones wait until the load is done."""
+    write_sync_run(tmp_path / "run")
+    profile = fit(load_run(tmp_path / "run")).profile
+    batch = Batch(group=np.array([0]), prompt_tokens=np.array([0]), turn_start=np.array([0, 2]),
+                  decode_tokens=np.array([5, 5]), observation_tokens=np.array([0, 0]),
+                  tool_latency_s=np.array([0.5, 0.0]), verifier_latency_s=np.array([0.25]),
+                  decode_s=np.array([1.0, 1.0]))
+    cluster = RolloutCluster(profile)
+    cluster.add_batch(batch, 0.0)
+    cluster.pause(0.5, 2.0)  # [0.5, 2.5]: turn 1 (0 -> 1) runs on; turn 2, ready at 1.5, waits
+    cluster.run()
+    assert cluster.finish_time[0] == pytest.approx(3.5) and cluster.reward_time[0] == pytest.approx(3.75)

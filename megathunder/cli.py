@@ -153,7 +153,10 @@ def build_parser() -> argparse.ArgumentParser:
         description="Simulate the four schedules on a workload profile (component timings: "
         "FLOPs/roofline estimates or measured) and write steps.csv, timeline.csv/png, summary.json.",
     )
-    p.add_argument("profile", help="bundled profile (swe_smith, swe_smith_128) or a YAML path")
+    p.add_argument("profile", nargs="?", help="bundled profile (swe_smith, swe_smith_128) or a YAML path")
+    p.add_argument("--calibrate", nargs="+", metavar="RUN_DIR", default=None,
+                   help="instead of a profile: fit the inputs from each real run directory's component "
+                   "timings, simulate its schedule, print predicted vs measured step time")
     p.add_argument("overrides", nargs="*", metavar="key=value",
                    help="e.g. schedules.max_group_slots=0 workload.turns.sigma=1.0")
     p.add_argument("--schedules", nargs="+", choices=SCHEDULES, default=list(SCHEDULES))

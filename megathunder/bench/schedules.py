@@ -9,7 +9,8 @@ model), one after the other on the same machine. Workloads:
 
 Per schedule: wall time per optimizer step, learner idle share, steps per hour, and thunder's
 (and every schedule's) ratio to sync in steps per hour. The first schedule's run does the SFT warm
-start; the others start from its result.
+start; the others start from its result. ``--out DIR`` keeps every run directory
+(``DIR/WORKLOAD/SCHEDULE``: metrics, trace, journal), e.g. for ``megathunder simulate --calibrate``.
 """
 
 from __future__ import annotations
@@ -48,12 +49,13 @@ def run_workload(name: str, args, root: Path) -> dict:
               f"batch.num_prompts_per_batch={args.prompts}", f"batch.samples_per_prompt={args.samples}",
               *args.overrides]
     results, warm = {}, [f"sft.num_steps={args.sft_steps}"]
-    for schedule in args.schedules:
+    for k, schedule in enumerate(args.schedules):
         out = root / name / schedule
         summary = _train(args.config, out, [*common, *warm, f"schedule.mode={schedule}"])
-        if warm[0].startswith("sft."):
-            model = out / "sft_model" if args.sft_steps else out / "init_model"
-            warm = [f"learner.model.hf_checkpoint={model}", "sft.num_steps=0"]
+        if k == 0:  # the others start from this run's model (none built here: the configured one)
+            model = out / ("sft_model" if args.sft_steps else "init_model")
+            warm = [f"learner.model.hf_checkpoint={model}"] if model.is_dir() else []
+            warm.append("sft.num_steps=0")
         step_s = summary["mean_step_s"]
         results[schedule] = {
             "step_s": step_s,

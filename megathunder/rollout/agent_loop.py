@@ -99,6 +99,9 @@ class Episode:
     truncated: bool = False
     started_at: float = 0.0
     finished_at: float = 0.0
+    rewarded_at: float | None = None
+    """When the reward event was emitted: after any added verifier latency and the verifier pool's
+    queue, which ``reward.duration_s`` (the verifier's own run) leaves out."""
     reward: RewardOutcome | None = None
     final_text: str = ""  # the last model turn, decoded
     failure: str | None = None
@@ -256,6 +259,7 @@ class AgentLoop:
                 ep.failure = f"verifier_{ep.reward.status}: {ep.reward.detail}"
         else:  # nothing to score: the configured failure outcome, as for a failed verifier
             ep.reward = self.verifiers.failed(traj_id, ep.failure)
+        ep.rewarded_at = time.monotonic()
         self._event("reward", ep, payload=ep.reward.as_payload())
         return ep
 

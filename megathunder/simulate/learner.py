@@ -34,7 +34,10 @@ BACKWARD_SHARE = 2.0 / 3.0  # backward ~ 2x forward
 
 
 def trajectory_work_s(profile: Profile, batch: Batch) -> np.ndarray:
-    """[B] forward+backward seconds of each trajectory on one data-parallel replica."""
+    """[B] forward+backward seconds of each trajectory on one data-parallel replica (as measured
+    when the batch carries them: calibration's replay)."""
+    if batch.work_s is not None:
+        return batch.work_s
     lrn, m = profile.learner, profile.model
     L = batch.total_tokens.astype(float)
     if lrn.seconds_per_token is not None:

@@ -154,10 +154,20 @@ class LearnerSpec(_Strict):
     """Calibration: DP gradient reduce + clip + optimizer step, seconds."""
     weight_sync_s: float = Field(ge=0)
     """Calibration: reshard and push the weights into every rollout engine, seconds."""
+    weight_sync_learner_s: float | None = Field(None, ge=0)
+    """Calibration: the learner's own part of ``weight_sync_s`` (gather and reshard, scoring the
+    probe); the rest is the engines' (loading, sampling the probe). null: all of it. Changes only
+    the learner's busy time, not when the weights are live."""
     layerwise_overlap: bool = True
     """Overlap the optimizer and the weight push layer by layer with the last backward."""
     max_microbatches_per_burst: int = Field(64, ge=1)
     """Streaming: the most ready trajectories a data-parallel rank takes into one pipeline burst."""
+
+    @property
+    def push_busy_s(self) -> float:
+        """Seconds of each weight sync the learner itself is busy."""
+        own = self.weight_sync_s if self.weight_sync_learner_s is None else self.weight_sync_learner_s
+        return min(own, self.weight_sync_s)
 
 
 class WorkloadSpec(_Strict):
@@ -193,6 +203,10 @@ class ScheduleSpec(_Strict):
     """fully_async: a trajectory may start at most this many versions ahead of the learner."""
     max_in_flight_prompts: int | None = Field(None, ge=1)
     """fully_async: groups in flight at once; null = num_prompts_per_batch."""
+    async_push_overlaps_training: bool = True
+    """async: the learner trains the next batch while it pushes the new weights (a copy, over its
+    own link); false: the push (gather, load into the engines, probe) completes first, as
+    megathunder's trainer does."""
 
 
 class RunSpec(_Strict):

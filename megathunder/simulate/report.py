@@ -218,3 +218,49 @@ def last_line(profile: Profile, figs: dict) -> str:
         out.update({k: round(figs["bound"][k], 4) for k in
                     ("thunder_vs_sync", "B", "fraction_of_B", "B_arrival", "fraction_of_B_arrival")})
     return json.dumps(out)
+
+
+CALIBRATION_TOLERANCE = 0.15  # issue 9: predicted step time within 15% of the measured one
+
+
+def format_calibration(results: list[dict]) -> str:
+    """Predicted vs measured per run (turns replayed; and with the fitted decode rates), then the
+    fitted inputs of each."""
+    lines = [(f"{'run':<26}{'schedule':<12}{'steps':>6}{'measured s':>11}{'predicted s':>12}{'error':>8}"
+              f"{'idle meas':>10}{'idle pred':>10}{'| decode model s':>17}{'error':>8}")]
+    for r in results:
+        flag = "" if abs(r["error"]) <= CALIBRATION_TOLERANCE else "  > 15%"
+        lines.append(f"{_short(r['run']):<26}{r['schedule']:<12}{r['steps']:>6}{r['measured_step_s']:>11.2f}"
+                     f"{r['predicted_step_s']:>12.2f}{r['error']:>+8.1%}{r['measured_learner_idle']:>10.1%}"
+                     f"{r['predicted_learner_idle']:>10.1%}{r['model_step_s']:>17.2f}{r['model_error']:>+8.1%}{flag}")
+    lines.append("\nfitted inputs (decode model: [concurrency, aggregate tokens/s]):")
+    for r in results:
+        f = r["fitted"]
+        table = " ".join(f"[{c:.0f}, {a:.0f}]" for c, a in f["decode_tokens_per_s"])
+        lines.append(f"  {_short(r['run'])}: turn generating {f['generate_s_mean']:.3f} s (mean) | decode {table}"
+                     f" | learner {f['learner_seconds_per_token'] * 1e3:.3f} ms/token | step {f['optimizer_step_s']:.3f} s"
+                     f" | weight sync {f['weight_sync_s']:.3f} s ({f['weight_sync_learner_s']:.3f} s learner)"
+                     f" | between turns {f['tool_gap_s_mean']:.3f} s | verifier {f['verifier_s_mean']:.3f} s")
+    return "\n".join(lines)
+
+
+def _short(path: str) -> str:
+    return "/".join(Path(path).parts[-2:])
+
+
+def write_profile(profile: Profile, out: Path) -> Path:
+    """The fitted profile as YAML: ``megathunder simulate`` runs it on freshly sampled batches."""
+    import yaml
+
+    path = out / f"{profile.name}.yaml"
+    path.write_text(yaml.safe_dump(profile.model_dump(mode="json"), sort_keys=False))
+    return path
+
+
+def calibration_last_line(results: list[dict]) -> str:
+    keys = ("run", "schedule", "measured_step_s", "predicted_step_s", "error", "measured_learner_idle",
+            "predicted_learner_idle", "model_step_s", "model_error")
+    runs = [{k: round(r[k], 4) if isinstance(r[k], float) else r[k] for k in keys} for r in results]
+    worst = max(abs(r["error"]) for r in results)
+    return json.dumps({"calibration": runs, "max_abs_error": round(worst, 4),
+                       "within_tolerance": worst <= CALIBRATION_TOLERANCE})

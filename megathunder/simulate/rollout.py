@@ -13,7 +13,13 @@ and makes most trajectories finish late; ``oldest_first`` (vLLM's priority sched
 trajectory's start order as priority) lets early trajectories finish early.
 
 Weight syncs pause an engine (rate 0) without dropping its sequences: in-flight trajectories
-continue with the new weights afterwards (the fully-async schedules' partial rollouts).
+continue with the new weights afterwards (the fully-async schedules' partial rollouts). No turn
+starts decoding while its engine is paused.
+
+Replay (calibration): a batch with ``decode_s`` (measured seconds per turn) has each turn
+generate for exactly that long, whatever else runs; it still holds a decoding slot. While a weight
+sync pauses the engine, a replayed turn already running finishes (vLLM's pause drains running
+requests) and new ones wait.
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ import numpy as np
 from megathunder.simulate.profile import Profile
 from megathunder.simulate.workload import Batch
 
-_READY, _DONE, _REWARD, _CALL = range(4)
+_READY, _DONE, _REWARD, _CALL, _REPLAYED = range(5)
 
 
 @dataclass
@@ -44,7 +50,8 @@ class Interval:
 class _Engine:
     V: float = 0.0
     t: float = 0.0
-    c: int = 0
+    c: int = 0  # sequences decoding at the engine's rate
+    replaying: int = 0  # replayed turns running (fixed durations)
     version: int = 0
     paused: bool = False
     resident: list = field(default_factory=list)  # heap of (finish V, traj)
@@ -89,7 +96,8 @@ class RolloutCluster:
         if data is None:  # numpy scalar indexing is slow on the per-event path
             data = (batch.decode_tokens.astype(float).tolist(), batch.tool_latency_s.tolist(),
                     (batch.observation_tokens / self.prefill).tolist(),
-                    batch.verifier_latency_s.tolist())
+                    batch.verifier_latency_s.tolist(),
+                    None if batch.decode_s is None else batch.decode_s.tolist())
             self._lists[id(batch)] = data
         for i in idx:
             gid = len(self._turn)
@@ -122,8 +130,7 @@ class RolloutCluster:
             for k, e in enumerate(self.engines):
                 self._advance(e, now)
                 e.paused = False
-                self._busy_edge(k, e, now)
-                self._predict(k, e, now)
+                self._admit(k, e, now)
                 self.intervals.append(Interval(f"rollout{k}", now - duration, now, "weight_sync", step))
         self.call_at(t, begin)
 
@@ -139,6 +146,8 @@ class RolloutCluster:
                 e = self.engines[a]
                 if b == e.version:
                     self._done(a, e, t)
+            elif kind == _REPLAYED:
+                self._replayed(a, b, t)
             elif kind == _REWARD:
                 self.reward_time[a] = t
                 if self.on_reward is not None:
@@ -177,7 +186,7 @@ class RolloutCluster:
             self._push(t + max(0.0, e.resident[0][0] - e.V) / r, _DONE, k, e.version)
 
     def _busy_edge(self, k: int, e: _Engine, t: float) -> None:
-        decoding = e.c > 0 and not e.paused
+        decoding = e.c + e.replaying > 0 and not e.paused
         if decoding and e.busy_since is None:
             e.busy_since = t
         elif not decoding and e.busy_since is not None:
@@ -185,21 +194,23 @@ class RolloutCluster:
                 self.intervals.append(Interval(f"rollout{k}", e.busy_since, t, "decode"))
             e.busy_since = None
 
-    def _join(self, e: _Engine, gid: int) -> None:
-        heapq.heappush(e.resident, (e.V + self._data[gid][0][self._turn[gid]], gid))
-        e.c += 1
+    def _join(self, k: int, e: _Engine, gid: int, t: float) -> None:
+        tokens, _, _, _, replay = self._data[gid]
+        turn = self._turn[gid]
+        if replay is None:
+            heapq.heappush(e.resident, (e.V + tokens[turn], gid))
+            e.c += 1
+        else:
+            self._push(t + replay[turn], _REPLAYED, k, gid)
+            e.replaying += 1
 
     def _ready(self, gid: int, t: float) -> None:
         k = self._engine[gid]
         e = self.engines[k]
         self._advance(e, t)
-        if e.c < self.cap:
-            self._join(e, gid)
-            self._busy_edge(k, e, t)
-            self._predict(k, e, t)
-        else:
-            tick = next(self._tick)
-            heapq.heappush(e.waiting, (self._priority(gid, tick), tick, gid))
+        tick = next(self._tick)
+        heapq.heappush(e.waiting, (self._priority(gid, tick), tick, gid))
+        self._admit(k, e, t)
 
     def _done(self, k: int, e: _Engine, t: float) -> None:
         self._advance(e, t)
@@ -207,16 +218,31 @@ class RolloutCluster:
         while e.resident and e.resident[0][0] <= e.V + eps:
             _, gid = heapq.heappop(e.resident)
             e.c -= 1
-            _, tool, prefill, verifier = self._data[gid]
-            turn = self._turn[gid]
-            if turn + 1 == self._end[gid]:
-                self.finish_time[gid] = t
-                self._push(t + verifier[self._local_idx[gid]], _REWARD, gid, None)
-            else:
-                self._turn[gid] = turn + 1
-                self._push(t + tool[turn] + prefill[turn], _READY, gid, None)
-        while e.waiting and e.c < self.cap:
-            self._join(e, heapq.heappop(e.waiting)[2])
+            self._turn_done(gid, t)
+        self._admit(k, e, t)
+
+    def _replayed(self, k: int, gid: int, t: float) -> None:
+        e = self.engines[k]
+        self._advance(e, t)
+        e.replaying -= 1
+        self.decoded_tokens += self._data[gid][0][self._turn[gid]]
+        self._turn_done(gid, t)
+        self._admit(k, e, t)
+
+    def _turn_done(self, gid: int, t: float) -> None:
+        _, tool, prefill, verifier, _ = self._data[gid]
+        turn = self._turn[gid]
+        if turn + 1 == self._end[gid]:
+            self.finish_time[gid] = t
+            self._push(t + verifier[self._local_idx[gid]], _REWARD, gid, None)
+        else:
+            self._turn[gid] = turn + 1
+            self._push(t + tool[turn] + prefill[turn], _READY, gid, None)
+
+    def _admit(self, k: int, e: _Engine, t: float) -> None:
+        """Waiting turns take free decoding slots (none while paused); then the next finish."""
+        while e.waiting and e.c + e.replaying < self.cap and not e.paused:
+            self._join(k, e, heapq.heappop(e.waiting)[2], t)
         self._busy_edge(k, e, t)
         self._predict(k, e, t)
 

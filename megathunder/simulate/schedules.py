@@ -83,8 +83,9 @@ def _learner(profile: Profile, bursts: list[Burst], trace: Trace, step: int) -> 
     end = last.end + update_tail_s(profile, last.last_backward_s)
     for b in bursts:
         trace.intervals.append(Interval(f"learner{b.rank}", b.start, b.end, "train", step))
+    busy_end = max(last.end, end - (profile.learner.weight_sync_s - profile.learner.push_busy_s))
     for r in range(profile.num_dp):
-        trace.intervals.append(Interval(f"learner{r}", last.end, end, "update", step))
+        trace.intervals.append(Interval(f"learner{r}", last.end, busy_end, "update", step))
     return end
 
 
@@ -140,9 +141,12 @@ def run_thunder(profile: Profile, batches: list[Batch]) -> Trace:
 
 
 def run_async(profile: Profile, batches: list[Batch]) -> Trace:
-    """One-step-off: rollout j starts at max(rollout j-1 done, learner step j-2 done) + push."""
+    """One-step-off: rollout j starts at max(rollout j-1 done, learner step j-2 done) + push; the
+    learner trains batch j - 1 from then on, or once the push is done (``schedules.
+    async_push_overlaps_training`` false)."""
     trace = Trace("async", profile)
     p, dp, s = profile.learner.pipeline_parallel, profile.num_dp, profile.learner.weight_sync_s
+    overlap = profile.schedules.async_push_overlaps_training
     rollout_end: list[float] = []
     learner_end: list[float] = []
     for k, batch in enumerate(batches):
@@ -154,11 +158,17 @@ def run_async(profile: Profile, batches: list[Batch]) -> Trace:
             push = max(rollout_end[k - 1], learner_end[k - 2])
             start, version = push + s, k - 1
             _push(profile, start, trace, k)
-            for r in range(dp):  # the learner sends a copy of version k-1 while it trains
-                trace.intervals.append(Interval(f"learner{r}", push, start, "weight_sync", k))
+            for r in range(dp if overlap else 0):  # the learner sends a copy of version k-1 while it trains
+                trace.intervals.append(Interval(f"learner{r}", push, push + profile.learner.push_busy_s,
+                                                "weight_sync", k))
         reward = _rollout(profile, batch, start, trace, k)
         rollout_end.append(float(reward.max()))
         t_learn = max(rollout_end[k], learner_end[k - 1] if k else 0.0)
+        if k and not overlap:  # the push of version k (before rollout k + 1) completes first
+            for r in range(dp):
+                trace.intervals.append(Interval(f"learner{r}", t_learn, t_learn + profile.learner.push_busy_s,
+                                                "weight_sync", k))
+            t_learn += s
         bursts = train_batch(trajectory_work_s(profile, batch), dp, p, t_learn)
         last = max(bursts, key=lambda b: b.end)
         end = last.end + profile.learner.optimizer_step_s

@@ -24,6 +24,8 @@ class Batch:
     observation_tokens: np.ndarray  # [num_turns] tool output after the turn (0 after the last)
     tool_latency_s: np.ndarray  # [num_turns] tool call after the turn (0 after the last)
     verifier_latency_s: np.ndarray  # [B]
+    decode_s: np.ndarray | None = None  # [num_turns] measured seconds each turn generated: replayed
+    work_s: np.ndarray | None = None  # [B] measured learner seconds of each trajectory: replayed
 
     @property
     def size(self) -> int:

@@ -2,7 +2,9 @@
 
 Lanes: the learner (each call it ran, coloured by kind: streamed backward passes, the step's
 close, the optimizer step, the weight gather and probe), weight syncs, and rollout (episodes in
-flight over time, with reward arrivals). ``trace.json`` opens in chrome://tracing or
+flight over time, with reward arrivals). The trace also holds each episode's turns (process
+"turns", one thread per episode: a ``generate`` span with its token count, then a ``tool`` span),
+which ``megathunder simulate --calibrate`` fits its rollout inputs from. ``trace.json`` opens in chrome://tracing or
 ui.perfetto.dev.
 """
 
@@ -20,14 +22,16 @@ COLOURS = {
 def write_timeline(out: Path, trainer) -> None:
     spans = list(trainer.service.spans)
     t0 = min([s.start for s in spans] + [e["start"] for e in trainer.episode_spans], default=0.0)
-    _write_trace(out / "trace.json", spans, trainer.episode_spans, trainer.sync_spans, t0)
+    write_trace(out / "trace.json", spans, trainer.episode_spans, trainer.sync_spans, t0)
     _plot(out / "timeline.png", spans, trainer.episode_spans, trainer.sync_spans, trainer.metrics.rows, t0)
 
 
-def _write_trace(path: Path, spans, episodes, syncs, t0: float) -> None:
+def write_trace(path: Path, spans, episodes, syncs, t0: float) -> None:
+    """``spans``: the learner's calls (kind, start, end, step); ``episodes``: ``Trainer.episode_spans``;
+    ``syncs``: (start, end, version) of each weight sync; times are ``time.monotonic()``."""
     us = lambda t: round((t - t0) * 1e6)  # noqa: E731
     events = [{"name": "process_name", "ph": "M", "pid": p, "args": {"name": n}}
-              for p, n in ((0, "learner"), (1, "rollout"))]
+              for p, n in ((0, "learner"), (1, "rollout"), (2, "turns"))]
     for s in spans:
         events.append({"name": s.kind, "ph": "X", "pid": 0, "tid": 0, "ts": us(s.start),
                        "dur": us(s.end) - us(s.start), "args": {"step": s.step}})
@@ -36,9 +40,16 @@ def _write_trace(path: Path, spans, episodes, syncs, t0: float) -> None:
     for k, e in enumerate(episodes):
         tid = k % 64
         events.append({"name": "generate+tools", "ph": "X", "pid": 1, "tid": tid, "ts": us(e["start"]),
-                       "dur": us(e["finished"]) - us(e["start"]), "args": {"step": e["step"], "turns": e["turns"]}})
+                       "dur": us(e["finished"]) - us(e["start"]), "args": {"step": e["step"], "turns": e["turns"], "episode": k,
+                                **{key: e[key] for key in ("group", "prompt_tokens", "tokens") if key in e}}})
         events.append({"name": "verify", "ph": "X", "pid": 1, "tid": tid, "ts": us(e["finished"]),
                        "dur": us(e["reward"]) - us(e["finished"])})
+        for started, generated, tools_done, tokens in e.get("turn_spans", ()):
+            events.append({"name": "generate", "ph": "X", "pid": 2, "tid": k, "ts": us(started),
+                           "dur": us(generated) - us(started), "args": {"tokens": tokens}})
+            if tools_done is not None:
+                events.append({"name": "tool", "ph": "X", "pid": 2, "tid": k, "ts": us(generated),
+                               "dur": us(tools_done) - us(generated)})
     path.write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))
 
 

@@ -235,8 +235,12 @@ class Trainer:
         step_s = now - rec.started
         wall = self.wall_offset + now - self.t0
         for e in eps:
-            self.episode_spans.append({"step": step, "start": e.started_at, "finished": e.finished_at,
-                                       "reward": _reward_time(e), "turns": len(e.turns)})
+            self.episode_spans.append({
+                "step": step, "start": e.started_at, "finished": e.finished_at, "reward": _reward_time(e),
+                "turns": len(e.turns), "group": e.group_id, "prompt_tokens": e.prompt_len,
+                "tokens": len(e.token_ids), "turn_spans": [
+                    (t.started_at, t.generated_at, t.tools_done_at, t.end - t.start) for t in e.turns],
+            })  # fmt: skip
         return {
             "step": step,
             "schedule": self.cfg.schedule.mode,
@@ -277,6 +281,8 @@ def _reward_of(ep: Episode) -> float | None:
 
 
 def _reward_time(ep: Episode) -> float:
+    if ep.rewarded_at is not None:
+        return ep.rewarded_at
     return ep.finished_at + (ep.reward.duration_s if ep.reward is not None else 0.0)
 
 

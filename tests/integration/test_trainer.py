@@ -103,6 +103,19 @@ def test_quickstart_writes_its_report_and_checks_every_step(base):
     assert all("failure" in r and "stop_reason" in r for r in trajectories)  # why each ended, and faults
 
 
+def test_the_simulator_calibrates_on_the_quickstart_run(base):
+    """The trace holds what calibration needs; the bound is loose on purpose: two measured steps
+    of a one-turn task on a shared CPU, where a stall of another job moves a step by tens of %.
+    The 15% check is BENCHMARKS.md's, on 6-step runs of each schedule."""
+    from megathunder.simulate.calibrate import calibrate
+    from megathunder.simulate.run_dir import load_run
+
+    result = calibrate(load_run(base))
+    assert result["schedule"] == "thunder" and result["steps"] == 3
+    assert result["fitted"]["learner_seconds_per_token"] > 0 and result["fitted"]["weight_sync_s"] > 0
+    assert abs(result["error"]) < 0.5, result
+
+
 def test_replay_through_sync_and_thunder_gives_the_live_parameters(base, tmp_path):
     live = base / "final_model"
     thunder = replay(base, tmp_path / "thunder", "thunder")

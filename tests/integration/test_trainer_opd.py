@@ -50,5 +50,5 @@ def test_opd_thunder_run_streams_turns_and_replays_through_the_batch_reference(t
 
     sync = replay(out, tmp_path / "sync", "sync")
     assert sync["replayed_steps"] == 2
-    assert max_diff(tmp_path / "sync", out / "final_model") <= PARAM_ATOL
+    assert max_diff(tmp_path / "sync", out / "final_model") <= PARAM_ATOL  # 1e-5, fp32, 2 Adam steps
     assert max_diff(out / "sft_model", out / "final_model") > 100 * PARAM_ATOL  # the steps moved the weights

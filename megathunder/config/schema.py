@@ -18,8 +18,12 @@ class _Strict(BaseModel):
 
 
 class ObjectiveConfig(_Strict):
-    """The RL objective: advantages, loss aggregation, regularisers, corrections."""
+    """The training objective: advantages, loss aggregation, regularisers, corrections."""
 
+    kind: Literal["grpo", "opd", "opd_grpo"] = "grpo"
+    """grpo: reward RL with the advantage below; opd: on-policy distillation, the per-token reverse
+    KL (or ``learner.opd.divergence``) of the student's own samples to a frozen teacher
+    (``learner.opd``), streamed per turn under thunder; opd_grpo: both (not yet in the trainer)."""
     advantage: Literal["grpo", "dr_grpo", "rloo", "batch_std"] = "grpo"
     """grpo: (r - mean_g) / (std_g + eps); dr_grpo: r - mean_g; rloo: leave-one-out baseline;
     batch_std: (r - mean_g) / (std over the batch of r - mean_g, + eps)."""
@@ -328,6 +332,11 @@ class LearnerOPDConfig(_Strict):
     Jensen-Shannon divergence over the vocabulary (needs a teacher with whole distributions)."""
     jsd_lam: float = Field(0.5, gt=0, lt=1)
     """Mixture weight of the teacher in the gjsd's M = lam P_T + (1 - lam) P_S."""
+    teacher_hf_checkpoint: str | None = None
+    """The teacher (objective.kind=opd): a Hugging Face directory with the student's tokenizer, any
+    size, run as a frozen Megatron model in the student's layout. null: the run builds one -- the
+    default tiny model, SFT-warm-started for ``teacher_sft_num_steps`` (sft.batch_size, sft.lr)."""
+    teacher_sft_num_steps: int = Field(40, ge=1)
 
 
 class LearnerConfig(_Strict):
@@ -524,6 +533,25 @@ class SftConfig(_Strict):
     lr: float = Field(3e-3, gt=0)
 
 
+class TinyModelConfig(_Strict):
+    """Sizes of the locally built tiny Qwen2 (``run.init_model: tiny``; the tokenizer is always
+    the same). vLLM's CPU attention needs hidden_size / num_heads = 32."""
+
+    hidden_size: int = Field(128, ge=32)
+    intermediate_size: int = Field(256, ge=1)
+    num_layers: int = Field(2, ge=1)
+    num_heads: int = Field(4, ge=1)
+    num_kv_heads: int = Field(2, ge=1)
+
+    @model_validator(mode="after")
+    def _check(self) -> TinyModelConfig:
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_kv_heads: {self.num_kv_heads} does not divide num_heads={self.num_heads}")
+        if self.hidden_size % self.num_heads:
+            raise ValueError(f"hidden_size: {self.hidden_size} is not divisible by num_heads={self.num_heads}")
+        return self
+
+
 class RunConfig(_Strict):
     seed: int = 0
     num_steps: int = Field(10, ge=1)
@@ -531,6 +559,7 @@ class RunConfig(_Strict):
     init_model: str = "tiny"
     """Where the policy starts when ``learner.model.hf_checkpoint`` is unset: ``tiny`` builds a
     tiny Qwen2 and its tokenizer locally in the run directory (no hub)."""
+    tiny_model: TinyModelConfig = TinyModelConfig()
     checkpoint_every: int = Field(0, ge=0)
     """Save a resumable checkpoint every N optimizer steps (0: only at the end)."""
     resume: bool = True
@@ -572,6 +601,26 @@ class Config(_Strict):
                 f"sandbox.num_uids: {sb.num_uids} is fewer than agent.max_concurrent_episodes="
                 f"{self.agent.max_concurrent_episodes} (each open local sandbox needs its own uid)"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _check_objective(self) -> Config:
+        kind = self.objective.kind
+        if kind == "opd_grpo":
+            raise ValueError(
+                "objective.kind: opd_grpo is not wired into the trainer yet (its streaming math is "
+                "megathunder.streaming.opd_grpo); use grpo or opd"
+            )
+        if kind == "opd":
+            if self.learner.opd is None:
+                raise ValueError("learner.opd: required when objective.kind is opd (strategy, beta, teacher)")
+            if self.schedule.mode not in ("sync", "thunder"):
+                raise ValueError(
+                    f"schedule.mode: objective.kind=opd trains on the student's own samples (sync or "
+                    f"thunder); {self.schedule.mode} would train on stale samples"
+                )
+        elif self.learner.opd is not None and self.learner.opd.teacher_hf_checkpoint is not None:
+            raise ValueError(f"learner.opd.teacher_hf_checkpoint: only used with objective.kind=opd (got {kind})")
         return self
 
     @model_validator(mode="after")

@@ -7,6 +7,7 @@
     learner.sync_step_gradient(batch, rewards, owner); learner.step()   # batch-synchronous path
     streamer = learner.turn_streamer(teacher)     # per-turn OPD (learner.opd): turn events ...
     learner.finish_opd_batch(streamer); learner.step()
+    learner.opd_batch_gradient(batch, teacher); learner.step()   # OPD's batch reference
 
 Both paths leave the final gradient in DDP's buffers before ``step`` reduces it across
 data-parallel ranks (a sum: each rank holds its trajectories' share of (1/Z) sum_i grad loss_i).
@@ -36,6 +37,12 @@ class StepResult:
     ok: bool
     grad_norm: float
     lr: float
+
+
+@dataclass(frozen=True)
+class OPDBatchResult:
+    normaliser: float  # Z of the whole batch (every data-parallel rank's trajectories)
+    divergence_mean: float  # per trained token over the batch: the sampled-token reverse KL (or GJSD)
 
 
 class MegatronLearner:
@@ -155,21 +162,50 @@ class MegatronLearner:
                             strategy=opd.strategy, aggregation=opd.aggregation,
                             divergence=opd.divergence, jsd_lam=opd.jsd_lam)
 
-    def finish_opd_batch(self, streamer) -> float:
+    def finish_opd_batch(self, streamer) -> OPDBatchResult:
         """Divide the streamed OPD gradient by the batch's Z, counted over every data-parallel
-        rank's trajectories (each rank streams only its own); returns Z. Then ``step``."""
+        rank's trajectories (each rank streams only its own). Then ``step``."""
+        result = self._opd_totals(streamer.finished_counts, streamer.divergence_sum, streamer.aggregation)
+        streamer.finish_batch(result.normaliser)
+        return result
+
+    def opd_batch_gradient(self, batch: Sequence[Trajectory], teacher) -> OPDBatchResult:
+        """OPD's batch-synchronous reference on this rank's trajectories (``loss_mask`` = trained
+        tokens): the teacher scores each whole trajectory, one student forward and backward each,
+        then one division by the batch's Z -- the gradient the per-turn streamer computes turn by
+        turn (``megathunder.streaming.opd_turns`` derives why they are equal). Then ``step``."""
+        from megathunder.learner.opd import MegatronSegmentModel
+        from megathunder.streaming.opd_turns import accumulate_full_trajectory_gjsd, accumulate_full_trajectory_opd
+
+        opd = self.cfg.opd
+        gjsd = opd.divergence == "gjsd"
+        items = []
+        for traj in batch:
+            score = teacher.score_log_softmax if gjsd else teacher.score
+            items.append((traj.tokens, traj.loss_mask, score(traj.traj_id, traj.tokens, 1)))
+            teacher.release(traj.traj_id)
+        self.ddp.zero_grad_buffer()
+        seg = MegatronSegmentModel(self.ddp, self.groups)
+        if gjsd:
+            counts, divergence = accumulate_full_trajectory_gjsd(seg, items, opd.beta, opd.jsd_lam)
+        else:
+            counts, divergence = accumulate_full_trajectory_opd(seg, items, opd.beta)
+        result = self._opd_totals(counts, divergence, opd.aggregation)
+        seg.divide_grads(result.normaliser)
+        return result
+
+    def _opd_totals(self, counts: Sequence[int], divergence_sum: float, aggregation) -> OPDBatchResult:
         import torch.distributed as dist
 
         from megathunder.objectives.opd import opd_normaliser
 
-        counts = streamer.finished_counts
-        totals = torch.tensor([sum(counts), len(counts)], dtype=torch.float64, device=self.groups.device)
+        totals = torch.tensor([sum(counts), len(counts), divergence_sum], dtype=torch.float64,
+                              device=self.groups.device)
         if self.groups.dims.dp > 1:
             dist.all_reduce(totals, group=self.groups.dp)
         num_tokens, num_trajs = int(totals[0]), int(totals[1])
-        z = opd_normaliser([num_tokens] if streamer.aggregation == "token_mean" else [0] * num_trajs,
-                           streamer.aggregation)
-        return streamer.finish_batch(z)
+        z = opd_normaliser([num_tokens] if aggregation == "token_mean" else [0] * num_trajs, aggregation)
+        return OPDBatchResult(z, float(totals[2]) / max(num_tokens, 1))
 
     # ------------------------------------------------------------------ inference
 

@@ -205,6 +205,7 @@ class TurnStreamer:
         self.aggregation = aggregation
         self._open: dict[int, _Trajectory] = {}
         self._finished_counts: list[int] = []
+        self.divergence_sum = 0.0  # sum over trained tokens of the divergence (a metric, detached)
         # Work in token passes (deterministic, unlike time): tokens run forward, and tokens whose
         # activations a backward pass traverses.
         self.stats = {"forward_tokens": 0, "backward_tokens": 0, "backward_calls": 0}
@@ -268,12 +269,14 @@ class TurnStreamer:
         if z is None:
             z = opd_normaliser(self._finished_counts, self.aggregation)
         self.model.divide_grads(z)
-        self._finished_counts = []
+        self.reset_counts()
         return z
 
     def reset_counts(self) -> None:
-        """Forget the finished trajectories' token counts (a caller that normalises itself)."""
+        """Forget the finished trajectories' token counts and divergence (a caller that normalises
+        itself)."""
         self._finished_counts = []
+        self.divergence_sum = 0.0
 
     # ------------------------------------------------------------------ strategies
 
@@ -284,11 +287,14 @@ class TurnStreamer:
         if self.divergence == "gjsd":  # beta * sum_t JSD_lam(teacher || student) at the turn's positions
             student = self.model.log_softmax(logits_for_targets)
             teacher = self.teacher.score_log_softmax(traj_id, all_tokens, start).to(student)
-            return self.beta * self.model.vocab_sum(gjsd_terms(student, teacher, self.jsd_lam)).sum()
+            divergence = self.model.vocab_sum(gjsd_terms(student, teacher, self.jsd_lam)).sum()
+            self.divergence_sum += float(divergence.detach())
+            return self.beta * divergence
         targets = all_tokens[start:]
         logp = self.model.logprobs(logits_for_targets, targets)
         teacher = self.teacher.score(traj_id, all_tokens, start).to(logp)
         mask = torch.ones_like(logp, dtype=torch.bool)
+        self.divergence_sum += float((logp.detach() - teacher).sum())  # sampled-token reverse KL
         return opd_loss(logp, opd_coefficients(logp, teacher, mask, self.beta))
 
     def _recompute(self, traj_id, t: _Trajectory, segment: list[int], start: int, num_turn: int) -> None:
@@ -343,33 +349,37 @@ class TurnStreamer:
 
 
 def accumulate_full_trajectory_opd(model: SegmentModel, items: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
-                                   beta: float) -> list[int]:
+                                   beta: float) -> tuple[list[int], float]:
     """Batch OPD's unnormalised gradient on full trajectories into the model's gradient storage:
     per (tokens [L], trained-target mask [L-1], teacher logprobs [L-1]) one forward, c_t from it,
-    one backward. Returns the trained-token counts (for ``opd_normaliser``)."""
-    counts = []
+    one backward. Returns the trained-token counts (for ``opd_normaliser``) and the sum of the
+    sampled-token reverse KL l_t - l^T_t over the trained tokens (the metric)."""
+    counts, divergence = [], 0.0
     for tokens, mask, teacher_logp in items:
         logits, _ = model.forward_segment(tokens, None)
         logp = model.logprobs(logits[:-1], tokens[1:])
         mask = mask.to(logp.device)
-        loss = opd_loss(logp, opd_coefficients(logp, teacher_logp.to(logp), mask, beta))
+        teacher_logp = teacher_logp.to(logp)
+        loss = opd_loss(logp, opd_coefficients(logp, teacher_logp, mask, beta))
         model.backward([loss], None)
         counts.append(int(mask.sum()))
-    return counts
+        divergence += float(torch.where(mask, logp.detach() - teacher_logp, 0.0).sum())
+    return counts, divergence
 
 
 def accumulate_full_trajectory_gjsd(model: SegmentModel, items: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
-                                    beta: float, lam: float) -> list[int]:
+                                    beta: float, lam: float) -> tuple[list[int], float]:
     """The same for the GJSD: items carry the teacher's log-probability rows [L-1, V(/tp)]."""
-    counts = []
+    counts, divergence = [], 0.0
     for tokens, mask, teacher_rows in items:
         logits, _ = model.forward_segment(tokens, None)
         student = model.log_softmax(logits[:-1])
         mask = mask.to(student.device)
-        per_token = model.vocab_sum(gjsd_terms(student, teacher_rows.to(student), lam))
-        model.backward([beta * torch.where(mask, per_token, 0.0).sum()], None)
+        per_token = torch.where(mask, model.vocab_sum(gjsd_terms(student, teacher_rows.to(student), lam)), 0.0).sum()
+        model.backward([beta * per_token], None)
         counts.append(int(mask.sum()))
-    return counts
+        divergence += float(per_token.detach())
+    return counts, divergence
 
 
 def opd_reference_gradient(model: TorchDecoder, trajectories: list[tuple[torch.Tensor, torch.Tensor]],
@@ -383,7 +393,7 @@ def opd_reference_gradient(model: TorchDecoder, trajectories: list[tuple[torch.T
     for p in params:
         p.grad = None
     items = [(tokens, mask, teacher(tokens, 1, tokens.numel())) for tokens, mask in trajectories]
-    counts = accumulate_full_trajectory_opd(TorchSegmentModel(model), items, beta)
+    counts, _ = accumulate_full_trajectory_opd(TorchSegmentModel(model), items, beta)
     flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
     for p, g in zip(params, saved, strict=True):
         p.grad = g

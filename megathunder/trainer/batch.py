@@ -35,6 +35,7 @@ class BatchOutcome:
     num_kept_trajectories: int
     peak_buffers: int
     backward_after_last_reward: int  # learner passes left when the batch's last reward arrived
+    divergence: float | None = None  # OPD: the student's mean per-token divergence to the teacher
 
 
 class BatchGradient:

@@ -76,7 +76,7 @@ class Journal:
     def trajectory(self, step: int, traj: Trajectory, **fields) -> None:
         self.append({
             "type": "trajectory", "step": step, "traj_id": traj.traj_id, "group_id": traj.group_id,
-            "tokens": traj.tokens.tolist(), "loss_mask": _spans(traj.loss_mask),
+            "tokens": traj.tokens.tolist(), "loss_mask": mask_spans(traj.loss_mask),
             "rollout_logprobs": traj.rollout_logprobs.tolist()
             if traj.rollout_logprobs is not None else None,
             "truncated": traj.truncated, **fields,
@@ -90,7 +90,7 @@ class Journal:
         self._f.close()
 
 
-def _spans(mask: torch.Tensor) -> list[list[int]]:
+def mask_spans(mask: torch.Tensor) -> list[list[int]]:
     """[start, end) runs of True: the loss mask in a few integers."""
     spans, start = [], None
     for i, m in enumerate(mask.tolist() + [False]):

@@ -2,7 +2,8 @@
 schedule's gradient path, from the run's initial weights.
 
 ``thunder`` feeds each step's finish and reward events to the gradient ledger in the order they
-happened; every other schedule computes the batch-synchronous gradient of the step's batch
+happened (OPD: each trajectory's turns, recovered from its loss mask, right before its finish
+event); every other schedule computes the batch-synchronous gradient of the step's batch
 (async and fully_async differ from sync only in *which* data a step gets, and that is what the
 journal recorded). Same journal, same parameters: ``tests/distributed`` replays one journal
 through sync and thunder on 1 process and on TP = 2 / DP = 2 and compares the weights.
@@ -18,12 +19,14 @@ import torch
 import yaml
 
 from megathunder.config import Config, load_config
-from megathunder.trainer.batch import BatchGradient
 from megathunder.trainer.journal import completed_steps
+from megathunder.trainer.opd import teacher_dir, turn_spans
+from megathunder.trainer.trainer import new_batch
 
 
-def replay(cfg: Config, run_dir: Path, learner, num_steps: int | None = None) -> int:
-    """Apply the journal's steps (all, or the first ``num_steps``) to ``learner``; returns how many."""
+def replay(cfg: Config, run_dir: Path, learner, num_steps: int | None = None, teacher=None) -> int:
+    """Apply the journal's steps (all, or the first ``num_steps``) to ``learner``; returns how many.
+    ``teacher``: OPD's (``objective.kind: opd``)."""
     streamed = cfg.schedule.mode == "thunder"
     done = 0
     for step, entries, _ in completed_steps(run_dir / "journal.jsonl"):
@@ -32,10 +35,14 @@ def replay(cfg: Config, run_dir: Path, learner, num_steps: int | None = None) ->
         if step < learner.num_steps:
             continue  # already in the learner's (resumed) weights
         plan = _plan(entries)
-        batch = BatchGradient(learner, plan, streamed)
+        batch = new_batch(learner, teacher, plan, streamed)
         events = [(e.t_finished, 0, "finished", e) for e in entries] + [(e.t_reward, 1, "reward", e) for e in entries]
         for _, _, kind, e in sorted(events, key=lambda ev: (ev[0], ev[1], ev[3].traj.traj_id)):
             if kind == "finished":
+                if teacher is not None:
+                    tokens = e.traj.tokens.tolist()
+                    for start, end in turn_spans(e.traj):
+                        batch.on_turn(e.traj.traj_id, tokens[:end], start, end)
                 batch.on_finished(e.traj)
             else:
                 batch.on_reward(e.traj.traj_id, e.reward)
@@ -88,7 +95,12 @@ def main(run_dir: str, overrides: list[str], out: str) -> int:
     run_dir = Path(run_dir)
     cfg = load_config(run_dir / "config.yaml", overrides)
     learner = build_replay_learner(cfg, run_dir)
-    n = replay(cfg, run_dir, learner)
+    teacher = None
+    if cfg.objective.kind == "opd":
+        from megathunder.learner.opd import build_teacher
+
+        teacher = build_teacher(teacher_dir(cfg, run_dir), learner.cfg, learner.groups)
+    n = replay(cfg, run_dir, learner, teacher=teacher)
     learner.export_hf(out)
     if learner.groups.rank == 0:
         print(json.dumps({"replayed_steps": n, "schedule": cfg.schedule.mode, "out": out,

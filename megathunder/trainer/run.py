@@ -3,6 +3,7 @@
     groups   = init_distributed(cfg.learner)                # TP x PP x DP, gloo or NCCL
     model    = initial_model(cfg, out) -> sft warm start    # HF directory: learner and vLLM load it
     learner  = MegatronLearner.build(...); resume from checkpoints/latest
+    teacher  = objective.kind=opd: frozen Megatron model (given, or built: tiny model + SFT)
     rank 0:  engine, agent loop -> Trainer -> SCHEDULES[cfg.schedule.mode]
     others:  LearnerService.serve()
     rank 0:  timeline.png / trace.json, summary.json, checkpoint
@@ -60,17 +61,22 @@ def initial_model(cfg: Config, out: Path, groups) -> Path:
         if not (source / "config.json").is_file():
             raise FileNotFoundError(f"learner.model.hf_checkpoint: {source} has no config.json")
     elif cfg.run.init_model == "tiny":
-        source = out / "init_model"
-        if groups.rank == 0 and not (source / "model.safetensors").is_file():
-            from megathunder.models.tiny_hf import save_tiny_qwen2
-
-            save_tiny_qwen2(source)
-        _barrier()
+        source = tiny_model(out / "init_model", cfg.run.tiny_model, groups)
     else:
         source = Path(cfg.run.init_model)
     if cfg.sft.num_steps == 0:
         return source
     return warm_start(cfg, groups, source, out / "sft_model")
+
+
+def tiny_model(out_dir: Path, sizes, groups) -> Path:
+    """The tiny Qwen2 of ``sizes`` (a ``TinyModelConfig``) and its tokenizer, built once by rank 0."""
+    if groups.rank == 0 and not (out_dir / "model.safetensors").is_file():
+        from megathunder.models.tiny_hf import TinyModelSpec, save_tiny_qwen2
+
+        save_tiny_qwen2(out_dir, TinyModelSpec(**sizes.model_dump()))
+    _barrier()
+    return out_dir
 
 
 def _barrier() -> None:
@@ -113,12 +119,18 @@ def train(cfg: Config) -> int:
     if cfg.verifier.on_failure == "drop_group":
         ledger_cfg = ledger_cfg.model_copy(update={"hold_groups_until_close": True})
     learner = MegatronLearner.build(learner_cfg, cfg.objective, groups, ledger_cfg)
+    teacher = None
+    if cfg.objective.kind == "opd":  # a frozen Megatron teacher in the student's layout
+        from megathunder.learner.opd import build_teacher
+        from megathunder.trainer.opd import build_teacher_model
+
+        teacher = build_teacher(build_teacher_model(cfg, out, groups), learner_cfg, groups)
     if latest is not None:
         load_checkpoint(learner, latest)
         if groups.rank == 0:
             print(f"megathunder: resumed from {latest} (step {learner.num_steps})", flush=True)
     start = learner.num_steps
-    service = LearnerService(learner_handlers(learner, ckpt_dir), groups.rank, groups.world_size)
+    service = LearnerService(learner_handlers(learner, ckpt_dir, teacher), groups.rank, groups.world_size)
     if groups.rank != 0:
         service.serve()
         return 0
@@ -153,7 +165,7 @@ async def _control(cfg: Config, out: Path, service, model_dir: Path, start: int,
             before = await trainer.periodic_eval(-1, force=True)
             (out / "eval_before.json").write_text(json.dumps(before, indent=2) + "\n")
         steps = StepsUntilSignal(range(start, cfg.run.num_steps), stop_requested)
-        trainer.bar = tqdm(total=len(steps), desc=f"grpo/{cfg.schedule.mode}", unit="step",
+        trainer.bar = tqdm(total=len(steps), desc=f"{cfg.objective.kind}/{cfg.schedule.mode}", unit="step",
                            disable=not cfg.run.progress, mininterval=1.0)
         await SCHEDULES[cfg.schedule.mode](trainer, steps)
         trainer.bar.close()

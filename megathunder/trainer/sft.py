@@ -57,7 +57,7 @@ def sft_step(learner, batch: list[Trajectory]) -> float:
     return total / max(num_tokens, 1)  # this rank's share of the mean loss
 
 
-def warm_start(cfg: Config, groups, source: Path, out_dir: Path) -> Path:
+def warm_start(cfg: Config, groups, source: Path, out_dir: Path, desc: str = "sft warm start") -> Path:
     """Train ``sft.num_steps`` steps from the HF directory ``source``; export to ``out_dir``."""
     from megathunder.config import ObjectiveConfig
     from megathunder.learner.learner import MegatronLearner
@@ -79,7 +79,7 @@ def warm_start(cfg: Config, groups, source: Path, out_dir: Path) -> Path:
     random.Random(cfg.run.seed).shuffle(data)
     data = data * -(-sft.num_steps * sft.batch_size // len(data))  # held-out instances were left out
     show = cfg.run.progress and groups.rank == 0
-    bar = tqdm(range(sft.num_steps), desc="sft warm start", unit="step", disable=not show, mininterval=1.0)
+    bar = tqdm(range(sft.num_steps), desc=desc, unit="step", disable=not show, mininterval=1.0)
     for step in bar:
         loss = sft_step(learner, data[step * sft.batch_size : (step + 1) * sft.batch_size])
         bar.set_postfix(loss=f"{loss:.3f}")

@@ -5,7 +5,7 @@
     others:  LearnerService.serve()  (the same learner calls, in the same order)
 
 Per optimizer step: episodes run on the engine; their events become learner calls
-(``begin`` / ``finished`` / ``reward`` / ``close``); then ``step``, the new weights are gathered,
+(``begin`` / ``turn`` (OPD) / ``finished`` / ``reward`` / ``close``); then ``step``, the new weights are gathered,
 resharded to the inference layout and pushed into vLLM, and the zero-staleness probe checks that
 vLLM now samples from exactly the weights being trained. Everything is journaled.
 """
@@ -38,14 +38,15 @@ log = logging.getLogger(__name__)
 # ---------------------------------------------------------------------- learner calls (all ranks)
 
 
-def learner_handlers(learner, checkpoint_dir: Path) -> dict:
-    """The calls the controller makes; each runs on every learner rank."""
+def learner_handlers(learner, checkpoint_dir: Path, teacher=None) -> dict:
+    """The calls the controller makes; each runs on every learner rank. ``teacher``: OPD's
+    (``objective.kind: opd``); the batch is then an ``OPDBatch``, which also takes ``turn``."""
     from megathunder.learner.checkpoint import save_checkpoint
 
     state: dict = {}
 
     def begin(plan, streamed):
-        state["batch"] = BatchGradient(learner, plan, streamed)
+        state["batch"] = new_batch(learner, teacher, plan, streamed)
 
     def score(tokens: list[int], prompt_len: int):
         mask = torch.zeros(len(tokens) - 1, dtype=torch.bool)
@@ -56,6 +57,7 @@ def learner_handlers(learner, checkpoint_dir: Path) -> dict:
 
     return {
         "begin": begin,
+        "turn": lambda tid, tokens, start, end: state["batch"].on_turn(tid, tokens, start, end),
         "finished": lambda traj: state["batch"].on_finished(traj),
         "reward": lambda tid, reward: state["batch"].on_reward(tid, reward),
         "close": lambda: state.pop("batch").close(),
@@ -65,6 +67,15 @@ def learner_handlers(learner, checkpoint_dir: Path) -> dict:
         "checkpoint": lambda: str(save_checkpoint(learner, checkpoint_dir)),
         "export": lambda path: learner.export_hf(path),
     }
+
+
+def new_batch(learner, teacher, plan, streamed: bool):
+    """The batch's gradient accumulator: RL (``BatchGradient``) or, with a teacher, ``OPDBatch``."""
+    if teacher is None:
+        return BatchGradient(learner, plan, streamed)
+    from megathunder.trainer.opd import OPDBatch
+
+    return OPDBatch(learner, teacher, plan, streamed)
 
 
 def _from_last_stage(groups, value):
@@ -130,7 +141,10 @@ class Trainer:
     def _on_event(self, event) -> None:
         if not self._streaming:
             return
-        if event.kind == "trajectory_finished":
+        if event.kind == "turn_finished" and self.cfg.objective.kind == "opd":  # its tool call starts now
+            p = event.payload
+            self.service.submit("turn", event.traj_id, p["token_ids"], p["start"], p["end"])
+        elif event.kind == "trajectory_finished":
             self.service.submit("finished", event.payload["episode"].to_trajectory())
         elif event.kind == "reward":
             self.service.submit("reward", event.traj_id, _reward(event.payload))
@@ -261,12 +275,19 @@ class Trainer:
             "learner_idle_share": max(0.0, 1.0 - busy / step_s) if step_s > 0 else 0.0,
             "backward_after_last_reward": outcome.backward_after_last_reward,
             "peak_buffers": outcome.peak_buffers,
+            **({} if outcome.divergence is None else {_divergence_key(self.cfg): outcome.divergence}),
             "wall_s": wall,
             "gpu_hours": wall * self.service.world_size / 3600.0,  # learner process-hours on CPU
         }
 
 
 # ---------------------------------------------------------------------- helpers
+
+
+def _divergence_key(cfg: Config) -> str:
+    """The OPD metric's name: opd/reverse_kl (mean over trained tokens of l - l^T, the sampled-token
+    estimate of KL(student || teacher) on the student's own samples) or opd/gjsd."""
+    return f"opd/{cfg.learner.opd.divergence}"
 
 
 def _reward(payload: dict) -> float | None:
@@ -320,6 +341,10 @@ def write_summary(out: Path, rows: list[dict]) -> dict:
         "mean_backward_after_last_reward": round(mean("backward_after_last_reward", rows), 3),
         "wall_s": round(rows[-1]["wall_s"], 1) if rows else 0.0,
     }
+    for key in ("opd/reverse_kl", "opd/gjsd"):
+        if rows and key in rows[0]:
+            summary[f"{key}_first_steps"] = round(mean(key, rows[:k]), 4)
+            summary[f"{key}_last_steps"] = round(mean(key, rows[-k:]), 4)
     evals = [r for r in rows if "eval/pass@1" in r]
     if evals:
         summary["eval_pass@1_first"] = round(evals[0]["eval/pass@1"], 4)

@@ -48,7 +48,7 @@ def _run(layer_spec: str) -> dict[str, float]:
         seg = MegatronSegmentModel(learner.ddp, groups)
         learner.ddp.zero_grad_buffer()
         items = [(t, m, teacher_fn(t, 1, t.numel())) for t, m in full]
-        counts = accumulate_full_trajectory_opd(seg, items, 1.0)
+        counts, _ = accumulate_full_trajectory_opd(seg, items, 1.0)
         learner.backend.live.div_(opd_normaliser(counts, "token_mean"))
         reference = learner.backend.live.flat().float().clone()
         errors = {}

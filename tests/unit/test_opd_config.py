@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from pydantic import ValidationError
 
@@ -31,3 +33,29 @@ def test_past_kv_spec_replaces_only_the_core_attention():
     assert ours.submodules.self_attention.submodules.core_attention is PastKVAttention
     assert ours.submodules.self_attention.submodules.linear_qkv is stock.submodules.self_attention.submodules.linear_qkv
     assert ours.submodules.mlp == stock.submodules.mlp
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["objective.kind=opd_grpo"], "objective.kind: opd_grpo is not wired"),
+    (["objective.kind=opd"], "learner.opd: required when objective.kind is opd"),
+    (["objective.kind=opd", "learner.opd.strategy=recompute", "schedule.mode=async"], "schedule.mode: "),
+    (["objective.kind=opd", "learner.opd.strategy=recompute", "schedule.mode=fully_async"], "schedule.mode: "),
+    (["learner.opd.strategy=recompute", "learner.opd.teacher_hf_checkpoint=/t"], "learner.opd.teacher_hf_checkpoint: "),
+    (["run.tiny_model.num_kv_heads=3"], "num_kv_heads: 3 does not divide"),
+])
+def test_training_objective_is_checked_when_parsed(overrides, message):
+    from megathunder.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, overrides)
+
+
+def test_opd_objective_parses_with_its_teacher():
+    from megathunder.config import load_config
+
+    assert load_config(None).objective.kind == "grpo"
+    cfg = load_config(None, ["objective.kind=opd", "schedule.mode=sync", "learner.opd.strategy=recompute",
+                             "learner.opd.teacher_hf_checkpoint=/ckpt/teacher"])
+    assert cfg.learner.opd.teacher_hf_checkpoint == "/ckpt/teacher"
+    cfg = load_config(Path(__file__).resolve().parents[2] / "configs/opd_quickstart.yaml")
+    assert (cfg.objective.kind, cfg.schedule.mode, cfg.learner.opd.teacher_hf_checkpoint) == ("opd", "thunder", None)

@@ -42,10 +42,14 @@ def test_per_turn_streaming_equals_full_trajectory_opd(strategy, aggregation):
         if sum(int(m.sum()) for _, m in full) == 0:
             continue
         reference = opd_reference_gradient(student, full, score, beta=0.7, aggregation=aggregation)
+        with torch.no_grad():  # sum over trained tokens of l - l^T: the trainer's opd/reverse_kl * count
+            student_score = _teacher_fn(student)  # the student's own logprobs, scored the same way
+            divergence = sum(float((student_score(t, 1, t.numel()) - score(t, 1, t.numel()))[m].sum()) for t, m in full)
         for p in student.parameters():
             p.grad = None
         streamer = TurnStreamer(student, score, beta=0.7, strategy=strategy, aggregation=aggregation)
         stream(streamer, episodes)
+        assert streamer.divergence_sum == pytest.approx(divergence, rel=1e-10)  # the logged metric
         streamer.finish_batch()
         streamed = flat_grad(student)
         assert reference.norm() > 0
@@ -127,12 +131,13 @@ def test_gjsd_per_turn_equals_full_trajectory(strategy):
         student.zero_grad(set_to_none=True)
         with torch.no_grad():
             items = [(t, m, torch.log_softmax(teacher(t[None])[0, :-1], -1)) for t, m in full]
-        counts = accumulate_full_trajectory_gjsd(TorchSegmentModel(student), items, beta=0.8, lam=0.3)
+        counts, divergence = accumulate_full_trajectory_gjsd(TorchSegmentModel(student), items, beta=0.8, lam=0.3)
         reference = flat_grad(student) / opd_normaliser(counts, "token_mean")
         student.zero_grad(set_to_none=True)
         streamer = TurnStreamer(student, CachedTeacher(TorchSegmentModel(teacher)), beta=0.8, strategy=strategy,
                                 divergence="gjsd", jsd_lam=0.3)
         stream(streamer, episodes)
+        assert streamer.divergence_sum == pytest.approx(divergence, rel=1e-10)  # the logged metric
         streamer.finish_batch()
         streamed = flat_grad(student)
         assert reference.norm() > 0

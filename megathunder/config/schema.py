@@ -568,6 +568,9 @@ class RunConfig(_Strict):
     """wandb logging (offline: files under the run directory; disabled: none; skipped with a warning if wandb is not installed)."""
     wandb_project: str = "megathunder"
     progress: bool = True
+    timeline_steps: int = Field(500, ge=1)
+    """timeline.png and trace.json cover the last N optimizer steps: older spans are dropped, so
+    a long run's memory stays bounded (metrics.jsonl and the journal keep every step)."""
 
 
 class Config(_Strict):

@@ -90,6 +90,12 @@ def load_run(path: str | Path) -> RunDir:
     if not run.episodes or not any(e.turns for e in run.episodes):
         raise ConfigError(f"calibrate: {path}/trace.json has no per-turn spans (process 'turns'); "
                           "it was written by an older megathunder: run it again")
+    traced = {e.step for e in run.episodes}
+    if not {r["step"] for r in metrics} <= traced:
+        raise ConfigError(f"calibrate: {path}/trace.json covers steps {min(traced)}-"
+                          f"{max(traced)} of {len(metrics)}: it keeps the last "
+                          "run.timeline_steps steps of a run (and of a resumed run's last attempt); "
+                          "calibrate a run whose trace covers it all")
     return run
 
 

@@ -164,6 +164,11 @@ class LearnerService:
                 return
             self._execute(method, args)
 
+    def forget_spans_before(self, step: int) -> None:
+        """Drop the spans of optimizer steps before ``step`` (the timeline keeps a window)."""
+        with self._lock:
+            self.spans = [s for s in self.spans if s.step >= step]
+
     def busy_seconds(self, since: float, until: float, kinds: set[str] | None = None) -> float:
         with self._lock:
             return sum(

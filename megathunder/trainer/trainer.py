@@ -120,6 +120,12 @@ class Trainer:
         self._streaming = False  # thunder: route the rollout's events to the learner
         agent_loop.emit = self._on_event
 
+    def _keep_timeline_from(self, first_step: int) -> None:
+        """The timeline's spans of steps >= ``first_step`` only (``run.timeline_steps``)."""
+        self.service.forget_spans_before(first_step)
+        self.episode_spans = [e for e in self.episode_spans if e["step"] >= first_step]
+        self.sync_spans = [s for s in self.sync_spans if s[2] >= first_step]  # version v follows step v - 1
+
     # ------------------------------------------------------------------ rollout
 
     def instances(self, step: int):
@@ -180,6 +186,7 @@ class Trainer:
                                     stop_reason=ep.stop_reason, failure=ep.failure)  # fmt: skip
         self.journal.end_step(step, row)
         self.metrics.log(row)
+        self._keep_timeline_from(step + 1 - self.cfg.run.timeline_steps)
         every = self.cfg.run.checkpoint_every
         if every and (step + 1) % every == 0 and step + 1 < self.cfg.run.num_steps:
             await self.service.call("checkpoint")

@@ -161,10 +161,15 @@ def test_eval_report_compares_two_schedules(base, sync_run, tmp_path):
 
 
 def test_async_schedule_is_one_step_stale(base, tmp_path):
-    train(tmp_path, "schedule.mode=async", "objective.tis=token", "run.num_steps=3", *warm(base))
+    train(tmp_path, "schedule.mode=async", "objective.tis=token", "run.num_steps=3", "run.timeline_steps=1",
+          *warm(base))
     r = rows(tmp_path)
     assert [x["policy_lag_max"] for x in r] == [0, 1, 1]
     assert all(x["probe_gap"] <= 1e-3 for x in r[1:])
+    # the timeline keeps the last run.timeline_steps steps only (bounded memory on long runs)
+    trace = [e for e in json.loads((tmp_path / "trace.json").read_text())["traceEvents"] if e["ph"] == "X"]
+    assert {e["args"]["step"] for e in trace if e["name"] == "generate+tools"} == {2}
+    assert min(e["args"]["step"] for e in trace if e["pid"] == 0 and e["tid"] == 0) == 2
 
 
 def test_fully_async_schedule_bounds_staleness(base, tmp_path):

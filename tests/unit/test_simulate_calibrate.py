@@ -124,6 +124,15 @@ def test_a_trace_without_turns_is_a_clear_error(tmp_path):
         load_run(tmp_path / "run")
 
 
+def test_a_trace_that_does_not_cover_every_step_is_a_clear_error(tmp_path):
+    """A long run's trace keeps its last ``run.timeline_steps`` steps: not a whole run to replay."""
+    write_sync_run(tmp_path / "run")
+    with (tmp_path / "run" / "metrics.jsonl").open("a") as f:
+        f.write(json.dumps({"step": STEPS, "schedule": "sync", "step_s": 1.0, "learner_busy_s": 0.5}) + "\n")
+    with pytest.raises(ConfigError, match=f"covers steps 0-{STEPS - 1} of {STEPS + 1}"):
+        load_run(tmp_path / "run")
+
+
 def test_a_replayed_turn_runs_through_a_weight_sync_and_the_next_waits_for_its_end(tmp_path):
     """vLLM's pause(mode="wait"): running requests finish, new ones wait until the load is done."""
     write_sync_run(tmp_path / "run")

@@ -252,8 +252,10 @@ class WeightSender:
     async def close(self, rpc: Rpc) -> None:
         from megathunder.rollout.engines.weights import WeightLoadCall
 
-        await rpc(WeightLoadCall("megathunder_transfer_close"))
-        self.group.close()
+        try:
+            await rpc(WeightLoadCall("megathunder_transfer_close"))
+        finally:
+            self.group.close()
 
 
 async def open_sender(cfg: EngineConfig, engines: Sequence[Rpc]) -> WeightSender | None:

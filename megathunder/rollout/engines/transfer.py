@@ -232,8 +232,8 @@ class WeightSender:
         await joining
         return cls(group, bucket_bytes)
 
-    async def push(self, named_tensors: Iterable[tuple[str, torch.Tensor]], rpc: Rpc) -> None:
-        """Plan to the workers by RPC, bytes by broadcast, concurrently."""
+    async def push(self, named_tensors: Iterable[tuple[str, torch.Tensor]], rpc: Rpc) -> Any:
+        """Plan to the workers by RPC, bytes by broadcast, concurrently; returns the RPC's result."""
         from megathunder.rollout.engines.weights import WeightLoadCall
 
         named = list(named_tensors)
@@ -243,7 +243,7 @@ class WeightSender:
         call = WeightLoadCall("megathunder_receive_buckets", args=(json.dumps([b.to_json() for b in plan]),))
         receiving = asyncio.create_task(rpc(call))
         await asyncio.to_thread(self._send, plan, dict(named))
-        await receiving
+        return await receiving
 
     def _send(self, plan: list[Bucket], tensors: Mapping[str, torch.Tensor]) -> None:
         for bucket in plan:

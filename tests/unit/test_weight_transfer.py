@@ -65,6 +65,8 @@ def test_gloo_group_broadcasts_buckets_to_a_worker():
     received: list[tuple[str, torch.Tensor]] = []
 
     async def rpc(call):  # stands in for collective_rpc to one worker
+        if call.method == "megathunder_worker_rank":
+            return [0]
         if call.method == "megathunder_transfer_join":
             rdv = Rendezvous.from_json(call.args[0])
             rpc.group = await asyncio.to_thread(TransferGroup.join, rdv, int(call.args[1]), torch.device("cpu"))
@@ -78,7 +80,7 @@ def test_gloo_group_broadcasts_buckets_to_a_worker():
             rpc.group.close()
 
     async def main():
-        sender = await WeightSender.open("127.0.0.1", "gloo", [rpc], 1, bucket_bytes=2048)
+        sender = await WeightSender.open("127.0.0.1", "gloo", [rpc], bucket_bytes=2048)
         assert sender.group.world_size == 2 and rpc.group.rank == 1
         await sender.push(iter(weights), rpc)
         await sender.close(rpc)

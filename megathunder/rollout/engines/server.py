@@ -366,10 +366,11 @@ class ServerEngine:
             await asyncio.gather(*(finish(url) for url in self.live_urls))
             self._policy_version = policy_version
 
-    async def _rpc_one(self, url: str, call: WeightLoadCall) -> dict:
-        return await self._post(url, "/collective_rpc", json=call.as_json())
+    async def _rpc_one(self, url: str, call: WeightLoadCall) -> list:
+        """``call`` on every worker of one server; their results."""
+        return (await self._post(url, "/collective_rpc", json=call.as_json())).get("results", [])
 
-    async def _rpc(self, call: WeightLoadCall) -> list[dict]:
+    async def _rpc(self, call: WeightLoadCall) -> list:
         """``call`` on every live server; with a transfer group, every server must be live (the
         group's broadcasts wait for all its ranks)."""
         if self.sender is not None and self.lost:
@@ -377,8 +378,9 @@ class ServerEngine:
             raise ServerError(f"weight transfer needs every server that joined its group; lost {lost}")
         return await self._rpc_live(call)
 
-    async def _rpc_live(self, call: WeightLoadCall) -> list[dict]:
-        return await asyncio.gather(*(self._rpc_one(url, call) for url in self.live_urls))
+    async def _rpc_live(self, call: WeightLoadCall) -> list:
+        per_server = await asyncio.gather(*(self._rpc_one(url, call) for url in self.live_urls))
+        return [result for results in per_server for result in results]
 
     async def _reset_one(self, url: str) -> None:
         if not (await self._post(url, "/reset_prefix_cache")).get("success"):

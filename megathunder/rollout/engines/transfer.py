@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -117,10 +118,7 @@ def pack(bucket: Bucket, tensors: Mapping[str, torch.Tensor], device: torch.devi
 def unpack(bucket: Bucket, flat: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
     """Named views of a flat bucket (no copies)."""
     for slot in bucket.slots:
-        numel = 1
-        for size in slot.shape:
-            numel *= size
-        yield slot.name, flat[slot.offset : slot.offset + numel].view(slot.shape)
+        yield slot.name, flat[slot.offset : slot.offset + math.prod(slot.shape)].view(slot.shape)
 
 
 # ---------------------------------------------------------------------- the process group
@@ -163,7 +161,7 @@ class TransferGroup:
             options = ProcessGroupNCCL.Options()
             options._timeout = TIMEOUT
             self.pg = ProcessGroupNCCL(store, rank, world_size, options)
-        self.store_ref = store  # the store outlives the group
+        self.store = store  # rank 0 serves it: it lives as long as the group
         self.rank, self.world_size, self.device = rank, world_size, device
 
     @classmethod
@@ -200,8 +198,9 @@ def receive(group: TransferGroup, plan: Iterable[Bucket]) -> Iterator[tuple[str,
 # ---------------------------------------------------------------------- rank 0
 
 
-Rpc = Callable[["WeightLoadCall"], Awaitable[Any]]
-"""Runs one ``collective_rpc`` call on every worker of one engine (``open``) or of all (the rest)."""
+Rpc = Callable[["WeightLoadCall"], Awaitable[list]]
+"""Runs one ``collective_rpc`` call on every worker of one engine (``open``) or of all (the rest);
+returns the workers' results."""
 
 
 class WeightSender:
@@ -211,22 +210,27 @@ class WeightSender:
         self.group, self.bucket_bytes = group, bucket_bytes
 
     @classmethod
-    async def open(cls, host: str, backend: str, engines: Sequence[Rpc], workers_per_engine: int,
-                   bucket_bytes: int) -> WeightSender:
-        """Serve the store on a free port; engine i's workers join as ranks 1 + i * workers_per_engine
-        + their rank in the engine; join as rank 0."""
+    async def open(cls, host: str, backend: str, engines: Sequence[Rpc], bucket_bytes: int) -> WeightSender:
+        """Serve the store on a free port; every worker of engine i joins as rank 1 + (workers of
+        engines before i) + its rank in its engine; join as rank 0."""
         from torch.distributed import TCPStore
 
         from megathunder.rollout.engines.weights import WeightLoadCall
 
         check_backend(backend)
-        world_size = 1 + len(engines) * workers_per_engine
+        offsets, world_size = [], 1
+        for rpc in engines:
+            ranks = [int(r) for r in await rpc(WeightLoadCall("megathunder_worker_rank"))]
+            if sorted(ranks) != list(range(len(ranks))):
+                raise RuntimeError(f"vLLM worker ranks {ranks} are not 0..{len(ranks) - 1}: unsupported layout")
+            offsets.append(world_size)
+            world_size += len(ranks)
         store = TCPStore(host, 0, world_size, is_master=True, timeout=TIMEOUT, wait_for_workers=False)
         rdv = Rendezvous(host, store.port, world_size, backend).to_json()
         device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
         joining = asyncio.gather(*(
-            rpc(WeightLoadCall("megathunder_transfer_join", args=(rdv, str(1 + i * workers_per_engine))))
-            for i, rpc in enumerate(engines)
+            rpc(WeightLoadCall("megathunder_transfer_join", args=(rdv, str(offset))))
+            for rpc, offset in zip(engines, offsets, strict=True)
         ))
         group = await asyncio.to_thread(TransferGroup, store, 0, world_size, backend, device)
         await joining
@@ -262,6 +266,5 @@ async def open_sender(cfg: EngineConfig, engines: Sequence[Rpc]) -> WeightSender
     """The transfer group's rank 0 for ``engines`` (one RPC each) when ``cfg`` asks for it."""
     if cfg.weight_transfer != "collective":
         return None
-    tp, pp = (int(cfg.vllm_kwargs.get(k, 1)) for k in ("tensor_parallel_size", "pipeline_parallel_size"))
-    return await WeightSender.open(cfg.weight_transfer_host, cfg.weight_transfer_backend, engines, tp * pp,
+    return await WeightSender.open(cfg.weight_transfer_host, cfg.weight_transfer_backend, engines,
                                    int(cfg.bucket_mb * 2**20))

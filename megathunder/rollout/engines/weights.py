@@ -95,6 +95,10 @@ class MegathunderWorkerExtension:
         self.reload_weights(weights_iterator=iter(tensors.items()))  # type: ignore[attr-defined]
         return len(tensors)
 
+    def megathunder_worker_rank(self) -> int:
+        """This worker's rank among its engine's workers (the transfer group counts them)."""
+        return self.rank  # type: ignore[attr-defined]
+
     def megathunder_transfer_join(self, rendezvous_json: str, rank_offset: str) -> int:
         """Join the weight-transfer group as rank ``rank_offset`` + this worker's rank; returns it."""
         from megathunder.rollout.engines.transfer import Rendezvous, TransferGroup

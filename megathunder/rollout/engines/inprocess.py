@@ -156,12 +156,15 @@ class InProcessEngine:
     async def close(self) -> None:
         """Stop the engine core; dropping the last reference here keeps vLLM's ``__del__`` from
         running again at interpreter exit, when its module globals are already gone."""
-        sender, self.sender = self.sender, None
-        if sender is not None and self.llm is not None:
-            await sender.close(self._rpc)
-        llm, self.llm = self.llm, None
-        if llm is not None:
-            llm.shutdown()
+        try:
+            if self.sender is not None and self.llm is not None:
+                async with self._update_lock:  # an update in flight finishes on the group first
+                    sender, self.sender = self.sender, None
+                    await sender.close(self._rpc)
+        finally:
+            llm, self.llm = self.llm, None
+            if llm is not None:
+                llm.shutdown()
 
     async def __aenter__(self) -> InProcessEngine:
         return self

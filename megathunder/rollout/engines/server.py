@@ -390,10 +390,11 @@ class ServerEngine:
         await asyncio.gather(*(self._reset_one(url) for url in self.live_urls))
 
     async def close(self) -> None:
-        sender, self.sender = self.sender, None
         try:
-            if sender is not None:
-                await sender.close(self._rpc_live)
+            if self.sender is not None:
+                async with self._update_lock:  # an update in flight finishes on the group first
+                    sender, self.sender = self.sender, None
+                    await sender.close(self._rpc_live)
         finally:
             await self.session.close()
         if self.pool is not None:

@@ -115,8 +115,11 @@ class MegathunderWorkerExtension:
         of its tensors have arrived, which may span buckets."""
         from megathunder.rollout.engines.transfer import Bucket, receive
 
+        group = getattr(self, "megathunder_transfer", None)
+        if group is None:
+            raise RuntimeError("this worker is in no weight-transfer group (never joined, or closed)")
         plan = [Bucket.from_json(b) for b in json.loads(plan_json)]
-        tensors = receive(self.megathunder_transfer, plan)
+        tensors = receive(group, plan)
         self.reload_weights(weights_iterator=tensors)  # type: ignore[attr-defined]
         for _ in tensors:  # buckets the loader left unread: rank 0 broadcasts every one
             pass

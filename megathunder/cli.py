@@ -13,6 +13,7 @@ BENCHMARKS = {
     "episodes": "megathunder.bench.episodes",
     "rollout": "megathunder.bench.rollout",
     "schedules": "megathunder.bench.schedules",
+    "weights": "megathunder.bench.weight_push",
 }
 SCHEDULES = ("sync", "async", "fully_async", "thunder")  # megathunder.simulate.SCHEDULES
 

@@ -4,8 +4,10 @@ After each optimizer step the learner's TP/PP shards are gathered and converted 
 (Hugging Face) layout -- fused QKV split into q/k/v, [gate; up] split, vocab shards joined --
 by ``megathunder.learner.hf``, and pushed into every vLLM worker with the engine's
 ``update_weights`` (which drains, reloads from the in-memory tensors, resets the prefix cache and
-stamps the policy version). On CPU that is vLLM's ``reload_weights``; the NCCL broadcast for GPU
-clusters plugs in behind the same call.
+stamps the policy version). How the tensors travel is ``rollout.engine.weight_transfer``: inside
+the ``collective_rpc`` payload, or bucketed broadcast over a gloo / NCCL group the workers joined at
+engine start (``megathunder.rollout.engines.transfer``); either way vLLM's in-place
+``reload_weights`` loads them.
 
 The probe then asks the engine for the logprobs of fixed tokens and compares them with the
 learner's own: equal to float tolerance means the engine samples from the weights being trained.

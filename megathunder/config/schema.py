@@ -178,11 +178,27 @@ class EngineConfig(_Strict):
     request_timeout_s: float = Field(3600.0, gt=0)
     vllm_kwargs: dict[str, str | int | float | bool] = {}
     """Further vLLM engine arguments by name (e.g. {tensor_parallel_size: 2}); passed unchanged."""
+    weight_transfer: Literal["rpc", "collective"] = "rpc"
+    """How pushed weights reach the workers: rpc (serialised into the collective_rpc payload) or
+    collective (bucketed broadcast over a process group joined once at engine start)."""
+    weight_transfer_backend: Literal["gloo", "nccl"] = "gloo"
+    """weight_transfer=collective: gloo (CPU tensors) or nccl (needs a CUDA device)."""
+    weight_transfer_host: str = "127.0.0.1"
+    """weight_transfer=collective: address of the learner's rendezvous store, reachable by every
+    vLLM worker (the learner's host name when servers run on other nodes)."""
+    bucket_mb: float = Field(256.0, gt=0)
+    """weight_transfer=collective: most MiB per broadcast bucket (a larger tensor goes alone)."""
 
     @model_validator(mode="after")
     def _check(self) -> EngineConfig:
         if self.server_urls and self.deployment != "server":
             raise ValueError("server_urls: only used with deployment=server")
+        if self.weight_transfer == "rpc" and "weight_transfer_backend" in self.model_fields_set:
+            raise ValueError("weight_transfer_backend: only used with weight_transfer=collective")
+        if self.weight_transfer == "collective" and self.weight_transfer_backend == "nccl":
+            from megathunder.rollout.engines.transfer import check_backend
+
+            check_backend("nccl")
         if self.base_port + self.num_servers - 1 > 65535:
             raise ValueError(f"base_port: {self.base_port} + num_servers exceeds 65535")
         if self.deployment == "server" and self.api_key_env is None:

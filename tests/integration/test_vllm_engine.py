@@ -8,6 +8,10 @@ the processes this test started.
 Reference: a transformers fp32 forward (eager attention) of the same weights on prompt +
 completion. vLLM's CPU kernels sum in a different order, so the two agree to float32 rounding,
 not bitwise: ``LOGPROB_ATOL`` below.
+
+In-memory weights reach the in-process engine over the collective path (``weight_transfer:
+collective``, gloo, several buckets) and the servers by RPC payload, so every weight-update test
+covers both load paths.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import torch  # noqa: E402
 from megathunder.config.schema import EngineConfig  # noqa: E402
 from megathunder.models.tiny_hf import TinyModelSpec, save_tiny_qwen2  # noqa: E402
 from megathunder.rollout.engines import start_engine  # noqa: E402
+from megathunder.rollout.engines.transfer import plan_buckets  # noqa: E402
 from megathunder.rollout.engines.weights import weight_load_call  # noqa: E402
 from megathunder.rollout.types import SamplingParams  # noqa: E402
 
@@ -42,6 +47,8 @@ LONG_LOGPROB_ATOL = 5e-4
 STALE_MIN_ERROR = 1e-2
 """Errors that show wrong weights or a stale cache (measured: ~19 for the stale prefix cache)."""
 NUM_SERVERS = 2
+TRANSFER_BUCKET_MB = 0.25
+"""The in-process engine's weight-transfer bucket: the tiny model's weights take several."""
 
 
 def _cfg(deployment: str) -> EngineConfig:
@@ -54,6 +61,9 @@ def _cfg(deployment: str) -> EngineConfig:
         kv_cache_memory_bytes=256 * 2**20,
         num_servers=NUM_SERVERS,
         base_port=18310,
+        # in-process: pushes of in-memory weights travel by gloo broadcast, in several buckets
+        weight_transfer="collective" if deployment == "in_process" else "rpc",
+        bucket_mb=TRANSFER_BUCKET_MB,
     )
 
 
@@ -282,10 +292,15 @@ def test_logprobs_equal_transformers_forward(runner, hf_model, temperature):
 def test_update_from_memory_then_from_path(runner, hf_model, base_state, tmp_path):
     ps = prompts(4, 30, seed=4)
     new = perturbed(base_state, seed=10)
+    collective = runner.deployment == "in_process"
+    assert (getattr(runner.engine, "sender", None) is not None) == collective
+    assert len(plan_buckets(list(new.items()), int(TRANSFER_BUCKET_MB * 2**20))) > 3
     runner.run(runner.engine.update_weights(iter(new.items()), policy_version=1))
-    hf_model.load_state_dict(new)
     out = runner.generate_many(ps, SamplingParams(max_new_tokens=24, seed=1))
     assert {c.policy_version for c in out} == {1} and runner.engine.policy_version == 1
+    hf_model.load_state_dict(runner.state)
+    assert max_logprob_error(hf_model, ps, out) > STALE_MIN_ERROR  # not the old weights
+    hf_model.load_state_dict(new)
     assert max_logprob_error(hf_model, ps, out) <= LOGPROB_ATOL
 
     newer = perturbed(base_state, seed=11)

@@ -14,7 +14,8 @@ from collections.abc import Hashable, Sequence
 from typing import TYPE_CHECKING
 
 from megathunder.rollout.engines.common import engine_kwargs, finish_reason, single_version
-from megathunder.rollout.engines.weights import weight_load_call
+from megathunder.rollout.engines.transfer import WeightSender, open_sender
+from megathunder.rollout.engines.weights import WeightLoadCall, weight_loader
 from megathunder.rollout.types import Completion, SamplingParams, WeightSource
 
 if TYPE_CHECKING:
@@ -49,6 +50,7 @@ class InProcessEngine:
         self._policy_version = policy_version
         self._request_ids = itertools.count()
         self._update_lock = asyncio.Lock()
+        self.sender: WeightSender | None = None  # weight_transfer=collective
 
     @classmethod
     async def start(cls, model_path: str, cfg: EngineConfig, policy_version: int = 0) -> InProcessEngine:
@@ -59,7 +61,15 @@ class InProcessEngine:
         engine = cls(AsyncLLM.from_engine_args(args), policy_version)
         # no local holds the AsyncLLM: vLLM keeps this frame alive, and close() must free it
         await engine.llm.update_weight_version(str(policy_version))
+        try:
+            engine.sender = await open_sender(cfg, [engine._rpc])
+        except BaseException:
+            await engine.close()
+            raise
         return engine
+
+    async def _rpc(self, call: WeightLoadCall) -> list:
+        return await self.llm.collective_rpc(call.method, args=call.args, kwargs=call.kwargs)
 
     @property
     def policy_version(self) -> int:
@@ -130,10 +140,10 @@ class InProcessEngine:
         every completion has exactly one version. If loading fails the engine stays paused:
         better no tokens than tokens from half-loaded weights.
         """
-        call = weight_load_call(weights)
+        load = weight_loader(weights, self.sender)
         async with self._update_lock:
             await self.llm.pause_generation(mode="wait", clear_cache=False)
-            await self.llm.collective_rpc(call.method, args=call.args, kwargs=call.kwargs)
+            await load(self._rpc)
             await self.reset_prefix_cache()
             await self.llm.update_weight_version(str(policy_version))
             self._policy_version = policy_version
@@ -146,9 +156,15 @@ class InProcessEngine:
     async def close(self) -> None:
         """Stop the engine core; dropping the last reference here keeps vLLM's ``__del__`` from
         running again at interpreter exit, when its module globals are already gone."""
-        llm, self.llm = self.llm, None
-        if llm is not None:
-            llm.shutdown()
+        try:
+            if self.sender is not None and self.llm is not None:
+                async with self._update_lock:  # an update in flight finishes on the group first
+                    sender, self.sender = self.sender, None
+                    await sender.close(self._rpc)
+        finally:
+            llm, self.llm = self.llm, None
+            if llm is not None:
+                llm.shutdown()
 
     async def __aenter__(self) -> InProcessEngine:
         return self

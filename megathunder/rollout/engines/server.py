@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import functools
 import itertools
 import logging
 import os
@@ -43,7 +44,8 @@ from typing import TYPE_CHECKING
 from megathunder.rollout.engines.auth import MIDDLEWARE, read_api_key
 from megathunder.rollout.engines.balancer import LeastOutstandingBalancer, NoLiveServerError
 from megathunder.rollout.engines.common import engine_kwargs, finish_reason, single_version
-from megathunder.rollout.engines.weights import weight_load_call
+from megathunder.rollout.engines.transfer import WeightSender, open_sender
+from megathunder.rollout.engines.weights import WeightLoadCall, weight_loader
 from megathunder.rollout.types import Completion, SamplingParams, WeightSource
 
 HEALTH_TIMEOUT_S = 5.0  # a server whose /health does not answer in this time counts as dead
@@ -207,6 +209,7 @@ class ServerEngine:
         # unique across controllers attached to the same servers (vLLM rejects duplicate ids)
         self._request_ids = (f"mt-{uuid.uuid4().hex[:8]}-{n}" for n in itertools.count())
         self._update_lock = asyncio.Lock()
+        self.sender: WeightSender | None = None  # weight_transfer=collective
 
     @classmethod
     async def start(
@@ -239,6 +242,7 @@ class ServerEngine:
         engine = cls(urls, session, policy_version, pool, cfg.session_affinity_max_imbalance)
         try:
             await engine._on_all("/update_weight_version", json={"new_version": str(policy_version)})
+            engine.sender = await open_sender(cfg, [functools.partial(engine._rpc_one, url) for url in urls])
         except BaseException:
             await engine.close()
             raise
@@ -349,18 +353,34 @@ class ServerEngine:
         Requests routed meanwhile wait on their server until it resumes; a server that fails to
         load stays paused (see ``InProcessEngine.update_weights``).
         """
-        call = weight_load_call(weights)
+        load = weight_loader(weights, self.sender)
 
-        async def update(url: str) -> None:
-            await self._post(url, "/pause", params={"mode": "wait", "clear_cache": "false"})
-            await self._post(url, "/collective_rpc", json=call.as_json())
+        async def finish(url: str) -> None:
             await self._reset_one(url)
             await self._post(url, "/update_weight_version", json={"new_version": str(policy_version)})
             await self._post(url, "/resume")
 
         async with self._update_lock:
-            await asyncio.gather(*(update(url) for url in self.live_urls))
+            await self._on_all("/pause", params={"mode": "wait", "clear_cache": "false"})
+            await load(self._rpc)
+            await asyncio.gather(*(finish(url) for url in self.live_urls))
             self._policy_version = policy_version
+
+    async def _rpc_one(self, url: str, call: WeightLoadCall) -> list:
+        """``call`` on every worker of one server; their results."""
+        return (await self._post(url, "/collective_rpc", json=call.as_json())).get("results", [])
+
+    async def _rpc(self, call: WeightLoadCall) -> list:
+        """``call`` on every live server; with a transfer group, every server must be live (the
+        group's broadcasts wait for all its ranks)."""
+        if self.sender is not None and self.lost:
+            lost = "; ".join(f"{self.urls[i]} ({why})" for i, why in self.lost.items())
+            raise ServerError(f"weight transfer needs every server that joined its group; lost {lost}")
+        return await self._rpc_live(call)
+
+    async def _rpc_live(self, call: WeightLoadCall) -> list:
+        per_server = await asyncio.gather(*(self._rpc_one(url, call) for url in self.live_urls))
+        return [result for results in per_server for result in results]
 
     async def _reset_one(self, url: str) -> None:
         if not (await self._post(url, "/reset_prefix_cache")).get("success"):
@@ -370,7 +390,13 @@ class ServerEngine:
         await asyncio.gather(*(self._reset_one(url) for url in self.live_urls))
 
     async def close(self) -> None:
-        await self.session.close()
+        try:
+            if self.sender is not None:
+                async with self._update_lock:  # an update in flight finishes on the group first
+                    sender, self.sender = self.sender, None
+                    await sender.close(self._rpc_live)
+        finally:
+            await self.session.close()
         if self.pool is not None:
             await asyncio.to_thread(self.pool.stop)
             atexit.unregister(self.pool.stop)

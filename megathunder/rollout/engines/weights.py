@@ -11,17 +11,19 @@ platform:
   back into tensors inside the worker. Raw tensors as RPC arguments crash vLLM's engine core, and
   the server's ``/collective_rpc`` accepts only strings, so one string payload serves both.
 
-On GPUs, weights will travel over NCCL (a later issue): that is one more method on the extension
-(join a process group, receive broadcast tensors, call ``reload_weights`` with them) and one more
-``WeightSource`` case; the engines' ``update_weights`` already do the pause / load / reset prefix
-cache / stamp version / resume sequence around whatever the load step is.
+With ``weight_transfer: collective`` the bytes travel instead by broadcast over a process group
+the workers join once (``transfer.py``; gloo on CPU, NCCL on GPUs) and only the bucket plan goes
+through ``collective_rpc``. Either way the engines' ``update_weights`` do the pause / load /
+reset prefix cache / stamp version / resume sequence around the load step.
 """
 
 from __future__ import annotations
 
 import base64
+import functools
+import json
 import os
-from collections.abc import Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -30,6 +32,8 @@ from megathunder.rollout.types import WeightSource
 
 if TYPE_CHECKING:
     import torch
+
+    from megathunder.rollout.engines.transfer import Rpc, WeightSender
 
 EXTENSION_CLS = "megathunder.rollout.engines.weights.MegathunderWorkerExtension"
 """Passed to vLLM as ``worker_extension_cls`` (``--worker-extension-cls`` for servers)."""
@@ -67,6 +71,16 @@ def encode_tensors(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> str:
     return base64.b64encode(save(tensors)).decode("ascii")
 
 
+def weight_loader(weights: WeightSource, sender: WeightSender | None) -> Callable[[Rpc], Awaitable[Any]]:
+    """The load step of ``update_weights``, given the engine's RPC: in-memory tensors over the
+    transfer group when the engine has one, everything else by ``collective_rpc``. Made before
+    the engine pauses, so that a bad source fails with the engine still serving."""
+    if sender is not None and not isinstance(weights, str | os.PathLike):
+        return functools.partial(sender.push, weights)
+    call = weight_load_call(weights)
+    return lambda rpc: rpc(call)
+
+
 class MegathunderWorkerExtension:
     """Methods vLLM mixes into each of its workers (``worker_extension_cls``).
 
@@ -80,3 +94,40 @@ class MegathunderWorkerExtension:
         tensors = load(base64.b64decode(payload_b64))
         self.reload_weights(weights_iterator=iter(tensors.items()))  # type: ignore[attr-defined]
         return len(tensors)
+
+    def megathunder_worker_rank(self) -> int:
+        """This worker's rank among its engine's workers (the transfer group counts them)."""
+        return self.rank  # type: ignore[attr-defined]
+
+    def megathunder_transfer_join(self, rendezvous_json: str, rank_offset: str) -> int:
+        """Join the weight-transfer group as rank ``rank_offset`` + this worker's rank; returns it."""
+        from megathunder.rollout.engines.transfer import Rendezvous, TransferGroup
+
+        rank = int(rank_offset) + self.rank  # type: ignore[attr-defined]
+        rdv = Rendezvous.from_json(rendezvous_json)
+        self.megathunder_transfer = TransferGroup.join(rdv, rank, self.device)  # type: ignore[attr-defined]
+        return rank
+
+    def megathunder_receive_buckets(self, plan_json: str) -> int:
+        """Receive the broadcast buckets ``plan_json`` describes and reload from them, bucket by
+        bucket; returns #tensors. One ``reload_weights`` (the model's ``load_weights`` between
+        vLLM's layerwise-reload set-up and finish) consumes the buckets as they arrive, rather than
+        one call per bucket: vLLM runs a layer's post-load processing once all of its tensors have
+        been loaded, and a layer's tensors may span buckets."""
+        from megathunder.rollout.engines.transfer import Bucket, receive
+
+        group = getattr(self, "megathunder_transfer", None)
+        if group is None:
+            raise RuntimeError("this worker is in no weight-transfer group (never joined, or closed)")
+        plan = [Bucket.from_json(b) for b in json.loads(plan_json)]
+        tensors = receive(group, plan)
+        self.reload_weights(weights_iterator=tensors)  # type: ignore[attr-defined]
+        for _ in tensors:  # buckets the loader left unread: rank 0 broadcasts every one
+            pass
+        return sum(len(b.slots) for b in plan)
+
+    def megathunder_transfer_close(self) -> None:
+        group = getattr(self, "megathunder_transfer", None)
+        if group is not None:
+            group.close()
+            self.megathunder_transfer = None

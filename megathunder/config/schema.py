@@ -182,7 +182,8 @@ class EngineConfig(_Strict):
     """How pushed weights reach the workers: rpc (serialised into the collective_rpc payload) or
     collective (bucketed broadcast over a process group joined once at engine start)."""
     weight_transfer_backend: Literal["gloo", "nccl"] = "gloo"
-    """weight_transfer=collective: gloo (CPU tensors) or nccl (needs a CUDA device)."""
+    """weight_transfer=collective: gloo (CPU tensors) or nccl (needs a CUDA device: checked when the
+    engine starts, not at parse time, so a GPU job's config validates on a CPU-only login node)."""
     weight_transfer_host: str = "127.0.0.1"
     """weight_transfer=collective: address of the learner's rendezvous store, reachable by every
     vLLM worker (the learner's host name when servers run on other nodes)."""
@@ -195,10 +196,6 @@ class EngineConfig(_Strict):
             raise ValueError("server_urls: only used with deployment=server")
         if self.weight_transfer == "rpc" and "weight_transfer_backend" in self.model_fields_set:
             raise ValueError("weight_transfer_backend: only used with weight_transfer=collective")
-        if self.weight_transfer == "collective" and self.weight_transfer_backend == "nccl":
-            from megathunder.rollout.engines.transfer import check_backend
-
-            check_backend("nccl")
         if self.base_port + self.num_servers - 1 > 65535:
             raise ValueError(f"base_port: {self.base_port} + num_servers exceeds 65535")
         if self.deployment == "server" and self.api_key_env is None:

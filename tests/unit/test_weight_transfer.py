@@ -107,9 +107,15 @@ def test_bad_transfer_configs_name_the_field(overrides, field):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without CUDA")
-def test_nccl_without_cuda_is_a_config_error():
-    with pytest.raises(ConfigError, match=r"rollout\.engine\.weight_transfer_backend: nccl needs a CUDA device"):
-        load_config(None, ["rollout.engine.weight_transfer=collective", "rollout.engine.weight_transfer_backend=nccl"])
+def test_nccl_without_cuda_fails_when_the_engine_starts_not_at_parse_time():
+    """A GPU job's config validates anywhere (a CPU-only login node); the transfer group refuses."""
+    import asyncio
+
+    from megathunder.rollout.engines.transfer import WeightSender
+
+    load_config(None, ["rollout.engine.weight_transfer=collective", "rollout.engine.weight_transfer_backend=nccl"])
+    with pytest.raises(ValueError, match="weight_transfer_backend: nccl needs a CUDA device"):
+        asyncio.run(WeightSender.open("127.0.0.1", "nccl", [], bucket_bytes=2**20))
 
 
 def test_a_worker_that_fails_fails_the_push_at_once():

@@ -60,8 +60,10 @@ def test_grpo_job_trains_on_two_nodes_checkpoints_on_sigusr1_requeues_and_resume
     slurm_cluster.run_client("scancel", "--signal=USR1", "--batch", str(job.job_id))
     wait_for(slurm_cluster, job, 120, until=lambda info: info.get("Restarts") == "1")
     first = job.logs(0)
-    # Slurm holds a requeued job back (BeginTime); start it now rather than in two minutes
-    slurm_cluster.run_client("scontrol", "update", f"JobId={job.job_id}", "StartTime=now", check=False)
+    # Slurm holds a requeued job back (BeginTime, cred_expire = 120 s); start it in 3 s instead. Not
+    # at once: a restart within the second of the requeue carries a credential the nodes still
+    # count as revoked ("Killing non-startable batch job: Job credential revoked", seen in CI).
+    slurm_cluster.run_client("scontrol", "update", f"JobId={job.job_id}", "StartTime=now+3", check=False)
     wait_for(slurm_cluster, job, 300, t0=t0)
     print(job.describe())
     assert (job.state, job.exit_code) == ("COMPLETED", "0:0"), job.describe()

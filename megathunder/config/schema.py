@@ -23,7 +23,8 @@ class ObjectiveConfig(_Strict):
     kind: Literal["grpo", "opd", "opd_grpo"] = "grpo"
     """grpo: reward RL with the advantage below; opd: on-policy distillation, the per-token reverse
     KL (or ``learner.opd.divergence``) of the student's own samples to a frozen teacher
-    (``learner.opd``), streamed per turn under thunder; opd_grpo: both (not yet in the trainer)."""
+    (``learner.opd``), streamed per turn under thunder; opd_grpo: both, one normaliser (the KL term streamed per
+    turn, the reward term through the gradient ledger; ``megathunder.trainer.opd.OPDGRPOBatch``)."""
     advantage: Literal["grpo", "dr_grpo", "rloo", "batch_std"] = "grpo"
     """grpo: (r - mean_g) / (std_g + eps); dr_grpo: r - mean_g; rloo: leave-one-out baseline;
     batch_std: (r - mean_g) / (std over the batch of r - mean_g, + eps)."""
@@ -622,21 +623,32 @@ class Config(_Strict):
     @model_validator(mode="after")
     def _check_objective(self) -> Config:
         kind = self.objective.kind
-        if kind == "opd_grpo":
-            raise ValueError(
-                "objective.kind: opd_grpo is not wired into the trainer yet (its streaming math is "
-                "megathunder.streaming.opd_grpo); use grpo or opd"
-            )
-        if kind == "opd":
+        if kind in ("opd", "opd_grpo"):
             if self.learner.opd is None:
-                raise ValueError("learner.opd: required when objective.kind is opd (strategy, beta, teacher)")
+                raise ValueError(f"learner.opd: required when objective.kind is {kind} (strategy, beta, teacher)")
             if self.schedule.mode not in ("sync", "thunder"):
                 raise ValueError(
-                    f"schedule.mode: objective.kind=opd trains on the student's own samples (sync or "
+                    f"schedule.mode: objective.kind={kind} trains on the student's own samples (sync or "
                     f"thunder); {self.schedule.mode} would train on stale samples"
                 )
-        elif self.learner.opd is not None and self.learner.opd.teacher_hf_checkpoint is not None:
-            raise ValueError(f"learner.opd.teacher_hf_checkpoint: only used with objective.kind=opd (got {kind})")
+        if kind == "opd_grpo":  # what megathunder.streaming.opd_grpo can stream with one Z
+            obj, opd = self.objective, self.learner.opd
+            if obj.loss_agg not in ("token_mean", "seq_mean_token_sum"):
+                raise ValueError(f"objective.loss_agg: {obj.loss_agg} cannot be combined with per-turn OPD "
+                                 "(opd_grpo: token_mean or seq_mean_token_sum)")
+            if opd.aggregation != obj.loss_agg:
+                raise ValueError(f"learner.opd.aggregation: {opd.aggregation}, but opd_grpo normalises both "
+                                 f"parts by objective.loss_agg={obj.loss_agg}; set them equal")
+            if obj.dapo_dynamic_sampling or obj.has_reward_free_terms:
+                raise ValueError("objective: DAPO dynamic sampling (a dropped group's KL terms are already "
+                                 "streamed) and KL-to-reference/entropy terms cannot be combined with opd_grpo")
+            if self.verifier.on_failure == "drop_group":
+                raise ValueError("verifier.on_failure: drop_group cannot be combined with opd_grpo (a dropped "
+                                 "group's KL terms are already streamed); use zero_reward")
+            if opd.divergence != "reverse_kl":
+                raise ValueError(f"learner.opd.divergence: opd_grpo is wired for reverse_kl only (got {opd.divergence})")
+        if kind == "grpo" and self.learner.opd is not None and self.learner.opd.teacher_hf_checkpoint is not None:
+            raise ValueError(f"learner.opd.teacher_hf_checkpoint: only used with objective.kind=opd or opd_grpo (got {kind})")
         return self
 
     @model_validator(mode="after")

@@ -8,6 +8,9 @@
     streamer = learner.turn_streamer(teacher)     # per-turn OPD (learner.opd): turn events ...
     learner.finish_opd_batch(streamer); learner.step()
     learner.opd_batch_gradient(batch, teacher); learner.step()   # OPD's batch reference
+    streamer = learner.turn_streamer(teacher, into=kl)   # opd_grpo: KL per turn + the ledger ...
+    learner.ledger.close_batch(); learner.finish_opd_grpo_batch(streamer, kl, z); learner.step()
+    learner.opd_grpo_batch_gradient(batch, rewards, owner, teacher); learner.step()   # its reference
 
 Both paths leave the final gradient in DDP's buffers before ``step`` reduces it across
 data-parallel ranks (a sum: each rank holds its trajectories' share of (1/Z) sum_i grad loss_i).
@@ -119,9 +122,15 @@ class MegatronLearner:
         of one schedule call; unnormalised sum, then one division by Z (same functions as the
         ledger and the plain reference)."""
         advantages, z = batch_advantages(batch, rewards, self.objective)
+        self.ddp.zero_grad_buffer()
+        self._reward_terms(batch, advantages, owner)
+        self.backend.live.div_(z)
+
+    def _reward_terms(self, batch, advantages, owner) -> list[int]:
+        """This rank's kept trajectories' unnormalised loss gradients, added to DDP's buffers as
+        the micro-batches of one schedule call; returns their indices."""
         mine = [i for i, a in enumerate(advantages)
                 if a is not None and (owner is None or owner[i] == self.groups.dp_rank)]
-        self.ddp.zero_grad_buffer()
         if mine:
             items = [batch[i] for i in mine]
             specs = [LossSpec(advantage=advantages[i], reward_free=self.objective.has_reward_free_terms) for i in mine]
@@ -131,7 +140,7 @@ class MegatronLearner:
                     lambda k, logp, ent: trajectory_loss(logp, ent, items[k], specs[k], self.objective),
                     need_entropy=self.objective.entropy_coef > 0,
                 )
-        self.backend.live.div_(z)
+        return mine
 
     def step(self) -> StepResult:
         """Reduce the gradient in DDP's buffers across data-parallel ranks once, then step."""
@@ -147,9 +156,11 @@ class MegatronLearner:
         return StepResult(ok=bool(ok), grad_norm=float(grad_norm or 0.0),
                           lr=self.optimizer.param_groups[0]["lr"])
 
-    def turn_streamer(self, teacher):
+    def turn_streamer(self, teacher, into=None):
         """Per-turn OPD on this learner (``learner.opd``): gradients accumulate, unnormalised, in
-        DDP's buffers; ``finish_batch`` divides by Z once, then ``step`` as for RL."""
+        DDP's buffers; ``finish_batch`` divides by Z once, then ``step`` as for RL. ``into``: a
+        buffer (``backend.zeros()``) each backward pass is moved into instead -- opd_grpo, whose
+        ledger uses DDP's buffers as scratch (``finish_opd_grpo_batch``)."""
         from megathunder.config import ConfigError
         from megathunder.learner.opd import MegatronSegmentModel
         from megathunder.streaming.opd_turns import TurnStreamer
@@ -158,7 +169,12 @@ class MegatronLearner:
             raise ConfigError("learner.opd: not set (per-turn OPD needs its strategy)")
         opd = self.cfg.opd
         self.ddp.zero_grad_buffer()
-        return TurnStreamer(MegatronSegmentModel(self.ddp, self.groups), teacher, beta=opd.beta,
+        seg = MegatronSegmentModel(self.ddp, self.groups)
+        if into is not None:
+            from megathunder.streaming.opd_grpo import IntoAccumulator
+
+            seg = IntoAccumulator(seg, self.backend.live, into)
+        return TurnStreamer(seg, teacher, beta=opd.beta,
                             strategy=opd.strategy, aggregation=opd.aggregation,
                             divergence=opd.divergence, jsd_lam=opd.jsd_lam)
 
@@ -193,6 +209,36 @@ class MegatronLearner:
         result = self._opd_totals(counts, divergence, opd.aggregation)
         seg.divide_grads(result.normaliser)
         return result
+
+    def finish_opd_grpo_batch(self, streamer, kl, z: float) -> OPDBatchResult:
+        """opd_grpo under thunder, after ``ledger.close_batch`` (DDP's buffers = P / Z): add the
+        streamed KL sum ``kl`` (``turn_streamer(teacher, into=kl)``) with the same Z, once --
+        grad = (P + KL) / Z (``megathunder.streaming.opd_grpo``). Then ``step``."""
+        self.backend.live.add_(kl, alpha=1.0 / z)
+        metric = self._opd_totals(streamer.finished_counts, streamer.divergence_sum, streamer.aggregation)
+        streamer.reset_counts()
+        return OPDBatchResult(z, metric.divergence_mean)
+
+    def opd_grpo_batch_gradient(self, batch: Sequence[Trajectory], rewards: Sequence[float],
+                                owner: Sequence[int], teacher) -> OPDBatchResult:
+        """opd_grpo's batch-synchronous reference: on this rank's trajectories the reward terms
+        (``sync_step_gradient``'s schedule call) and the KL terms (``opd_batch_gradient``'s
+        full-trajectory passes), unnormalised, then one division by the objective's Z
+        (``batch_advantages``: trained tokens or trajectories of the whole batch). Then ``step``."""
+        from megathunder.learner.opd import MegatronSegmentModel
+        from megathunder.streaming.opd_turns import accumulate_full_trajectory_opd
+
+        advantages, z = batch_advantages(batch, rewards, self.objective)
+        self.ddp.zero_grad_buffer()
+        mine = self._reward_terms(batch, advantages, owner)
+        items = []
+        for traj in (batch[i] for i in mine if batch[i].loss_mask.any()):
+            items.append((traj.tokens, traj.loss_mask, teacher.score(traj.traj_id, traj.tokens, 1)))
+            teacher.release(traj.traj_id)
+        counts, divergence = accumulate_full_trajectory_opd(MegatronSegmentModel(self.ddp, self.groups),
+                                                            items, self.cfg.opd.beta)
+        self.backend.live.div_(z)
+        return OPDBatchResult(z, self._opd_totals(counts, divergence, self.cfg.opd.aggregation).divergence_mean)
 
     def _opd_totals(self, counts: Sequence[int], divergence_sum: float, aggregation) -> OPDBatchResult:
         import torch.distributed as dist

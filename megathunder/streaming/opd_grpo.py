@@ -31,7 +31,7 @@ from megathunder.streaming.opd_turns import SegmentModel, Strategy, Teacher, Tur
 from megathunder.trajectory import Trajectory
 
 
-class _IntoAccumulator:
+class IntoAccumulator:
     """A SegmentModel whose backward passes land in ``acc`` instead of the live storage."""
 
     def __init__(self, inner: SegmentModel, live: GradBuffer, acc: GradBuffer) -> None:
@@ -56,7 +56,7 @@ class _IntoAccumulator:
         self.acc.add_(self.live)
 
     def divide_grads(self, z):
-        raise RuntimeError("OPDWithRewards normalises once, at close_batch")
+        raise RuntimeError("OPD + GRPO normalises once, after the ledger's close_batch")
 
 
 class OPDWithRewards:
@@ -74,7 +74,7 @@ class OPDWithRewards:
         self.backend = backend
         self.ledger = GradientLedger(backend, objective, ledger_cfg)
         self.kl = backend.zeros()
-        self.streamer = TurnStreamer(_IntoAccumulator(segment_model, backend.live, self.kl), teacher,
+        self.streamer = TurnStreamer(IntoAccumulator(segment_model, backend.live, self.kl), teacher,
                                      beta=beta, strategy=strategy, aggregation=objective.loss_agg)
 
     def begin_batch(self, groups: Sequence[tuple[int, Sequence[int]]]) -> None:

@@ -17,7 +17,8 @@ through the prefix K/V included), a plain sum computed in any order; Z (trained 
 trajectories of the whole batch, over every data-parallel rank) is applied once at close. Only
 the summation order differs: equal up to float reassociation.
 
-Rewards are not part of the objective (they are still logged: the student's task score).
+Rewards are not part of the objective (they are still logged: the student's task score), except
+under ``objective.kind: opd_grpo`` (``OPDGRPOBatch`` below: the KL term plus the reward term).
 
 Data parallel: a trajectory is owned by the DP rank with the fewest trained tokens when its first
 turn arrives (thunder) or when it finishes (sync); every rank sees the same events in the same
@@ -44,8 +45,11 @@ class OPDBatch:
         self.fed: dict[int, int] = {}  # streamed: tokens of each own trajectory given to the streamer
         self.mine: list[Trajectory] = []  # sync: this rank's trajectories, in finish order
         self.num_trajectories = 0
-        self.streamer = learner.turn_streamer(teacher) if streamed else None
+        self.streamer = self._new_streamer() if streamed else None
         self._passes_at_last_reward = 0
+
+    def _new_streamer(self):
+        return self.learner.turn_streamer(self.teacher)
 
     def _is_mine(self, traj_id: int, num_tokens: int) -> bool:
         if traj_id not in self.owner:
@@ -88,6 +92,73 @@ class OPDBatch:
             passes = len(self.mine)
         return BatchOutcome(num_kept_groups=len(self.plan), num_dropped_groups=0,
                             num_kept_trajectories=self.num_trajectories, peak_buffers=1,
+                            backward_after_last_reward=passes, divergence=result.divergence_mean)
+
+
+class OPDGRPOBatch(OPDBatch):
+    """``objective.kind: opd_grpo``: OPD's per-token KL term plus the reward term, one Z
+    (``megathunder.streaming.opd_grpo`` derives it: the two sums are independent linear pieces)::
+
+        thunder  turns -> the per-turn streamer as for OPD, each backward moved into its own buffer
+                 KL; finish and reward events -> the gradient ledger (group slots); at close
+                 grad = P / Z + KL / Z, Z the ledger's (the objective's normaliser, every DP rank)
+        sync     at close, ``opd_grpo_batch_gradient``: both parts on whole trajectories, one Z
+
+    A trajectory has one owner DP rank for both parts: OPDBatch's (its first turn under thunder,
+    its finish under sync); the ledger of every other rank counts it through ``on_remote_finished``.
+    """
+
+    def __init__(self, learner, teacher, plan: list[tuple[int, list[int]]], streamed: bool) -> None:
+        self.kl = learner.backend.zeros() if streamed else None
+        super().__init__(learner, teacher, plan, streamed)
+        self.trajs: dict[int, Trajectory] = {}  # sync: every trajectory (Z counts them all)
+        self.rewards: dict[int, float | None] = {}
+        learner.backend.num_backward = 0
+        if streamed:
+            learner.ledger.begin_batch(plan)
+
+    def _new_streamer(self):
+        return self.learner.turn_streamer(self.teacher, into=self.kl)
+
+    def on_finished(self, traj: Trajectory) -> None:
+        self.num_trajectories += 1
+        tid = traj.traj_id
+        if tid not in self.owner:  # sync, or no trained token streamed: owned from its finish
+            self.owner[tid] = self.balancer.assign(int(traj.loss_mask.sum()))
+        mine = self.owner[tid] == self.learner.groups.dp_rank
+        if not self.streamed:
+            self.trajs[tid] = traj
+        elif mine:
+            if self.fed.pop(tid, None) is not None:
+                self.streamer.end_trajectory(tid)
+            self.learner.ledger.on_finished(traj)
+        else:
+            self.learner.ledger.on_remote_finished(tid, self.learner.num_loss_tokens(traj))
+
+    def on_reward(self, traj_id: int, reward: float | None) -> None:
+        self._passes_at_last_reward = self._passes()
+        if self.streamed:
+            self.learner.ledger.on_reward(traj_id, reward)
+        self.rewards[traj_id] = reward
+
+    def _passes(self) -> int:
+        return super()._passes() + self.learner.backend.num_backward
+
+    def close(self) -> BatchOutcome:
+        if self.streamed:
+            closed = self.learner.ledger.close_batch()
+            result = self.learner.finish_opd_grpo_batch(self.streamer, self.kl, closed.normaliser)
+            passes = self._passes() - self._passes_at_last_reward
+            kept, num_kept, peak = closed.num_kept_groups, closed.num_kept_trajectories, closed.peak_buffers + 1
+        else:
+            order = [tid for _, members in self.plan for tid in members]
+            owner = [self.owner[t] for t in order]
+            result = self.learner.opd_grpo_batch_gradient([self.trajs[t] for t in order],
+                                                          [self.rewards[t] for t in order], owner, self.teacher)
+            passes = 2 * owner.count(self.learner.groups.dp_rank)  # a reward and a KL pass each
+            kept, num_kept, peak = len(self.plan), len(order), 1
+        return BatchOutcome(num_kept_groups=kept, num_dropped_groups=len(self.plan) - kept,
+                            num_kept_trajectories=num_kept, peak_buffers=peak,
                             backward_after_last_reward=passes, divergence=result.divergence_mean)
 
 

@@ -26,7 +26,7 @@ from megathunder.trainer.trainer import new_batch
 
 def replay(cfg: Config, run_dir: Path, learner, num_steps: int | None = None, teacher=None) -> int:
     """Apply the journal's steps (all, or the first ``num_steps``) to ``learner``; returns how many.
-    ``teacher``: OPD's (``objective.kind: opd``)."""
+    ``teacher``: OPD's (``objective.kind: opd`` or ``opd_grpo``)."""
     streamed = cfg.schedule.mode == "thunder"
     done = 0
     for step, entries, _ in completed_steps(run_dir / "journal.jsonl"):
@@ -96,7 +96,7 @@ def main(run_dir: str, overrides: list[str], out: str) -> int:
     cfg = load_config(run_dir / "config.yaml", overrides)
     learner = build_replay_learner(cfg, run_dir)
     teacher = None
-    if cfg.objective.kind == "opd":
+    if cfg.objective.kind in ("opd", "opd_grpo"):
         from megathunder.learner.opd import build_teacher
 
         teacher = build_teacher(teacher_dir(cfg, run_dir), learner.cfg, learner.groups)

@@ -3,7 +3,7 @@
     groups   = init_distributed(cfg.learner)                # TP x PP x DP, gloo or NCCL
     model    = initial_model(cfg, out) -> sft warm start    # HF directory: learner and vLLM load it
     learner  = MegatronLearner.build(...); resume from checkpoints/latest
-    teacher  = objective.kind=opd: frozen Megatron model (given, or built: tiny model + SFT)
+    teacher  = objective.kind=opd/opd_grpo: frozen Megatron model (given, or built: tiny model + SFT)
     rank 0:  engine, agent loop -> Trainer -> SCHEDULES[cfg.schedule.mode]
     others:  LearnerService.serve()
     rank 0:  timeline.png / trace.json, summary.json, checkpoint
@@ -120,7 +120,7 @@ def train(cfg: Config) -> int:
         ledger_cfg = ledger_cfg.model_copy(update={"hold_groups_until_close": True})
     learner = MegatronLearner.build(learner_cfg, cfg.objective, groups, ledger_cfg)
     teacher = None
-    if cfg.objective.kind == "opd":  # a frozen Megatron teacher in the student's layout
+    if cfg.objective.kind in ("opd", "opd_grpo"):  # a frozen Megatron teacher in the student's layout
         from megathunder.learner.opd import build_teacher
         from megathunder.trainer.opd import build_teacher_model
 

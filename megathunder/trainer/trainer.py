@@ -40,7 +40,7 @@ log = logging.getLogger(__name__)
 
 def learner_handlers(learner, checkpoint_dir: Path, teacher=None) -> dict:
     """The calls the controller makes; each runs on every learner rank. ``teacher``: OPD's
-    (``objective.kind: opd``); the batch is then an ``OPDBatch``, which also takes ``turn``."""
+    (``objective.kind: opd`` or ``opd_grpo``); the batch is then an ``OPDBatch``, which also takes ``turn``."""
     from megathunder.learner.checkpoint import save_checkpoint
 
     state: dict = {}
@@ -70,12 +70,13 @@ def learner_handlers(learner, checkpoint_dir: Path, teacher=None) -> dict:
 
 
 def new_batch(learner, teacher, plan, streamed: bool):
-    """The batch's gradient accumulator: RL (``BatchGradient``) or, with a teacher, ``OPDBatch``."""
+    """The batch's gradient accumulator: RL (``BatchGradient``) or, with a teacher, ``OPDBatch``
+    (``OPDGRPOBatch`` for ``objective.kind: opd_grpo``)."""
     if teacher is None:
         return BatchGradient(learner, plan, streamed)
-    from megathunder.trainer.opd import OPDBatch
+    from megathunder.trainer.opd import OPDBatch, OPDGRPOBatch
 
-    return OPDBatch(learner, teacher, plan, streamed)
+    return (OPDGRPOBatch if learner.objective.kind == "opd_grpo" else OPDBatch)(learner, teacher, plan, streamed)
 
 
 def _from_last_stage(groups, value):
@@ -147,7 +148,7 @@ class Trainer:
     def _on_event(self, event) -> None:
         if not self._streaming:
             return
-        if event.kind == "turn_finished" and self.cfg.objective.kind == "opd":  # its tool call starts now
+        if event.kind == "turn_finished" and self.cfg.objective.kind in ("opd", "opd_grpo"):  # its tool call starts now
             p = event.payload
             self.service.submit("turn", event.traj_id, p["token_ids"], p["start"], p["end"])
         elif event.kind == "trajectory_finished":

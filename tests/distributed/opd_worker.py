@@ -115,6 +115,73 @@ def opd(args) -> None:
     destroy_distributed()
 
 
+def opd_grpo(args) -> None:
+    """objective.kind=opd_grpo through the trainer's ``OPDGRPOBatch`` on this learner: from the same
+    start, the sync path (both parts at batch close) and the thunder path (turns, finishes and
+    rewards interleaved at random: KL per turn, rewards through the ledger's group slots), one SGD
+    step each. On one rank also the sum of the two existing references, GRPO's
+    ``sync_step_gradient`` and OPD's ``opd_batch_gradient`` (token_mean: the same Z)."""
+    from megathunder.trainer.opd import OPDGRPOBatch, turn_spans
+
+    cfg = LearnerConfig.model_validate({
+        "parallel": {"tensor_parallel": args.tp},
+        "model": {"hf_checkpoint": args.hf},
+        "precision": {"core_attention": "past_kv"},
+        "optimizer": {"name": "sgd", "lr": 1.0, "clip_grad": 0.0, "use_distributed_optimizer": False},
+        "opd": {"strategy": args.strategies.split(",")[0], "beta": BETA},
+    })
+    objective = ObjectiveConfig(kind="opd_grpo", advantage="grpo", loss_agg="token_mean")
+    groups = init_distributed(cfg)
+    learner = MegatronLearner.build(cfg, objective, groups)
+    teacher = build_teacher(args.teacher_hf, cfg, groups)
+    rng = random.Random(args.seed)
+    trajs = []
+    while len(trajs) < args.num_trajectories:  # groups of 3; a trajectory has >= 2 tokens
+        tokens, mask = flatten(random_episode(rng, learner.model_cfg.vocab_size))
+        if tokens.numel() >= 2:
+            trajs.append(Trajectory(len(trajs), len(trajs) // 3, tokens, mask))
+    plan = [(g, [t.traj_id for t in trajs if t.group_id == g]) for g in sorted({t.group_id for t in trajs})]
+    rewards = [float(rng.random() < 0.5) + 0.1 * rng.random() for _ in trajs]
+    out = {"before": full_params(learner)}
+
+    def take_step(key):
+        learner.step()
+        out[key] = {"grad": full_params(learner, "main_grad"), "params": full_params(learner)}
+        restore(learner, out["before"])
+        learner.optimizer.optimizer.state.clear()
+
+    if groups.dims.dp == 1:
+        learner.sync_step_gradient(trajs, rewards)
+        take_step("grpo_reference")
+        learner.opd_batch_gradient([t for t in trajs if t.loss_mask.any()], teacher)
+        take_step("opd_reference")
+    for mode in ("sync", "thunder"):
+        batch = OPDGRPOBatch(learner, teacher, plan, streamed=mode == "thunder")
+        spans = {t.traj_id: turn_spans(t) for t in trajs}
+        cursors, awaiting = {t.traj_id: 0 for t in trajs}, []
+        while cursors or awaiting:  # turns, finishes and rewards interleaved at random
+            if awaiting and (not cursors or rng.random() < 0.3):
+                tid = awaiting.pop(rng.randrange(len(awaiting)))
+                batch.on_reward(tid, rewards[tid])
+                continue
+            tid = rng.choice(sorted(cursors))
+            if cursors[tid] < len(spans[tid]):
+                start, end = spans[tid][cursors[tid]]
+                batch.on_turn(tid, trajs[tid].tokens[:end].tolist(), start, end)
+                cursors[tid] += 1
+            if cursors[tid] == len(spans[tid]):
+                batch.on_finished(trajs[tid])
+                del cursors[tid]
+                awaiting.append(tid)
+        outcome = batch.close()
+        take_step(mode)
+        out[mode]["divergence"] = outcome.divergence
+        out[mode]["backward_after_last_reward"] = outcome.backward_after_last_reward
+    if groups.rank == 0:
+        torch.save(out, args.out)
+    destroy_distributed()
+
+
 @torch.no_grad()
 def sample_episode(seg, gen: torch.Generator, rng: random.Random, vocab: int, num_turns: int):
     """A multi-turn episode whose turns the student samples (on its own K/V cache); tool outputs
@@ -187,7 +254,7 @@ def train(args) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("mode", choices=["opd", "train"])
+    p.add_argument("mode", choices=["opd", "opd_grpo", "train"])
     p.add_argument("--out", required=True)
     p.add_argument("--hf", required=True)
     p.add_argument("--teacher-hf", required=True)
@@ -200,7 +267,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--lr", type=float, default=1e-2)
     args = p.parse_args()
-    {"opd": opd, "train": train}[args.mode](args)
+    {"opd": opd, "opd_grpo": opd_grpo, "train": train}[args.mode](args)
 
 
 if __name__ == "__main__":

@@ -82,6 +82,43 @@ def test_dp2_every_strategy_equals_single_process_batch_opd(single, hf_qwen2, hf
     _check(run, _flat(single["sync_grad"]), single["sync"])
 
 
+def _run_opd_grpo(nproc, hf_student, hf_teacher, out, tp=None):
+    launch(nproc, "opd_grpo", "--out", str(out), "--hf", str(hf_student), "--teacher-hf", str(hf_teacher),
+           "--tp", str(tp or nproc), "--strategies", "kv_adjoint", "--num-trajectories", "9", worker=OPD_WORKER)
+    return torch.load(out)
+
+
+@pytest.fixture(scope="module")
+def opd_grpo_single(hf_qwen2, hf_teacher, tmp_path_factory):
+    return _run_opd_grpo(1, hf_qwen2, hf_teacher, tmp_path_factory.mktemp("opd_grpo") / "one.pt")
+
+
+def test_opd_grpo_streamed_equals_batch_and_the_sum_of_both_references(opd_grpo_single):
+    """objective.kind=opd_grpo through ``OPDGRPOBatch``: thunder (KL per turn into its own buffer,
+    rewards through the ledger, one Z) equals sync (both parts at close), and sync equals GRPO's
+    batch gradient plus OPD's (token_mean: both divide by the batch's trained tokens). fp32 relative
+    tolerance GRAD_TOL (reassociated sums; observed 8e-8 and 3e-7)."""
+    run = opd_grpo_single
+    grpo, opd = _flat(run["grpo_reference"]["grad"]), _flat(run["opd_reference"]["grad"])
+    sync, thunder = _flat(run["sync"]["grad"]), _flat(run["thunder"]["grad"])
+    assert grpo.norm() > 0 and opd.norm() > 0
+    assert _rel(sync, grpo + opd) <= GRAD_TOL
+    assert _rel(thunder, sync) <= GRAD_TOL
+    before = _flat(run["before"])
+    assert _rel(_flat(run["thunder"]["params"]) - before, _flat(run["sync"]["params"]) - before) <= GRAD_TOL
+    assert run["thunder"]["divergence"] == pytest.approx(run["sync"]["divergence"], rel=1e-5)
+
+
+def test_opd_grpo_dp2_equals_single_process(opd_grpo_single, hf_qwen2, hf_teacher, tmp_path):
+    """DP = 2: each trajectory's KL and reward terms on one rank (thunder: the owner from its first
+    turn; sync: from its finish), Z over both ranks; the step sums the ranks' shares."""
+    run = _run_opd_grpo(2, hf_qwen2, hf_teacher, tmp_path / "dp2.pt", tp=1)
+    reference = _flat(opd_grpo_single["sync"]["grad"])
+    for mode in ("sync", "thunder"):
+        assert _rel(_flat(run[mode]["grad"]), reference) <= GRAD_TOL, mode
+        assert run[mode]["divergence"] == pytest.approx(opd_grpo_single["sync"]["divergence"], rel=1e-5), mode
+
+
 @pytest.fixture(scope="module")
 def hf_sharper_teacher(hf_qwen2, tmp_path_factory):
     """The student with an untied output layer 4x its embedding: a sharper teacher the student

@@ -36,7 +36,17 @@ def test_past_kv_spec_replaces_only_the_core_attention():
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (["objective.kind=opd_grpo"], "objective.kind: opd_grpo is not wired"),
+    (["objective.kind=opd_grpo"], "learner.opd: required when objective.kind is opd_grpo"),
+    (["objective.kind=opd_grpo", "learner.opd.strategy=recompute", "schedule.mode=async"], "schedule.mode: "),
+    (["objective.kind=opd_grpo", "learner.opd.strategy=recompute", "objective.loss_agg=seq_mean_token_mean"],
+     "objective.loss_agg: seq_mean_token_mean cannot be combined"),
+    (["objective.kind=opd_grpo", "learner.opd.strategy=recompute", "objective.loss_agg=seq_mean_token_sum"],
+     "learner.opd.aggregation: token_mean, but opd_grpo"),
+    (["objective.kind=opd_grpo", "learner.opd.strategy=recompute", "objective.kl_coef=0.1"], "objective: DAPO"),
+    (["objective.kind=opd_grpo", "learner.opd.strategy=recompute", "verifier.on_failure=drop_group"],
+     "verifier.on_failure: drop_group"),
+    (["objective.kind=opd_grpo", "learner.opd.strategy=recompute", "learner.opd.divergence=gjsd"],
+     "learner.opd.divergence: opd_grpo"),
     (["objective.kind=opd"], "learner.opd: required when objective.kind is opd"),
     (["objective.kind=opd", "learner.opd.strategy=recompute", "schedule.mode=async"], "schedule.mode: "),
     (["objective.kind=opd", "learner.opd.strategy=recompute", "schedule.mode=fully_async"], "schedule.mode: "),
@@ -59,3 +69,7 @@ def test_opd_objective_parses_with_its_teacher():
     assert cfg.learner.opd.teacher_hf_checkpoint == "/ckpt/teacher"
     cfg = load_config(Path(__file__).resolve().parents[2] / "configs/opd_quickstart.yaml")
     assert (cfg.objective.kind, cfg.schedule.mode, cfg.learner.opd.teacher_hf_checkpoint) == ("opd", "thunder", None)
+    for mode in ("sync", "thunder"):
+        cfg = load_config(None, ["objective.kind=opd_grpo", f"schedule.mode={mode}", "learner.opd.strategy=recompute",
+                                 "learner.opd.teacher_hf_checkpoint=/ckpt/teacher"])
+        assert (cfg.objective.kind, cfg.schedule.mode) == ("opd_grpo", mode)

@@ -1,22 +1,23 @@
 #!/bin/bash
 # On-policy distillation on 16 nodes x 8 GPUs: the student samples on rollout nodes (vLLM
-# servers), a teacher scores the student's tokens on teacher nodes (vLLM servers of the teacher
-# model), and the student trains on learner nodes (Megatron TP x PP x DP, controller on rank 0).
+# servers) and trains on learner nodes (Megatron TP x DP, controller on rank 0), where the frozen
+# teacher (MT_TEACHER_MODEL, any size, the student's tokenizer) runs in the student's layout and
+# scores each finished turn on its K/V cache (objective.kind: opd; launch/slurm/opd_128gpu.yaml).
 #
 #   MT_TEACHER_MODEL=/models/Qwen2.5-72B-Instruct \
 #   MT_OVERRIDES="learner.model.hf_checkpoint=/models/Qwen2.5-7B-Instruct" sbatch launch/slurm/opd_128gpu.sh
 #   MT_DRY_RUN=1 MT_NODELIST='gpu[01-16]' MT_TEACHER_MODEL=/m bash launch/slurm/opd_128gpu.sh
 #
-# Status: main has no OPD trainer yet (the OPD streaming core lives on the opd branch), so this
-# script has the GRPO trainer's structure plus the teacher pool: teacher servers start, are
-# health-checked with the others, and their URLs reach the trainer as MT_TEACHER_URLS (env) and,
-# once the OPD config has the field, as the override MT_TEACHER_URLS_KEY=[...] (e.g.
-# teacher.server_urls). Until then the job trains GRPO with the teacher pool up.
+# Optionally (MT_TEACHER_NODES > 0) a pool of vLLM servers of the teacher starts on its own nodes,
+# health-checked with the others; its URLs reach the trainer as MT_TEACHER_URLS (env) and, when
+# MT_TEACHER_URLS_KEY names a config field, as that override. The trainer's teacher today is the
+# learner-side one above (megathunder.rollout.teacher's vLLM teacher runs in-process only), so the
+# pool is for a remote vLLM teacher and off by default.
 #
 # Environment: as grpo_128gpu.sh, plus
-#   MT_TEACHER_NODES 2 (taken after the rollout nodes); MT_TEACHER_MODEL (required, HF directory)
+#   MT_TEACHER_MODEL (required, HF directory); MT_TEACHER_NODES 0 (taken after the rollout nodes)
 #   MT_TEACHER_PORT  8200; MT_TEACHER_URLS_KEY (unset: env only)
-# Default split: 4 rollout + 2 teacher + 10 learner nodes.
+# Default split: 4 rollout + 12 learner nodes.
 #
 #SBATCH --job-name=mt-opd
 #SBATCH --nodes=16
@@ -32,8 +33,8 @@
 set -uo pipefail
 cd "${MT_REPO:-${SLURM_SUBMIT_DIR:-.}}" || exit 1
 source launch/slurm/lib.sh
-MT_CONFIG=${MT_CONFIG:-launch/slurm/grpo_128gpu.yaml}
-export MT_TEACHER_NODES=${MT_TEACHER_NODES:-2}
+MT_CONFIG=${MT_CONFIG:-launch/slurm/opd_128gpu.yaml}
+export MT_TEACHER_NODES=${MT_TEACHER_NODES:-0}
 MT_TEACHER_PORT=${MT_TEACHER_PORT:-8200}
 MT_TEACHER_MODEL=${MT_TEACHER_MODEL:?set MT_TEACHER_MODEL to the teacher HF directory}
 
@@ -48,4 +49,5 @@ mt_wait_healthy
 teacher=()
 [[ -n "${MT_TEACHER_URLS_KEY:-}" ]] && teacher=("$(mt_urls_override "$MT_TEACHER_URLS_KEY" teacher)")
 export MT_TEACHER_URLS="${MT_POOL_URLS[teacher]:-}"
-mt_train rollout.engine.deployment=server "$(mt_urls_override rollout.engine.server_urls)" "${teacher[@]}"
+mt_train rollout.engine.deployment=server "$(mt_urls_override rollout.engine.server_urls)" \
+  "learner.opd.teacher_hf_checkpoint=$MT_TEACHER_MODEL" "${teacher[@]}"

@@ -28,19 +28,40 @@ def flatten(parts) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.tensor(tokens), torch.tensor(trained[1:], dtype=torch.bool)
 
 
+def interleaved(num_parts: dict[int, int], rng: random.Random, rewards: bool = False):
+    """Events of concurrent trajectories in a random interleaving, each in its own order:
+    ``("part", tid, k)`` for k = 0 .. num_parts[tid] - 1, then ``("end", tid, None)``, and with
+    ``rewards`` a ``("reward", tid, None)`` some time after its end."""
+    cursors, awaiting = dict.fromkeys(num_parts, 0), []
+    while cursors or awaiting:
+        if awaiting and (not cursors or rng.random() < 0.3):
+            yield "reward", awaiting.pop(rng.randrange(len(awaiting))), None
+            continue
+        tid = rng.choice(sorted(cursors))
+        if cursors[tid] < num_parts[tid]:
+            yield "part", tid, cursors[tid]
+            cursors[tid] += 1
+        if cursors[tid] == num_parts[tid]:
+            yield "end", tid, None
+            del cursors[tid]
+            if rewards:
+                awaiting.append(tid)
+
+
+def feed_parts(target, tid: int, part) -> None:
+    """One ``(kind, tokens)`` part of a random episode (after its prefix) to a streamer."""
+    kind, toks = part
+    (target.on_turn if kind == "turn" else target.on_tool_output)(tid, toks)
+
+
 def stream(streamer, episodes, seed: int = 5) -> None:
     """Feed the episodes' events to a TurnStreamer, trajectories interleaved (they run
     concurrently), each in its own order."""
     for tid, parts in enumerate(episodes):
         streamer.begin_trajectory(tid, parts[0][1])
-    cursors = {tid: 1 for tid in range(len(episodes))}
-    rng = random.Random(seed)
-    while cursors:
-        tid = rng.choice(sorted(cursors))
-        if cursors[tid] < len(episodes[tid]):
-            kind, toks = episodes[tid][cursors[tid]]
-            (streamer.on_turn if kind == "turn" else streamer.on_tool_output)(tid, toks)
-            cursors[tid] += 1
-        if cursors[tid] == len(episodes[tid]):
+    for kind, tid, k in interleaved({tid: len(parts) - 1 for tid, parts in enumerate(episodes)},
+                                    random.Random(seed)):
+        if kind == "part":
+            feed_parts(streamer, tid, episodes[tid][1 + k])
+        else:
             streamer.end_trajectory(tid)
-            del cursors[tid]

@@ -29,7 +29,7 @@ from megathunder.objectives.opd import opd_coefficients, opd_loss, opd_normalise
 from megathunder.streaming.opd_turns import accumulate_full_trajectory_gjsd  # noqa: E402
 from megathunder.trajectory import Trajectory  # noqa: E402
 from tests.distributed.learner_worker import full_params, make_batch, restore  # noqa: E402
-from tests.opd_helpers import flatten, random_episode, stream  # noqa: E402
+from tests.opd_helpers import flatten, interleaved, random_episode, stream  # noqa: E402
 
 BETA = 0.7
 JSD_LAM = 0.3
@@ -158,21 +158,14 @@ def opd_grpo(args) -> None:
     for mode in ("sync", "thunder"):
         batch = OPDGRPOBatch(learner, teacher, plan, streamed=mode == "thunder")
         spans = {t.traj_id: turn_spans(t) for t in trajs}
-        cursors, awaiting = {t.traj_id: 0 for t in trajs}, []
-        while cursors or awaiting:  # turns, finishes and rewards interleaved at random
-            if awaiting and (not cursors or rng.random() < 0.3):
-                tid = awaiting.pop(rng.randrange(len(awaiting)))
-                batch.on_reward(tid, rewards[tid])
-                continue
-            tid = rng.choice(sorted(cursors))
-            if cursors[tid] < len(spans[tid]):
-                start, end = spans[tid][cursors[tid]]
+        for kind, tid, k in interleaved({t: len(s) for t, s in spans.items()}, rng, rewards=True):
+            if kind == "part":
+                start, end = spans[tid][k]
                 batch.on_turn(tid, trajs[tid].tokens[:end].tolist(), start, end)
-                cursors[tid] += 1
-            if cursors[tid] == len(spans[tid]):
+            elif kind == "end":
                 batch.on_finished(trajs[tid])
-                del cursors[tid]
-                awaiting.append(tid)
+            else:
+                batch.on_reward(tid, rewards[tid])
         outcome = batch.close()
         take_step(mode)
         out[mode]["divergence"] = outcome.divergence

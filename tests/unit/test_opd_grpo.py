@@ -18,7 +18,7 @@ from megathunder.streaming.opd_grpo import OPDWithRewards
 from megathunder.streaming.opd_turns import FunctionTeacher, TorchSegmentModel, _logp_of
 from megathunder.trajectory import Trajectory
 from tests.helpers import VOCAB, rel_err, small_model
-from tests.opd_helpers import flatten, random_episode
+from tests.opd_helpers import feed_parts, flatten, interleaved, random_episode
 from tests.unit.test_opd_turns import _teacher_fn
 
 BETA = 0.6
@@ -69,22 +69,14 @@ def test_opd_kl_per_turn_plus_grpo_through_the_ledger_equals_batch(strategy, adv
         combo.begin_batch(syn.group_plan(batch))
         for t, parts in zip(batch, episodes, strict=True):
             combo.begin_trajectory(t.traj_id, parts[0][1])
-        cursors = {t.traj_id: 1 for t in batch}
-        awaiting_reward: list[int] = []
-        while cursors or awaiting_reward:  # turns, ends and rewards interleaved at random
-            if awaiting_reward and (not cursors or rng.random() < 0.3):
-                tid = awaiting_reward.pop(rng.randrange(len(awaiting_reward)))
-                combo.on_reward(tid, rewards[tid])
-                continue
-            tid = rng.choice(sorted(cursors))
-            if cursors[tid] < len(episodes[tid]):
-                kind, toks = episodes[tid][cursors[tid]]
-                (combo.on_turn if kind == "turn" else combo.on_tool_output)(tid, toks)
-                cursors[tid] += 1
-            if cursors[tid] == len(episodes[tid]):
+        num_parts = {t.traj_id: len(episodes[t.traj_id]) - 1 for t in batch}
+        for kind, tid, k in interleaved(num_parts, rng, rewards=True):  # turns, ends, rewards
+            if kind == "part":
+                feed_parts(combo, tid, episodes[tid][1 + k])
+            elif kind == "end":
                 combo.end_trajectory(batch[tid])
-                del cursors[tid]
-                awaiting_reward.append(tid)
+            else:
+                combo.on_reward(tid, rewards[tid])
         combo.close_batch()
         streamed = backend.live.flat().clone()
         assert reference.norm() > 0

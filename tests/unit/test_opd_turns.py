@@ -48,12 +48,16 @@ def test_per_turn_streaming_equals_full_trajectory_opd(strategy, aggregation):
         for p in student.parameters():
             p.grad = None
         streamer = TurnStreamer(student, score, beta=0.7, strategy=strategy, aggregation=aggregation)
-        stream(streamer, episodes)
-        assert streamer.divergence_sum == pytest.approx(divergence, rel=1e-10)  # the logged metric
-        streamer.finish_batch()
-        streamed = flat_grad(student)
-        assert reference.norm() > 0
-        assert rel_err(streamed, reference) <= 1e-10, (strategy, seed)
+        check_streamed(streamer, episodes, student, reference, divergence, (strategy, seed))
+
+
+def check_streamed(streamer, episodes, student, reference, divergence: float, case) -> None:
+    """Stream the episodes; the logged divergence and the gradient equal the full-trajectory ones."""
+    stream(streamer, episodes)
+    assert streamer.divergence_sum == pytest.approx(divergence, rel=1e-10)  # the logged metric
+    streamer.finish_batch()
+    assert reference.norm() > 0
+    assert rel_err(flat_grad(student), reference) <= 1e-10, case
 
 
 def test_kv_adjoint_leaves_little_work_after_the_last_turn():
@@ -136,12 +140,7 @@ def test_gjsd_per_turn_equals_full_trajectory(strategy):
         student.zero_grad(set_to_none=True)
         streamer = TurnStreamer(student, CachedTeacher(TorchSegmentModel(teacher)), beta=0.8, strategy=strategy,
                                 divergence="gjsd", jsd_lam=0.3)
-        stream(streamer, episodes)
-        assert streamer.divergence_sum == pytest.approx(divergence, rel=1e-10)  # the logged metric
-        streamer.finish_batch()
-        streamed = flat_grad(student)
-        assert reference.norm() > 0
-        assert rel_err(streamed, reference) <= 1e-10, (strategy, seed)
+        check_streamed(streamer, episodes, student, reference, divergence, (strategy, seed))
 
 
 def test_gjsd_is_the_jensen_shannon_divergence():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 
 import pytest
 import torch
@@ -58,26 +59,35 @@ def test_pack_unpack_round_trip_through_json():
             assert view.data_ptr() >= flat.data_ptr()  # a view of the bucket, not a copy
 
 
-def test_gloo_group_broadcasts_buckets_to_a_worker():
-    """Rank 0 (a WeightSender) and one worker rank (a thread here) on one gloo group: the worker
-    receives exactly the sent tensors, bucket by bucket."""
-    weights = _weights()
-    received: list[tuple[str, torch.Tensor]] = []
+def _one_worker(on_receive):
+    """Stands in for ``collective_rpc`` to one worker (rank 1, a thread): it joins the group and
+    hands each push's plan to ``on_receive(group, plan_json)``."""
 
-    async def rpc(call):  # stands in for collective_rpc to one worker
+    async def rpc(call):
         if call.method == "megathunder_worker_rank":
             return [0]
         if call.method == "megathunder_transfer_join":
             rdv = Rendezvous.from_json(call.args[0])
             rpc.group = await asyncio.to_thread(TransferGroup.join, rdv, int(call.args[1]), torch.device("cpu"))
         elif call.method == "megathunder_receive_buckets":
-            import json
-
-            plan = [Bucket.from_json(b) for b in json.loads(call.args[0])]
-            received.extend(await asyncio.to_thread(
-                lambda: [(n, t.clone()) for n, t in receive(rpc.group, plan)]))
+            await on_receive(rpc.group, call.args[0])
         else:
             rpc.group.close()
+
+    return rpc
+
+
+def test_gloo_group_broadcasts_buckets_to_a_worker():
+    """Rank 0 (a WeightSender) and one worker rank (a thread here) on one gloo group: the worker
+    receives exactly the sent tensors, bucket by bucket."""
+    weights = _weights()
+    received: list[tuple[str, torch.Tensor]] = []
+
+    async def on_receive(group, plan_json: str) -> None:
+        plan = [Bucket.from_json(b) for b in json.loads(plan_json)]
+        received.extend(await asyncio.to_thread(lambda: [(n, t.clone()) for n, t in receive(group, plan)]))
+
+    rpc = _one_worker(on_receive)
 
     async def main():
         sender = await WeightSender.open("127.0.0.1", "gloo", [rpc], bucket_bytes=2048)
@@ -109,10 +119,6 @@ def test_bad_transfer_configs_name_the_field(overrides, field):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without CUDA")
 def test_nccl_without_cuda_fails_when_the_engine_starts_not_at_parse_time():
     """A GPU job's config validates anywhere (a CPU-only login node); the transfer group refuses."""
-    import asyncio
-
-    from megathunder.rollout.engines.transfer import WeightSender
-
     load_config(None, ["rollout.engine.weight_transfer=collective", "rollout.engine.weight_transfer_backend=nccl"])
     with pytest.raises(ValueError, match="weight_transfer_backend: nccl needs a CUDA device"):
         asyncio.run(WeightSender.open("127.0.0.1", "nccl", [], bucket_bytes=2**20))
@@ -122,15 +128,11 @@ def test_a_worker_that_fails_fails_the_push_at_once():
     """A worker's error reaches the caller without waiting for the broadcast's timeout."""
     import time
 
-    async def rpc(call):
-        if call.method == "megathunder_worker_rank":
-            return [0]
-        if call.method == "megathunder_transfer_join":
-            rdv = Rendezvous.from_json(call.args[0])
-            rpc.group = await asyncio.to_thread(TransferGroup.join, rdv, int(call.args[1]), torch.device("cpu"))
-        elif call.method == "megathunder_receive_buckets":
-            rpc.group.close()  # as a worker process that died would: its end of the group is gone
-            raise RuntimeError("worker failed to load")
+    async def on_receive(group, plan_json: str) -> None:
+        group.close()  # as a worker process that died would: its end of the group is gone
+        raise RuntimeError("worker failed to load")
+
+    rpc = _one_worker(on_receive)
 
     async def main():
         sender = await WeightSender.open("127.0.0.1", "gloo", [rpc], bucket_bytes=2048)

@@ -6,13 +6,15 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from megathunder.bench import sweep
+
 BENCHMARKS = {
-    "ledger": "megathunder.bench.ledger",
-    "learner": "megathunder.bench.learner",
-    "opd": "megathunder.bench.opd",
-    "episodes": "megathunder.bench.episodes",
-    "rollout": "megathunder.bench.rollout",
-    "schedules": "megathunder.bench.schedules",
+    "ledger": "megathunder.bench.ledger_overhead",
+    "learner": "megathunder.bench.learner_step",
+    "opd": "megathunder.bench.opd_strategies",
+    "episodes": "megathunder.bench.episode_timing",
+    "rollout": "megathunder.bench.rollout_engine",
+    "schedules": "megathunder.bench.schedule_runs",
     "weights": "megathunder.bench.weight_push",
 }
 SCHEDULES = ("sync", "async", "fully_async", "thunder")  # megathunder.simulate.SCHEDULES
@@ -37,7 +39,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 def _cmd_exactness(args: argparse.Namespace) -> int:
     from megathunder.config import load_config
-    from megathunder.exactness_run import run
+    from megathunder.bench.exactness import run
 
     return run(load_config(args.config, args.overrides))
 
@@ -62,20 +64,26 @@ def _cmd_replay(args: argparse.Namespace) -> int:
     return replay_main(args.run_dir, args.overrides, args.out)
 
 
+def _cmd_sweep(args: argparse.Namespace) -> int:
+    from megathunder.bench.sweep import run
+
+    return run(args)
+
+
 def _cmd_simulate(args: argparse.Namespace) -> int:
-    from megathunder.simulate.main import run
+    from megathunder.simulate.simulate_cmd import run
 
     return run(args)
 
 
 def _cmd_eval(args: argparse.Namespace) -> int:
-    from megathunder.eval.main import run
+    from megathunder.eval.eval_cmd import run
 
     return run(args)
 
 
 def _cmd_eval_report(args: argparse.Namespace) -> int:
-    from megathunder.eval.report import run
+    from megathunder.eval.cost_report import run
 
     return run(args)
 
@@ -146,6 +154,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("name", choices=sorted(BENCHMARKS))
     p.add_argument("bench_args", nargs=argparse.REMAINDER, help="passed to the benchmark (try --help)")
     p.set_defaults(func=_cmd_bench)
+
+    p = sub.add_parser(
+        "sweep", help="submit a grid of Slurm runs, follow them, tabulate step time, tokens/s and MFU",
+        description="Submit every combination of a grid's axes through sbatch, follow the jobs, and "
+        "write sweep.csv, sweep.md and sweep.png (steps, step time, tokens/s, MFU).",
+    )
+    sweep.add_arguments(p)
+    p.set_defaults(func=_cmd_sweep)
 
     p = sub.add_parser(
         "simulate",

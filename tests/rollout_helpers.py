@@ -13,11 +13,11 @@ import pytest
 from megathunder.config import AgentLoopConfig, SandboxConfig, VerifierConfig
 from megathunder.rollout.agent_loop import AgentLoop, Episode
 from megathunder.rollout.chat import ChatCodec
-from megathunder.rollout.local_tokenizer import train_local_chatml_tokenizer
+from megathunder.models.local_tokenizer import train_local_chatml_tokenizer
 from megathunder.rollout.scripted import ScriptedPolicy
 from megathunder.rollout.types import RolloutEvent
 from megathunder.rollout.verifiers import VerifierPool
-from megathunder.tasks.base import Task, TaskInstance
+from megathunder.rollout.tasks.task import Task, TaskInstance
 
 ISOLATIONS = [
     pytest.param(

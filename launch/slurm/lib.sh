@@ -23,7 +23,7 @@ mt_settings() {
   MT_GPUS_PER_NODE=${MT_GPUS_PER_NODE:-8}   # 0: CPU nodes (the local test cluster)
   MT_NODELIST=${MT_NODELIST:-${SLURM_JOB_NODELIST:?not in a Slurm job: set MT_NODELIST (and MT_DRY_RUN=1)}}
   if [[ "${MT_DRY_RUN:-0}" == 1 ]]; then  # outside Slurm: megathunder's own host-list expansion
-    mapfile -t MT_NODES < <($MT_PYTHON -c 'import sys; from megathunder.launch.slurm_env import expand_hostlist
+    mapfile -t MT_NODES < <($MT_PYTHON -c 'import sys; from megathunder.learner.rendezvous import expand_hostlist
 print("\n".join(expand_hostlist(sys.argv[1])))' "$MT_NODELIST")
   else  # the batch script runs on the host (the image, if any, is for the steps): Slurm's own
     mapfile -t MT_NODES < <(scontrol show hostnames "$MT_NODELIST")
@@ -193,7 +193,7 @@ mt_learner_srun() {  # NAME CMD...: one task per learner rank over the learner n
 
 mt_learner_preflight() {  # the ranks form the expected world (TP x PP x DP checked) in seconds
   local cmd
-  read -r -a cmd <<<"$(mt_learner_srun preflight $MT_PYTHON -m megathunder.launch.preflight)"
+  read -r -a cmd <<<"$(mt_learner_srun preflight $MT_PYTHON -m megathunder.learner.preflight)"
   cmd+=("$MT_CONFIG" "${MT_OVERRIDE_ARGS[@]}" --expect-world "$MT_LEARNER_WORLD")
   if [[ "$MT_DRY_RUN" == 1 ]]; then echo "would run: ${cmd[*]}"; return 0; fi
   "${cmd[@]}" || mt_die "learner" "preflight failed (ranks did not form a world of $MT_LEARNER_WORLD); its logs:

@@ -11,7 +11,7 @@
 # Optionally (MT_TEACHER_NODES > 0) a pool of vLLM servers of the teacher starts on its own nodes,
 # health-checked with the others; its URLs reach the trainer as MT_TEACHER_URLS (env) and, when
 # MT_TEACHER_URLS_KEY names a config field, as that override. The trainer's teacher today is the
-# learner-side one above (megathunder.rollout.teacher's vLLM teacher runs in-process only), so the
+# learner-side one above (tests.integration.vllm_teacher's vLLM teacher runs in-process only), so the
 # pool is for a remote vLLM teacher and off by default.
 #
 # Environment: as grpo_128gpu.sh, plus

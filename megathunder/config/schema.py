@@ -333,7 +333,7 @@ class ReferenceModelConfig(_Strict):
 
 
 class LearnerOPDConfig(_Strict):
-    """Per-turn on-policy distillation on the learner (``megathunder.learner.opd``)."""
+    """Per-turn on-policy distillation on the learner (``megathunder.learner.segment_model``)."""
 
     strategy: Literal["recompute", "kv_adjoint", "forward_early"] = "kv_adjoint"
     """How each completed turn's gradient is computed (DESIGN.md section 3; figures in BENCHMARKS.md).

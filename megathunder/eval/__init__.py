@@ -7,14 +7,7 @@ from megathunder.eval.evaluate import (
     SampleOutcome,
     evaluate,
 )
-from megathunder.eval.instances import (
-    EvalInputError,
-    draw_instances,
-    eval_due,
-    eval_instances,
-    is_held_out,
-    training_instances,
-)
+from megathunder.eval.instances import EvalInputError, eval_due, eval_instances
 from megathunder.eval.passk import pass_at_k, pass_at_k_over_instances
 
 __all__ = [
@@ -23,12 +16,9 @@ __all__ = [
     "InstanceOutcome",
     "MissingSamplesError",
     "SampleOutcome",
-    "draw_instances",
     "eval_due",
     "eval_instances",
     "evaluate",
-    "is_held_out",
     "pass_at_k",
     "pass_at_k_over_instances",
-    "training_instances",
 ]

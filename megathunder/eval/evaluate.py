@@ -1,7 +1,7 @@
 """Evaluation: held-out instances through the training agent loop, k samples each, pass@1..k.
 
 :func:`evaluate` is a plain async function over a live engine, so the trainer calls it between
-steps with its own rollout engine (``await evaluate(cfg, engine, codec, instances)``) and
+steps with its own rollout engine (``await evaluate(cfg, engine, codec, task, instances)``) and
 ``megathunder eval`` calls it on an engine started from a checkpoint. Episodes are the agent
 loop's own (:func:`~megathunder.rollout.agent_loop.build_agent_loop`: same template, tools,
 sandboxes, limits and verifier pool); nothing is emitted to a learner.
@@ -9,7 +9,7 @@ sandboxes, limits and verifier pool); nothing is emitted to a learner.
 In the trainer (``eval_instances`` drawn once; ``training_instances`` keeps batches off them)::
 
     if eval_due(cfg, step):
-        result = await evaluate(cfg, engine, codec, eval_set)
+        result = await evaluate(cfg, engine, codec, task, eval_set)
         row.update(result.metrics())  # eval/pass@1 ... into this step's metrics.jsonl row
 
 Every sample ends in one recorded outcome:
@@ -35,8 +35,14 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Literal
 
+from tqdm import tqdm
+
+from megathunder.config import Config
 from megathunder.eval.passk import pass_at_k_over_instances
-from megathunder.tasks.base import TaskInstance
+from megathunder.rollout.agent_loop import build_agent_loop
+from megathunder.rollout.chat import ChatCodec
+from megathunder.rollout.tasks.task import Task, TaskInstance
+from megathunder.rollout.types import RolloutEngine
 
 SampleStatus = Literal["ok", "verifier_error", "verifier_timeout", "episode_error"]
 
@@ -233,9 +239,10 @@ def _sample_outcome(sample: int, ep, pass_reward: float) -> SampleOutcome:
 
 
 async def evaluate(
-    cfg,  # megathunder.config.Config
-    engine,  # megathunder.rollout.types.RolloutEngine
-    codec,  # megathunder.rollout.chat.ChatCodec
+    cfg: Config,
+    engine: RolloutEngine,
+    codec: ChatCodec,
+    task: Task,
     instances: Sequence[TaskInstance],
     k: int | None = None,
     *,
@@ -249,10 +256,6 @@ async def evaluate(
     ``k``, ``temperature``, ``seed`` and ``pass_reward`` default to ``cfg.eval``'s. Sampling is
     reproducible from ``seed``. ``progress`` shows a tqdm bar over episodes.
     """
-    from tqdm import tqdm
-
-    from megathunder.rollout.agent_loop import build_agent_loop
-
     ev = cfg.eval
     k = ev.k if k is None else k
     temperature = ev.temperature if temperature is None else temperature
@@ -269,8 +272,7 @@ async def evaluate(
         dup = sorted({i for i in ids if ids.count(i) > 1})
         raise ValueError(f"evaluate: duplicate instance ids {dup[:5]} would be counted twice")
 
-    loop = build_agent_loop(cfg, engine, codec)
-    loop.temperature = temperature
+    loop = build_agent_loop(cfg, engine, codec, task, temperature=temperature)
     policy_version = engine.policy_version
 
     async def one(g: int, s: int, inst: TaskInstance) -> tuple[int, int, SampleOutcome]:

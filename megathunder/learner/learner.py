@@ -30,7 +30,7 @@ from megathunder.learner.backend import MegatronBackend, run_schedule
 from megathunder.learner.model import build_gpt_model, layer_offset, resolve_model_config
 from megathunder.learner.parallel import ProcessGroups
 from megathunder.objectives import LossSpec, num_loss_tokens, trajectory_loss
-from megathunder.reference import batch_advantages
+from megathunder.streaming.reference import batch_advantages
 from megathunder.streaming import GradientLedger
 from megathunder.trajectory import Trajectory
 
@@ -162,7 +162,7 @@ class MegatronLearner:
         buffer (``backend.zeros()``) each backward pass is moved into instead -- opd_grpo, whose
         ledger uses DDP's buffers as scratch (``finish_opd_grpo_batch``)."""
         from megathunder.config import ConfigError
-        from megathunder.learner.opd import MegatronSegmentModel
+        from megathunder.learner.segment_model import MegatronSegmentModel
         from megathunder.streaming.opd_turns import TurnStreamer
 
         if self.cfg.opd is None:
@@ -190,7 +190,7 @@ class MegatronLearner:
         tokens): the teacher scores each whole trajectory, one student forward and backward each,
         then one division by the batch's Z -- the gradient the per-turn streamer computes turn by
         turn (``megathunder.streaming.opd_turns`` derives why they are equal). Then ``step``."""
-        from megathunder.learner.opd import MegatronSegmentModel
+        from megathunder.learner.segment_model import MegatronSegmentModel
         from megathunder.streaming.opd_turns import accumulate_full_trajectory_gjsd, accumulate_full_trajectory_opd
 
         opd = self.cfg.opd
@@ -225,7 +225,7 @@ class MegatronLearner:
         (``sync_step_gradient``'s schedule call) and the KL terms (``opd_batch_gradient``'s
         full-trajectory passes), unnormalised, then one division by the objective's Z
         (``batch_advantages``: trained tokens or trajectories of the whole batch). Then ``step``."""
-        from megathunder.learner.opd import MegatronSegmentModel
+        from megathunder.learner.segment_model import MegatronSegmentModel
         from megathunder.streaming.opd_turns import accumulate_full_trajectory_opd
 
         advantages, z = batch_advantages(batch, rewards, self.objective)

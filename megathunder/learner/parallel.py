@@ -17,8 +17,8 @@ import torch.distributed as dist
 
 from megathunder.config import ConfigError, LearnerConfig, ParallelConfig
 from megathunder.config.schema import PolicyModelConfig, check_parallel_divides_model
-from megathunder.launch import slurm_env
-from megathunder.launch.slurm_env import rendezvous_from_env
+from megathunder.learner import slurm_env
+from megathunder.learner.rendezvous import rendezvous_from_env
 
 
 @dataclass(frozen=True)

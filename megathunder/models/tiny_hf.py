@@ -125,7 +125,7 @@ def build_tokenizer(vocab_size: int = 512, seed: int = 0):
     from tokenizers import AddedToken
     from transformers import PreTrainedTokenizerFast
 
-    from megathunder.rollout.local_tokenizer import train_byte_level_bpe
+    from megathunder.models.local_tokenizer import train_byte_level_bpe
 
     tok = train_byte_level_bpe(_corpus(random.Random(seed)), vocab_size, SPECIAL_TOKENS)
     tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in TOOL_TOKENS])

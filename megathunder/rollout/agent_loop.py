@@ -15,17 +15,9 @@ the room left; a turn cut by a length limit ends the episode as truncated, a too
 would not fit ends it before the output); ``agent.episode_wall_time_s`` (generation and tools are
 cancelled at the deadline, killing the tool's processes; the verifier still scores the state).
 
-Faults (RELIABILITY.md): a failed episode gets ``Episode.failure`` (the reason) and the outcome
-``verifier.on_failure`` gives every failure: ``drop_group`` (its reward event has ``drop_group``
-True and reward None: the trainer drops the whole group from the batch and the normaliser) or
-``zero_reward`` (reward ``failure_reward``, trained). Failures are a turn whose engine logprobs
-are not finite or do not match its tokens (that turn is neither kept nor emitted, the episode
-ends there and its verifier is skipped), a sandbox that cannot be built or set up (no turn is
-sampled; a batch where no sandbox could be set up is an error, a misconfiguration rather than a
-fault) and a verifier that raises, times out or returns a non-finite reward. A malformed tool call, a crashing, hung or memory-hungry tool and an exhausted
-token or time budget are not failures: they are observations or stop reasons of an episode that
-is trained as usual. An exception from the engine itself (no rollout server left) ends the whole
-batch: its other episodes are cancelled and their sandboxes closed.
+Faults: a failed episode (non-finite or mismatched engine logprobs, a sandbox that cannot be set
+up, a verifier that raises, times out or returns a non-finite reward) gets ``Episode.failure`` and
+the ``verifier.on_failure`` outcome; RELIABILITY.md lists every fault and its policy.
 """
 
 from __future__ import annotations
@@ -34,127 +26,26 @@ import asyncio
 import logging
 import math
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import Literal
+from collections.abc import Sequence
 
+from megathunder.config import AgentLoopConfig, Config, SandboxConfig
 from megathunder.rollout.chat import IM_END, ChatCodec, ToolCall, ToolCallError, parse_tool_calls
+from megathunder.rollout.episode import (
+    SANDBOX_FAILURE,
+    Episode,
+    EventSink,
+    RolloutEvent,
+    StopReason,
+    ToolRun,
+    Turn,
+)
 from megathunder.rollout.sandbox import Sandbox, SandboxError, build_sandbox
+from megathunder.rollout.tasks.task import Task, TaskInstance
 from megathunder.rollout.tools import Tool, ToolArgumentError
-from megathunder.rollout.types import Completion, RolloutEngine, RolloutEvent, SamplingParams
-from megathunder.rollout.verifiers import RewardOutcome, VerifierPool
-from megathunder.tasks.base import Task, TaskInstance
+from megathunder.rollout.types import Completion, RolloutEngine, SamplingParams
+from megathunder.rollout.verifiers import VerifierPool
 
 log = logging.getLogger(__name__)
-
-SANDBOX_FAILURE = "sandbox_error: "
-"""Prefix of ``Episode.failure`` when the episode's sandbox could not be built or set up."""
-
-StopReason = Literal["answered", "max_turns", "max_tokens", "wall_time", "engine_abort", "failed"]
-
-
-@dataclass
-class ToolRun:
-    name: str
-    arguments: dict | None  # None when the call could not be parsed
-    observation: str
-    duration_s: float
-    ok: bool
-
-
-@dataclass
-class Turn:
-    index: int
-    start: int  # position of the turn's first generated token in ``token_ids``
-    end: int  # one past its last generated token
-    finish_reason: str
-    policy_version: int
-    started_at: float  # time.monotonic()
-    generated_at: float
-    tools_done_at: float | None = None
-    tool_runs: list[ToolRun] = field(default_factory=list)
-
-    @property
-    def generation_s(self) -> float:
-        return self.generated_at - self.started_at
-
-    @property
-    def tool_s(self) -> float:
-        return 0.0 if self.tools_done_at is None else self.tools_done_at - self.generated_at
-
-
-@dataclass
-class Episode:
-    """One trajectory as the agent loop built it, with turn boundaries and timings."""
-
-    traj_id: int
-    group_id: int
-    instance_id: str
-    prompt_len: int
-    token_ids: list[int]
-    loss_mask: list[bool]  # per target: len(token_ids) - 1
-    rollout_logprobs: list[float]  # per target; 0.0 where masked
-    turns: list[Turn] = field(default_factory=list)
-    stop_reason: StopReason | None = None
-    truncated: bool = False
-    started_at: float = 0.0
-    finished_at: float = 0.0
-    rewarded_at: float | None = None
-    """When the reward event was emitted: after any added verifier latency and the verifier pool's
-    queue, which ``reward.duration_s`` (the verifier's own run) leaves out."""
-    reward: RewardOutcome | None = None
-    final_text: str = ""  # the last model turn, decoded
-    failure: str | None = None
-    """What failed ("nonfinite_logprob: ...", "engine_protocol: ...", "verifier_error: ...",
-    "verifier_timeout: ..."), None when nothing did. What the trainer does about it is
-    ``reward.drop_group`` (``verifier.on_failure``). Final once the reward event is emitted."""
-
-    @property
-    def generation_s(self) -> float:
-        return sum(t.generation_s for t in self.turns)
-
-    @property
-    def tool_s(self) -> float:
-        return sum(t.tool_s for t in self.turns)
-
-    @property
-    def policy_versions(self) -> set[int]:
-        return {t.policy_version for t in self.turns}
-
-    def to_trajectory(self):
-        """The learner's :class:`~megathunder.trajectory.Trajectory` (torch tensors)."""
-        import torch
-
-        from megathunder.trajectory import Trajectory
-
-        return Trajectory(
-            traj_id=self.traj_id,
-            group_id=self.group_id,
-            tokens=torch.tensor(self.token_ids, dtype=torch.int64),
-            loss_mask=torch.tensor(self.loss_mask, dtype=torch.bool),
-            rollout_logprobs=torch.tensor(self.rollout_logprobs, dtype=torch.float32),
-            truncated=self.truncated,
-        )
-
-    @classmethod
-    def from_prompt(
-        cls, traj_id: int, group_id: int, instance_id: str, prompt: list[int], started_at: float
-    ) -> Episode:
-        num_targets = len(prompt) - 1
-        return cls(
-            traj_id, group_id, instance_id, len(prompt), list(prompt),
-            [False] * num_targets, [0.0] * num_targets, started_at=started_at,
-        )  # fmt: skip
-
-    def append(self, ids: Sequence[int], logprobs: Sequence[float] | None) -> None:
-        """Generated ids (trained, with their engine logprobs) or, with None, masked ids."""
-        trained = logprobs is not None
-        self.token_ids += ids
-        self.loss_mask += [trained] * len(ids)
-        self.rollout_logprobs += list(logprobs) if trained else [0.0] * len(ids)
-
-
-EventSink = Callable[[RolloutEvent], None]
 
 
 class AgentLoop:
@@ -163,8 +54,8 @@ class AgentLoop:
         engine: RolloutEngine,
         codec: ChatCodec,
         task: Task,
-        agent_cfg,  # megathunder.config.AgentLoopConfig
-        sandbox_cfg,  # megathunder.config.SandboxConfig
+        agent_cfg: AgentLoopConfig,
+        sandbox_cfg: SandboxConfig,
         verifiers: VerifierPool,
         *,
         temperature: float = 1.0,
@@ -370,14 +261,12 @@ def _remaining(deadline: float) -> float:
     return left
 
 
-def build_agent_loop(
-    cfg, engine: RolloutEngine, codec: ChatCodec, *, emit: EventSink | None = None
-):
-    """The agent loop of a :class:`megathunder.config.Config`: its task, sandbox, verifier pool
-    and limits (``agent``), sampling at ``rollout.temperature``."""
-    from megathunder.tasks import build_task
-
+def build_agent_loop(cfg: Config, engine: RolloutEngine, codec: ChatCodec, task: Task, *,
+                     temperature: float | None = None, emit: EventSink | None = None) -> AgentLoop:
+    """The agent loop of a run's config: ``task`` (built once per run), the ``agent`` limits, the
+    ``sandbox`` and ``verifier`` sections, sampling at ``temperature`` (default
+    ``rollout.temperature``); events go to ``emit``."""
     return AgentLoop(
-        engine, codec, build_task(cfg.task), cfg.agent, cfg.sandbox, VerifierPool(cfg.verifier),
-        temperature=cfg.rollout.temperature, emit=emit,
+        engine, codec, task, cfg.agent, cfg.sandbox, VerifierPool(cfg.verifier),
+        temperature=cfg.rollout.temperature if temperature is None else temperature, emit=emit,
     )  # fmt: skip

@@ -1,4 +1,4 @@
-"""The interfaces between the rollout side's parts, and the events it emits.
+"""The interfaces between the rollout side's parts: sampling parameters, completions, the engine.
 
 Token ids in, token ids and per-token logprobs out: the agent loop never re-tokenises text it has
 already tokenised, so there is no drift between turns.
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Hashable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal, Protocol, Union
 
 if TYPE_CHECKING:
@@ -67,15 +67,3 @@ class RolloutEngine(Protocol):
     async def reset_prefix_cache(self) -> None: ...
 
     async def close(self) -> None: ...
-
-
-@dataclass(frozen=True)
-class RolloutEvent:
-    """What the trainer routes to the learner, with the wall-clock time it happened."""
-
-    kind: Literal["turn_finished", "trajectory_finished", "reward"]
-    traj_id: int
-    group_id: int
-    time: float  # time.monotonic() when it happened
-    turn_index: int | None = None  # for turn_finished
-    payload: dict = field(default_factory=dict)

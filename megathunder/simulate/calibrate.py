@@ -35,10 +35,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from megathunder.simulate.metrics import summary
+from megathunder.simulate.sim_metrics import summary
 from megathunder.simulate.profile import Dist, Profile
 from megathunder.simulate.run_dir import Episode, RunDir, Turn
-from megathunder.simulate.schedules import RUNNERS
+from megathunder.simulate.schedule_model import RUNNERS
 from megathunder.simulate.workload import Batch
 
 GRADIENT_CALLS = frozenset({"begin", "finished", "reward", "close"})

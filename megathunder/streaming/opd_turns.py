@@ -24,7 +24,7 @@ the tool output between two turns is empty that target is trained, and its term 
 through the previous segment's graph, which both KV strategies keep until the trajectory ends.
 
 The streamer is written against two small interfaces, so the same strategies run on the plain
-torch decoder (fp64 exactness tests) and on the Megatron learner (``megathunder.learner.opd``):
+torch decoder (fp64 exactness tests) and on the Megatron learner (``megathunder.learner.segment_model``):
 ``SegmentModel`` (forward a segment on top of past K/V, token logprobs, backward, divide the
 gradient) and ``Teacher`` (per-turn scores; ``CachedTeacher`` keeps each trajectory's teacher K/V
 so a turn is scored without re-scoring its prefix).

@@ -30,7 +30,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from megathunder.config import Config
-from megathunder.trainer.batch import BatchOutcome, TokenBalancer
+from megathunder.learner.batches import BatchOutcome, TokenBalancer
 from megathunder.trainer.journal import mask_spans
 from megathunder.trajectory import Trajectory
 

@@ -97,7 +97,7 @@ def main(run_dir: str, overrides: list[str], out: str) -> int:
     learner = build_replay_learner(cfg, run_dir)
     teacher = None
     if cfg.objective.kind in ("opd", "opd_grpo"):
-        from megathunder.learner.opd import build_teacher
+        from megathunder.learner.segment_model import build_teacher
 
         teacher = build_teacher(teacher_dir(cfg, run_dir), learner.cfg, learner.groups)
     n = replay(cfg, run_dir, learner, teacher=teacher)

@@ -95,7 +95,7 @@ def train(cfg: Config) -> int:
     from megathunder.learner.checkpoint import latest_checkpoint, load_checkpoint
     from megathunder.learner.learner import MegatronLearner
     from megathunder.learner.parallel import init_distributed
-    from megathunder.trainer.service import LearnerService
+    from megathunder.learner.service import LearnerService
     from megathunder.trainer.trainer import learner_handlers
 
     stop_requested = threading.Event()  # every rank: SIGUSR1's default action would kill the process
@@ -121,7 +121,7 @@ def train(cfg: Config) -> int:
     learner = MegatronLearner.build(learner_cfg, cfg.objective, groups, ledger_cfg)
     teacher = None
     if cfg.objective.kind in ("opd", "opd_grpo"):  # a frozen Megatron teacher in the student's layout
-        from megathunder.learner.opd import build_teacher
+        from megathunder.learner.segment_model import build_teacher
         from megathunder.trainer.opd import build_teacher_model
 
         teacher = build_teacher(build_teacher_model(cfg, out, groups), learner_cfg, groups)
@@ -149,7 +149,7 @@ async def _control(cfg: Config, out: Path, service, model_dir: Path, start: int,
     from megathunder.rollout.agent_loop import build_agent_loop
     from megathunder.rollout.chat import ChatCodec
     from megathunder.rollout.engines import start_engine
-    from megathunder.tasks import build_task
+    from megathunder.rollout.tasks import build_task
     from megathunder.trainer.schedules import SCHEDULES
     from megathunder.trainer.timeline import write_timeline
     from megathunder.trainer.trainer import Trainer, print_summary, write_summary

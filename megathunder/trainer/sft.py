@@ -24,9 +24,9 @@ async def demonstrations(cfg: Config, codec, num: int, seed: int) -> list[Trajec
     """``num`` reference episodes of the task (instances drawn with ``seed``)."""
     from megathunder.rollout.agent_loop import build_agent_loop
     from megathunder.rollout.scripted import ScriptedPolicy
-    from megathunder.tasks import build_task
+    from megathunder.rollout.tasks import build_task
 
-    from megathunder.eval.instances import is_held_out
+    from megathunder.rollout.tasks.split import is_held_out
 
     task = build_task(cfg.task)
     instances = task.instances(num, seed=seed)

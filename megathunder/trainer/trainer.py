@@ -25,10 +25,10 @@ from tqdm import tqdm
 
 from megathunder.config import Config
 from megathunder.rollout.agent_loop import Episode
-from megathunder.trainer.batch import BatchGradient
+from megathunder.learner.batches import BatchGradient
 from megathunder.trainer.journal import Journal
 from megathunder.trainer.metrics import MetricsLog
-from megathunder.trainer.service import LearnerService
+from megathunder.learner.service import LearnerService
 from megathunder.trajectory import Trajectory
 from megathunder.weight_sync import StaleWeightsError, inference_weights, max_logprob_gap
 
@@ -131,7 +131,7 @@ class Trainer:
 
     def instances(self, step: int):
         """Step ``step``'s prompts: distinct, reproducible, never from the evaluation split."""
-        from megathunder.eval.instances import training_instances
+        from megathunder.rollout.tasks.split import training_instances
 
         return training_instances(self.cfg, self.task, self.cfg.batch.num_prompts_per_batch,
                                   seed=self.cfg.run.seed * 1_000_003 + step)
@@ -208,7 +208,7 @@ class Trainer:
             return {}
         if self.eval_set is None:
             self.eval_set = eval_instances(self.cfg, self.task)
-        result = await evaluate(self.cfg, self.engine, self.codec, self.eval_set)
+        result = await evaluate(self.cfg, self.engine, self.codec, self.task, self.eval_set)
         try:
             return result.metrics()
         except Exception as err:  # missing samples: recorded, never a score over fewer instances

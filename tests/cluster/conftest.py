@@ -1,6 +1,6 @@
-"""A real two-node Slurm cluster on this machine, up once per test session (tools/slurm_local).
+"""A real two-node Slurm cluster on this machine, up once per test session (``tests/cluster/slurm_local.py``).
 
-MEGATHUNDER_SLURM_DIR=DIR  use the cluster in DIR (started with `tools/slurm_local/cluster.py up`);
+MEGATHUNDER_SLURM_DIR=DIR  use the cluster in DIR (started with `python -m tests.cluster.slurm_local up`);
                            it is left running if it was already up. Default: a private cluster in
                            a fresh temp dir, stopped (by PID) at the end of the session.
 MEGATHUNDER_REQUIRE_SLURM=1  fail instead of skip when Slurm cannot be installed.
@@ -11,7 +11,6 @@ reason, only when that cannot be done.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import re
 import shlex
@@ -24,12 +23,9 @@ from pathlib import Path
 
 import pytest
 
+from tests.cluster import slurm_local
+
 REPO = Path(__file__).resolve().parents[2]
-_spec = importlib.util.spec_from_file_location("slurm_local_cluster", REPO / "tools/slurm_local/cluster.py")
-slurm_local = sys.modules.get(_spec.name) or importlib.util.module_from_spec(_spec)
-if _spec.name not in sys.modules:
-    sys.modules[_spec.name] = slurm_local  # dataclasses resolve annotations through sys.modules
-    _spec.loader.exec_module(slurm_local)
 
 TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL",
             "DEADLINE", "PREEMPTED"}

@@ -9,7 +9,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from megathunder.launch.slurm_env import expand_hostlist
+from megathunder.learner.rendezvous import expand_hostlist
 from tests.cluster.conftest import run_job, slurm_local
 
 

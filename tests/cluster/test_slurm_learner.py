@@ -1,6 +1,6 @@
 """The Megatron learner under srun on two Slurm nodes: same result as one process; failures are fast.
 
-Ranks find each other from Slurm's environment only (megathunder/launch/slurm_env.py): no
+Ranks find each other from Slurm's environment only (megathunder/learner/rendezvous.py): no
 torchrun, no MASTER_ADDR exported. The two nodes share this machine's loopback interface but have
 distinct Slurm addresses (node1 127.0.0.1, node2 127.0.0.2), so the address each step meets at
 shows which node Slurm's environment pointed it to.

@@ -1,4 +1,4 @@
-"""tools/sweep.py submits a 2-point grid (sync vs thunder, DP=2) to the local cluster through the
+"""`megathunder sweep` submits a 2-point grid (sync vs thunder, DP=2) to the local cluster through the
 real launch script, follows the jobs and tabulates what each run measured."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ GRID = REPO / "tests/cluster/sweep_cpu.yaml"
 
 def test_a_two_point_grid_runs_and_produces_the_table(slurm_cluster, tmp_path):
     env = dict(slurm_cluster.client_env(), MT_PYTHON=sys.executable, PYTHONPATH=str(REPO))
-    proc = subprocess.run([sys.executable, "tools/sweep.py", str(GRID), "--out", str(tmp_path), "--timeout-s", "400",
+    proc = subprocess.run([sys.executable, "-m", "megathunder.cli", "sweep", str(GRID), "--out", str(tmp_path), "--timeout-s", "400",
                            "--poll-s", "1"], env=env, cwd=REPO, capture_output=True, text=True, timeout=450)
     print(proc.stdout, proc.stderr)
     logs = "\n".join(p.read_text(errors="replace")[-3000:] for p in (tmp_path / "logs").glob("*.out"))
@@ -48,7 +48,7 @@ def test_a_two_point_grid_runs_and_produces_the_table(slurm_cluster, tmp_path):
 
 def test_collect_rebuilds_the_table_and_marks_missing_runs(tmp_path):
     """--collect without any run: the table lists every grid point, not completed, and exits 1."""
-    proc = subprocess.run([sys.executable, "tools/sweep.py", str(GRID), "--out", str(tmp_path), "--collect"],
+    proc = subprocess.run([sys.executable, "-m", "megathunder.cli", "sweep", str(GRID), "--out", str(tmp_path), "--collect"],
                           cwd=REPO, capture_output=True, text=True, timeout=120, env=dict(os.environ))
     assert proc.returncode == 1, proc.stdout + proc.stderr
     rows = list(csv.DictReader(open(tmp_path / "sweep.csv")))

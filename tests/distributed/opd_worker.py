@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from megathunder.config import LearnerConfig, ObjectiveConfig  # noqa: E402
 from megathunder.learner.backend import run_schedule  # noqa: E402
 from megathunder.learner.learner import MegatronLearner  # noqa: E402
-from megathunder.learner.opd import MegatronSegmentModel, build_teacher  # noqa: E402
+from megathunder.learner.segment_model import MegatronSegmentModel, build_teacher  # noqa: E402
 from megathunder.learner.parallel import destroy_distributed, init_distributed  # noqa: E402
 from megathunder.objectives.opd import opd_coefficients, opd_loss, opd_normaliser  # noqa: E402
 from megathunder.streaming.opd_turns import accumulate_full_trajectory_gjsd  # noqa: E402
@@ -216,7 +216,7 @@ def reverse_kl(student_seg, teacher_seg, episodes) -> float:
 def train(args) -> None:
     """On-policy distillation: each step the student samples a batch of multi-turn episodes, the
     per-turn streamer trains on them (teacher scoring each turn on its cache), one Adam step."""
-    from megathunder.learner.opd import MegatronSegmentModel
+    from megathunder.learner.segment_model import MegatronSegmentModel
 
     cfg = LearnerConfig.model_validate({
         "model": {"hf_checkpoint": args.hf},

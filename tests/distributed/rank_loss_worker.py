@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from megathunder.trainer.service import LearnerRankLost, LearnerService  # noqa: E402
+from megathunder.learner.service import LearnerRankLost, LearnerService  # noqa: E402
 
 
 def main() -> int:

@@ -22,7 +22,7 @@ BF16_TOL = 3e-2
 def _run(layer_spec: str) -> dict[str, float]:
     from megathunder.config import LearnerConfig, ObjectiveConfig
     from megathunder.learner.learner import MegatronLearner
-    from megathunder.learner.opd import MegatronSegmentModel
+    from megathunder.learner.segment_model import MegatronSegmentModel
     from megathunder.learner.parallel import destroy_distributed, init_distributed
     from megathunder.objectives.opd import opd_normaliser
     from megathunder.streaming.opd_turns import FunctionTeacher, accumulate_full_trajectory_opd

@@ -16,7 +16,7 @@ from megathunder.config import load_config  # noqa: E402
 from megathunder.eval import evaluate, pass_at_k_over_instances  # noqa: E402
 from megathunder.eval.instances import eval_instances  # noqa: E402
 from megathunder.models.tiny_hf import save_tiny_qwen2  # noqa: E402
-from megathunder.tasks import build_task  # noqa: E402
+from megathunder.rollout.tasks import build_task  # noqa: E402
 
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 
@@ -35,16 +35,17 @@ def test_evaluate_on_vllm(tmp_path):
         "rollout.engine.max_model_len=256", "rollout.engine.kv_cache_memory_bytes=67108864",
     ])  # fmt: skip
     codec = ChatCodec(Tokenizer.from_file(str(model_dir / "tokenizer.json")))
-    insts = eval_instances(cfg, build_task(cfg.task))
+    task = build_task(cfg.task)
+    insts = eval_instances(cfg, task)
 
     async def main():
         engine = await start_engine(cfg.rollout.engine, model_dir, log_dir=tmp_path)
         try:
-            first = await evaluate(cfg, engine, codec, insts)
-            again = await evaluate(cfg, engine, codec, insts)
-            other_seed = await evaluate(cfg, engine, codec, insts, seed=cfg.eval.seed + 1)
+            first = await evaluate(cfg, engine, codec, task, insts)
+            again = await evaluate(cfg, engine, codec, task, insts)
+            other_seed = await evaluate(cfg, engine, codec, task, insts, seed=cfg.eval.seed + 1)
             await engine.update_weights(model_dir, policy_version=1)
-            pushed = await evaluate(cfg, engine, codec, insts[:1], k=1)
+            pushed = await evaluate(cfg, engine, codec, task, insts[:1], k=1)
             return first, again, other_seed, pushed
         finally:
             await engine.close()

@@ -152,7 +152,7 @@ def test_sync_schedule_is_zero_stale(sync_run):
 def test_eval_report_compares_two_schedules(base, sync_run, tmp_path):
     """Periodic held-out evaluation lands in metrics.jsonl; the comparison report turns the sync
     and thunder runs into a score-vs-GPU-hours picture and a time-to-score table."""
-    from megathunder.eval.report import build_report
+    from megathunder.eval.cost_report import build_report
 
     for run in (base, sync_run):
         evals = [x for x in rows(run) if "eval/pass@1" in x]

@@ -30,7 +30,7 @@ from megathunder.config.schema import EngineConfig  # noqa: E402
 from megathunder.models.tiny_hf import TinyModelSpec, save_tiny_qwen2  # noqa: E402
 from megathunder.rollout.engines import start_engine  # noqa: E402
 from megathunder.rollout.engines.transfer import plan_buckets  # noqa: E402
-from megathunder.rollout.engines.weights import weight_load_call  # noqa: E402
+from megathunder.rollout.engines.rpc import weight_load_call  # noqa: E402
 from megathunder.rollout.types import SamplingParams  # noqa: E402
 
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")  # vLLM's sampler compile costs 3-17 s on CPU
@@ -384,12 +384,13 @@ def test_agent_loop_on_the_real_engine_keeps_tokens_and_logprobs_aligned(runner,
                   "max_concurrent_episodes": 8},
         "rollout": {"temperature": 1.0},
     })
-    events = []
-    loop = build_agent_loop(cfg, runner.engine, ChatCodec(AutoTokenizer.from_pretrained(model_dir)),
-                            emit=events.append)
-    from megathunder.tasks import build_task
+    from megathunder.rollout.tasks import build_task
 
-    episodes = runner.run(loop.run_batch(build_task(cfg.task).instances(4, seed=0), 2, seed=1))
+    events = []
+    task = build_task(cfg.task)
+    loop = build_agent_loop(cfg, runner.engine, ChatCodec(AutoTokenizer.from_pretrained(model_dir)), task,
+                            emit=events.append)
+    episodes = runner.run(loop.run_batch(task.instances(4, seed=0), 2, seed=1))
     assert len(episodes) == 8
     hf_model.load_state_dict(runner.state)
     for ep in episodes:

@@ -12,8 +12,8 @@ import pytest
 from megathunder.rollout.chat import IM_END
 from megathunder.rollout.scripted import scripted_logprob
 from megathunder.rollout.tools import BASH, Tool
-from megathunder.tasks.base import Task, TaskInstance, tool_call_text
-from megathunder.tasks.swe_local import TEST_COMMAND, SweLocalTask
+from megathunder.rollout.tasks.task import Task, TaskInstance, tool_call_text
+from megathunder.rollout.tasks.swe_local import TEST_COMMAND, SweLocalTask
 from tests.rollout_helpers import codec, needs_root, run_scripted
 
 pytestmark = needs_root
@@ -280,7 +280,7 @@ def test_build_from_config_and_seeds_per_batch():
     from megathunder.config import load_config
     from megathunder.rollout.agent_loop import build_agent_loop
     from megathunder.rollout.scripted import ScriptedPolicy
-    from megathunder.tasks import build_task
+    from megathunder.rollout.tasks import build_task
 
     cfg = load_config(None, ["task.name=calculator", "rollout.temperature=0.7"])
     insts = build_task(cfg.task).instances(2, seed=0)
@@ -295,7 +295,7 @@ def test_build_from_config_and_seeds_per_batch():
         return await generate(ids, params)
 
     policy.generate = recording
-    loop = build_agent_loop(cfg, policy, c)
+    loop = build_agent_loop(cfg, policy, c, task)
     eps = asyncio.run(loop.run_batch(insts, 2, seed=1))
     assert [e.reward.reward for e in eps] == [1.0] * 4
     assert all(t == 0.7 and stop == (c.im_end_id,) for _, t, stop in seen)

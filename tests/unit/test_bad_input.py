@@ -18,8 +18,8 @@ from hypothesis import strategies as st
 from pydantic import BaseModel
 
 from megathunder.config import Config, ConfigError, load_config, parse_overrides
-from megathunder.tasks.base import TaskInstance
-from megathunder.tasks.datasets import (
+from megathunder.rollout.tasks.task import TaskInstance
+from megathunder.rollout.tasks.datasets import (
     DatasetError,
     load_swe_bench,
     load_swe_smith,

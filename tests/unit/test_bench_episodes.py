@@ -8,7 +8,7 @@ from megathunder.cli import BENCHMARKS, main
 
 
 def test_bench_episodes_prints_figures(capsys):
-    assert BENCHMARKS["episodes"] == "megathunder.bench.episodes"
+    assert BENCHMARKS["episodes"] == "megathunder.bench.episode_timing"
     argv = ["bench", "episodes", "--tasks", "arithmetic,calculator", "--num-instances", "2",
             "--samples-per-prompt", "2", "--seconds-per-token", "0.0005"]  # fmt: skip
     assert main(argv) == 0

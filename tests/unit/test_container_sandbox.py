@@ -153,8 +153,8 @@ def test_dataset_instance_episode_through_the_container_backend(tmp_path):
     from megathunder.rollout.agent_loop import AgentLoop
     from megathunder.rollout.scripted import ScriptedPolicy
     from megathunder.rollout.verifiers import VerifierPool
-    from megathunder.tasks.base import tool_call_text
-    from megathunder.tasks.datasets import ContainerTestTask, load_swe_smith
+    from megathunder.rollout.tasks.task import tool_call_text
+    from megathunder.rollout.tasks.datasets import ContainerTestTask, load_swe_smith
     from tests.rollout_helpers import codec
 
     testbed = tmp_path / "testbed"  # what the image holds at its work dir

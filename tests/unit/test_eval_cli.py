@@ -11,8 +11,8 @@ import pytest
 from megathunder import cli
 from megathunder.config import load_config
 from megathunder.eval.instances import eval_instances
-from megathunder.rollout.local_tokenizer import train_local_chatml_tokenizer
-from megathunder.tasks import build_task
+from megathunder.models.local_tokenizer import train_local_chatml_tokenizer
+from megathunder.rollout.tasks import build_task
 from tests.unit.test_eval_evaluate import CannedPolicy
 
 OVERRIDES = ["eval.k=2", "eval.num_instances=3", "eval.seed=11", "agent.max_total_tokens=512",

@@ -13,18 +13,13 @@ import pytest
 
 from megathunder.config import AgentLoopConfig, Config, TaskConfig, VerifierConfig
 from megathunder.config.schema import EvalConfig
-from megathunder.eval import (
-    EvalInputError,
-    MissingSamplesError,
-    draw_instances,
-    evaluate,
-    is_held_out,
-)
+from megathunder.eval import MissingSamplesError, evaluate
 from megathunder.eval.instances import eval_instances
 from megathunder.rollout.chat import IM_START
 from megathunder.rollout.scripted import ScriptedPolicy
-from megathunder.tasks import build_task
-from megathunder.tasks.arithmetic import ArithmeticTask
+from megathunder.rollout.tasks import build_task
+from megathunder.rollout.tasks.arithmetic import ArithmeticTask
+from megathunder.rollout.tasks.split import InstanceDrawError, draw_instances, is_held_out, training_instances
 from tests.rollout_helpers import codec, needs_root
 
 ENGINE_CRASH = "<engine crash>"
@@ -72,7 +67,7 @@ PASSES = [[False] * 4, [True, False, False, False], [True, False, True, False], 
 
 def _run(cfg, answers, insts, **kw):
     policy = CannedPolicy(codec(), answers)
-    return asyncio.run(evaluate(cfg, policy, policy.codec, insts, **kw))
+    return asyncio.run(evaluate(cfg, policy, policy.codec, build_task(cfg.task), insts, **kw))
 
 
 def test_expected_pass_at_k_on_canned_completions():
@@ -120,9 +115,9 @@ class _CrashingArithmetic(ArithmeticTask):
     ids=["zero_reward", "drop_group", "failure_reward_1"],
 )
 def test_crashing_verifier_is_a_recorded_failure_never_a_dropped_instance(monkeypatch, verifier):
-    import megathunder.tasks
+    import megathunder.rollout.tasks
 
-    monkeypatch.setattr(megathunder.tasks, "build_task", lambda cfg: _CrashingArithmetic())
+    monkeypatch.setattr(megathunder.rollout.tasks, "build_task", lambda cfg: _CrashingArithmetic())
     cfg = _cfg(verifier=verifier)
     insts = eval_instances(cfg, ArithmeticTask())
     # instance 3 would pass 4/4, but one verifier crashes on a correct-looking answer
@@ -185,7 +180,7 @@ def test_held_out_split_is_disjoint_from_training_by_content():
 
 
 def test_trainer_helpers_keep_the_split():
-    from megathunder.eval import eval_due, training_instances
+    from megathunder.eval import eval_due
 
     cfg = _cfg()
     cfg.eval.num_instances = 30
@@ -202,7 +197,7 @@ def test_trainer_helpers_keep_the_split():
 
 def test_too_few_distinct_instances_is_an_error():
     tiny = ArithmeticTask(max_operand=1)  # 8 distinct problems
-    with pytest.raises(EvalInputError, match="only 8 distinct instances"):
+    with pytest.raises(InstanceDrawError, match="only 8 distinct instances"):
         draw_instances(tiny, 9, seed=0, held_out=None)
     assert len(draw_instances(tiny, 8, seed=0, held_out=None)) == 8
 
@@ -241,7 +236,7 @@ def test_swe_local_through_sandboxes_counts_tool_cost():
     # instance 0: the correct script; instance 1: gives up after running the tests
     scripts = {insts[0].prompt: task.scripted_turns(insts[0]),
                insts[1].prompt: [task.scripted_turns(insts[1])[1], "I give up."]}  # fmt: skip
-    result = asyncio.run(evaluate(cfg, ScriptedPolicy(c, scripts), c, insts))
+    result = asyncio.run(evaluate(cfg, ScriptedPolicy(c, scripts), c, task, insts))
     assert [i.num_correct for i in result.instances] == [2, 0]
     assert result.pass_at(1) == (0.5, 0.5) and result.num_failed == 0
     cost = result.cost()

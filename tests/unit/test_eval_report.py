@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from megathunder import cli
-from megathunder.eval.report import ReportError, build_report, load_run
+from megathunder.eval.cost_report import ReportError, build_report, load_run
 
 SYNC_SCORES = {2: 0.10, 4: 0.25, 6: 0.20, 8: 0.40, 10: 0.55}  # not monotone: 0.20 after 0.25
 

@@ -11,7 +11,7 @@ import torch
 from megathunder import synthetic as syn
 from megathunder.config import LedgerConfig, ObjectiveConfig
 from megathunder.objectives import num_loss_tokens
-from megathunder.reference import reference_gradient
+from megathunder.streaming.reference import reference_gradient
 from megathunder.streaming import GradientLedger, TorchBackend
 from tests.helpers import VOCAB, MAX_LEN, make_case, rel_err, small_model, streamed_gradient
 

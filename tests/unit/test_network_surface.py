@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from megathunder.rollout.engines.weights import weight_load_call
+from megathunder.rollout.engines.rpc import weight_load_call
 
 PACKAGE = Path(__file__).resolve().parents[2] / "megathunder"
 BANNED_MODULES = {"pickle", "cPickle", "_pickle", "cloudpickle", "dill", "marshal", "shelve", "joblib"}

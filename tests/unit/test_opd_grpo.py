@@ -12,7 +12,7 @@ from megathunder import synthetic as syn
 from megathunder.config import LedgerConfig, ObjectiveConfig
 from megathunder.objectives import LossSpec, trajectory_loss
 from megathunder.objectives.opd import opd_coefficients, opd_loss
-from megathunder.reference import batch_advantages
+from megathunder.streaming.reference import batch_advantages
 from megathunder.streaming import TorchBackend
 from megathunder.streaming.opd_grpo import OPDWithRewards
 from megathunder.streaming.opd_turns import FunctionTeacher, TorchSegmentModel, _logp_of

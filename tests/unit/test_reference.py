@@ -7,7 +7,7 @@ import torch
 
 from megathunder.config import ObjectiveConfig
 from megathunder.objectives import LossSpec, token_logprobs_and_entropy, trajectory_loss
-from megathunder.reference import batch_advantages, batch_loss, reference_gradient
+from megathunder.streaming.reference import batch_advantages, batch_loss, reference_gradient
 from tests.helpers import make_case, rel_err, small_model
 
 

@@ -11,7 +11,7 @@ from megathunder.config import ConfigError, load_config
 from megathunder.config.schema import EngineConfig
 from megathunder.rollout.engines.balancer import LeastOutstandingBalancer
 from megathunder.rollout.engines.server import server_command
-from megathunder.rollout.engines.weights import encode_tensors, weight_load_call
+from megathunder.rollout.engines.rpc import encode_tensors, weight_load_call
 
 
 def test_engine_config_defaults_and_overrides(tmp_path):
@@ -57,7 +57,7 @@ def test_server_command_binds_loopback_and_maps_fields():
     assert "--dtype float32" in joined and "--max-model-len 512" in joined
     assert "--enforce-eager" in joined and "--kv-cache-memory-bytes 268435456" in joined
     assert "--no-enable-prefix-caching" in joined and "--max-num-seqs 64" in joined
-    assert "--worker-extension-cls megathunder.rollout.engines.weights.MegathunderWorkerExtension" in joined
+    assert "--worker-extension-cls megathunder.rollout.engines.worker_extension.MegathunderWorkerExtension" in joined
     assert "--enable-scale-out" in cmd  # the tokens-in/tokens-out endpoint
 
 

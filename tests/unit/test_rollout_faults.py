@@ -15,7 +15,7 @@ from megathunder.rollout.agent_loop import AgentLoop
 from megathunder.rollout.scripted import ScriptedPolicy
 from megathunder.rollout.types import Completion
 from megathunder.rollout.verifiers import VerifierPool
-from megathunder.tasks.base import Task, TaskInstance, tool_call_text
+from megathunder.rollout.tasks.task import Task, TaskInstance, tool_call_text
 from tests.rollout_helpers import codec
 
 
@@ -373,7 +373,7 @@ def test_evaluation_counts_a_failed_episode_as_missing():
     scored one (and not a crash of the evaluation)."""
     from megathunder.config import load_config
     from megathunder.eval import evaluate
-    from megathunder.tasks import build_task
+    from megathunder.rollout.tasks import build_task
 
     cfg = load_config(None, ["task.name=arithmetic"])
     task = build_task(cfg.task)
@@ -386,7 +386,7 @@ def test_evaluation_counts_a_failed_episode_as_missing():
         return out
 
     engine = _FaultyEngine(c, {i.prompt: task.scripted_turns(i) for i in insts}, corrupt)
-    result = asyncio.run(evaluate(cfg, engine, c, insts, k=2, temperature=1.0))
+    result = asyncio.run(evaluate(cfg, engine, c, task, insts, k=2, temperature=1.0))
     first, second = result.instances
     assert [s.status for s in first.samples] == ["episode_error"] * 2
     assert all(s.reward is None and "nonfinite_logprob" in s.detail for s in first.samples)

@@ -10,7 +10,7 @@ import pytest
 
 from megathunder.config import LedgerConfig, ObjectiveConfig
 from megathunder.simulate import metrics
-from megathunder.simulate.learner import (
+from megathunder.simulate.learner_model import (
     burst_s,
     ledger_ready_times,
     stream,
@@ -18,8 +18,8 @@ from megathunder.simulate.learner import (
     update_tail_s,
 )
 from megathunder.simulate.profile import Profile
-from megathunder.simulate.rollout import RolloutCluster
-from megathunder.simulate.schedules import (
+from megathunder.simulate.rollout_model import RolloutCluster
+from megathunder.simulate.schedule_model import (
     run_async,
     run_fully_async,
     run_sync,

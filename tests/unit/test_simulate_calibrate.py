@@ -16,7 +16,7 @@ import yaml
 from megathunder.cli import main
 from megathunder.config.loader import ConfigError
 from megathunder.simulate.calibrate import calibrate, fit
-from megathunder.simulate.rollout import RolloutCluster
+from megathunder.simulate.rollout_model import RolloutCluster
 from megathunder.simulate.run_dir import load_run
 from megathunder.simulate.workload import Batch
 from megathunder.trainer.timeline import write_trace

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from megathunder.launch import slurm_env
-from megathunder.launch.slurm_env import (
+from megathunder.learner import slurm_env
+from megathunder.learner.rendezvous import (
     LaunchError,
     Rendezvous,
     check_world,

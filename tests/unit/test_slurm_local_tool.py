@@ -1,19 +1,10 @@
-"""tools/slurm_local/cluster.py without starting anything: its slurm.conf and when it gives up."""
+"""tests/cluster/slurm_local.py without starting anything: its slurm.conf and when it gives up."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 
-_path = Path(__file__).resolve().parents[2] / "tools/slurm_local/cluster.py"
-_spec = importlib.util.spec_from_file_location("slurm_local_cluster", _path)
-slurm_local = sys.modules.get(_spec.name) or importlib.util.module_from_spec(_spec)
-if _spec.name not in sys.modules:
-    sys.modules[_spec.name] = slurm_local
-    _spec.loader.exec_module(slurm_local)
+from tests.cluster import slurm_local
 
 
 def test_slurm_conf_two_nodes_on_loopback_with_distinct_ports(tmp_path):

@@ -30,7 +30,7 @@ from megathunder.rollout.scripted import ScriptedPolicy
 from megathunder.rollout.tools import BASH, Tool
 from megathunder.rollout.types import Completion
 from megathunder.rollout.verifiers import VerifierPool, in_subprocess
-from megathunder.tasks.base import Task, TaskInstance, tool_call_text
+from megathunder.rollout.tasks.task import Task, TaskInstance, tool_call_text
 from tests.rollout_helpers import codec, sandbox_cfg
 from tests.verifier_fns import blocking_reward
 

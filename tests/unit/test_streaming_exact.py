@@ -10,7 +10,7 @@ import torch
 
 from megathunder import synthetic as syn
 from megathunder.config import LedgerConfig, ObjectiveConfig
-from megathunder.reference import reference_gradient
+from megathunder.streaming.reference import reference_gradient
 from tests.helpers import make_case, rel_err, small_model, streamed_gradient
 
 ADVANTAGES = ["grpo", "dr_grpo", "rloo", "batch_std"]

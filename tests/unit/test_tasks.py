@@ -8,9 +8,9 @@ import pytest
 
 from megathunder.config import TaskConfig
 from megathunder.rollout.tools import safe_eval
-from megathunder.tasks import build_task
-from megathunder.tasks.base import tool_call_text
-from megathunder.tasks.datasets import (
+from megathunder.rollout.tasks import build_task
+from megathunder.rollout.tasks.task import tool_call_text
+from megathunder.rollout.tasks.datasets import (
     DatasetError,
     load_swe_bench,
     load_swe_smith,

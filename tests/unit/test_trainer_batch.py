@@ -9,9 +9,9 @@ import torch
 
 from megathunder import synthetic as syn
 from megathunder.config import LedgerConfig, ObjectiveConfig
-from megathunder.reference import reference_gradient
+from megathunder.streaming.reference import reference_gradient
 from megathunder.streaming import GradientLedger, LedgerError, TorchBackend
-from megathunder.trainer.batch import TokenBalancer
+from megathunder.learner.batches import TokenBalancer
 from tests.helpers import make_case, rel_err, small_model
 
 

@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from megathunder.config import EngineConfig
 
-from megathunder.rollout.engines.weights import EXTENSION_CLS
-
-if TYPE_CHECKING:
-    from megathunder.config.schema import EngineConfig
+EXTENSION_CLS = "megathunder.rollout.engines.worker_extension.MegathunderWorkerExtension"
+"""Passed to vLLM as ``worker_extension_cls`` (``--worker-extension-cls`` for servers)."""
 
 
 def single_version(spans, num_tokens: int, request_id: str) -> int:

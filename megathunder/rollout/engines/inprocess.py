@@ -14,8 +14,8 @@ from collections.abc import Hashable, Sequence
 from typing import TYPE_CHECKING
 
 from megathunder.rollout.engines.common import engine_kwargs, finish_reason, single_version
-from megathunder.rollout.engines.transfer import WeightSender, open_sender
-from megathunder.rollout.engines.weights import WeightLoadCall, weight_loader
+from megathunder.rollout.engines.rpc import WeightLoadCall
+from megathunder.rollout.engines.transfer import WeightSender, open_sender, weight_loader
 from megathunder.rollout.types import Completion, SamplingParams, WeightSource
 
 if TYPE_CHECKING:

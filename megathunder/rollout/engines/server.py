@@ -44,8 +44,8 @@ from typing import TYPE_CHECKING
 from megathunder.rollout.engines.auth import MIDDLEWARE, read_api_key
 from megathunder.rollout.engines.balancer import LeastOutstandingBalancer, NoLiveServerError
 from megathunder.rollout.engines.common import engine_kwargs, finish_reason, single_version
-from megathunder.rollout.engines.transfer import WeightSender, open_sender
-from megathunder.rollout.engines.weights import WeightLoadCall, weight_loader
+from megathunder.rollout.engines.rpc import WeightLoadCall
+from megathunder.rollout.engines.transfer import WeightSender, open_sender, weight_loader
 from megathunder.rollout.types import Completion, SamplingParams, WeightSource
 
 HEALTH_TIMEOUT_S = 5.0  # a server whose /health does not answer in this time counts as dead

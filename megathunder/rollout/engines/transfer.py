@@ -28,18 +28,21 @@ counterpart to test it on CPU.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import math
+import os
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
+from torch.distributed import TCPStore
 
-if TYPE_CHECKING:
-    from megathunder.config.schema import EngineConfig
-    from megathunder.rollout.engines.weights import WeightLoadCall
+from megathunder.config import EngineConfig
+from megathunder.rollout.engines.rpc import Rpc, WeightLoadCall, weight_load_call
+from megathunder.rollout.types import WeightSource
 
 TIMEOUT = timedelta(minutes=10)
 """How long a rendezvous or a broadcast waits for the other ranks."""
@@ -199,11 +202,6 @@ def receive(group: TransferGroup, plan: Iterable[Bucket]) -> Iterator[tuple[str,
 # ---------------------------------------------------------------------- rank 0
 
 
-Rpc = Callable[["WeightLoadCall"], Awaitable[list]]
-"""Runs one ``collective_rpc`` call on every worker of one engine (``open``) or of all (the rest);
-returns the workers' results."""
-
-
 class WeightSender:
     """Rank 0 of the transfer group, held by the engine in the learner's rank-0 process."""
 
@@ -214,10 +212,6 @@ class WeightSender:
     async def open(cls, host: str, backend: str, engines: Sequence[Rpc], bucket_bytes: int) -> WeightSender:
         """Serve the store on a free port; every worker of engine i joins as rank 1 + (workers of
         engines before i) + its rank in its engine; join as rank 0."""
-        from torch.distributed import TCPStore
-
-        from megathunder.rollout.engines.weights import WeightLoadCall
-
         check_backend(backend)
         offsets, world_size = [], 1
         for rpc in engines:
@@ -239,8 +233,6 @@ class WeightSender:
 
     async def push(self, named_tensors: Iterable[tuple[str, torch.Tensor]], rpc: Rpc) -> Any:
         """Plan to the workers by RPC, bytes by broadcast, concurrently; returns the RPC's result."""
-        from megathunder.rollout.engines.weights import WeightLoadCall
-
         named = list(named_tensors)
         if not named:
             raise ValueError("no tensors to load")
@@ -260,8 +252,6 @@ class WeightSender:
             self.group.broadcast(pack(bucket, tensors, self.group.device))
 
     async def close(self, rpc: Rpc) -> None:
-        from megathunder.rollout.engines.weights import WeightLoadCall
-
         try:
             await rpc(WeightLoadCall("megathunder_transfer_close"))
         finally:
@@ -274,3 +264,13 @@ async def open_sender(cfg: EngineConfig, engines: Sequence[Rpc]) -> WeightSender
         return None
     return await WeightSender.open(cfg.weight_transfer_host, cfg.weight_transfer_backend, engines,
                                    int(cfg.bucket_mb * 2**20))
+
+
+def weight_loader(weights: WeightSource, sender: WeightSender | None) -> Callable[[Rpc], Awaitable[Any]]:
+    """The load step of ``update_weights``, given the engine's RPC: in-memory tensors over the
+    transfer group when the engine has one, everything else by ``collective_rpc``. Made before
+    the engine pauses, so that a bad source fails with the engine still serving."""
+    if sender is not None and not isinstance(weights, str | os.PathLike):
+        return functools.partial(sender.push, weights)
+    call = weight_load_call(weights)
+    return lambda rpc: rpc(call)

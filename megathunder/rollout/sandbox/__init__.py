@@ -5,7 +5,7 @@
 
 from __future__ import annotations
 
-from megathunder.rollout.sandbox.base import ExecResult, Sandbox, SandboxError
+from megathunder.rollout.sandbox.core import ExecResult, Sandbox, SandboxError
 from megathunder.rollout.sandbox.container import ContainerSandbox
 from megathunder.rollout.sandbox.local import LocalSandbox
 

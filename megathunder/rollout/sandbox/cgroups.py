@@ -16,7 +16,7 @@ import itertools
 import logging
 import os
 
-from megathunder.rollout.sandbox.base import SandboxError
+from megathunder.rollout.sandbox.core import SandboxError
 
 log = logging.getLogger(__name__)
 _ROOT = "/sys/fs/cgroup"

@@ -21,7 +21,7 @@ import shutil
 import uuid
 from collections.abc import Sequence
 
-from megathunder.rollout.sandbox.base import ExecResult, Sandbox, SandboxError, run_process
+from megathunder.rollout.sandbox.core import ExecResult, Sandbox, SandboxError, run_process
 
 
 def _limited(cfg, argv: Sequence[str], wall_s: float) -> list[str]:

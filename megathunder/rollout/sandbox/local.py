@@ -31,7 +31,7 @@ import stat
 import tempfile
 from collections.abc import Sequence
 
-from megathunder.rollout.sandbox.base import ExecResult, Sandbox, SandboxError, run_process
+from megathunder.rollout.sandbox.core import ExecResult, Sandbox, SandboxError, run_process
 from megathunder.rollout.sandbox.cgroups import create_cgroup
 
 _SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib64", "/lib32", "/etc")

@@ -1,9 +1,8 @@
-#!/usr/bin/env python3
 """Submit a grid of training runs to Slurm, follow them, and tabulate their throughput.
 
-    python tools/sweep.py GRID.yaml --out DIR            # submit, wait, write the table and plot
-    python tools/sweep.py GRID.yaml --out DIR --dry-run  # print the sbatch lines only
-    python tools/sweep.py GRID.yaml --out DIR --collect  # table and plot from finished runs only
+    megathunder sweep GRID.yaml --out DIR            # submit, wait, write the table and plot
+    megathunder sweep GRID.yaml --out DIR --dry-run  # print the sbatch lines only
+    megathunder sweep GRID.yaml --out DIR --collect  # table and plot from finished runs only
 
 The grid (YAML) names a launch script, its environment and sbatch arguments, a base config, and
 axes; every combination of one point per axis is one job (e.g. model size x TP/PP/DP x schedule):
@@ -263,15 +262,16 @@ def plot(table: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="tools/sweep.py", description=__doc__.split("\n\n")[0])
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("grid", help="grid YAML")
     p.add_argument("--out", required=True, help="sweep directory (runs/, logs/, sweep.csv/.md/.png, jobs.json)")
     p.add_argument("--dry-run", action="store_true", help="print the sbatch command lines only")
     p.add_argument("--collect", action="store_true", help="no submission: tabulate the runs in --out")
     p.add_argument("--timeout-s", type=float, default=3600)
     p.add_argument("--poll-s", type=float, default=2.0)
-    args = p.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> int:
     grid = yaml.safe_load(Path(args.grid).read_text())
     for key in ("script", "config"):
         if key not in grid:
@@ -300,6 +300,3 @@ def main(argv=None) -> int:
         print(f"sweep: not completed: {', '.join(failed)} (logs in {out / 'logs'})", file=sys.stderr)
     return 1 if failed else 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -34,10 +34,10 @@ def _quantiles(xs: list[float]) -> dict[str, float]:
 async def _run_task(name: str, args, sandbox_cfg: SandboxConfig) -> dict:
     from megathunder.rollout.agent_loop import AgentLoop
     from megathunder.rollout.chat import ChatCodec
-    from megathunder.rollout.local_tokenizer import train_local_chatml_tokenizer
+    from megathunder.models.local_tokenizer import train_local_chatml_tokenizer
     from megathunder.rollout.scripted import ScriptedPolicy
     from megathunder.rollout.verifiers import VerifierPool
-    from megathunder.tasks import build_task
+    from megathunder.rollout.tasks import build_task
 
     codec = ChatCodec(train_local_chatml_tokenizer())
     task = build_task(TaskConfig(name=name))

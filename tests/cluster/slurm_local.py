@@ -1,11 +1,11 @@
 #!/usr/bin/env python3
 """A real Slurm cluster of two nodes on this one machine, for tests and for trying launch scripts.
 
-    python tools/slurm_local/cluster.py up       # install if missing, start, wait until idle
-    python tools/slurm_local/cluster.py env      # print `export SLURM_CONF=...` for a shell
-    python tools/slurm_local/cluster.py status   # daemons, their PIDs, `sinfo`
-    python tools/slurm_local/cluster.py down     # cancel jobs, stop the daemons by PID
-    python tools/slurm_local/cluster.py up --dry-run   # print slurm.conf and the commands only
+    python -m tests.cluster.slurm_local up       # install if missing, start, wait until idle
+    python -m tests.cluster.slurm_local env      # print `export SLURM_CONF=...` for a shell
+    python -m tests.cluster.slurm_local status   # daemons, their PIDs, `sinfo`
+    python -m tests.cluster.slurm_local down     # cancel jobs, stop the daemons by PID
+    python -m tests.cluster.slurm_local up --dry-run   # print slurm.conf and the commands only
 
 Environment (all optional):
     MEGATHUNDER_SLURM_DIR        run directory: config, munge key and socket, state, spool, logs,
@@ -22,7 +22,7 @@ command line still names this run directory before signalling it). ``up`` is ide
 daemons recorded in the run directory are alive and ``sinfo`` answers, it returns at once.
 
 Debian 12 ships Slurm 22.05: ``apt-get install slurmctld slurmd slurm-client munge`` (~20-40 s).
-The recipe's facts are in ../shared/FEASIBILITY.md (Slurm section). Standard library only.
+Standard library only.
 """
 
 from __future__ import annotations
@@ -168,7 +168,7 @@ class LocalSlurm:
         d = self.run_dir
         short_host = socket.gethostname().split(".")[0]
         lines = [
-            "# Written by tools/slurm_local/cluster.py: a two-node cluster on one machine.",
+            "# Written by tests/cluster/slurm_local.py: a two-node cluster on one machine.",
             "ClusterName=megathunder-local",
             f"SlurmctldHost={short_host}(127.0.0.1)",
             f"SlurmctldPort={ctld_port}",

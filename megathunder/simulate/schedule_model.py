@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from megathunder.simulate.learner import (
+from megathunder.simulate.learner_model import (
     BACKWARD_SHARE,
     Burst,
     ledger_ready_times,
@@ -32,7 +32,7 @@ from megathunder.simulate.learner import (
     update_tail_s,
 )
 from megathunder.simulate.profile import Profile
-from megathunder.simulate.rollout import Interval, RolloutCluster
+from megathunder.simulate.rollout_model import Interval, RolloutCluster
 from megathunder.simulate.workload import Batch, sample_batch
 
 SCHEDULES = ("sync", "async", "fully_async", "thunder")

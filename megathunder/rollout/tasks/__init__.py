@@ -3,17 +3,17 @@
 
 from __future__ import annotations
 
-from megathunder.tasks.base import Task, TaskInstance
+from megathunder.config import TaskConfig
+from megathunder.rollout.tasks import datasets
+from megathunder.rollout.tasks.arithmetic import ArithmeticTask
+from megathunder.rollout.tasks.calculator import CalculatorTask
+from megathunder.rollout.tasks.swe_local import SweLocalTask
+from megathunder.rollout.tasks.task import Task, TaskInstance
+from megathunder.rollout.tasks.terminal import TerminalTask
 
 
-def build_task(cfg) -> Task:
-    """``cfg`` is a :class:`megathunder.config.TaskConfig`."""
-    from megathunder.tasks import datasets
-    from megathunder.tasks.arithmetic import ArithmeticTask
-    from megathunder.tasks.calculator import CalculatorTask
-    from megathunder.tasks.swe_local import SweLocalTask
-    from megathunder.tasks.terminal import TerminalTask
-
+def build_task(cfg: TaskConfig) -> Task:
+    """The task a run's ``task`` section names (build it once per run)."""
     if cfg.name == "arithmetic":
         return ArithmeticTask(cfg.max_operand)
     if cfg.name == "calculator":

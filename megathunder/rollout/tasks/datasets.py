@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from megathunder.rollout.tools import BASH, READ_FILE, STR_REPLACE, WRITE_FILE
-from megathunder.tasks.base import Task, TaskInstance
+from megathunder.rollout.tasks.task import Task, TaskInstance
 
 
 class DatasetError(ValueError):

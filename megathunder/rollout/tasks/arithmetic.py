@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import random
 
-from megathunder.tasks.base import Task, TaskInstance, last_number
+from megathunder.rollout.tasks.task import Task, TaskInstance, last_number
 
 
 class ArithmeticTask(Task):

@@ -26,7 +26,7 @@ from __future__ import annotations
 import numpy as np
 
 from megathunder.simulate.profile import Profile
-from megathunder.simulate.schedules import Trace
+from megathunder.simulate.schedule_model import Trace
 
 PUBLISHED_SYNC_IDLE_SHARE = 0.495  # seed paper: learners idle 49.5% of a synchronous GRPO step
 PUBLISHED_STEPS = (15, 8)  # seed paper: 15 thunder steps in the GPU-hours sync needs for 8

@@ -6,7 +6,7 @@ from __future__ import annotations
 import random
 
 from megathunder.rollout.tools import CALCULATOR
-from megathunder.tasks.base import Task, TaskInstance, last_number, tool_call_text
+from megathunder.rollout.tasks.task import Task, TaskInstance, last_number, tool_call_text
 
 
 class CalculatorTask(Task):

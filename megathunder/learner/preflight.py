@@ -1,6 +1,6 @@
 """The learner's health check before training: the ranks form their world and it is the expected one.
 
-    srun ... python -m megathunder.launch.preflight CONFIG [k=v ...] --expect-world N
+    srun ... python -m megathunder.learner.preflight CONFIG [k=v ...] --expect-world N
 
 Every rank bootstraps from Slurm's environment exactly as ``megathunder train`` does
 (``init_distributed``: rendezvous, TP x PP x DP checked against the world, Megatron's groups), then
@@ -17,7 +17,7 @@ import sys
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m megathunder.launch.preflight")
+    parser = argparse.ArgumentParser(prog="python -m megathunder.learner.preflight")
     parser.add_argument("config")
     parser.add_argument("overrides", nargs="*")
     parser.add_argument("--expect-world", type=int, required=True)

@@ -10,7 +10,7 @@ import numpy as np
 
 from megathunder.simulate import metrics
 from megathunder.simulate.profile import Profile
-from megathunder.simulate.schedules import Trace, run_sync, run_thunder, sample_batches
+from megathunder.simulate.schedule_model import Trace, run_sync, run_thunder, sample_batches
 
 COLORS = {"decode": "#4C72B0", "train": "#DD8452", "update": "#C44E52", "weight_sync": "#8C8C8C"}
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import random
 
 from megathunder.rollout.tools import BASH
-from megathunder.tasks.base import Task, TaskInstance, tool_call_text
+from megathunder.rollout.tasks.task import Task, TaskInstance, tool_call_text
 
 
 def _count_errors(rng: random.Random) -> tuple[str, dict, str, str, str]:

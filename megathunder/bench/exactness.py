@@ -23,9 +23,9 @@ from tqdm import tqdm
 from megathunder.config import Config
 from megathunder.models.torch_decoder import TorchDecoder, build_torch_decoder
 from megathunder.objectives import token_logprobs_and_entropy
-from megathunder.reference import reference_gradient
+from megathunder.streaming.reference import reference_gradient
 from megathunder.streaming import GradientLedger, TorchBackend
-from megathunder.synthetic import group_plan
+from megathunder.streaming.synthetic import group_plan
 from megathunder.trajectory import Trajectory
 
 EOS = 0

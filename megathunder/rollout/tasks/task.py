@@ -9,17 +9,16 @@ for an instance, used by the scripted test/benchmark policy; it is not part of t
 from __future__ import annotations
 
 import abc
+import json
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from megathunder.rollout.chat import tools_system_prompt
-
-if TYPE_CHECKING:
-    from megathunder.rollout.agent_loop import Episode
-    from megathunder.rollout.sandbox import Sandbox
-    from megathunder.rollout.tools import Tool
+from megathunder.rollout.episode import Episode
+from megathunder.rollout.sandbox import Sandbox
+from megathunder.rollout.tools import Tool
 
 
 @dataclass(frozen=True)
@@ -66,8 +65,6 @@ class Task(abc.ABC):
 
 
 def tool_call_text(name: str, **arguments: str) -> str:
-    import json
-
     return f"<tool_call>\n{json.dumps({'name': name, 'arguments': arguments})}\n</tool_call>"
 
 

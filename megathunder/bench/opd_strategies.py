@@ -78,7 +78,7 @@ def _torch_student(args, max_len):
 def _megatron_student(args, max_len):
     """The Megatron learner (one process, past-K/V attention layer spec); gradients in DDP's buffers."""
     from megathunder.config import LearnerConfig
-    from megathunder.learner.opd import MegatronSegmentModel
+    from megathunder.learner.segment_model import MegatronSegmentModel
     from megathunder.learner.parallel import destroy_distributed, init_distributed
 
     import os

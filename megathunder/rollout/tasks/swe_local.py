@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from textwrap import dedent
 
 from megathunder.rollout.tools import BASH, READ_FILE, STR_REPLACE, WRITE_FILE
-from megathunder.tasks.base import Task, TaskInstance, tool_call_text
+from megathunder.rollout.tasks.task import Task, TaskInstance, tool_call_text
 
 TEST_COMMAND = "python3 -m unittest discover -s tests -t . -q"
 

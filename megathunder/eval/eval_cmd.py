@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 from megathunder.eval.instances import EvalInputError
+from megathunder.rollout.tasks.split import InstanceDrawError
 
 
 def check_checkpoint(path: str | Path) -> Path:
@@ -76,7 +77,7 @@ def _log_wandb(cfg, result, out_dir: Path) -> str | None:
     return str(getattr(run, "dir", out_dir))
 
 
-async def _run_engine(cfg, checkpoint: Path, instances):
+async def _run_engine(cfg, checkpoint: Path, task, instances):
     from tokenizers import Tokenizer
 
     from megathunder.eval.evaluate import evaluate
@@ -86,7 +87,7 @@ async def _run_engine(cfg, checkpoint: Path, instances):
     codec = ChatCodec(Tokenizer.from_file(str(checkpoint / "tokenizer.json")))
     engine = await engines.start_engine(cfg.rollout.engine, checkpoint, log_dir=cfg.run.output_dir)
     try:
-        return await evaluate(cfg, engine, codec, instances, progress=True)
+        return await evaluate(cfg, engine, codec, task, instances, progress=True)
     finally:
         await engine.close()
 
@@ -94,18 +95,19 @@ async def _run_engine(cfg, checkpoint: Path, instances):
 def run(args) -> int:
     from megathunder.config import load_config
     from megathunder.eval.instances import eval_instances
-    from megathunder.tasks import build_task
-    from megathunder.tasks.datasets import DatasetError
+    from megathunder.rollout.tasks import build_task
+    from megathunder.rollout.tasks.datasets import DatasetError
 
     cfg = load_config(args.config, args.overrides)
     try:
         checkpoint = check_checkpoint(args.checkpoint)
-        instances = eval_instances(cfg, build_task(cfg.task))
-    except (EvalInputError, DatasetError) as err:
+        task = build_task(cfg.task)
+        instances = eval_instances(cfg, task)
+    except (EvalInputError, InstanceDrawError, DatasetError) as err:
         print(f"megathunder eval: {err}", file=sys.stderr)
         return 2
 
-    result = asyncio.run(_run_engine(cfg, checkpoint, instances))
+    result = asyncio.run(_run_engine(cfg, checkpoint, task, instances))
 
     out_path = Path(args.out or cfg.eval.output_path or Path(cfg.run.output_dir) / "eval.json")
     out_path.parent.mkdir(parents=True, exist_ok=True)

@@ -15,7 +15,7 @@ from megathunder.simulate import report
 from megathunder.simulate.calibrate import calibrate
 from megathunder.simulate.profile import load_profile
 from megathunder.simulate.run_dir import load_run
-from megathunder.simulate.schedules import simulate
+from megathunder.simulate.schedule_model import simulate
 
 
 def run(args: argparse.Namespace) -> int:

@@ -1,1 +1,0 @@
-"""Launching megathunder's processes: rank bootstrap from torchrun's or Slurm's environment."""

@@ -1,0 +1,135 @@
+"""An episode as the agent loop builds it, and the events it emits while building it.
+
+``Episode`` is one trajectory with its turn boundaries, tool runs, timings, reward and failure;
+``RolloutEvent`` is what reaches the trainer as it happens: ``turn_finished`` (a model turn was
+generated; its tool calls start now), ``trajectory_finished`` and ``reward``. Tasks and
+verifiers type against this module; the agent loop (``megathunder.rollout.agent_loop``) fills it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+from megathunder.rollout.verifiers import RewardOutcome
+from megathunder.trajectory import Trajectory
+
+SANDBOX_FAILURE = "sandbox_error: "
+"""Prefix of ``Episode.failure`` when the episode's sandbox could not be built or set up."""
+
+StopReason = Literal["answered", "max_turns", "max_tokens", "wall_time", "engine_abort", "failed"]
+
+
+@dataclass
+class ToolRun:
+    name: str
+    arguments: dict | None  # None when the call could not be parsed
+    observation: str
+    duration_s: float
+    ok: bool
+
+
+@dataclass
+class Turn:
+    index: int
+    start: int  # position of the turn's first generated token in ``token_ids``
+    end: int  # one past its last generated token
+    finish_reason: str
+    policy_version: int
+    started_at: float  # time.monotonic()
+    generated_at: float
+    tools_done_at: float | None = None
+    tool_runs: list[ToolRun] = field(default_factory=list)
+
+    @property
+    def generation_s(self) -> float:
+        return self.generated_at - self.started_at
+
+    @property
+    def tool_s(self) -> float:
+        return 0.0 if self.tools_done_at is None else self.tools_done_at - self.generated_at
+
+
+@dataclass
+class Episode:
+    """One trajectory as the agent loop built it, with turn boundaries and timings."""
+
+    traj_id: int
+    group_id: int
+    instance_id: str
+    prompt_len: int
+    token_ids: list[int]
+    loss_mask: list[bool]  # per target: len(token_ids) - 1
+    rollout_logprobs: list[float]  # per target; 0.0 where masked
+    turns: list[Turn] = field(default_factory=list)
+    stop_reason: StopReason | None = None
+    truncated: bool = False
+    started_at: float = 0.0
+    finished_at: float = 0.0
+    rewarded_at: float | None = None
+    """When the reward event was emitted: after any added verifier latency and the verifier pool's
+    queue, which ``reward.duration_s`` (the verifier's own run) leaves out."""
+    reward: RewardOutcome | None = None
+    final_text: str = ""  # the last model turn, decoded
+    failure: str | None = None
+    """What failed ("nonfinite_logprob: ...", "engine_protocol: ...", "verifier_error: ...",
+    "verifier_timeout: ..."), None when nothing did. What the trainer does about it is
+    ``reward.drop_group`` (``verifier.on_failure``). Final once the reward event is emitted."""
+
+    @property
+    def generation_s(self) -> float:
+        return sum(t.generation_s for t in self.turns)
+
+    @property
+    def tool_s(self) -> float:
+        return sum(t.tool_s for t in self.turns)
+
+    @property
+    def policy_versions(self) -> set[int]:
+        return {t.policy_version for t in self.turns}
+
+    def to_trajectory(self) -> Trajectory:
+        """The learner's :class:`~megathunder.trajectory.Trajectory` (torch tensors)."""
+        return Trajectory(
+            traj_id=self.traj_id,
+            group_id=self.group_id,
+            tokens=torch.tensor(self.token_ids, dtype=torch.int64),
+            loss_mask=torch.tensor(self.loss_mask, dtype=torch.bool),
+            rollout_logprobs=torch.tensor(self.rollout_logprobs, dtype=torch.float32),
+            truncated=self.truncated,
+        )
+
+    @classmethod
+    def from_prompt(
+        cls, traj_id: int, group_id: int, instance_id: str, prompt: list[int], started_at: float
+    ) -> Episode:
+        num_targets = len(prompt) - 1
+        return cls(
+            traj_id, group_id, instance_id, len(prompt), list(prompt),
+            [False] * num_targets, [0.0] * num_targets, started_at=started_at,
+        )  # fmt: skip
+
+    def append(self, ids: Sequence[int], logprobs: Sequence[float] | None) -> None:
+        """Generated ids (trained, with their engine logprobs) or, with None, masked ids."""
+        trained = logprobs is not None
+        self.token_ids += ids
+        self.loss_mask += [trained] * len(ids)
+        self.rollout_logprobs += list(logprobs) if trained else [0.0] * len(ids)
+
+
+@dataclass(frozen=True)
+class RolloutEvent:
+    """What the trainer routes to the learner, with the wall-clock time it happened."""
+
+    kind: Literal["turn_finished", "trajectory_finished", "reward"]
+    traj_id: int
+    group_id: int
+    time: float  # time.monotonic() when it happened
+    turn_index: int | None = None  # for turn_finished
+    payload: dict = field(default_factory=dict)
+
+
+EventSink = Callable[[RolloutEvent], None]

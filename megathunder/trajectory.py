@@ -4,13 +4,20 @@ Token layout: ``tokens`` holds the whole sequence (prompt, model turns, tool out
 prediction at position ``t`` is for ``tokens[t + 1]``, so every per-token field below has one entry
 per *target*, i.e. length ``len(tokens) - 1``. ``loss_mask`` is False on prompt and tool-output
 targets.
+
+A batch is declared by its ``BatchPlan``: the GRPO groups in order, each with its members'
+trajectory ids in sample order.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
+
+BatchPlan = list[tuple[int, list[int]]]
+"""[(group id, [trajectory ids of the group, in sample order]), ...] in group order."""
 
 
 @dataclass
@@ -40,3 +47,30 @@ class Trajectory:
     @property
     def num_targets(self) -> int:
         return self.tokens.numel() - 1
+
+
+def batch_plan(trajs: Iterable[Trajectory]) -> BatchPlan:
+    """The plan of a batch: groups in order of first appearance, members in the order given."""
+    plan: dict[int, list[int]] = {}
+    for traj in trajs:
+        plan.setdefault(traj.group_id, []).append(traj.traj_id)
+    return list(plan.items())
+
+
+def mask_spans(mask: torch.Tensor) -> list[list[int]]:
+    """[start, end) runs of True: the loss mask in a few integers."""
+    spans: list[list[int]] = []
+    start = None
+    for i, m in enumerate(mask.tolist() + [False]):
+        if m and start is None:
+            start = i
+        elif not m and start is not None:
+            spans.append([start, i])
+            start = None
+    return spans
+
+
+def turn_spans(traj: Trajectory) -> list[tuple[int, int]]:
+    """[start, end) token positions of the trajectory's model turns: the runs of its loss mask
+    (target t is token t + 1; turns are separated by masked tool output or template glue)."""
+    return [(a + 1, b + 1) for a, b in mask_spans(traj.loss_mask)]

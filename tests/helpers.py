@@ -7,8 +7,10 @@ from collections.abc import Sequence
 
 import torch
 
-from megathunder import synthetic as syn
-from megathunder.config import LedgerConfig, ModelConfig, ObjectiveConfig
+from megathunder.streaming import synthetic as syn
+
+from megathunder.trajectory import batch_plan
+from megathunder.config import LedgerConfig, DecoderConfig, RLObjective
 from megathunder.models.torch_decoder import TorchDecoder, build_torch_decoder
 from megathunder.streaming import BatchResult, GradientLedger, TorchBackend
 from megathunder.trajectory import Trajectory
@@ -18,7 +20,7 @@ MAX_LEN = 40
 
 
 def small_model(dtype: str = "float64", seed: int = 0) -> TorchDecoder:
-    cfg = ModelConfig(
+    cfg = DecoderConfig(
         vocab_size=VOCAB, hidden_size=16, num_layers=2, num_heads=2, max_seq_len=MAX_LEN, dtype=dtype
     )
     return build_torch_decoder(cfg, seed=seed)
@@ -28,7 +30,7 @@ def streamed_gradient(
     model: torch.nn.Module,
     batch: Sequence[Trajectory],
     rewards: Sequence[float],
-    objective: ObjectiveConfig,
+    objective: RLObjective,
     ledger_cfg: LedgerConfig,
     events: Sequence[syn.Event],
     *,
@@ -36,7 +38,7 @@ def streamed_gradient(
 ) -> tuple[torch.Tensor, BatchResult, GradientLedger]:
     backend = TorchBackend(model, objective)
     ledger = GradientLedger(backend, objective, ledger_cfg, reward_shift=reward_shift)
-    ledger.begin_batch(syn.group_plan(batch))
+    ledger.begin_batch(batch_plan(batch))
     syn.feed_events(ledger, batch, rewards, events)
     result = ledger.close_batch()
     return backend.live.flat().clone(), result, ledger

@@ -10,12 +10,12 @@ from collections.abc import Mapping, Sequence
 
 import pytest
 
-from megathunder.config import AgentLoopConfig, SandboxConfig, VerifierConfig
-from megathunder.rollout.agent_loop import AgentLoop, Episode
+from megathunder.config import AgentLoopConfig, LocalSandboxConfig, VerifierConfig
+from megathunder.rollout.agent_loop import AgentLoop
+from megathunder.rollout.episode import Episode, RolloutEvent
 from megathunder.rollout.chat import ChatCodec
 from megathunder.models.local_tokenizer import train_local_chatml_tokenizer
 from megathunder.rollout.scripted import ScriptedPolicy
-from megathunder.rollout.types import RolloutEvent
 from megathunder.rollout.verifiers import VerifierPool
 from megathunder.rollout.tasks.task import Task, TaskInstance
 
@@ -36,7 +36,7 @@ def codec() -> ChatCodec:
     return ChatCodec(train_local_chatml_tokenizer())
 
 
-def sandbox_cfg(tmp_path, **kw) -> SandboxConfig:
+def sandbox_cfg(tmp_path, **kw) -> LocalSandboxConfig:
     del tmp_path  # below /tmp, not pytest's 0700 tmp_path: bwrap runs as the sandbox uid
     defaults = dict(
         root_dir="/tmp/megathunder-test-sandboxes",
@@ -45,7 +45,7 @@ def sandbox_cfg(tmp_path, **kw) -> SandboxConfig:
         memory_mb=256,
         max_processes=16,
     )
-    return SandboxConfig(**{**defaults, **kw})
+    return LocalSandboxConfig(**{**defaults, **kw})
 
 
 def run_scripted(

@@ -50,4 +50,4 @@ teacher=()
 [[ -n "${MT_TEACHER_URLS_KEY:-}" ]] && teacher=("$(mt_urls_override "$MT_TEACHER_URLS_KEY" teacher)")
 export MT_TEACHER_URLS="${MT_POOL_URLS[teacher]:-}"
 mt_train rollout.engine.deployment=server "$(mt_urls_override rollout.engine.server_urls)" \
-  "learner.opd.teacher_hf_checkpoint=$MT_TEACHER_MODEL" "${teacher[@]}"
+  "objective.teacher.hf_checkpoint=$MT_TEACHER_MODEL" "${teacher[@]}"

@@ -20,7 +20,9 @@ import shutil
 import statistics
 import time
 
-from megathunder.config import AgentLoopConfig, SandboxConfig, TaskConfig, VerifierConfig
+from pydantic import TypeAdapter
+
+from megathunder.config import AgentLoopConfig, LocalSandboxConfig, TaskConfig, VerifierConfig
 
 TASKS = ("arithmetic", "calculator", "swe_local", "terminal")
 
@@ -31,7 +33,7 @@ def _quantiles(xs: list[float]) -> dict[str, float]:
     return {"p10": pick(0.1), "p50": pick(0.5), "p90": pick(0.9), "max": xs[-1]}
 
 
-async def _run_task(name: str, args, sandbox_cfg: SandboxConfig) -> dict:
+async def _run_task(name: str, args, sandbox_cfg: LocalSandboxConfig) -> dict:
     from megathunder.rollout.agent_loop import AgentLoop
     from megathunder.rollout.chat import ChatCodec
     from megathunder.models.local_tokenizer import train_local_chatml_tokenizer
@@ -40,7 +42,7 @@ async def _run_task(name: str, args, sandbox_cfg: SandboxConfig) -> dict:
     from megathunder.rollout.tasks import build_task
 
     codec = ChatCodec(train_local_chatml_tokenizer())
-    task = build_task(TaskConfig(name=name))
+    task = build_task(TypeAdapter(TaskConfig).validate_python({"name": name}))
     insts = task.instances(args.num_instances, seed=args.seed)
     policy = ScriptedPolicy(
         codec,
@@ -102,7 +104,7 @@ async def _run_task(name: str, args, sandbox_cfg: SandboxConfig) -> dict:
 async def _sandbox_cost(isolation: str, root_dir: str, n: int) -> float:
     from megathunder.rollout.sandbox import LocalSandbox
 
-    sb = LocalSandbox(SandboxConfig(isolation=isolation, root_dir=root_dir))
+    sb = LocalSandbox(LocalSandboxConfig(isolation=isolation, root_dir=root_dir))
     try:
         await sb.shell("true")
         t0 = time.perf_counter()
@@ -127,7 +129,7 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
 
-    sandbox_cfg = SandboxConfig(
+    sandbox_cfg = LocalSandboxConfig(
         isolation=args.isolation, root_dir=args.root_dir, num_uids=max(256, args.concurrency)
     )
     can_sandbox = os.geteuid() == 0

@@ -25,8 +25,7 @@ from megathunder.models.torch_decoder import TorchDecoder, build_torch_decoder
 from megathunder.objectives import token_logprobs_and_entropy
 from megathunder.streaming.reference import reference_gradient
 from megathunder.streaming import GradientLedger, TorchBackend
-from megathunder.streaming.synthetic import group_plan
-from megathunder.trajectory import Trajectory
+from megathunder.trajectory import Trajectory, batch_plan
 
 EOS = 0
 PROMPT_LEN = 4
@@ -71,7 +70,7 @@ def sample_group(
                 rollout_logprobs=rollout, ref_logprobs=ref_logp, truncated=bool(not done[k]),
             )
         )
-        rewards.append(task_reward(tokens[PROMPT_LEN:], cfg.model.vocab_size))
+        rewards.append(task_reward(tokens[PROMPT_LEN:], cfg.exactness.model.vocab_size))
     return trajs, rewards
 
 
@@ -95,11 +94,11 @@ def event_times(rng: random.Random, batch: list[Trajectory]) -> list[tuple[float
 def run(cfg: Config) -> int:
     torch.manual_seed(cfg.run.seed)
     rng = random.Random(cfg.run.seed)
-    model = build_torch_decoder(cfg.model, seed=cfg.run.seed)
+    model = build_torch_decoder(cfg.exactness.model, seed=cfg.run.seed)
     ref = copy.deepcopy(model).requires_grad_(False)
     backend = TorchBackend(model, cfg.objective)
     ledger = GradientLedger(backend, cfg.objective, cfg.ledger)
-    opt_cfg = cfg.optimizer
+    opt_cfg = cfg.exactness.optimizer
     if opt_cfg.name == "adamw":
         optimizer = torch.optim.AdamW(model.parameters(), lr=opt_cfg.lr, betas=opt_cfg.betas,
                                       eps=opt_cfg.eps, weight_decay=opt_cfg.weight_decay)
@@ -107,20 +106,20 @@ def run(cfg: Config) -> int:
         optimizer = torch.optim.SGD(model.parameters(), lr=opt_cfg.lr, weight_decay=opt_cfg.weight_decay)
     out = Path(cfg.run.output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tolerance = TOLERANCE[cfg.model.dtype]
+    tolerance = TOLERANCE[cfg.exactness.model.dtype]
     rows = []
     with open(out / "metrics.jsonl", "w") as metrics:
         bar = tqdm(range(cfg.run.num_steps), desc="grpo/thunder", unit="step", mininterval=1.0)
         for step in bar:
             batch, rewards = [], []
             for g in range(cfg.batch.num_prompts_per_batch):
-                prompt = torch.randint(1, cfg.model.vocab_size, (1, PROMPT_LEN))
+                prompt = torch.randint(1, cfg.exactness.model.vocab_size, (1, PROMPT_LEN))
                 trajs, rs = sample_group(model, ref, prompt, cfg, len(batch), g)
                 batch += trajs
                 rewards += rs
             reference = reference_gradient(model, batch, rewards, cfg.objective)
             t0 = time.perf_counter()
-            ledger.begin_batch(group_plan(batch))
+            ledger.begin_batch(batch_plan(batch))
             backward_before_last_reward = 0
             for _, kind, tid in event_times(rng, batch):
                 if kind == "finished":

@@ -77,8 +77,11 @@ def main(argv: Sequence[str]) -> int:
                 break
         return _relaunch(args, child)
 
-    from megathunder import synthetic as syn
-    from megathunder.config import LearnerConfig, LedgerConfig, ObjectiveConfig
+    from megathunder.streaming import synthetic as syn
+
+    from megathunder.trajectory import batch_plan
+    from megathunder.config import GRPOObjective, LearnerConfig, LedgerConfig
+    from megathunder.learner.batches import grpo_gradient
     from megathunder.learner.learner import MegatronLearner
     from megathunder.learner.parallel import destroy_distributed, init_distributed
 
@@ -91,9 +94,9 @@ def main(argv: Sequence[str]) -> int:
         "precision": {"params_dtype": args.dtype, "layer_spec": args.layer_spec, "fp8": args.fp8},
         "optimizer": {"lr": 1e-6},
     })
-    objective = ObjectiveConfig(advantage="grpo")
-    groups = init_distributed(cfg)
-    learner = MegatronLearner.build(cfg, objective, groups)
+    objective = GRPOObjective(advantage="grpo")
+    pgs = init_distributed(cfg)
+    learner = MegatronLearner.build(cfg, objective, pgs)
     rng = random.Random(0)
     batch = syn.random_batch(rng, [args.group_size] * args.num_groups, args.vocab_size, args.seq_len + 1,
                              empty_prob=0.0)
@@ -104,13 +107,13 @@ def main(argv: Sequence[str]) -> int:
         t.rollout_logprobs = t.ref_logprobs = None
         t.truncated = False
     rewards = [float(rng.random() < 0.5) for _ in batch]
-    dp, dp_rank = groups.dims.dp, groups.dp_rank
+    dp, dp_rank = pgs.dims.dp, pgs.dp_rank
     owner = [t.traj_id % dp for t in batch]
-    plan = syn.group_plan(batch)
+    plan = batch_plan(batch)
     all_at_once = [syn.Event("finished", t.traj_id) for t in batch] + [syn.Event("reward", t.traj_id) for t in batch]
 
     def run_sync() -> None:
-        learner.sync_step_gradient(batch, rewards, owner)
+        grpo_gradient(learner, batch, rewards, owner)
         learner.step()
 
     def run_thunder(slots: int | None) -> None:
@@ -130,19 +133,19 @@ def main(argv: Sequence[str]) -> int:
         fn()
     for _ in range(args.repeats):
         for name, fn in modes.items():  # interleaved, so machine noise hits every mode alike
-            t0 = _sync_time(groups.device)
+            t0 = _sync_time(pgs.device)
             fn()
-            times[name].append(_sync_time(groups.device) - t0)
+            times[name].append(_sync_time(pgs.device) - t0)
 
     median = {m: statistics.median(v) for m, v in times.items()}
     tokens = sum(t.tokens.numel() - 1 for t in batch)
-    num_params = sum(p.numel() for p in learner.model.parameters()) * groups.dims.tp * groups.dims.pp
+    num_params = sum(p.numel() for p in learner.model.parameters()) * pgs.dims.tp * pgs.dims.pp
     m = learner.model_cfg
     flops_per_token = 6 * num_params + 12 * m.num_layers * m.hidden_size * args.seq_len
     result = {
         "bench": "learner",
-        "layout": {"tp": groups.dims.tp, "pp": groups.dims.pp, "dp": groups.dims.dp},
-        "device": torch.cuda.get_device_name() if groups.device.type == "cuda" else "cpu",
+        "layout": {"tp": pgs.dims.tp, "pp": pgs.dims.pp, "dp": pgs.dims.dp},
+        "device": torch.cuda.get_device_name() if pgs.device.type == "cuda" else "cpu",
         "dtype": args.dtype, "layer_spec": args.layer_spec, "fp8": args.fp8,
         "num_params": num_params, "tokens_per_step": tokens,
         "step_s": {k: round(v, 4) for k, v in median.items()},
@@ -151,16 +154,16 @@ def main(argv: Sequence[str]) -> int:
         "tokens_per_s_sync": round(tokens / median["sync"], 1),
         "tokens_per_s_thunder_Kinf": round(tokens / median["thunder_Kinf"], 1),
     }
-    if groups.device.type == "cuda":
+    if pgs.device.type == "cuda":
         name = torch.cuda.get_device_name()
         peak = args.peak_tflops or next((v for k, v in PEAK_TFLOPS.items() if k in name), None)
         if peak:
-            world = groups.world_size
+            world = pgs.world_size
             for mode in ("sync", "thunder_Kinf"):
                 result[f"mfu_{mode}"] = round(flops_per_token * tokens / median[mode] / (peak * 1e12 * world), 4)
-    if groups.rank == 0:
+    if pgs.rank == 0:
         print(f"model {num_params / 1e6:.2f}M params, {len(batch)} trajectories x {args.seq_len} tokens, "
-              f"layout tp={groups.dims.tp} pp={groups.dims.pp} dp={groups.dims.dp}, {result['device']}")
+              f"layout tp={pgs.dims.tp} pp={pgs.dims.pp} dp={pgs.dims.dp}, {result['device']}")
         for k, v in median.items():
             print(f"  {k:<14} step {v * 1e3:9.1f} ms   {tokens / v:10.0f} tokens/s")
         print(f"  thunder/sync: K=0 {result['ratio_thunder_K0_vs_sync']:.3f}, "

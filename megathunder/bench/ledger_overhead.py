@@ -20,12 +20,12 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from megathunder import synthetic as syn
-from megathunder.config import LedgerConfig, ModelConfig, ObjectiveConfig
+from megathunder.streaming import synthetic as syn
+from megathunder.config import GRPOObjective, LedgerConfig, DecoderConfig
 from megathunder.models.torch_decoder import build_torch_decoder
 from megathunder.objectives import LossSpec
 from megathunder.streaming import GradBuffer, GradientLedger, TorchBackend
-from megathunder.trajectory import Trajectory
+from megathunder.trajectory import Trajectory, batch_plan
 
 
 class TimedBackend(TorchBackend):
@@ -63,7 +63,7 @@ def _round_robin_events(group_sizes: Sequence[int]) -> list[syn.Event]:
 
 def _run(ledger: GradientLedger, batch, rewards, events) -> float:
     t0 = time.perf_counter()
-    ledger.begin_batch(syn.group_plan(batch))
+    ledger.begin_batch(batch_plan(batch))
     syn.feed_events(ledger, batch, rewards, events)
     ledger.close_batch()
     return time.perf_counter() - t0
@@ -83,7 +83,7 @@ def main(argv: Sequence[str]) -> int:
     args = parser.parse_args(argv)
 
     torch.manual_seed(0)
-    model_cfg = ModelConfig(vocab_size=args.vocab_size, hidden_size=args.hidden_size,
+    model_cfg = DecoderConfig(vocab_size=args.vocab_size, hidden_size=args.hidden_size,
                             num_layers=args.num_layers, num_heads=max(1, args.hidden_size // 64),
                             max_seq_len=args.seq_len)
     model = build_torch_decoder(model_cfg)
@@ -107,7 +107,7 @@ def main(argv: Sequence[str]) -> int:
     memory = []
     print(f"\n{'advantage':<10} {'K':>4} {'peak buffers':>13} {'bound':>6} {'MiB':>8}")
     for advantage, per_slot in (("grpo", 2), ("rloo", 1)):
-        objective = ObjectiveConfig(advantage=advantage)
+        objective = GRPOObjective(advantage=advantage)
         for k in args.slots:
             backend = TorchBackend(model, objective)
             ledger = GradientLedger(backend, objective, LedgerConfig(max_group_slots=k))
@@ -120,7 +120,7 @@ def main(argv: Sequence[str]) -> int:
 
     # Time: ledger overhead per trajectory vs the trajectory's own backward (K = all groups).
     # One ledger across batches, as in training: its buffer pool is allocated in the warm-up batch.
-    objective = ObjectiveConfig(advantage="grpo")
+    objective = GRPOObjective(advantage="grpo")
     backend = TimedBackend(model, objective)
     ledger = GradientLedger(backend, objective, LedgerConfig(max_group_slots=None))
     _run(ledger, batch, rewards, events)

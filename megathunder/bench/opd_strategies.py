@@ -27,7 +27,7 @@ from collections.abc import Sequence
 
 import torch
 
-from megathunder.config import ModelConfig
+from megathunder.config import DecoderConfig
 from megathunder.models.torch_decoder import build_torch_decoder
 from megathunder.streaming.opd_turns import TorchSegmentModel, TurnStreamer, accumulate_full_trajectory_opd
 
@@ -69,7 +69,7 @@ def _release(owner: _SavedBytes, n: int) -> None:
 
 
 def _torch_student(args, max_len):
-    cfg = ModelConfig(vocab_size=args.vocab_size, hidden_size=args.hidden_size, num_layers=args.num_layers,
+    cfg = DecoderConfig(vocab_size=args.vocab_size, hidden_size=args.hidden_size, num_layers=args.num_layers,
                       num_heads=max(1, args.hidden_size // 64), max_seq_len=max_len)
     student = build_torch_decoder(cfg, seed=0)
     return TorchSegmentModel(student), lambda: student.zero_grad(set_to_none=True), lambda: None
@@ -98,11 +98,11 @@ def _megatron_student(args, max_len):
         "precision": {"core_attention": "past_kv"},
         "optimizer": {"name": "sgd", "use_distributed_optimizer": False},
     })
-    from megathunder.config import ObjectiveConfig
+    from megathunder.config import GRPOObjective
     from megathunder.learner.learner import MegatronLearner
 
-    learner = MegatronLearner.build(cfg, ObjectiveConfig(), init_distributed(cfg))
-    return MegatronSegmentModel(learner.ddp, learner.groups), learner.ddp.zero_grad_buffer, destroy_distributed
+    learner = MegatronLearner.build(cfg, GRPOObjective(), init_distributed(cfg))
+    return MegatronSegmentModel(learner.ddp, learner.pgs), learner.ddp.zero_grad_buffer, destroy_distributed
 
 
 def main(argv: Sequence[str]) -> int:
@@ -121,7 +121,7 @@ def main(argv: Sequence[str]) -> int:
 
     max_len = 16 + max(args.turns) * (args.turn_tokens + args.tool_tokens)
     student, zero_grad, close = (_megatron_student if args.learner == "megatron" else _torch_student)(args, max_len)
-    teacher_cfg = ModelConfig(vocab_size=args.vocab_size, hidden_size=args.hidden_size, num_layers=args.num_layers,
+    teacher_cfg = DecoderConfig(vocab_size=args.vocab_size, hidden_size=args.hidden_size, num_layers=args.num_layers,
                               num_heads=max(1, args.hidden_size // 64), max_seq_len=max_len)
     teacher = build_torch_decoder(teacher_cfg, seed=1)
 

@@ -30,7 +30,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from megathunder.config.schema import EngineConfig
+from megathunder.config import EngineConfig
 from megathunder.rollout.types import SamplingParams
 
 

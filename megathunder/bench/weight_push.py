@@ -23,11 +23,11 @@ from pathlib import Path
 async def _bench_mode(model_dir: Path, mode: str, bucket_mb: float, repeats: int, log_dir: Path) -> float:
     from safetensors.torch import load_file
 
-    from megathunder.config.schema import EngineConfig
+    from megathunder.config import EngineConfig
     from megathunder.rollout.engines import start_engine
 
     cfg = EngineConfig(dtype="float32", max_model_len=256, enforce_eager=True, kv_cache_memory_bytes=64 * 2**20,
-                       weight_transfer=mode, bucket_mb=bucket_mb)
+                       weight_transfer={"kind": "rpc"} if mode == "rpc" else {"kind": mode, "bucket_mb": bucket_mb})
     weights = load_file(next(model_dir.glob("*.safetensors")))
     engine = await start_engine(cfg, model_dir, log_dir=log_dir)
     try:

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args, get_origin
 
 import yaml
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
-from megathunder.config.schema import Config
+from megathunder.config.run_config import Config, check_paths
 
 
 class ConfigError(ValueError):
@@ -59,6 +59,33 @@ def _show(part: Any) -> str:
     return text if text and text.isprintable() and text.strip() == text else repr(text)
 
 
+def _field_path(loc: tuple) -> tuple[list, str | None]:
+    """``loc`` without the tags pydantic inserts after a discriminated union (``sandbox.docker.cli``
+    is ``sandbox.cli`` to a person: the tag is the value of ``sandbox.backend``), and the innermost
+    union choice it passed (``sandbox.backend=docker``), if any."""
+    out: list = []
+    choice = None
+    model: Any = Config
+    parts = list(loc)
+    while parts:
+        part = parts.pop(0)
+        out.append(part)
+        field = model.model_fields.get(part) if isinstance(model, type) and issubclass(model, BaseModel) else None
+        if field is None:
+            model = None
+            continue
+        annotation = field.annotation
+        if field.discriminator and parts:
+            tag = parts.pop(0)
+            choice = ".".join(str(p) for p in out + [field.discriminator]) + f"={tag}"
+            model = next((m for m in get_args(annotation) if tag in get_args(m.model_fields[field.discriminator].annotation)), None)
+            continue
+        while get_origin(annotation) is not None and type(None) in get_args(annotation):  # X | None
+            annotation = next(a for a in get_args(annotation) if a is not type(None))
+        model = annotation
+    return out, choice
+
+
 def _format(err: ValidationError) -> str:
     """One line per error, each starting with the dotted path of the field at fault.
 
@@ -67,8 +94,17 @@ def _format(err: ValidationError) -> str:
     """
     lines = []
     for e in err.errors():
-        loc = ".".join(_show(p) for p in e["loc"])
+        path, choice = _field_path(tuple(e["loc"]))
+        loc = ".".join(_show(p) for p in path)
         msg = e["msg"].removeprefix("Value error, ")
+        if e["type"] == "extra_forbidden" and choice is not None:
+            msg = f"not a field of {choice}"
+        elif e["type"] in ("union_tag_invalid", "union_tag_not_found"):
+            ctx = e.get("ctx", {})
+            key = str(ctx.get("discriminator", "")).strip("'")
+            path, loc = path + [key], ".".join(_show(p) for p in path + [key])
+            msg = (f"{ctx.get('tag')!r} is not one of {ctx.get('expected_tags')}" if e["type"] == "union_tag_invalid"
+                   else f"required (one of {ctx.get('expected_tags', 'the kinds')})")
         names_field = e["type"] == "value_error" and ": " in msg
         if not loc:
             lines.append(msg)
@@ -79,7 +115,9 @@ def _format(err: ValidationError) -> str:
     return "invalid configuration:\n  " + "\n  ".join(lines)
 
 
-def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> Config:
+def load_config(path: str | Path | None = None, overrides: Sequence[str] = (), *, paths: bool = False) -> Config:
+    """The validated config of ``path`` (YAML) with ``overrides`` applied. ``paths``: also check that
+    the files it names exist (``check_paths``), for commands that read them."""
     data: dict[str, Any] = {}
     if path is not None:
         path = Path(path)
@@ -96,6 +134,12 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
         data = loaded or {}
     data = _merge(data, parse_overrides(overrides))
     try:
-        return Config.model_validate(data)
+        cfg = Config.model_validate(data)
     except ValidationError as err:
         raise ConfigError(_format(err)) from None
+    if paths:
+        try:
+            check_paths(cfg)
+        except ValueError as err:
+            raise ConfigError(f"invalid configuration:\n  {err}") from None
+    return cfg

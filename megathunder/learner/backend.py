@@ -17,8 +17,11 @@ from collections.abc import Callable, Iterator, Sequence
 from functools import partial
 
 import torch
+from megatron.core.distributed import DistributedDataParallel
+from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 
-from megathunder.config import ObjectiveConfig
+from megathunder.config import RLObjective
 from megathunder.learner.logprobs import vocab_parallel_logprobs
 from megathunder.learner.parallel import ProcessGroups
 from megathunder.objectives import LossSpec, trajectory_loss
@@ -28,7 +31,7 @@ from megathunder.trajectory import Trajectory
 
 def run_schedule(
     ddp_model: torch.nn.Module,
-    groups: ProcessGroups,
+    pgs: ProcessGroups,
     items: Sequence[Trajectory],
     loss_fn: Callable[[int, torch.Tensor, torch.Tensor | None], torch.Tensor],
     *,
@@ -40,9 +43,7 @@ def run_schedule(
     ``loss_fn(k, logp_T, entropy_T)`` gives micro-batch k's scalar loss on the last stage. Returns,
     on the last stage, one dict per micro-batch with its detached ``logp`` (and ``entropy``).
     """
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-
-    device = groups.device
+    device = pgs.device
     index = iter(range(len(items)))
 
     def forward_step(data_iterator, model):
@@ -54,7 +55,7 @@ def run_schedule(
         return output, partial(_loss_func, k, labels)
 
     def _loss_func(k, labels, output):
-        logp, entropy = vocab_parallel_logprobs(output[0], labels, groups.tp, need_entropy)
+        logp, entropy = vocab_parallel_logprobs(output[0], labels, pgs.tp, need_entropy)
         loss = loss_fn(k, logp, entropy)
         report = {"logp": logp.detach()}
         if entropy is not None:
@@ -63,12 +64,10 @@ def run_schedule(
 
     seq_length = max(t.tokens.numel() - 1 for t in items)
     extra = {}
-    if groups.dims.pp > 1:
-        from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
-
+    if pgs.dims.pp > 1:
         config = ddp_model.config
         config.variable_seq_lengths = True  # one micro-batch per trajectory, each its own length
-        extra["p2p_communicator"] = P2PCommunicator(pp_group=groups.pp, config=config)
+        extra["p2p_communicator"] = P2PCommunicator(pp_group=pgs.pp, config=config)
     return get_forward_backward_func()(
         forward_step_func=forward_step,
         data_iterator=index,
@@ -77,7 +76,7 @@ def run_schedule(
         seq_length=seq_length,
         micro_batch_size=1,
         forward_only=forward_only,
-        pg_collection=groups.collection,
+        pg_collection=pgs.collection,
         **extra,
     )
 
@@ -85,9 +84,9 @@ def run_schedule(
 class MegatronBackend:
     """``GradientBackend`` over a Megatron ``DistributedDataParallel`` model chunk."""
 
-    def __init__(self, ddp_model, groups: ProcessGroups, objective: ObjectiveConfig) -> None:
+    def __init__(self, ddp_model: DistributedDataParallel, pgs: ProcessGroups, objective: RLObjective | None) -> None:
         self.ddp = ddp_model
-        self.groups = groups
+        self.pgs = pgs
         self.objective = objective
         buffers = list(ddp_model.buffers) + list(getattr(ddp_model, "expert_parallel_buffers", []))
         self.live = GradBuffer([b.grad_data for b in buffers])
@@ -96,27 +95,34 @@ class MegatronBackend:
     def zeros(self) -> GradBuffer:
         return GradBuffer.zeros_like(self.live)
 
+    def _objective(self) -> RLObjective:
+        if self.objective is None:
+            raise TypeError("this learner's objective has no reward part (objective.kind=opd)")
+        return self.objective
+
     def backward(self, traj: Trajectory, specs: Sequence[LossSpec]) -> Iterator[GradBuffer]:
         # One schedule call per spec: a pipeline schedule runs exactly one backward per forward.
+        objective = self._objective()
         for spec in specs:
             self.ddp.zero_grad_buffer()
             with self.ddp.no_sync():
                 run_schedule(
-                    self.ddp, self.groups, [traj],
-                    lambda _k, logp, ent, spec=spec: trajectory_loss(logp, ent, traj, spec, self.objective),
-                    need_entropy=self.objective.entropy_coef > 0,
+                    self.ddp, self.pgs, [traj],
+                    lambda _k, logp, ent, spec=spec: trajectory_loss(logp, ent, traj, spec, objective),
+                    need_entropy=objective.entropy_coef > 0,
                 )
             self.num_backward += 1
             yield self.live
 
     def backward_sum(self, trajs: Sequence[Trajectory], specs: Sequence[LossSpec]) -> GradBuffer:
         """Sum of several trajectories' gradients from one schedule call (pipelined under PP)."""
+        objective = self._objective()
         self.ddp.zero_grad_buffer()
         with self.ddp.no_sync():
             run_schedule(
-                self.ddp, self.groups, list(trajs),
-                lambda k, logp, ent: trajectory_loss(logp, ent, trajs[k], specs[k], self.objective),
-                need_entropy=self.objective.entropy_coef > 0,
+                self.ddp, self.pgs, list(trajs),
+                lambda k, logp, ent: trajectory_loss(logp, ent, trajs[k], specs[k], objective),
+                need_entropy=objective.entropy_coef > 0,
             )
         self.num_backward += len(trajs)
         return self.live

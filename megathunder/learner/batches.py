@@ -1,99 +1,442 @@
-"""One batch's gradient, from the events of its trajectories: streamed (thunder) or at the end.
+"""One batch's gradient on one learner rank, from its trajectories' events: one class per objective.
 
-Both paths leave ``(1/Z) sum_i grad loss_i`` in the learner's gradient buffers and differ only in
-*when* the work happens: ``streamed`` hands each finished trajectory and each reward to the
-gradient ledger the moment it arrives; ``at_end`` keeps them and runs the batch-synchronous
-gradient after the last reward. ``megathunder.streaming.ledger`` derives why the two are equal.
+Every batch takes the same events in the order they happened -- ``on_turn`` (a model turn was
+generated), ``on_finished`` (a trajectory ended), ``on_reward`` -- then ``close``, and each class
+has both paths:
 
-Data parallelism: each finished trajectory is owned by the DP rank with the fewest loss tokens so
-far (ties to the lowest rank). The choice depends only on the order of finish events, which every
-rank sees identically, so ranks agree without talking; TP/PP peers share the DP rank and so
-receive the same trajectories in the same order.
+    streamed  (thunder)  every event's work when it happens; ``close`` divides by Z once
+    at_end    (sync)     the events are recorded; ``close`` computes the batch-synchronous gradient
+
+Both leave this rank's share of (1/Z) sum_i grad loss_i in DDP's gradient buffers; ``step`` then
+reduces it over data-parallel ranks once. Why the two paths give the same gradient is derived
+where the math lives:
+
+    GRPOBatch     objective.kind grpo      the gradient ledger          ``megathunder.streaming.ledger``
+    OPDBatch      objective.kind opd       the per-turn streamer        ``megathunder.streaming.opd_turns``
+    OPDGRPOBatch  objective.kind opd_grpo  both, under one Z            ``megathunder.streaming.opd_grpo``
+
+The batch-synchronous gradients are also functions of their own (``grpo_gradient``,
+``opd_gradient``, ``opd_grpo_gradient``): the references the tests compare the streamed paths with.
+
+Data parallelism (``Ownership``): a trajectory is owned by the DP rank that has been given the
+fewest loss tokens when the trajectory is first seen (ties to the lowest rank): at its finish
+(GRPO), at its first turn (OPD, streamed; later turns add to that rank's load) or at its finish
+(OPD at the end). The choice depends only on the order of events, which every rank receives
+identically, so ranks agree without talking; TP/PP peers share the DP rank and so receive the
+same trajectories in the same order. Only the owner runs a trajectory's backward passes; every
+rank counts every trajectory, so Z is the whole batch's.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
 
-from megathunder.trajectory import Trajectory
+import torch
+import torch.distributed as dist
+
+from megathunder.config import ConfigError, DistillObjective, RLObjective
+from megathunder.learner.backend import run_schedule
+from megathunder.learner.learner import MegatronLearner
+from megathunder.learner.segment_model import MegatronSegmentModel
+from megathunder.objectives import LossSpec, trajectory_loss
+from megathunder.objectives.opd import opd_normaliser
+from megathunder.streaming.buffers import GradBuffer
+from megathunder.streaming.ledger import BatchResult, GradientLedger
+from megathunder.streaming.opd_grpo import IntoAccumulator
+from megathunder.streaming.opd_turns import (
+    CachedTeacher,
+    TurnStreamer,
+    accumulate_full_trajectory_gjsd,
+    accumulate_full_trajectory_opd,
+)
+from megathunder.streaming.reference import batch_advantages
+from megathunder.trajectory import BatchPlan, Trajectory
 
 
-class TokenBalancer:
-    def __init__(self, dp: int) -> None:
-        self.load = [0] * dp
+@dataclass(frozen=True)
+class BatchOutcome(BatchResult):
+    """What ``close`` reports: the ledger's figures plus the learner work left after the last reward."""
 
-    def assign(self, num_tokens: int) -> int:
-        rank = min(range(len(self.load)), key=lambda r: (self.load[r], r))
-        self.load[rank] += num_tokens
-        return rank
-
-
-@dataclass
-class BatchOutcome:
-    num_kept_groups: int
-    num_dropped_groups: int
-    num_kept_trajectories: int
-    peak_buffers: int
-    backward_after_last_reward: int  # learner passes left when the batch's last reward arrived
+    backward_after_last_reward: int = 0  # this rank's backward passes after the batch's last reward
     divergence: float | None = None  # OPD: the student's mean per-token divergence to the teacher
 
 
-class BatchGradient:
-    """Accumulates one batch on one learner rank; ``streamed`` selects the thunder path."""
+@dataclass(frozen=True)
+class OPDTotals:
+    normaliser: float  # Z of the whole batch (every data-parallel rank's trajectories)
+    divergence_mean: float  # per trained token over the batch: the sampled-token reverse KL (or GJSD)
 
-    def __init__(self, learner, plan: list[tuple[int, list[int]]], streamed: bool) -> None:
-        self.learner, self.plan, self.streamed = learner, plan, streamed
-        self.balancer = TokenBalancer(learner.groups.dims.dp)
-        self.group_of = {tid: g for g, members in plan for tid in members}
+
+class Ownership:
+    """The data-parallel owner of each trajectory (module docstring)."""
+
+    def __init__(self, dp: int, dp_rank: int) -> None:
+        self.load = [0] * dp
         self.owner: dict[int, int] = {}
-        self.trajs: dict[int, Trajectory] = {}
-        self.rewards: dict[int, float] = {}
-        self.dropped: set[int] = set()  # groups excluded (a failed trajectory)
+        self.dp_rank = dp_rank
+
+    def claim(self, traj_id: int, num_tokens: int) -> bool:
+        """A trajectory's next ``num_tokens`` loss tokens: assigned to the least-loaded rank the first
+        time it is seen, added to its owner's load afterwards. True when this rank owns it."""
+        if traj_id not in self.owner:
+            self.owner[traj_id] = min(range(len(self.load)), key=lambda r: (self.load[r], r))
+        self.load[self.owner[traj_id]] += num_tokens
+        return self.owner[traj_id] == self.dp_rank
+
+    def settle(self, traj_id: int, num_tokens: int) -> bool:
+        """Its owner: claimed with ``num_tokens`` unless it already has one. True when it is this rank."""
+        return self.claim(traj_id, num_tokens) if traj_id not in self.owner else self.is_mine(traj_id)
+
+    def is_mine(self, traj_id: int) -> bool:
+        return self.owner[traj_id] == self.dp_rank
+
+
+class Batch:
+    """What every objective's batch shares: its plan, its path, DP ownership, and the count of
+    backward passes the learner still had to run after the batch's last reward."""
+
+    def __init__(self, learner: MegatronLearner, plan: BatchPlan, streamed: bool) -> None:
+        self.learner, self.plan, self.streamed = learner, plan, streamed
+        self.owners = Ownership(learner.pgs.dims.dp, learner.pgs.dp_rank)
         self._passes_at_last_reward = 0
+
+    def passes(self) -> int:
+        """Backward passes this rank has run for the batch so far."""
+        return 0
+
+    def on_turn(self, traj_id: int, tokens: list[int], start: int, end: int) -> None:
+        """Turn ``tokens[start:end]`` of a trajectory was generated (``tokens``: the trajectory so far)."""
+
+    def on_finished(self, traj: Trajectory) -> None:
+        raise NotImplementedError
+
+    def on_reward(self, traj_id: int, reward: float | None) -> None:
+        """``None``: the trajectory failed and its group leaves the batch (``verifier.on_failure:
+        drop_group``)."""
+        if self.streamed:  # at the end, every pass follows the last reward
+            self._passes_at_last_reward = self.passes()
+
+    def close(self) -> BatchOutcome:
+        raise NotImplementedError
+
+    def _left_after_last_reward(self) -> int:
+        return self.passes() - self._passes_at_last_reward
+
+
+def _ledger(learner: MegatronLearner) -> GradientLedger:
+    if learner.ledger is None:
+        raise TypeError(f"objective.kind={learner.objective.kind} has no reward part (no gradient ledger)")
+    return learner.ledger
+
+
+def _rl(learner: MegatronLearner) -> RLObjective:
+    if not isinstance(learner.objective, RLObjective):
+        raise TypeError(f"objective.kind={learner.objective.kind} has no reward part")
+    return learner.objective
+
+
+def _distill(learner: MegatronLearner) -> DistillObjective:
+    if not isinstance(learner.objective, DistillObjective):
+        raise TypeError(f"objective.kind={learner.objective.kind} has no distillation part")
+    return learner.objective
+
+
+def new_batch(learner: MegatronLearner, teacher: CachedTeacher | None, plan: BatchPlan, streamed: bool) -> Batch:
+    """The batch of ``learner``'s objective (``objective.kind``); the distillation kinds need the teacher."""
+    kind = learner.objective.kind
+    if kind == "grpo":
+        return GRPOBatch(learner, plan, streamed)
+    if teacher is None:
+        raise ConfigError(f"objective.kind: {kind} needs a teacher")
+    return (OPDGRPOBatch if kind == "opd_grpo" else OPDBatch)(learner, teacher, plan, streamed)
+
+
+# ---------------------------------------------------------------------- GRPO
+
+
+class GRPOBatch(Batch):
+    """GRPO and its variants: streamed through the gradient ledger, or ``grpo_gradient`` at close."""
+
+    def __init__(self, learner: MegatronLearner, plan: BatchPlan, streamed: bool) -> None:
+        super().__init__(learner, plan, streamed)
+        self.ledger = _ledger(learner)
+        self.group_of = {tid: g for g, members in plan for tid in members}
+        self.trajs: dict[int, Trajectory] = {}
+        self.rewards: dict[int, float | None] = {}
+        self.dropped: set[int] = set()  # groups excluded (a failed trajectory)
+        self._num_sync_passes = 0
         learner.backend.num_backward = 0
         if streamed:
-            learner.ledger.begin_batch(plan)
+            self.ledger.begin_batch(plan)
 
-    @property
-    def _mine(self) -> int:
-        return self.learner.groups.dp_rank
+    def passes(self) -> int:
+        return self.learner.backend.num_backward + self._num_sync_passes
 
     def on_finished(self, traj: Trajectory) -> None:
         n = self.learner.num_loss_tokens(traj)
-        owner = self.owner[traj.traj_id] = self.balancer.assign(n)
-        if owner == self._mine:
-            if self.learner.reference is not None:
-                self.learner.fill_ref_logprobs([traj])
-            self.trajs[traj.traj_id] = traj
-        if self.streamed:
-            if owner == self._mine:
-                self.learner.ledger.on_finished(traj)
-            else:
-                self.learner.ledger.on_remote_finished(traj.traj_id, n)
-        elif owner != self._mine:
+        mine = self.owners.settle(traj.traj_id, n)
+        if mine and self.learner.reference is not None:
+            self.learner.fill_ref_logprobs([traj])
+        if not self.streamed:
             self.trajs[traj.traj_id] = traj  # the batch path needs every trajectory's size
+        elif mine:
+            self.ledger.on_finished(traj)
+        else:
+            self.ledger.on_remote_finished(traj.traj_id, n)
 
     def on_reward(self, traj_id: int, reward: float | None) -> None:
-        """``None``: the trajectory failed (verifier policy drop_group); its group leaves the batch."""
-        self._passes_at_last_reward = self.learner.backend.num_backward
+        super().on_reward(traj_id, reward)
         if reward is None:
             self.dropped.add(self.group_of[traj_id])
         if self.streamed:
-            self.learner.ledger.on_reward(traj_id, reward)
+            self.ledger.on_reward(traj_id, reward)
         self.rewards[traj_id] = reward
 
     def close(self) -> BatchOutcome:
         if self.streamed:
-            result = self.learner.ledger.close_batch()
-            kept, dropped = result.num_kept_groups, result.num_dropped_groups
-            num_kept, peak = result.num_kept_trajectories, result.peak_buffers
+            result = self.ledger.close_batch()
         else:
             order = [tid for g, members in self.plan if g not in self.dropped for tid in members]
-            batch = [self.trajs[t] for t in order]
-            rewards = [self.rewards[t] for t in order]
-            owner = [self.owner[t] for t in order]
-            self.learner.sync_step_gradient(batch, rewards, owner)
-            kept = len(self.plan) - len(self.dropped)
-            dropped, num_kept, peak = len(self.dropped), len(batch), 1
-        total = self.learner.backend.num_backward
-        return BatchOutcome(kept, dropped, num_kept, peak, total - self._passes_at_last_reward)
+            owner = [self.owners.owner[t] for t in order]
+            z, mine = grpo_gradient(self.learner, [self.trajs[t] for t in order],
+                                    [self.rewards[t] for t in order], owner)
+            self._num_sync_passes = len(mine)
+            result = BatchResult(normaliser=z, num_kept_groups=len(self.plan) - len(self.dropped),
+                                 num_dropped_groups=len(self.dropped), num_kept_trajectories=len(order),
+                                 peak_buffers=1)
+        return BatchOutcome(**asdict(result), backward_after_last_reward=self._left_after_last_reward())
+
+
+def grpo_gradient(learner: MegatronLearner, batch: Sequence[Trajectory], rewards: Sequence[float | None],
+                  owner: Sequence[int] | None = None) -> tuple[float, list[int]]:
+    """GRPO's batch-synchronous gradient: every reward known; this rank's kept trajectories (all
+    when ``owner`` is None) as the micro-batches of one schedule call; the unnormalised sum, then
+    one division by Z (the functions the ledger and the plain reference use). Returns Z and the
+    indices of this rank's trajectories. Then ``step``."""
+    advantages, z = batch_advantages(batch, rewards, _rl(learner))
+    learner.ddp.zero_grad_buffer()
+    mine = _reward_terms(learner, batch, advantages, owner)
+    learner.backend.live.div_(z)
+    return z, mine
+
+
+def _reward_terms(learner: MegatronLearner, batch: Sequence[Trajectory], advantages: Sequence[float | None],
+                  owner: Sequence[int] | None) -> list[int]:
+    """This rank's kept trajectories' unnormalised loss gradients, added to DDP's buffers as the
+    micro-batches of one schedule call; returns their indices."""
+    objective = _rl(learner)
+    mine = [i for i, a in enumerate(advantages)
+            if a is not None and (owner is None or owner[i] == learner.pgs.dp_rank)]
+    if mine:
+        items = [batch[i] for i in mine]
+        specs = [LossSpec(advantage=advantages[i], reward_free=objective.has_reward_free_terms) for i in mine]
+        with learner.ddp.no_sync():
+            run_schedule(
+                learner.ddp, learner.pgs, items,
+                lambda k, logp, ent: trajectory_loss(logp, ent, items[k], specs[k], objective),
+                need_entropy=objective.entropy_coef > 0,
+            )
+    return mine
+
+
+# ---------------------------------------------------------------------- OPD
+
+
+class OPDBatch(Batch):
+    """On-policy distillation: each turn's gradient as it is generated (``opd_streamer``), or
+    ``opd_gradient`` on whole trajectories at close.
+
+    Why the two are equal: the loss is sum_i sum_{t trained} c_it l_it / Z with c_it = beta (l_it -
+    l^T_it) detached. c_it depends only on the tokens up to t and the current weights -- fixed the
+    moment the turn containing t is generated, since there is one optimizer step per batch. So
+    grad L = (1/Z) sum_i sum_k G_ik with G_ik turn k's terms (paths through the prefix K/V
+    included), a plain sum computed in any order; Z (trained tokens or trajectories of the whole
+    batch, every DP rank) is applied once at close. Rewards are logged, not trained on.
+    """
+
+    def __init__(self, learner: MegatronLearner, teacher: CachedTeacher, plan: BatchPlan, streamed: bool,
+                 into: GradBuffer | None = None) -> None:
+        super().__init__(learner, plan, streamed)
+        self.teacher = teacher
+        self.fed: dict[int, int] = {}  # streamed: tokens of each own trajectory given to the streamer
+        self.mine: list[Trajectory] = []  # at the end: this rank's trajectories, in finish order
+        self.num_trajectories = 0
+        self.streamer = opd_streamer(learner, teacher, into) if streamed else None
+
+    def passes(self) -> int:
+        return self.streamer.stats["backward_calls"] if self.streamer is not None else len(self.mine)
+
+    def on_turn(self, traj_id: int, tokens: list[int], start: int, end: int) -> None:
+        if self.streamer is None or start == end or not self.owners.claim(traj_id, end - start):
+            return
+        if traj_id not in self.fed:
+            self.streamer.begin_trajectory(traj_id, tokens[:start])
+        else:  # tool output and template glue since the last turn: context only
+            self.streamer.on_tool_output(traj_id, tokens[self.fed[traj_id] : start])
+        self.streamer.on_turn(traj_id, tokens[start:end])
+        self.fed[traj_id] = end
+
+    def on_finished(self, traj: Trajectory) -> None:
+        self.num_trajectories += 1
+        if self.streamer is not None:
+            if self.fed.pop(traj.traj_id, None) is not None:
+                self.streamer.end_trajectory(traj.traj_id)  # kv_adjoint: its reverse sweep
+        elif traj.loss_mask.any() and self.owners.claim(traj.traj_id, int(traj.loss_mask.sum())):
+            self.mine.append(traj)
+
+    def close(self) -> BatchOutcome:
+        if self.streamer is not None:
+            totals = finish_opd_stream(self.learner, self.streamer)
+        else:
+            totals = opd_gradient(self.learner, self.mine, self.teacher)
+        return BatchOutcome(normaliser=totals.normaliser, num_kept_groups=len(self.plan), num_dropped_groups=0,
+                            num_kept_trajectories=self.num_trajectories, peak_buffers=1,
+                            backward_after_last_reward=self._left_after_last_reward(),
+                            divergence=totals.divergence_mean)
+
+
+def opd_streamer(learner: MegatronLearner, teacher: CachedTeacher, into: GradBuffer | None = None) -> TurnStreamer:
+    """Per-turn OPD on ``learner`` (``objective.strategy``): gradients accumulate, unnormalised, in DDP's
+    buffers (zeroed here); ``finish_opd_stream`` divides by Z once. ``into``: a buffer
+    (``backend.zeros()``) each backward pass is moved into instead -- opd_grpo, whose ledger uses
+    DDP's buffers as scratch."""
+    opd = _distill(learner)
+    learner.ddp.zero_grad_buffer()
+    seg = MegatronSegmentModel(learner.ddp, learner.pgs)
+    model = seg if into is None else IntoAccumulator(seg, learner.backend.live, into)
+    return TurnStreamer(model, teacher, beta=opd.beta, strategy=opd.strategy, aggregation=opd.aggregation,
+                        divergence=opd.divergence, jsd_lam=opd.jsd_lam)
+
+
+def finish_opd_stream(learner: MegatronLearner, streamer: TurnStreamer) -> OPDTotals:
+    """Divide the streamed OPD gradient by the batch's Z, counted over every data-parallel rank's
+    trajectories (each rank streams only its own). Then ``step``."""
+    totals = _opd_totals(learner, streamer.finished_counts, streamer.divergence_sum, streamer.aggregation)
+    streamer.finish_batch(totals.normaliser)
+    return totals
+
+
+def opd_gradient(learner: MegatronLearner, batch: Sequence[Trajectory], teacher: CachedTeacher) -> OPDTotals:
+    """OPD's batch-synchronous reference on this rank's trajectories (``loss_mask`` = trained
+    tokens): the teacher scores each whole trajectory, one student forward and backward each, then
+    one division by the batch's Z -- the gradient the streamer computes turn by turn. Then ``step``."""
+    opd = _distill(learner)
+    gjsd = opd.divergence == "gjsd"
+    items = []
+    for traj in batch:
+        score = teacher.score_log_softmax if gjsd else teacher.score
+        items.append((traj.tokens, traj.loss_mask, score(traj.traj_id, traj.tokens, 1)))
+        teacher.release(traj.traj_id)
+    learner.ddp.zero_grad_buffer()
+    seg = MegatronSegmentModel(learner.ddp, learner.pgs)
+    if gjsd:
+        counts, divergence = accumulate_full_trajectory_gjsd(seg, items, opd.beta, opd.jsd_lam)
+    else:
+        counts, divergence = accumulate_full_trajectory_opd(seg, items, opd.beta)
+    totals = _opd_totals(learner, counts, divergence, opd.aggregation)
+    seg.divide_grads(totals.normaliser)
+    return totals
+
+
+def _opd_totals(learner: MegatronLearner, counts: Sequence[int], divergence_sum: float, aggregation: str) -> OPDTotals:
+    """Z and the mean divergence of the whole batch: this rank's counts summed over the DP group."""
+    totals = torch.tensor([sum(counts), len(counts), divergence_sum], dtype=torch.float64, device=learner.pgs.device)
+    if learner.pgs.dims.dp > 1:
+        dist.all_reduce(totals, group=learner.pgs.dp)
+    num_tokens, num_trajs = int(totals[0]), int(totals[1])
+    z = opd_normaliser([num_tokens] if aggregation == "token_mean" else [0] * num_trajs, aggregation)
+    return OPDTotals(z, float(totals[2]) / max(num_tokens, 1))
+
+
+# ---------------------------------------------------------------------- OPD + GRPO
+
+
+class OPDGRPOBatch(OPDBatch):
+    """``objective.kind: opd_grpo``: OPD's per-token KL term plus the reward term, one Z::
+
+        streamed  turns -> the per-turn streamer as for OPD, each backward moved into its own buffer
+                  ``kl``; finish and reward events -> the gradient ledger (group slots); at close
+                  grad = P / Z + KL / Z, Z the ledger's (the objective's normaliser, every DP rank)
+        at_end    ``opd_grpo_gradient``: both parts on whole trajectories, one Z
+
+    A trajectory has one owner for both parts: claimed at its first streamed turn, else at its
+    finish; every other rank's ledger counts it through ``on_remote_finished``.
+    """
+
+    def __init__(self, learner: MegatronLearner, teacher: CachedTeacher, plan: BatchPlan, streamed: bool) -> None:
+        self.kl = learner.backend.zeros() if streamed else None
+        super().__init__(learner, teacher, plan, streamed, into=self.kl)
+        self.ledger = _ledger(learner)
+        self.trajs: dict[int, Trajectory] = {}  # at the end: every trajectory (Z counts them all)
+        self.rewards: dict[int, float | None] = {}
+        learner.backend.num_backward = 0
+        if streamed:
+            self.ledger.begin_batch(plan)
+
+    def passes(self) -> int:
+        if self.streamer is None:
+            return 2 * sum(self.owners.is_mine(t) for t in self.trajs)  # a reward and a KL pass each
+        return self.streamer.stats["backward_calls"] + self.learner.backend.num_backward
+
+    def on_finished(self, traj: Trajectory) -> None:
+        self.num_trajectories += 1
+        tid = traj.traj_id
+        mine = self.owners.settle(tid, int(traj.loss_mask.sum()))
+        if self.streamer is None:
+            self.trajs[tid] = traj
+        elif mine:
+            if self.fed.pop(tid, None) is not None:
+                self.streamer.end_trajectory(tid)
+            self.ledger.on_finished(traj)
+        else:
+            self.ledger.on_remote_finished(tid, self.learner.num_loss_tokens(traj))
+
+    def on_reward(self, traj_id: int, reward: float | None) -> None:
+        super().on_reward(traj_id, reward)
+        if self.streamer is not None:
+            self.ledger.on_reward(traj_id, reward)
+        self.rewards[traj_id] = reward
+
+    def close(self) -> BatchOutcome:
+        if self.streamer is not None:
+            closed = self.ledger.close_batch()
+            divergence = finish_opd_grpo_stream(self.learner, self.streamer, self.kl, closed.normaliser)
+            result = BatchResult(**{**asdict(closed), "peak_buffers": closed.peak_buffers + 1})
+        else:
+            order = [tid for _, members in self.plan for tid in members]
+            totals = opd_grpo_gradient(self.learner, [self.trajs[t] for t in order], [self.rewards[t] for t in order],
+                                       [self.owners.owner[t] for t in order], self.teacher)
+            divergence = totals.divergence_mean
+            result = BatchResult(normaliser=totals.normaliser, num_kept_groups=len(self.plan), num_dropped_groups=0,
+                                 num_kept_trajectories=len(order), peak_buffers=1)
+        return BatchOutcome(**asdict(result), backward_after_last_reward=self._left_after_last_reward(),
+                            divergence=divergence)
+
+
+def finish_opd_grpo_stream(learner: MegatronLearner, streamer: TurnStreamer, kl: GradBuffer, z: float) -> float:
+    """opd_grpo streamed, after ``ledger.close_batch`` (DDP's buffers = P / Z): add the streamed KL
+    sum ``kl`` with the same Z, once -- grad = (P + KL) / Z. Returns the mean divergence. Then ``step``."""
+    learner.backend.live.add_(kl, alpha=1.0 / z)
+    totals = _opd_totals(learner, streamer.finished_counts, streamer.divergence_sum, streamer.aggregation)
+    streamer.reset_counts()
+    return totals.divergence_mean
+
+
+def opd_grpo_gradient(learner: MegatronLearner, batch: Sequence[Trajectory], rewards: Sequence[float | None],
+                      owner: Sequence[int], teacher: CachedTeacher) -> OPDTotals:
+    """opd_grpo's batch-synchronous reference: on this rank's trajectories the reward terms
+    (``grpo_gradient``'s schedule call) and the KL terms (``opd_gradient``'s full-trajectory
+    passes), unnormalised, then one division by the objective's Z (``batch_advantages``: trained
+    tokens or trajectories of the whole batch). Then ``step``."""
+    opd = _distill(learner)
+    advantages, z = batch_advantages(batch, rewards, _rl(learner))
+    learner.ddp.zero_grad_buffer()
+    mine = _reward_terms(learner, batch, advantages, owner)
+    items = []
+    for traj in (batch[i] for i in mine if batch[i].loss_mask.any()):
+        items.append((traj.tokens, traj.loss_mask, teacher.score(traj.traj_id, traj.tokens, 1)))
+        teacher.release(traj.traj_id)
+    counts, divergence = accumulate_full_trajectory_opd(MegatronSegmentModel(learner.ddp, learner.pgs), items, opd.beta)
+    learner.backend.live.div_(z)
+    return OPDTotals(z, _opd_totals(learner, counts, divergence, opd.aggregation).divergence_mean)

@@ -82,7 +82,7 @@ def save_checkpoint(learner, root: str | Path) -> Path:
     root = Path(root)
     final = root / f"step_{learner.num_steps}"
     tmp = root / f"step_{learner.num_steps}.tmp"
-    if learner.groups.rank == 0:
+    if learner.pgs.rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     dist.barrier()
@@ -91,7 +91,7 @@ def save_checkpoint(learner, root: str | Path) -> Path:
     state["num_steps"] = learner.num_steps
     dist_checkpointing.save(state, str(tmp), content_metadata=_OPTIM_METADATA)
     dist.barrier()
-    if learner.groups.rank == 0:
+    if learner.pgs.rank == 0:
         shutil.rmtree(final, ignore_errors=True)
         tmp.rename(final)
         (root / "latest").write_text(final.name + "\n")

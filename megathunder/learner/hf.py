@@ -174,7 +174,7 @@ def _trainable_items(model: torch.nn.Module):
 
 
 def load_full_state(
-    model: torch.nn.Module, full: dict[str, torch.Tensor], m: PolicyModelConfig, groups: ProcessGroups, offset: int
+    model: torch.nn.Module, full: dict[str, torch.Tensor], m: PolicyModelConfig, pgs: ProcessGroups, offset: int
 ) -> None:
     """Copy this rank's shard of a full Megatron state dict into the stage's model chunk."""
     with torch.no_grad():
@@ -185,14 +185,14 @@ def load_full_state(
                 key = "embedding.word_embeddings.weight"  # last stage's copy of the tied embedding
             if key not in full:
                 raise KeyError(f"checkpoint has no tensor for {key} (parameter {name})")
-            value = shard(key, full[key], groups.dims.tp, groups.tp_rank)
+            value = shard(key, full[key], pgs.dims.tp, pgs.tp_rank)
             if value.shape != param.shape:
                 raise ValueError(f"{key}: checkpoint shard {tuple(value.shape)} vs parameter {tuple(param.shape)}")
             param.copy_(value.to(param.dtype))
 
 
 def gather_full_state(
-    model: torch.nn.Module, m: PolicyModelConfig, groups: ProcessGroups, offset: int,
+    model: torch.nn.Module, m: PolicyModelConfig, pgs: ProcessGroups, offset: int,
     source: str = "param",
 ) -> dict[str, torch.Tensor] | None:
     """The full Megatron state dict on global rank 0 (None elsewhere): TP all-gather, PP gather.
@@ -201,25 +201,25 @@ def gather_full_state(
     all-reduce they hold the full reduced gradient on every rank).
     """
     stage: dict[str, torch.Tensor] = {}
-    tp_group = groups.tp
+    tp_group = pgs.tp
     for name, param in _trainable_items(model):
         canon = _canonical(name)
         if canon == "output_layer.weight" and m.tie_word_embeddings:
             continue
         local = param.detach() if source == "param" else param.main_grad.detach()
-        if groups.dims.tp > 1 and _tp_rule(canon) is not None:
-            parts = [torch.empty_like(local) for _ in range(groups.dims.tp)]
+        if pgs.dims.tp > 1 and _tp_rule(canon) is not None:
+            parts = [torch.empty_like(local) for _ in range(pgs.dims.tp)]
             dist.all_gather(parts, local.contiguous(), group=tp_group)
             full = unshard(canon, parts)
         else:
             full = local
         stage[_local_to_global(canon, offset)] = full.cpu().clone()
-    if groups.dims.pp == 1:
-        return stage if groups.rank == 0 else None
-    gathered: list[dict | None] = [None] * groups.dims.pp
-    if groups.tp_rank == 0 and groups.dp_rank == 0:
-        dist.gather_object(stage, gathered if groups.pp_rank == 0 else None, dst=_pp_first_rank(groups), group=groups.pp)
-    if groups.rank != 0:
+    if pgs.dims.pp == 1:
+        return stage if pgs.rank == 0 else None
+    gathered: list[dict | None] = [None] * pgs.dims.pp
+    if pgs.tp_rank == 0 and pgs.dp_rank == 0:
+        dist.gather_object(stage, gathered if pgs.pp_rank == 0 else None, dst=_pp_first_rank(pgs), group=pgs.pp)
+    if pgs.rank != 0:
         return None
     merged: dict[str, torch.Tensor] = {}
     for part in gathered:
@@ -227,12 +227,12 @@ def gather_full_state(
     return merged
 
 
-def _pp_first_rank(groups: ProcessGroups) -> int:
-    return dist.get_global_rank(groups.pp, 0)
+def _pp_first_rank(pgs: ProcessGroups) -> int:
+    return dist.get_global_rank(pgs.pp, 0)
 
 
-def import_hf(model: torch.nn.Module, hf_dir: str | Path, m: PolicyModelConfig, groups: ProcessGroups, offset: int) -> None:
-    load_full_state(model, hf_to_megatron(read_safetensors_dir(hf_dir), m), m, groups, offset)
+def import_hf(model: torch.nn.Module, hf_dir: str | Path, m: PolicyModelConfig, pgs: ProcessGroups, offset: int) -> None:
+    load_full_state(model, hf_to_megatron(read_safetensors_dir(hf_dir), m), m, pgs, offset)
 
 
 def hf_config_dict(m: PolicyModelConfig, dtype: str) -> dict:
@@ -258,13 +258,13 @@ def hf_config_dict(m: PolicyModelConfig, dtype: str) -> dict:
 
 
 def export_hf(
-    model: torch.nn.Module, out_dir: str | Path, m: PolicyModelConfig, groups: ProcessGroups, offset: int,
+    model: torch.nn.Module, out_dir: str | Path, m: PolicyModelConfig, pgs: ProcessGroups, offset: int,
     source_dir: str | Path | None = None, dtype: str = "float32",
 ) -> None:
     """Write ``model.safetensors`` + ``config.json`` (tokenizer files copied from ``source_dir``)."""
     from safetensors.torch import save_file
 
-    full = gather_full_state(model, m, groups, offset)
+    full = gather_full_state(model, m, pgs, offset)
     if full is None:
         return
     out = Path(out_dir)

@@ -51,11 +51,11 @@ def policy_config_from_hf(hf_dir: str | Path, base: PolicyModelConfig) -> Policy
     ))
 
 
-def transformer_config(model: PolicyModelConfig, precision: PrecisionConfig, groups: ProcessGroups):
+def transformer_config(model: PolicyModelConfig, precision: PrecisionConfig, pgs: ProcessGroups):
     from megatron.core.transformer import TransformerConfig
 
     dtype = DTYPES[precision.params_dtype]
-    on_gpu = groups.device.type == "cuda"
+    on_gpu = pgs.device.type == "cuda"
     fp8 = {}
     if precision.fp8 is not None:
         fp8 = dict(
@@ -84,8 +84,8 @@ def transformer_config(model: PolicyModelConfig, precision: PrecisionConfig, gro
         params_dtype=dtype,
         pipeline_dtype=dtype,
         bf16=dtype == torch.bfloat16,
-        tensor_model_parallel_size=groups.dims.tp,
-        pipeline_model_parallel_size=groups.dims.pp,
+        tensor_model_parallel_size=pgs.dims.tp,
+        pipeline_model_parallel_size=pgs.dims.pp,
         use_cpu_initialization=not on_gpu,
         perform_initialization=True,
         bias_dropout_fusion=on_gpu,
@@ -117,33 +117,32 @@ def layer_spec(model: PolicyModelConfig, precision: PrecisionConfig):
     return spec
 
 
-def resolve_model_config(cfg: LearnerConfig) -> PolicyModelConfig:
-    if cfg.model.hf_checkpoint is None:
-        return cfg.model
-    return policy_config_from_hf(cfg.model.hf_checkpoint, cfg.model)
+def resolve_model_config(model: PolicyModelConfig, hf_dir: str | Path | None) -> PolicyModelConfig:
+    """The model's sizes: ``hf_dir``'s config.json when given, else ``model``'s own."""
+    return model if hf_dir is None else policy_config_from_hf(hf_dir, model)
 
 
-def build_gpt_model(model_cfg: PolicyModelConfig, precision: PrecisionConfig, groups: ProcessGroups):
+def build_gpt_model(model_cfg: PolicyModelConfig, precision: PrecisionConfig, pgs: ProcessGroups):
     """The GPTModel chunk of this pipeline stage (weights randomly initialised)."""
     from megatron.core.models.gpt import GPTModel
 
-    groups.dims.check_model(model_cfg)
-    config = transformer_config(model_cfg, precision, groups)
+    pgs.dims.check_model(model_cfg)
+    config = transformer_config(model_cfg, precision, pgs)
     model = GPTModel(
         config=config,
         transformer_layer_spec=layer_spec(model_cfg, precision),
         vocab_size=model_cfg.vocab_size,
         max_sequence_length=model_cfg.max_position_embeddings,
-        pre_process=groups.is_first_stage,
-        post_process=groups.is_last_stage,
+        pre_process=pgs.is_first_stage,
+        post_process=pgs.is_last_stage,
         share_embeddings_and_output_weights=model_cfg.tie_word_embeddings,
         position_embedding_type="rope",
         rotary_base=int(model_cfg.rope_theta) if float(model_cfg.rope_theta).is_integer() else model_cfg.rope_theta,
-        pg_collection=groups.collection,
+        pg_collection=pgs.collection,
     )
-    return model.to(groups.device)
+    return model.to(pgs.device)
 
 
-def layer_offset(model_cfg: PolicyModelConfig, groups: ProcessGroups) -> int:
+def layer_offset(model_cfg: PolicyModelConfig, pgs: ProcessGroups) -> int:
     """Global index of this stage's first transformer layer (layers split evenly)."""
-    return groups.pp_rank * (model_cfg.num_layers // groups.dims.pp)
+    return pgs.pp_rank * (model_cfg.num_layers // pgs.dims.pp)

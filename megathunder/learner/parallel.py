@@ -11,14 +11,17 @@ from __future__ import annotations
 import os
 import sys
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
 
 from megathunder.config import ConfigError, LearnerConfig, ParallelConfig
-from megathunder.config.schema import PolicyModelConfig, check_parallel_divides_model
-from megathunder.learner import slurm_env
+from megathunder.config import PolicyModelConfig, check_parallel_divides_model
+from megathunder.learner import rendezvous
 from megathunder.learner.rendezvous import rendezvous_from_env
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -111,14 +114,14 @@ def init_distributed(cfg: LearnerConfig) -> ProcessGroups:
         device = torch.device("cpu")
     if not dist.is_initialized():
         alone = world_size == 1 and "MASTER_PORT" not in os.environ
-        slurm_env.export(rdzv, backend=backend)
+        rendezvous.export(rdzv, backend=backend)
         if world_size > 1:
             print(f"megathunder: {rdzv.describe()}", file=sys.stderr, flush=True)
         if alone:  # an in-process store, so several single-process runs can share a machine
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
         else:
             dist.init_process_group(backend, rank=rank, world_size=world_size)
-    slurm_env.check_world(rdzv, dist.get_rank(), dist.get_world_size())
+    rendezvous.check_world(rdzv, dist.get_rank(), dist.get_world_size())
 
     from megatron.core import parallel_state
     from megatron.core.process_groups_config import ProcessGroupCollection
@@ -147,3 +150,12 @@ def destroy_distributed() -> None:
     parallel_state.destroy_model_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def from_last_stage(pgs: ProcessGroups, value: T) -> T:
+    """A value computed on the last pipeline stage (None elsewhere), on every stage."""
+    if pgs.dims.pp == 1:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=dist.get_global_rank(pgs.pp, pgs.dims.pp - 1), group=pgs.pp)
+    return box[0]

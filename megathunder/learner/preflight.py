@@ -32,24 +32,24 @@ def main(argv=None) -> int:
     from megathunder.learner.parallel import init_distributed
 
     try:
-        groups = init_distributed(load_config(args.config, args.overrides).learner)
+        pgs = init_distributed(load_config(args.config, args.overrides).learner)
     except ConfigError as err:
         print(f"megathunder preflight: learner: {err}", file=sys.stderr, flush=True)
         return 2
-    nodes = [None] * groups.world_size
+    nodes = [None] * pgs.world_size
     node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
-    if groups.world_size > 1:
+    if pgs.world_size > 1:
         dist.all_gather_object(nodes, node)
     else:
         nodes = [node]
-    if groups.world_size != args.expect_world:
-        print(f"megathunder preflight: learner: world size {groups.world_size}, expected {args.expect_world}",
+    if pgs.world_size != args.expect_world:
+        print(f"megathunder preflight: learner: world size {pgs.world_size}, expected {args.expect_world}",
               file=sys.stderr, flush=True)
         return 3
-    if groups.rank == 0:
+    if pgs.rank == 0:
         per_node = ", ".join(f"{n} x{c}" for n, c in collections.Counter(nodes).items())
-        d = groups.dims
-        print(f"megathunder preflight: learner world {groups.world_size} = tp {d.tp} x pp {d.pp} x dp {d.dp} "
+        d = pgs.dims
+        print(f"megathunder preflight: learner world {pgs.world_size} = tp {d.tp} x pp {d.pp} x dp {d.dp} "
               f"on {per_node}", flush=True)
     dist.destroy_process_group()
     return 0

@@ -1,26 +1,16 @@
-"""Per-turn on-policy distillation on the Megatron learner.
+"""A Megatron GPTModel as the per-turn streamer's ``SegmentModel``.
 
-The strategies themselves (recompute, kv_adjoint, forward_early) live once, in
-``megathunder.streaming.opd_turns.TurnStreamer``; this module plugs Megatron into its two
-interfaces:
-
-- ``MegatronSegmentModel``: a GPTModel (or its DDP wrapper) forwarding one segment on top of past
-  keys/values through ``PastKVAttention`` (``learner.precision.core_attention=past_kv``), token
-  logprobs from vocab-parallel logits, backward into DDP's gradient buffers inside ``no_sync``.
-  Under tensor parallelism each rank holds its heads' K/V; every rank of a tensor-parallel group
-  must receive the same events in the same order (the forward and backward communicate).
-- ``build_teacher``: a frozen, forward-only GPTModel (its own size, same vocabulary) from a Hugging
-  Face checkpoint, sharded like the student, wrapped as a ``CachedTeacher`` -- each completed turn
-  is scored on top of the trajectory's cached teacher K/V, never re-scoring the prefix.
-
-    streamer = learner.turn_streamer(build_teacher(hf_dir, learner.cfg, learner.groups))
-    streamer.begin_trajectory(i, prompt); streamer.on_turn(i, turn); streamer.on_tool_output(i, out)
-    ...; streamer.end_trajectory(i); learner.finish_opd_batch(streamer); learner.step()
-
-Data parallel: each rank streams its own trajectories; ``finish_opd_batch`` divides by the Z of
-the whole batch (counts all-reduced over the DP group) and ``step`` sums the ranks' shares. The
-divergence is the reverse KL (sampled-token logprobs) or GKD's generalized JSD over the whole,
-vocabulary-parallel distribution (``log_softmax`` / ``vocab_sum`` below).
+The per-turn OPD strategies (recompute, kv_adjoint, forward_early) live once, in
+``megathunder.streaming.opd_turns.TurnStreamer``, written against two small interfaces; this
+module plugs Megatron into the first. ``MegatronSegmentModel`` forwards one segment of a
+trajectory on top of past keys/values through ``PastKVAttention``
+(``learner.precision.core_attention=past_kv``), gives token logprobs from vocab-parallel logits and
+backward passes into DDP's gradient buffers inside ``no_sync``. Under tensor parallelism each rank
+holds its heads' K/V; every rank of a tensor-parallel group must receive the same events in the
+same order (the forward and backward communicate). The divergence is the reverse KL
+(sampled-token logprobs) or GKD's generalized JSD over the whole, vocabulary-parallel
+distribution (``log_softmax`` / ``vocab_sum`` below). The teacher (``megathunder.learner.teacher``)
+is a frozen model of the same kind.
 
 Pipeline parallelism is not supported by the KV strategies (a segment forward is a plain model
 call, not a pipeline schedule); ``recompute`` needs no past K/V but uses the same plain call here.
@@ -55,19 +45,19 @@ class MegatronSegmentModel:
 
     kv_seq_dim = 0
 
-    def __init__(self, model: torch.nn.Module, groups: ProcessGroups) -> None:
-        if groups.dims.pp > 1:
+    def __init__(self, model: torch.nn.Module, pgs: ProcessGroups) -> None:
+        if pgs.dims.pp > 1:
             raise ConfigError("learner.opd: per-turn segment forwards do not run with pipeline_parallel > 1")
         self.model = model  # DDP wrapper (student) or bare GPTModel (teacher)
         gpt = getattr(model, "module", model)
         has_past_kv = any(isinstance(m, PastKVAttention) for m in gpt.modules())
         self.cache = past_kv_of(gpt) if has_past_kv else None  # recompute needs none
-        self.groups = groups
+        self.pgs = pgs
         buffers = getattr(model, "buffers", None)
         self.live = GradBuffer([b.grad_data for b in buffers]) if isinstance(buffers, list) else None
 
     def forward_segment(self, tokens: torch.Tensor, past: Sequence[KV] | None):
-        device = self.groups.device
+        device = self.pgs.device
         tokens = tokens.to(device)
         num_past = past[0][0].shape[0] if past else 0
         positions = torch.arange(num_past, num_past + tokens.numel(), device=device)[None]
@@ -80,20 +70,20 @@ class MegatronSegmentModel:
         return logits[0], list(produced)
 
     def logprobs(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return vocab_parallel_logprobs(logits, targets.to(logits.device), self.groups.tp)[0]
+        return vocab_parallel_logprobs(logits, targets.to(logits.device), self.pgs.tp)[0]
 
     def log_softmax(self, logits: torch.Tensor) -> torch.Tensor:
         """Log-probability rows of this rank's vocabulary slice. The log-partition is a sum over
         every rank whose result feeds rank-local terms, so its reduction is an all-reduce in the
         backward too (an identity backward would drop the other ranks' share of d/dlogZ)."""
         logits = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
-        group = self.groups.tp
+        group = self.pgs.tp
         shift = logits.detach().amax(dim=-1, keepdim=True)
-        if self.groups.dims.tp > 1:
+        if self.pgs.dims.tp > 1:
             torch.distributed.all_reduce(shift, op=torch.distributed.ReduceOp.MAX, group=group)
         shifted = logits - shift
         sum_exp = shifted.exp().sum(dim=-1, keepdim=True)
-        if self.groups.dims.tp > 1:
+        if self.pgs.dims.tp > 1:
             from torch.distributed.nn.functional import all_reduce
 
             sum_exp = all_reduce(sum_exp, group=group)
@@ -103,11 +93,11 @@ class MegatronSegmentModel:
         """Sum over the sharded vocabulary: the loss after it is replicated, so each rank's local
         terms take the identity backward (Megatron's reduce-from-model-parallel region)."""
         local = x.sum(dim=-1)
-        if self.groups.dims.tp == 1:
+        if self.pgs.dims.tp == 1:
             return local
         from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
 
-        return reduce_from_tensor_model_parallel_region(local, group=self.groups.tp)
+        return reduce_from_tensor_model_parallel_region(local, group=self.pgs.tp)
 
     def backward(self, outputs, grads, retain_graph: bool = False) -> None:
         with self.model.no_sync():
@@ -116,20 +106,3 @@ class MegatronSegmentModel:
 
     def divide_grads(self, z: float) -> None:
         self.live.div_(z)
-
-
-def build_teacher(hf_dir: str | Path, student_cfg: LearnerConfig, groups: ProcessGroups) -> CachedTeacher:
-    """A frozen teacher GPTModel from ``hf_dir`` (any size; the student's vocabulary), in the
-    student's parallel layout and precision, with past-K/V attention, as a ``CachedTeacher``."""
-    from megathunder.learner import hf
-    from megathunder.learner.model import build_gpt_model, layer_offset, resolve_model_config
-
-    cfg = student_cfg.model_copy(update={
-        "model": student_cfg.model.model_copy(update={"hf_checkpoint": str(hf_dir)}),
-        "precision": student_cfg.precision.model_copy(update={"core_attention": "past_kv"}),
-    })
-    model_cfg = resolve_model_config(cfg)
-    model = build_gpt_model(model_cfg, cfg.precision, groups)
-    hf.import_hf(model, hf_dir, model_cfg, groups, layer_offset(model_cfg, groups))
-    model.requires_grad_(False).eval()
-    return CachedTeacher(MegatronSegmentModel(model, groups))

@@ -5,9 +5,11 @@ The controller (global rank 0) lives on an asyncio loop with the rollout side; l
 calls and verifiers keep going while the learner computes -- that overlap is the point of
 streaming. Calls run in submission order, so events reach the ledger in the order they happened.
 
-Across ranks the controller channel is torch.distributed itself: before running a call, rank 0
-broadcasts ``(method, args)`` on a gloo group of the learner's world, and every other rank runs
-the same call from ``serve()``. We use torch.distributed rather than mpi4py because the learner
+A call is a method of the endpoint (``LearnerEndpoint``, ``megathunder.learner.endpoint``):
+``service.submit(LearnerEndpoint.finished, traj)``. Across ranks the controller channel is
+torch.distributed itself: before running a call, rank 0 broadcasts the method's name and its
+arguments on a gloo group of the learner's world, and every other rank runs the same method of its
+own endpoint from ``serve()``. We use torch.distributed rather than mpi4py because the learner
 already has the group, it works the same under torchrun and Slurm's srun, and nothing else has
 to be installed on the cluster. Collectives inside the calls (DP reduce, TP/PP exchange, the
 weight gather) then line up on all ranks by construction.
@@ -28,9 +30,15 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any, Concatenate, Generic, ParamSpec, TypeVar
 
 import torch.distributed as dist
 
+from megathunder.learner import cpu_compat
+
+E = TypeVar("E")  # the endpoint: LearnerEndpoint in training
+P = ParamSpec("P")
+R = TypeVar("R")
 _STOP = "__stop__"
 HEARTBEAT_S = 1.0
 
@@ -84,16 +92,16 @@ class Span:
 
 
 @dataclass
-class LearnerService:
-    handlers: dict[str, Callable]
+class LearnerService(Generic[E]):
+    """Runs ``endpoint``'s methods on a worker thread, on every rank (module docstring)."""
+
+    endpoint: E
     rank: int = 0
     world_size: int = 1
     spans: list[Span] = field(default_factory=list)
-    step: int = 0
+    step_index: int = 0  # the optimizer step the calls belong to (the timeline's spans)
 
     def __post_init__(self) -> None:
-        from megathunder.learner import cpu_compat
-
         self._pool = concurrent.futures.ThreadPoolExecutor(
             1, thread_name_prefix="learner", initializer=cpu_compat.enable_in_this_thread
         )
@@ -103,17 +111,20 @@ class LearnerService:
 
     # ------------------------------------------------------------------ controller (rank 0)
 
-    def submit(self, method: str, *args) -> concurrent.futures.Future:
-        """Queue a call; it runs after every call submitted before it."""
-        return self._pool.submit(self._run, method, args)
+    def submit(self, method: Callable[Concatenate[E, P], R], *args: P.args, **kwargs: P.kwargs) -> concurrent.futures.Future[R]:
+        """Queue ``method(endpoint, *args, **kwargs)``; it runs after every call submitted before it."""
+        name = method.__name__
+        if getattr(type(self.endpoint), name, None) is not method:
+            raise TypeError(f"{method!r} is not a method of {type(self.endpoint).__name__}")
+        return self._pool.submit(self._run, name, args, kwargs)
 
-    async def call(self, method: str, *args):
-        return await asyncio.wrap_future(self.submit(method, *args))
+    async def call(self, method: Callable[Concatenate[E, P], R], *args: P.args, **kwargs: P.kwargs) -> R:
+        return await asyncio.wrap_future(self.submit(method, *args, **kwargs))
 
     def stop(self) -> None:
         if self.world_size > 1:
             try:
-                self._pool.submit(self._run, _STOP, ()).result()
+                self._pool.submit(self._run, _STOP, (), {}).result()
             except LearnerRankLost:
                 pass  # already reported by the call that found it
             self._heartbeat.stop()
@@ -124,12 +135,12 @@ class LearnerService:
         dist.broadcast_object_list(box, src=0, group=self._group)
         return box[0]
 
-    def _run(self, method: str, args: tuple):
+    def _run(self, method: str, args: tuple, kwargs: dict[str, Any]) -> Any:
         if self.world_size == 1:
-            return self._execute(method, args)
+            return self._execute(method, args, kwargs)
         try:
-            self._broadcast((method, args))
-            return None if method == _STOP else self._execute(method, args)
+            self._broadcast((method, args, kwargs))
+            return None if method == _STOP else self._execute(method, args, kwargs)
         except RuntimeError as err:  # gloo: a peer closed its connection or timed out
             silent = self._heartbeat.silent_ranks()
             if not silent:
@@ -140,13 +151,13 @@ class LearnerService:
                 f"resumes from its last checkpoint when restarted ({str(err).splitlines()[0][:200]})"
             ) from err
 
-    def _execute(self, method: str, args: tuple):
+    def _execute(self, method: str, args: tuple, kwargs: dict[str, Any]) -> Any:
         start = time.monotonic()
         try:
-            return self.handlers[method](*args)
+            return getattr(self.endpoint, method)(*args, **kwargs)
         finally:
             with self._lock:
-                self.spans.append(Span(method, start, time.monotonic(), self.step))
+                self.spans.append(Span(method, start, time.monotonic(), self.step_index))
 
     # ------------------------------------------------------------------ followers (rank > 0)
 
@@ -154,7 +165,7 @@ class LearnerService:
         """Run rank 0's calls until it stops the service."""
         while True:
             try:
-                method, args = self._broadcast(None)
+                method, args, kwargs = self._broadcast(None)
             except RuntimeError as err:
                 raise LearnerRankLost(
                     f"learner rank {self.rank}: lost the controller (rank 0): {str(err).splitlines()[0][:200]}"
@@ -162,7 +173,7 @@ class LearnerService:
             if method == _STOP:
                 self._heartbeat.stop()
                 return
-            self._execute(method, args)
+            self._execute(method, args, kwargs)
 
     def forget_spans_before(self, step: int) -> None:
         """Drop the spans of optimizer steps before ``step`` (the timeline keeps a window)."""

@@ -12,11 +12,11 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from megathunder.config import ModelConfig
+from megathunder.config import DecoderConfig
 
 
 class _Block(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: DecoderConfig) -> None:
         super().__init__()
         d = cfg.hidden_size
         self.num_heads = cfg.num_heads
@@ -47,7 +47,7 @@ class _Block(nn.Module):
 
 
 class TorchDecoder(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: DecoderConfig) -> None:
         super().__init__()
         self.cfg = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
@@ -80,7 +80,7 @@ class TorchDecoder(nn.Module):
         return self.lm_head(self.norm(x)), kv
 
 
-def build_torch_decoder(cfg: ModelConfig, seed: int = 0) -> TorchDecoder:
+def build_torch_decoder(cfg: DecoderConfig, seed: int = 0) -> TorchDecoder:
     dtype = {"float32": torch.float32, "float64": torch.float64}[cfg.dtype]
     with torch.random.fork_rng():
         torch.manual_seed(seed)

@@ -21,7 +21,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from megathunder.config import ObjectiveConfig
+from megathunder.config import RLObjective
 
 
 @dataclass(frozen=True)
@@ -31,7 +31,7 @@ class GroupStats:
     coef: float  # A_i = coef * (r_i - mean) / batch_divisor
 
 
-def group_stats(rewards: Sequence[float], cfg: ObjectiveConfig) -> GroupStats:
+def group_stats(rewards: Sequence[float], cfg: RLObjective) -> GroupStats:
     """Mean, std and advantage coefficient of one group, rewards in sample order."""
     size = len(rewards)
     if size == 0:
@@ -44,12 +44,12 @@ def group_stats(rewards: Sequence[float], cfg: ObjectiveConfig) -> GroupStats:
     return GroupStats(mean=mean, std=std, coef=coef)
 
 
-def coef_known_before_close(cfg: ObjectiveConfig) -> bool:
+def coef_known_before_close(cfg: RLObjective) -> bool:
     """True when ``coef_g`` depends only on the group size (not on its rewards)."""
     return cfg.advantage != "grpo"
 
 
-def size_coef(size: int, cfg: ObjectiveConfig) -> float:
+def size_coef(size: int, cfg: RLObjective) -> float:
     """``coef_g`` of the variants whose coefficient depends only on the group size."""
     if cfg.advantage == "rloo":
         # r_i - mean_{j != i} r_j = G / (G - 1) * (r_i - mean); a lone sample has no baseline.
@@ -59,14 +59,14 @@ def size_coef(size: int, cfg: ObjectiveConfig) -> float:
     raise ValueError(f"advantage {cfg.advantage!r} has a reward-dependent coefficient")
 
 
-def keeps_group(rewards: Sequence[float], cfg: ObjectiveConfig) -> bool:
+def keeps_group(rewards: Sequence[float], cfg: RLObjective) -> bool:
     """DAPO dynamic sampling: a group whose rewards are all equal carries no signal."""
     if not cfg.dapo_dynamic_sampling:
         return True
     return any(r != rewards[0] for r in rewards)
 
 
-def batch_divisor(centered: Sequence[float], cfg: ObjectiveConfig) -> float:
+def batch_divisor(centered: Sequence[float], cfg: RLObjective) -> float:
     """``d``: 1, or for batch_std the std of ``r_i - mu_g`` over kept samples (sample order) + eps."""
     if cfg.advantage != "batch_std":
         return 1.0

@@ -16,17 +16,17 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from megathunder.config import ObjectiveConfig
+from megathunder.config import RLObjective
 
 
-def sequence_weight(num_loss_tokens: int, cfg: ObjectiveConfig) -> float:
+def sequence_weight(num_loss_tokens: int, cfg: RLObjective) -> float:
     """nu_i."""
     if cfg.loss_agg == "seq_mean_token_mean":
         return 1.0 / max(num_loss_tokens, 1)
     return 1.0
 
 
-def normaliser(num_loss_tokens: Sequence[int], cfg: ObjectiveConfig) -> float:
+def normaliser(num_loss_tokens: Sequence[int], cfg: RLObjective) -> float:
     """Z over the kept trajectories (their loss-token counts, any order: the sum is of integers)."""
     if cfg.loss_agg == "token_mean":
         z = sum(num_loss_tokens)

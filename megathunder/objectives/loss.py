@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megathunder.config import ObjectiveConfig
+from megathunder.config import RLObjective
 from megathunder.objectives.aggregation import sequence_weight
 from megathunder.objectives.dapo import effective_loss_mask
 from megathunder.objectives.importance import tis_weights
@@ -48,7 +48,7 @@ def token_logprobs_and_entropy(
     return logp_T, entropy_T
 
 
-def num_loss_tokens(traj: Trajectory, cfg: ObjectiveConfig) -> int:
+def num_loss_tokens(traj: Trajectory, cfg: RLObjective) -> int:
     return int(effective_loss_mask(traj, cfg.overlong_filter).sum())
 
 
@@ -57,7 +57,7 @@ def trajectory_loss(
     entropy_T: torch.Tensor | None,
     traj: Trajectory,
     spec: LossSpec,
-    cfg: ObjectiveConfig,
+    cfg: RLObjective,
     old_logp_T: torch.Tensor | None = None,
 ) -> torch.Tensor:
     mask = effective_loss_mask(traj, cfg.overlong_filter)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from megathunder.config import ObjectiveConfig
+from megathunder.config import RLObjective
 
 
 def policy_surrogate(
@@ -19,7 +19,7 @@ def policy_surrogate(
     old_logp: torch.Tensor,
     mask: torch.Tensor,
     advantage: float,
-    cfg: ObjectiveConfig,
+    cfg: RLObjective,
 ) -> torch.Tensor:
     """Per-token loss (to be minimised) of the score term."""
     log_ratio = logp - old_logp

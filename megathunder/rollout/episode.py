@@ -8,6 +8,7 @@ verifiers type against this module; the agent loop (``megathunder.rollout.agent_
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
@@ -91,6 +92,19 @@ class Episode:
     def policy_versions(self) -> set[int]:
         return {t.policy_version for t in self.turns}
 
+    @property
+    def trained_reward(self) -> float | None:
+        """The reward the learner trains on; None when the episode failed with ``drop_group``
+        (its group leaves the batch) or has no finite reward."""
+        return None if self.reward is None else trained_reward(self.reward.as_payload())
+
+    @property
+    def reward_time(self) -> float:
+        """When its reward was emitted (``time.monotonic()``)."""
+        if self.rewarded_at is not None:
+            return self.rewarded_at
+        return self.finished_at + (self.reward.duration_s if self.reward is not None else 0.0)
+
     def to_trajectory(self) -> Trajectory:
         """The learner's :class:`~megathunder.trajectory.Trajectory` (torch tensors)."""
         return Trajectory(
@@ -133,3 +147,12 @@ class RolloutEvent:
 
 
 EventSink = Callable[[RolloutEvent], None]
+
+
+def trained_reward(payload: dict) -> float | None:
+    """The reward a ``reward`` event's payload gives the learner: None for a dropped group's
+    failure or a non-finite reward."""
+    if payload.get("drop_group"):
+        return None
+    r = payload.get("reward")
+    return None if r is None or not math.isfinite(r) else float(r)

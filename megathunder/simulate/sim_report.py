@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
-from megathunder.simulate import metrics
+from megathunder.simulate import sim_metrics as metrics
 from megathunder.simulate.profile import Profile
 from megathunder.simulate.schedule_model import Trace, run_sync, run_thunder, sample_batches
 

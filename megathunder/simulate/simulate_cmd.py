@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 from megathunder.config.loader import ConfigError
-from megathunder.simulate import report
+from megathunder.simulate import sim_report as report
 from megathunder.simulate.calibrate import calibrate
 from megathunder.simulate.profile import load_profile
 from megathunder.simulate.run_dir import load_run

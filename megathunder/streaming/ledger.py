@@ -56,7 +56,7 @@ import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from megathunder.config import LedgerConfig, ObjectiveConfig
+from megathunder.config import LedgerConfig, RLObjective
 from megathunder.objectives import (
     GroupStats,
     LossSpec,
@@ -126,7 +126,7 @@ class GradientLedger:
     def __init__(
         self,
         backend: GradientBackend,
-        objective: ObjectiveConfig,
+        objective: RLObjective,
         config: LedgerConfig | None = None,
         *,
         reward_shift: bool = True,

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from megathunder.config import LedgerConfig, ObjectiveConfig
+from megathunder.config import LedgerConfig, RLObjective
 from megathunder.streaming.buffers import GradBuffer
 from megathunder.streaming.ledger import BatchResult, GradientLedger
 from megathunder.streaming.opd_turns import SegmentModel, Strategy, Teacher, TurnStreamer
@@ -64,7 +64,7 @@ class OPDWithRewards:
     ``on_tool_output``, ``end_trajectory(traj)`` (its ``Trajectory``, loss mask = trained tokens);
     ``on_reward`` any time after its end; ``close_batch`` once every group is closed."""
 
-    def __init__(self, backend, segment_model: SegmentModel, teacher: Teacher, objective: ObjectiveConfig,
+    def __init__(self, backend, segment_model: SegmentModel, teacher: Teacher, objective: RLObjective,
                  ledger_cfg: LedgerConfig | None = None, beta: float = 1.0,
                  strategy: Strategy = "kv_adjoint") -> None:
         if objective.loss_agg not in ("token_mean", "seq_mean_token_sum"):

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from megathunder.config import ObjectiveConfig
+from megathunder.config import RLObjective
 from megathunder.objectives import (
     LossSpec,
     advantage,
@@ -33,7 +33,7 @@ from megathunder.trajectory import Trajectory
 
 
 def batch_advantages(
-    batch: Sequence[Trajectory], rewards: Sequence[float], cfg: ObjectiveConfig
+    batch: Sequence[Trajectory], rewards: Sequence[float], cfg: RLObjective
 ) -> tuple[list[float | None], float]:
     """Per-trajectory advantage (None for a dropped group) and the normaliser Z."""
     by_group: dict[int, list[int]] = {}
@@ -58,7 +58,7 @@ def batch_loss(
     model: nn.Module,
     trajs: Sequence[Trajectory],
     advantages: Sequence[float],
-    cfg: ObjectiveConfig,
+    cfg: RLObjective,
     old_logps: Sequence[torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Unnormalised ``sum_i loss_i(A_i)`` of some kept trajectories, one (padded) forward."""
@@ -82,7 +82,7 @@ def reference_gradient(
     model: nn.Module,
     batch: Sequence[Trajectory],
     rewards: Sequence[float],
-    cfg: ObjectiveConfig,
+    cfg: RLObjective,
     micro_batch_size: int | None = None,
 ) -> torch.Tensor:
     """The flat gradient (parameters in ``model.parameters()`` order) of the batch loss."""

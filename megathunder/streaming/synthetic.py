@@ -114,14 +114,6 @@ def sample_order_events(num_trajs: int) -> list[Event]:
     return [Event(kind, i) for i in range(num_trajs) for kind in ("finished", "reward")]
 
 
-def group_plan(batch: Sequence[Trajectory]) -> list[tuple[int, list[int]]]:
-    """The ledger's batch declaration: groups in order of first appearance, members in order."""
-    plan: dict[int, list[int]] = {}
-    for t in batch:
-        plan.setdefault(t.group_id, []).append(t.traj_id)
-    return list(plan.items())
-
-
 def feed_events(
     ledger,
     batch: Sequence[Trajectory],

@@ -12,14 +12,14 @@ from collections.abc import Iterator, Sequence
 import torch
 from torch import nn
 
-from megathunder.config import ObjectiveConfig
+from megathunder.config import RLObjective
 from megathunder.objectives import LossSpec, token_logprobs_and_entropy, trajectory_loss
 from megathunder.streaming.buffers import GradBuffer
 from megathunder.trajectory import Trajectory
 
 
 class TorchBackend:
-    def __init__(self, model: nn.Module, objective: ObjectiveConfig) -> None:
+    def __init__(self, model: nn.Module, objective: RLObjective) -> None:
         self.model = model
         self.objective = objective
         self.params = [p for p in model.parameters() if p.requires_grad]

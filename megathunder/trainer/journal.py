@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from megathunder.trajectory import Trajectory
+from megathunder.trajectory import Trajectory, mask_spans
 
 log = logging.getLogger(__name__)
 
@@ -88,18 +88,6 @@ class Journal:
 
     def close(self) -> None:
         self._f.close()
-
-
-def mask_spans(mask: torch.Tensor) -> list[list[int]]:
-    """[start, end) runs of True: the loss mask in a few integers."""
-    spans, start = [], None
-    for i, m in enumerate(mask.tolist() + [False]):
-        if m and start is None:
-            start = i
-        elif not m and start is not None:
-            spans.append([start, i])
-            start = None
-    return spans
 
 
 def _mask(spans: list[list[int]], n: int) -> torch.Tensor:

@@ -18,13 +18,21 @@ from pathlib import Path
 import torch
 import yaml
 
+from safetensors.torch import load_file
+
 from megathunder.config import Config, load_config
+from megathunder.learner.batches import new_batch
+from megathunder.learner.learner import MegatronLearner
+from megathunder.learner.parallel import init_distributed
+from megathunder.learner.teacher import build_teacher
+from megathunder.streaming.opd_turns import CachedTeacher
 from megathunder.trainer.journal import completed_steps
-from megathunder.trainer.opd import teacher_dir, turn_spans
-from megathunder.trainer.trainer import new_batch
+from megathunder.trainer.setup import build_learner, teacher_dir
+from megathunder.trajectory import batch_plan, turn_spans
 
 
-def replay(cfg: Config, run_dir: Path, learner, num_steps: int | None = None, teacher=None) -> int:
+def replay(cfg: Config, run_dir: Path, learner: MegatronLearner, num_steps: int | None = None,
+           teacher: CachedTeacher | None = None) -> int:
     """Apply the journal's steps (all, or the first ``num_steps``) to ``learner``; returns how many.
     ``teacher``: OPD's (``objective.kind: opd`` or ``opd_grpo``)."""
     streamed = cfg.schedule.mode == "thunder"
@@ -34,8 +42,7 @@ def replay(cfg: Config, run_dir: Path, learner, num_steps: int | None = None, te
             break
         if step < learner.num_steps:
             continue  # already in the learner's (resumed) weights
-        plan = _plan(entries)
-        batch = new_batch(learner, teacher, plan, streamed)
+        batch = new_batch(learner, teacher, batch_plan(e.traj for e in entries), streamed)
         events = [(e.t_finished, 0, "finished", e) for e in entries] + [(e.t_reward, 1, "reward", e) for e in entries]
         for _, _, kind, e in sorted(events, key=lambda ev: (ev[0], ev[1], ev[3].traj.traj_id)):
             if kind == "finished":
@@ -52,13 +59,6 @@ def replay(cfg: Config, run_dir: Path, learner, num_steps: int | None = None, te
     return done
 
 
-def _plan(entries) -> list[tuple[int, list[int]]]:
-    groups: dict[int, list[int]] = {}
-    for e in entries:
-        groups.setdefault(e.traj.group_id, []).append(e.traj.traj_id)
-    return list(groups.items())
-
-
 def initial_weights(run_dir: Path) -> Path:
     """The HF directory the run started from (after its warm start)."""
     for name in ("sft_model", "init_model"):
@@ -68,22 +68,11 @@ def initial_weights(run_dir: Path) -> Path:
     return Path(cfg["learner"]["model"]["hf_checkpoint"])
 
 
-def build_replay_learner(cfg: Config, run_dir: Path):
-    from megathunder.learner.learner import MegatronLearner
-    from megathunder.learner.parallel import init_distributed
-
-    groups = init_distributed(cfg.learner)
-    learner_cfg = cfg.learner.model_copy(deep=True)
-    learner_cfg.model.hf_checkpoint = str(initial_weights(run_dir))
-    ledger_cfg = cfg.ledger
-    if cfg.verifier.on_failure == "drop_group":
-        ledger_cfg = ledger_cfg.model_copy(update={"hold_groups_until_close": True})
-    return MegatronLearner.build(learner_cfg, cfg.objective, groups, ledger_cfg)
+def build_replay_learner(cfg: Config, run_dir: Path) -> MegatronLearner:
+    return build_learner(cfg, init_distributed(cfg.learner), initial_weights(run_dir))
 
 
 def digest(path: Path) -> str:
-    from safetensors.torch import load_file
-
     h = hashlib.sha256()
     for name, tensor in sorted(load_file(str(path / "model.safetensors")).items()):
         h.update(name.encode())
@@ -97,12 +86,10 @@ def main(run_dir: str, overrides: list[str], out: str) -> int:
     learner = build_replay_learner(cfg, run_dir)
     teacher = None
     if cfg.objective.kind in ("opd", "opd_grpo"):
-        from megathunder.learner.segment_model import build_teacher
-
-        teacher = build_teacher(teacher_dir(cfg, run_dir), learner.cfg, learner.groups)
+        teacher = build_teacher(teacher_dir(cfg, run_dir), learner.cfg, learner.pgs)
     n = replay(cfg, run_dir, learner, teacher=teacher)
     learner.export_hf(out)
-    if learner.groups.rank == 0:
+    if learner.pgs.rank == 0:
         print(json.dumps({"replayed_steps": n, "schedule": cfg.schedule.mode, "out": out,
                           "digest": digest(Path(out))}))
     return 0

@@ -17,13 +17,27 @@ import asyncio
 import itertools
 import logging
 import time
+from collections.abc import Awaitable, Callable, Iterator
+from typing import Protocol
 
+from megathunder.learner.endpoint import LearnerEndpoint
 from megathunder.trainer.trainer import StepRecord, Trainer
 
 log = logging.getLogger(__name__)
 
 
-async def run_sync(tr: Trainer, steps: range) -> None:
+class Steps(Protocol):
+    """The optimizer steps to run: ``range(start, stop)``, or one that may end early (a signal)."""
+
+    start: int
+    stop: int
+
+    def __iter__(self) -> Iterator[int]: ...
+
+    def __len__(self) -> int: ...
+
+
+async def run_sync(tr: Trainer, steps: Steps) -> None:
     for step in steps:
         started = time.monotonic()
         episodes = await tr.rollout(step)
@@ -31,16 +45,16 @@ async def run_sync(tr: Trainer, steps: range) -> None:
         await tr.finish_step(step, StepRecord(episodes, started), outcome)
 
 
-async def run_thunder(tr: Trainer, steps: range) -> None:
+async def run_thunder(tr: Trainer, steps: Steps) -> None:
     for step in steps:
         started = time.monotonic()
-        tr.service.submit("begin", tr.plan(), True)
+        tr.service.submit(LearnerEndpoint.begin, tr.plan(), True)
         episodes = await tr.rollout(step, stream=True)  # events reach the learner as they happen
-        outcome = await tr.service.call("close")
+        outcome = await tr.service.call(LearnerEndpoint.close)
         await tr.finish_step(step, StepRecord(episodes, started), outcome)
 
 
-async def run_async(tr: Trainer, steps: range) -> None:
+async def run_async(tr: Trainer, steps: Steps) -> None:
     pending = asyncio.create_task(tr.rollout(steps.start))
     for step in steps:
         started = time.monotonic()
@@ -54,7 +68,7 @@ async def run_async(tr: Trainer, steps: range) -> None:
     await tr.push_weights()
 
 
-async def run_fully_async(tr: Trainer, steps: range) -> None:
+async def run_fully_async(tr: Trainer, steps: Steps) -> None:
     cfg = tr.cfg
     num_groups, size = cfg.batch.num_prompts_per_batch, cfg.batch.samples_per_prompt
     done: asyncio.Queue = asyncio.Queue()
@@ -66,7 +80,7 @@ async def run_fully_async(tr: Trainer, steps: range) -> None:
             step_seed, index = divmod(g, num_groups)
             inst = tr.instances(steps.start + step_seed)[index]
             eps = await asyncio.gather(*(
-                tr.loop.run_episode(inst, traj_id=g * size + k, group_id=g, seed=cfg.run.seed * 7919 + g * size + k)
+                tr.agent_loop.run_episode(inst, traj_id=g * size + k, group_id=g, seed=cfg.run.seed * 7919 + g * size + k)
                 for k in range(size)
             ))  # fmt: skip
             await done.put(list(eps))
@@ -106,4 +120,6 @@ async def run_fully_async(tr: Trainer, steps: range) -> None:
         await asyncio.gather(producer, *tasks, return_exceptions=True)
 
 
-SCHEDULES = {"sync": run_sync, "thunder": run_thunder, "async": run_async, "fully_async": run_fully_async}
+SCHEDULES: dict[str, Callable[[Trainer, Steps], Awaitable[None]]] = {
+    "sync": run_sync, "thunder": run_thunder, "async": run_async, "fully_async": run_fully_async,
+}

@@ -13,36 +13,39 @@ import asyncio
 import random
 from pathlib import Path
 
+import torch.distributed as dist
 from tqdm import tqdm
+from transformers import AutoTokenizer
 
-from megathunder.config import Config
+from megathunder.config import Config, GRPOObjective
 from megathunder.learner.backend import run_schedule
+from megathunder.learner.learner import MegatronLearner
+from megathunder.learner.parallel import ProcessGroups
+from megathunder.rollout.agent_loop import build_agent_loop
+from megathunder.rollout.chat import ChatCodec
+from megathunder.rollout.scripted import ScriptedPolicy
+from megathunder.rollout.tasks import build_task
+from megathunder.rollout.tasks.split import is_held_out
 from megathunder.trajectory import Trajectory
 
 
-async def demonstrations(cfg: Config, codec, num: int, seed: int) -> list[Trajectory]:
+async def demonstrations(cfg: Config, codec: ChatCodec, num: int, seed: int) -> list[Trajectory]:
     """``num`` reference episodes of the task (instances drawn with ``seed``)."""
-    from megathunder.rollout.agent_loop import build_agent_loop
-    from megathunder.rollout.scripted import ScriptedPolicy
-    from megathunder.rollout.tasks import build_task
-
-    from megathunder.rollout.tasks.split import is_held_out
-
     task = build_task(cfg.task)
     instances = task.instances(num, seed=seed)
     if cfg.eval.split == "held_out":  # never train on what evaluation measures
         instances = [i for i in instances if not is_held_out(i, cfg.eval.heldout_fraction)]
     policy = ScriptedPolicy(codec, {inst.prompt: list(task.scripted_turns(inst)) for inst in instances})
-    loop = build_agent_loop(cfg, policy, codec)
+    loop = build_agent_loop(cfg, policy, codec, task)
     episodes = await loop.run_batch(instances, 1)
     return [ep.to_trajectory() for ep in episodes]
 
 
-def sft_step(learner, batch: list[Trajectory]) -> float:
+def sft_step(learner: MegatronLearner, batch: list[Trajectory]) -> float:
     """One optimizer step of token-mean cross-entropy; each DP rank runs its share of ``batch``."""
-    groups = learner.groups
+    pgs = learner.pgs
     num_tokens = sum(int(t.loss_mask.sum()) for t in batch)
-    mine = batch[groups.dp_rank :: groups.dims.dp]
+    mine = batch[pgs.dp_rank :: pgs.dims.dp]
     learner.ddp.zero_grad_buffer()
     total = 0.0
     if mine:
@@ -50,42 +53,30 @@ def sft_step(learner, batch: list[Trajectory]) -> float:
             return -(logp * mine[k].loss_mask.to(logp.device)).sum() / num_tokens
 
         with learner.ddp.no_sync():
-            out = run_schedule(learner.ddp, groups, mine, loss, need_entropy=False)
-        if groups.is_last_stage:
+            out = run_schedule(learner.ddp, pgs, mine, loss, need_entropy=False)
+        if pgs.is_last_stage:
             total = -sum(float((o["logp"].cpu() * t.loss_mask).sum()) for o, t in zip(out, mine))
     learner.step()
     return total / max(num_tokens, 1)  # this rank's share of the mean loss
 
 
-def warm_start(cfg: Config, groups, source: Path, out_dir: Path, desc: str = "sft warm start") -> Path:
+def warm_start(cfg: Config, pgs: ProcessGroups, source: Path, out_dir: Path, desc: str = "sft warm start") -> Path:
     """Train ``sft.num_steps`` steps from the HF directory ``source``; export to ``out_dir``."""
-    from megathunder.config import ObjectiveConfig
-    from megathunder.learner.learner import MegatronLearner
-    from megathunder.rollout.chat import ChatCodec
-    from transformers import AutoTokenizer
-
     if (out_dir / "config.json").is_file() and (out_dir / "model.safetensors").is_file():
         return out_dir  # a resumed run: the warm start is done
     sft = cfg.sft
-    learner_cfg = cfg.learner.model_copy(deep=True)
-    learner_cfg.model.hf_checkpoint = str(source)
-    learner_cfg.optimizer = learner_cfg.optimizer.model_copy(update={
-        "lr": sft.lr, "min_lr": sft.lr / 10, "lr_warmup_steps": max(1, sft.num_steps // 10),
-        "lr_decay_steps": sft.num_steps, "lr_decay_style": "cosine",
-    })  # fmt: skip
-    learner = MegatronLearner.build(learner_cfg, ObjectiveConfig(), groups)
+    learner_cfg = cfg.learner.model_copy(update={"optimizer": sft.optimizer(cfg.learner.optimizer)})
+    learner = MegatronLearner.build(learner_cfg, GRPOObjective(), pgs, hf_dir=source)
     codec = ChatCodec(AutoTokenizer.from_pretrained(source))
     data = asyncio.run(demonstrations(cfg, codec, sft.num_steps * sft.batch_size, seed=cfg.run.seed + 7919))
     random.Random(cfg.run.seed).shuffle(data)
     data = data * -(-sft.num_steps * sft.batch_size // len(data))  # held-out instances were left out
-    show = cfg.run.progress and groups.rank == 0
+    show = cfg.run.progress and pgs.rank == 0
     bar = tqdm(range(sft.num_steps), desc=desc, unit="step", disable=not show, mininterval=1.0)
     for step in bar:
         loss = sft_step(learner, data[step * sft.batch_size : (step + 1) * sft.batch_size])
         bar.set_postfix(loss=f"{loss:.3f}")
     learner.export_hf(out_dir)
-    import torch.distributed as dist
-
     if dist.is_initialized():
         dist.barrier()
     return out_dir

@@ -11,7 +11,17 @@ ui.perfetto.dev.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+from megathunder.learner.service import Span  # noqa: E402
+from megathunder.rollout.episode import Episode  # noqa: E402
 
 COLOURS = {
     "finished": "#4c72b0", "reward": "#55a868", "close": "#8172b2", "step": "#c44e52",
@@ -19,14 +29,48 @@ COLOURS = {
 }  # fmt: skip
 
 
-def write_timeline(out: Path, trainer) -> None:
-    spans = list(trainer.service.spans)
-    t0 = min([s.start for s in spans] + [e["start"] for e in trainer.episode_spans], default=0.0)
-    write_trace(out / "trace.json", spans, trainer.episode_spans, trainer.sync_spans, t0)
-    _plot(out / "timeline.png", spans, trainer.episode_spans, trainer.sync_spans, trainer.metrics.rows, t0)
+@dataclass
+class Timeline:
+    """The rollout side's spans of the last ``run.timeline_steps`` steps (the learner's own spans are
+    the ``LearnerService``'s): each episode, and each weight sync."""
+
+    episodes: list[dict] = field(default_factory=list)
+    syncs: list[tuple[float, float, int]] = field(default_factory=list)  # (start, end, policy version)
+    initial_version: int | None = None  # the sync at engine start (weights before any step of this run)
+
+    def add_episodes(self, step: int, episodes: Sequence[Episode]) -> None:
+        for e in episodes:
+            self.episodes.append({
+                "step": step, "start": e.started_at, "finished": e.finished_at, "reward": e.reward_time,
+                "turns": len(e.turns), "group": e.group_id, "prompt_tokens": e.prompt_len,
+                "tokens": len(e.token_ids), "turn_spans": [
+                    (t.started_at, t.generated_at, t.tools_done_at, t.end - t.start) for t in e.turns],
+            })  # fmt: skip
+
+    def add_sync(self, start: float, end: float, version: int) -> None:
+        if not self.syncs and self.initial_version is None:
+            self.initial_version = version
+        self.syncs.append((start, end, version))
+
+    def keep_from(self, first_step: int) -> None:
+        """Only the spans of steps >= ``first_step`` (version v follows step v - 1)."""
+        self.episodes = [e for e in self.episodes if e["step"] >= first_step]
+        self.syncs = [s for s in self.syncs if s[2] >= first_step]
+
+    def write(self, out: Path, spans: Sequence[Span], rows: Sequence[dict]) -> None:
+        """``trace.json`` and ``timeline.png`` of the learner's ``spans`` and these."""
+        t0 = min([s.start for s in spans] + [e["start"] for e in self.episodes], default=0.0)
+        write_trace(out / "trace.json", spans, self.episodes, self.syncs, t0, self.initial_version)
+        _plot(out / "timeline.png", spans, self.episodes, self.syncs, rows, t0, self.initial_version)
 
 
-def write_trace(path: Path, spans, episodes, syncs, t0: float) -> None:
+def _sync_name(version: int, initial: int | None) -> str:
+    if version == initial:
+        return f"engine start: weights v{version} loaded into vLLM"
+    return f"weight sync v{version}"
+
+
+def write_trace(path: Path, spans, episodes, syncs, t0: float, initial_version: int | None = None) -> None:
     """``spans``: the learner's calls (kind, start, end, step); ``episodes``: ``Trainer.episode_spans``;
     ``syncs``: (start, end, version) of each weight sync; times are ``time.monotonic()``."""
     us = lambda t: round((t - t0) * 1e6)  # noqa: E731
@@ -36,7 +80,7 @@ def write_trace(path: Path, spans, episodes, syncs, t0: float) -> None:
         events.append({"name": s.kind, "ph": "X", "pid": 0, "tid": 0, "ts": us(s.start),
                        "dur": us(s.end) - us(s.start), "args": {"step": s.step}})
     for a, b, version in syncs:
-        events.append({"name": f"weight sync v{version}", "ph": "X", "pid": 0, "tid": 1, "ts": us(a), "dur": us(b) - us(a)})
+        events.append({"name": _sync_name(version, initial_version), "ph": "X", "pid": 0, "tid": 1, "ts": us(a), "dur": us(b) - us(a)})
     for k, e in enumerate(episodes):
         tid = k % 64
         events.append({"name": "generate+tools", "ph": "X", "pid": 1, "tid": tid, "ts": us(e["start"]),
@@ -53,12 +97,7 @@ def write_trace(path: Path, spans, episodes, syncs, t0: float) -> None:
     path.write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))
 
 
-def _plot(path: Path, spans, episodes, syncs, rows, t0: float) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+def _plot(path: Path, spans, episodes, syncs, rows, t0: float, initial_version: int | None) -> None:
     fig, (ax_l, ax_r, ax_m) = plt.subplots(3, 1, figsize=(12, 7), sharex=False,
                                            gridspec_kw={"height_ratios": [1.2, 2, 1.6]})
     end = max([s.end for s in spans] + [e["reward"] for e in episodes] + [t0 + 1e-3]) - t0
@@ -67,7 +106,12 @@ def _plot(path: Path, spans, episodes, syncs, rows, t0: float) -> None:
         bars = [(s.start - t0, s.end - s.start) for s in spans if s.kind == kind]
         if bars:
             ax_l.broken_barh(bars, (0.1, 0.8), facecolors=colour, label=kind)
-    ax_l.broken_barh([(a - t0, b - a) for a, b, _ in syncs], (1.1, 0.8), facecolors="#dd8452", label="weight sync")
+    first = [(a - t0, b - a) for a, b, v in syncs if v == initial_version]
+    later = [(a - t0, b - a) for a, b, v in syncs if v != initial_version]
+    if first:
+        ax_l.broken_barh(first, (1.1, 0.8), facecolors="#bbbbbb", label="engine start (initial weights)")
+    if later:
+        ax_l.broken_barh(later, (1.1, 0.8), facecolors="#dd8452", label="weight sync")
     ax_l.set_yticks([0.5, 1.5], ["learner", "sync"])
     ax_l.set_xlim(0, end)
     ax_l.legend(loc="upper left", ncol=1, fontsize=6, bbox_to_anchor=(1.005, 1.0))

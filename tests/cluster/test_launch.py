@@ -138,7 +138,7 @@ def test_opd_dry_run_trains_opd_with_the_teacher_and_an_optional_teacher_pool(tm
     assert out.returncode == 0, out.stderr
     assert "learner: 12 nodes (gpu05" in out.stdout and "world 96" in out.stdout
     assert "--job-name=teacher" not in out.stdout
-    assert "train launch/slurm/opd_128gpu.yaml" in train and "learner.opd.teacher_hf_checkpoint=/models/teacher" in train
+    assert "train launch/slurm/opd_128gpu.yaml" in train and "objective.teacher.hf_checkpoint=/models/teacher" in train
     # with a vLLM teacher pool on its own nodes, between rollout and learner nodes
     out, train = dry_run(MT_TEACHER_NODES="2", MT_TEACHER_URLS_KEY="teacher.server_urls")
     assert out.returncode == 0, out.stderr

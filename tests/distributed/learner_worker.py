@@ -18,15 +18,18 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from megathunder import synthetic as syn  # noqa: E402
-from megathunder.config import LearnerConfig, LedgerConfig, ObjectiveConfig  # noqa: E402
+from megathunder.streaming import synthetic as syn  # noqa: E402
+
+from megathunder.trajectory import batch_plan  # noqa: E402
+from megathunder.config import GRPOObjective, LearnerConfig, LedgerConfig  # noqa: E402
 from megathunder.learner import hf  # noqa: E402
+from megathunder.learner.batches import grpo_gradient  # noqa: E402
 from megathunder.learner.learner import MegatronLearner  # noqa: E402
 from megathunder.learner.parallel import destroy_distributed, init_distributed  # noqa: E402
 
 
 def full_params(learner: MegatronLearner, source: str = "param") -> dict[str, torch.Tensor] | None:
-    return hf.gather_full_state(learner.model, learner.model_cfg, learner.groups, learner.offset, source)
+    return hf.gather_full_state(learner.model, learner.model_cfg, learner.pgs, learner.offset, source)
 
 
 def restore(learner: MegatronLearner, full: dict[str, torch.Tensor] | None) -> None:
@@ -34,7 +37,7 @@ def restore(learner: MegatronLearner, full: dict[str, torch.Tensor] | None) -> N
 
     box = [full]
     dist.broadcast_object_list(box, src=0)
-    hf.load_full_state(learner.model, box[0], learner.model_cfg, learner.groups, learner.offset)
+    hf.load_full_state(learner.model, box[0], learner.model_cfg, learner.pgs, learner.offset)
 
 
 def make_batch(seed: int, vocab: int):
@@ -52,18 +55,18 @@ def equivalence(args) -> None:
         "optimizer": {"name": args.optimizer, "lr": args.lr, "clip_grad": 0.0,
                       "use_distributed_optimizer": args.dist_opt},
     })
-    objective = ObjectiveConfig.model_validate_json(args.objective)
-    groups = init_distributed(cfg)
-    learner = MegatronLearner.build(cfg, objective, groups, LedgerConfig(max_group_slots=args.slots))
+    objective = GRPOObjective.model_validate_json(args.objective)
+    pgs = init_distributed(cfg)
+    learner = MegatronLearner.build(cfg, objective, pgs, LedgerConfig(max_group_slots=args.slots))
     batch, rewards, events = make_batch(args.seed, learner.model_cfg.vocab_size)
-    dp, dp_rank = groups.dims.dp, groups.dp_rank
+    dp, dp_rank = pgs.dims.dp, pgs.dp_rank
     owner = [t.traj_id % dp for t in batch]
     if objective.kl_coef > 0:
         learner.fill_ref_logprobs(batch)
     before = full_params(learner)
 
     ledger = learner.ledger
-    ledger.begin_batch(syn.group_plan(batch))
+    ledger.begin_batch(batch_plan(batch))
     syn.feed_events(ledger, batch, rewards, events, owner=lambda t: owner[t.traj_id] == dp_rank,
                     num_loss_tokens=learner.num_loss_tokens)
     result = ledger.close_batch()
@@ -74,12 +77,12 @@ def equivalence(args) -> None:
 
     restore(learner, before)
     learner.optimizer.optimizer.state.clear()  # fresh Adam moments for the second path
-    learner.sync_step_gradient(batch, rewards, owner)
+    grpo_gradient(learner, batch, rewards, owner)
     learner.step()
     out["sync"] = full_params(learner)
     if not args.dist_opt:
         out["sync_grad"] = full_params(learner, "main_grad")
-    if groups.rank == 0:
+    if pgs.rank == 0:
         torch.save(out, args.out)
     destroy_distributed()
 
@@ -90,15 +93,15 @@ def _learner(args, objective=None):
         "model": {"hf_checkpoint": args.hf},
         "optimizer": {"name": "adam", "lr": 1e-2, "use_distributed_optimizer": args.dist_opt},
     })
-    groups = init_distributed(cfg)
-    return MegatronLearner.build(cfg, objective or ObjectiveConfig(), groups, LedgerConfig(max_group_slots=1))
+    pgs = init_distributed(cfg)
+    return MegatronLearner.build(cfg, objective or GRPOObjective(), pgs, LedgerConfig(max_group_slots=1))
 
 
 def _streamed_step(learner: MegatronLearner, seed: int) -> None:
     batch, rewards, events = make_batch(seed, learner.model_cfg.vocab_size)
-    dp, dp_rank = learner.groups.dims.dp, learner.groups.dp_rank
+    dp, dp_rank = learner.pgs.dims.dp, learner.pgs.dp_rank
     ledger = learner.ledger
-    ledger.begin_batch(syn.group_plan(batch))
+    ledger.begin_batch(batch_plan(batch))
     syn.feed_events(ledger, batch, rewards, events, owner=lambda t: t.traj_id % dp == dp_rank,
                     num_loss_tokens=learner.num_loss_tokens)
     ledger.close_batch()
@@ -115,7 +118,7 @@ def checkpoint_save(args) -> None:
     after1 = full_params(learner)
     _streamed_step(learner, seed=2)
     after2 = full_params(learner)
-    if learner.groups.rank == 0:
+    if learner.pgs.rank == 0:
         torch.save({"after1": after1, "after2": after2}, args.out)
     destroy_distributed()
 
@@ -130,7 +133,7 @@ def checkpoint_resume(args) -> None:
     num_steps = learner.num_steps
     _streamed_step(learner, seed=2)
     after2 = full_params(learner)
-    if learner.groups.rank == 0:
+    if learner.pgs.rank == 0:
         torch.save({"loaded": loaded, "after2": after2, "num_steps": num_steps}, args.out)
     destroy_distributed()
 
@@ -141,7 +144,7 @@ def hf_roundtrip(args) -> None:
     learner.export_hf(args.export)
     batch, _, _ = make_batch(3, learner.model_cfg.vocab_size)
     logps = learner.token_logprobs(batch)
-    if learner.groups.is_last_stage and learner.groups.tp_rank == 0 and learner.groups.dp_rank == 0:
+    if learner.pgs.is_last_stage and learner.pgs.tp_rank == 0 and learner.pgs.dp_rank == 0:
         torch.save({"logprobs": logps}, args.out)
     destroy_distributed()
 

@@ -20,14 +20,22 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from megathunder.config import LearnerConfig, ObjectiveConfig  # noqa: E402
+from megathunder.config import LearnerConfig, OPDGRPOObjective, OPDObjective  # noqa: E402
 from megathunder.learner.backend import run_schedule  # noqa: E402
+from megathunder.learner.batches import (  # noqa: E402
+    OPDGRPOBatch,
+    finish_opd_stream,
+    grpo_gradient,
+    opd_gradient,
+    opd_streamer,
+)
 from megathunder.learner.learner import MegatronLearner  # noqa: E402
-from megathunder.learner.segment_model import MegatronSegmentModel, build_teacher  # noqa: E402
 from megathunder.learner.parallel import destroy_distributed, init_distributed  # noqa: E402
+from megathunder.learner.segment_model import MegatronSegmentModel  # noqa: E402
+from megathunder.learner.teacher import build_teacher  # noqa: E402
 from megathunder.objectives.opd import opd_coefficients, opd_loss, opd_normaliser  # noqa: E402
 from megathunder.streaming.opd_turns import accumulate_full_trajectory_gjsd  # noqa: E402
-from megathunder.trajectory import Trajectory  # noqa: E402
+from megathunder.trajectory import Trajectory, turn_spans  # noqa: E402
 from tests.distributed.learner_worker import full_params, make_batch, restore  # noqa: E402
 from tests.opd_helpers import flatten, interleaved, random_episode, stream  # noqa: E402
 
@@ -43,13 +51,12 @@ def opd(args) -> None:
         "model": {"hf_checkpoint": args.hf},
         "precision": {"core_attention": "past_kv"},
         "optimizer": {"name": "sgd", "lr": 1.0, "clip_grad": 0.0, "use_distributed_optimizer": False},
-        "opd": {"strategy": strategies[0], "beta": BETA_GJSD if args.divergence == "gjsd" else BETA,
-                "aggregation": args.aggregation,
-                "divergence": args.divergence, "jsd_lam": JSD_LAM},
     })
-    groups = init_distributed(cfg)
-    learner = MegatronLearner.build(cfg, ObjectiveConfig(), groups)
-    teacher = build_teacher(args.teacher_hf, cfg, groups)
+    objective = OPDObjective(strategy=strategies[0], beta=BETA_GJSD if args.divergence == "gjsd" else BETA,
+                             aggregation=args.aggregation, divergence=args.divergence, jsd_lam=JSD_LAM)
+    pgs = init_distributed(cfg)
+    learner = MegatronLearner.build(cfg, objective, pgs)
+    teacher = build_teacher(args.teacher_hf, cfg, pgs)
     vocab = learner.model_cfg.vocab_size
     rng = random.Random(args.seed)
     episodes = [random_episode(rng, vocab) for _ in range(args.num_trajectories)]
@@ -67,19 +74,19 @@ def opd(args) -> None:
             teacher_full.append(teacher.model.logprobs(logits[:-1], tokens[1:]).cpu())
 
     # Batch-synchronous OPD through the learner's Megatron schedule.
-    dp, dp_rank = groups.dims.dp, groups.dp_rank
+    dp, dp_rank = pgs.dims.dp, pgs.dp_rank
     mine = [i for i in range(len(full)) if i % dp == dp_rank]  # data parallel: each rank its share
     items = [Trajectory(i, i, *full[i]) for i in mine if full[i][0].numel() > 1]
     learner.ddp.zero_grad_buffer()
     if args.divergence == "gjsd":  # batch GJSD on full trajectories, teacher rows from plain forwards
-        seg = MegatronSegmentModel(learner.ddp, groups)
+        seg = MegatronSegmentModel(learner.ddp, pgs)
         with torch.no_grad():
             rows = [teacher.model.log_softmax(teacher.model.forward_segment(full[i][0], None)[0][:-1]) for i in mine]
         accumulate_full_trajectory_gjsd(seg, [(*full[i], r) for i, r in zip(mine, rows, strict=True)], BETA_GJSD, JSD_LAM)
     else:
         with learner.ddp.no_sync():
             run_schedule(
-                learner.ddp, groups, items,
+                learner.ddp, pgs, items,
                 lambda k, logp, _ent: opd_loss(logp, opd_coefficients(
                     logp, teacher_full[items[k].traj_id].to(logp), items[k].loss_mask.to(logp.device), BETA)),
                 need_entropy=False,
@@ -91,11 +98,11 @@ def opd(args) -> None:
     for strategy in strategies:
         restore(learner, out["before"])
         learner.optimizer.optimizer.state.clear()  # SGD momentum: every path takes a first step
-        learner.cfg.opd.strategy = strategy
-        streamer = learner.turn_streamer(teacher)
+        objective.strategy = strategy
+        streamer = opd_streamer(learner, teacher)
         teacher.stats["forward_tokens"] = 0
         stream(streamer, [episodes[i] for i in mine], seed=args.seed)
-        learner.finish_opd_batch(streamer)  # Z over every rank's trajectories
+        finish_opd_stream(learner, streamer)  # Z over every rank's trajectories
         learner.step()
         out["strategies"][strategy] = {
             "grad": full_params(learner, "main_grad"), "params": full_params(learner),
@@ -108,9 +115,9 @@ def opd(args) -> None:
 
         for res in out["strategies"].values():
             box = torch.tensor([res["teacher_forward_tokens"]])
-            dist.all_reduce(box, group=groups.dp)
+            dist.all_reduce(box, group=pgs.dp)
             res["teacher_forward_tokens"] = int(box)
-    if groups.rank == 0:
+    if pgs.rank == 0:
         torch.save(out, args.out)
     destroy_distributed()
 
@@ -119,21 +126,19 @@ def opd_grpo(args) -> None:
     """objective.kind=opd_grpo through the trainer's ``OPDGRPOBatch`` on this learner: from the same
     start, the sync path (both parts at batch close) and the thunder path (turns, finishes and
     rewards interleaved at random: KL per turn, rewards through the ledger's group slots), one SGD
-    step each. On one rank also the sum of the two existing references, GRPO's
-    ``sync_step_gradient`` and OPD's ``opd_batch_gradient`` (token_mean: the same Z)."""
-    from megathunder.trainer.opd import OPDGRPOBatch, turn_spans
-
+    step each. On one rank also the sum of the two existing references, GRPO's ``grpo_gradient``
+    and OPD's ``opd_gradient`` (token_mean: the same Z)."""
     cfg = LearnerConfig.model_validate({
         "parallel": {"tensor_parallel": args.tp},
         "model": {"hf_checkpoint": args.hf},
         "precision": {"core_attention": "past_kv"},
         "optimizer": {"name": "sgd", "lr": 1.0, "clip_grad": 0.0, "use_distributed_optimizer": False},
-        "opd": {"strategy": args.strategies.split(",")[0], "beta": BETA},
     })
-    objective = ObjectiveConfig(kind="opd_grpo", advantage="grpo", loss_agg="token_mean")
-    groups = init_distributed(cfg)
-    learner = MegatronLearner.build(cfg, objective, groups)
-    teacher = build_teacher(args.teacher_hf, cfg, groups)
+    objective = OPDGRPOObjective(strategy=args.strategies.split(",")[0], beta=BETA, advantage="grpo",
+                                 loss_agg="token_mean")
+    pgs = init_distributed(cfg)
+    learner = MegatronLearner.build(cfg, objective, pgs)
+    teacher = build_teacher(args.teacher_hf, cfg, pgs)
     rng = random.Random(args.seed)
     trajs = []
     while len(trajs) < args.num_trajectories:  # groups of 3; a trajectory has >= 2 tokens
@@ -150,10 +155,10 @@ def opd_grpo(args) -> None:
         restore(learner, out["before"])
         learner.optimizer.optimizer.state.clear()
 
-    if groups.dims.dp == 1:
-        learner.sync_step_gradient(trajs, rewards)
+    if pgs.dims.dp == 1:
+        grpo_gradient(learner, trajs, rewards)
         take_step("grpo_reference")
-        learner.opd_batch_gradient([t for t in trajs if t.loss_mask.any()], teacher)
+        opd_gradient(learner, [t for t in trajs if t.loss_mask.any()], teacher)
         take_step("opd_reference")
     for mode in ("sync", "thunder"):
         batch = OPDGRPOBatch(learner, teacher, plan, streamed=mode == "thunder")
@@ -170,7 +175,7 @@ def opd_grpo(args) -> None:
         take_step(mode)
         out[mode]["divergence"] = outcome.divergence
         out[mode]["backward_after_last_reward"] = outcome.backward_after_last_reward
-    if groups.rank == 0:
+    if pgs.rank == 0:
         torch.save(out, args.out)
     destroy_distributed()
 
@@ -216,18 +221,15 @@ def reverse_kl(student_seg, teacher_seg, episodes) -> float:
 def train(args) -> None:
     """On-policy distillation: each step the student samples a batch of multi-turn episodes, the
     per-turn streamer trains on them (teacher scoring each turn on its cache), one Adam step."""
-    from megathunder.learner.segment_model import MegatronSegmentModel
-
     cfg = LearnerConfig.model_validate({
         "model": {"hf_checkpoint": args.hf},
         "precision": {"core_attention": "past_kv"},
         "optimizer": {"name": "adam", "lr": args.lr, "clip_grad": 1.0},
-        "opd": {"strategy": args.strategies.split(",")[0]},
     })
-    groups = init_distributed(cfg)
-    learner = MegatronLearner.build(cfg, ObjectiveConfig(), groups)
-    teacher = build_teacher(args.teacher_hf, cfg, groups)
-    seg = MegatronSegmentModel(learner.ddp, groups)
+    pgs = init_distributed(cfg)
+    learner = MegatronLearner.build(cfg, OPDObjective(strategy=args.strategies.split(",")[0]), pgs)
+    teacher = build_teacher(args.teacher_hf, cfg, pgs)
+    seg = MegatronSegmentModel(learner.ddp, pgs)
     vocab = learner.model_cfg.vocab_size
     rng, gen = random.Random(args.seed), torch.Generator().manual_seed(args.seed)
     held_out = [sample_episode(seg, torch.Generator().manual_seed(99), random.Random(99), vocab, 4) for _ in range(8)]
@@ -235,12 +237,12 @@ def train(args) -> None:
     for _ in range(args.steps):
         episodes = [sample_episode(seg, gen, rng, vocab, rng.randint(1, 6)) for _ in range(args.num_trajectories)]
         curve.append(reverse_kl(seg, teacher.model, episodes))
-        streamer = learner.turn_streamer(teacher)
+        streamer = opd_streamer(learner, teacher)
         stream(streamer, episodes, seed=rng.randrange(1000))
-        learner.finish_opd_batch(streamer)
+        finish_opd_stream(learner, streamer)
         learner.step()
     out = {"on_policy_kl": curve, "held_out_kl": (initial_fresh, reverse_kl(seg, teacher.model, held_out))}
-    if groups.rank == 0:
+    if pgs.rank == 0:
         torch.save(out, args.out)
     destroy_distributed()
 

@@ -22,24 +22,26 @@ from megathunder.learner.service import LearnerRankLost, LearnerService  # noqa:
 def main() -> int:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    calls = {"n": 0}
 
-    def step(x: int) -> int:
-        calls["n"] += 1
-        if rank == 1 and calls["n"] == 3:
-            os._exit(9)  # the learner rank dies mid-run
-        t = torch.ones(1)
-        dist.all_reduce(t)  # a collective, as every learner step has
-        return x
+    class Endpoint:
+        calls = 0
 
-    service = LearnerService({"step": step}, rank, dist.get_world_size())
+        def step(self, x: int) -> int:
+            self.calls += 1
+            if rank == 1 and self.calls == 3:
+                os._exit(9)  # the learner rank dies mid-run
+            t = torch.ones(1)
+            dist.all_reduce(t)  # a collective, as every learner step has
+            return x
+
+    service = LearnerService(Endpoint(), rank, dist.get_world_size())
     if rank != 0:
         service.serve()
         return 0
     start = time.monotonic()
     try:
         for i in range(100):
-            service.submit("step", i).result()
+            service.submit(Endpoint.step, i).result()
             time.sleep(0.1)
     except LearnerRankLost as err:
         print(f"STOPPED after {time.monotonic() - start:.1f} s: {err}", flush=True)

@@ -20,8 +20,10 @@ BF16_TOL = 2e-2  # relative; bf16 forward/backward, fp32 accumulation, reassocia
 
 
 def _run(layer_spec: str, fp8: str | None) -> tuple[float, float]:
-    from megathunder import synthetic as syn
-    from megathunder.config import LearnerConfig, LedgerConfig, ObjectiveConfig
+    from megathunder.streaming import synthetic as syn
+    from megathunder.trajectory import batch_plan
+    from megathunder.config import GRPOObjective, LearnerConfig, LedgerConfig
+    from megathunder.learner.batches import grpo_gradient
     from megathunder.learner.learner import MegatronLearner
     from megathunder.learner.parallel import destroy_distributed, init_distributed
 
@@ -31,17 +33,17 @@ def _run(layer_spec: str, fp8: str | None) -> tuple[float, float]:
                   "num_attention_heads": 8, "num_query_groups": 4, "tie_word_embeddings": False},
         "precision": {"params_dtype": "bfloat16", "layer_spec": layer_spec, "fp8": fp8},
     })
-    objective = ObjectiveConfig(kl_coef=0.0, entropy_coef=0.001)
-    groups = init_distributed(cfg)
+    objective = GRPOObjective(kl_coef=0.0, entropy_coef=0.001)
+    pgs = init_distributed(cfg)
     try:
-        learner = MegatronLearner.build(cfg, objective, groups, LedgerConfig(max_group_slots=2))
+        learner = MegatronLearner.build(cfg, objective, pgs, LedgerConfig(max_group_slots=2))
         rng = random.Random(0)
         batch = syn.random_batch(rng, [4, 4, 4], 1024, 256, empty_prob=0.0)
         rewards = syn.random_rewards(rng, batch, "continuous")
-        learner.sync_step_gradient(batch, rewards)
+        grpo_gradient(learner, batch, rewards)
         sync = learner.backend.live.flat().float().clone()
         ledger = learner.ledger
-        ledger.begin_batch(syn.group_plan(batch))
+        ledger.begin_batch(batch_plan(batch))
         syn.feed_events(ledger, batch, rewards, syn.random_event_order(rng, len(batch)))
         ledger.close_batch()
         streamed = learner.backend.live.flat().float()

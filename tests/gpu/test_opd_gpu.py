@@ -20,7 +20,8 @@ BF16_TOL = 3e-2
 
 
 def _run(layer_spec: str) -> dict[str, float]:
-    from megathunder.config import LearnerConfig, ObjectiveConfig
+    from megathunder.config import LearnerConfig, OPDObjective
+    from megathunder.learner.batches import opd_streamer
     from megathunder.learner.learner import MegatronLearner
     from megathunder.learner.segment_model import MegatronSegmentModel
     from megathunder.learner.parallel import destroy_distributed, init_distributed
@@ -33,19 +34,19 @@ def _run(layer_spec: str) -> dict[str, float]:
         "model": {"vocab_size": 1024, "hidden_size": 512, "ffn_hidden_size": 2048, "num_layers": 4,
                   "num_attention_heads": 8, "num_query_groups": 4, "tie_word_embeddings": False},
         "precision": {"params_dtype": "bfloat16", "layer_spec": layer_spec, "core_attention": "past_kv"},
-        "opd": {"strategy": "kv_adjoint"},
     })
-    groups = init_distributed(cfg)
+    objective = OPDObjective(strategy="kv_adjoint")
+    pgs = init_distributed(cfg)
 
     def teacher_fn(tokens, start, end):  # any fixed function of the tokens will do for exactness
         return -((tokens[start:end].double() * 0.37) % 3.0).float() - 0.1
 
     try:
-        learner = MegatronLearner.build(cfg, ObjectiveConfig(), groups)
+        learner = MegatronLearner.build(cfg, objective, pgs)
         rng = random.Random(0)
         episodes = [random_episode(rng, 1024) for _ in range(6)]
         full = [flatten(e) for e in episodes]
-        seg = MegatronSegmentModel(learner.ddp, groups)
+        seg = MegatronSegmentModel(learner.ddp, pgs)
         learner.ddp.zero_grad_buffer()
         items = [(t, m, teacher_fn(t, 1, t.numel())) for t, m in full]
         counts, _ = accumulate_full_trajectory_opd(seg, items, 1.0)
@@ -53,8 +54,8 @@ def _run(layer_spec: str) -> dict[str, float]:
         reference = learner.backend.live.flat().float().clone()
         errors = {}
         for strategy in ("recompute", "kv_adjoint", "forward_early"):
-            learner.cfg.opd.strategy = strategy
-            streamer = learner.turn_streamer(FunctionTeacher(teacher_fn))
+            objective.strategy = strategy
+            streamer = opd_streamer(learner, FunctionTeacher(teacher_fn))
             stream(streamer, episodes)
             streamer.finish_batch()
             streamed = learner.backend.live.flat().float()

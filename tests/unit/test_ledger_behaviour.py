@@ -8,8 +8,10 @@ import random
 import pytest
 import torch
 
-from megathunder import synthetic as syn
-from megathunder.config import LedgerConfig, ObjectiveConfig
+from megathunder.streaming import synthetic as syn
+
+from megathunder.trajectory import batch_plan
+from megathunder.config import GRPOObjective, LedgerConfig
 from megathunder.objectives import num_loss_tokens
 from megathunder.streaming.reference import reference_gradient
 from megathunder.streaming import GradientLedger, TorchBackend
@@ -23,7 +25,7 @@ def test_all_equal_reward_group_contributes_exactly_zero(slots, advantage):
     rng = random.Random(21)
     batch = syn.random_batch(rng, [5], VOCAB, MAX_LEN, torch.float32, empty_prob=0.0)
     rewards = [0.1] * 5  # 5 * 0.1 is not exactly 0.5 in floating point; the shifted mean is exact
-    objective = ObjectiveConfig(advantage=advantage)
+    objective = GRPOObjective(advantage=advantage)
     ref = reference_gradient(model, batch, rewards, objective)
     streamed, _, _ = streamed_gradient(
         model, batch, rewards, objective, LedgerConfig(max_group_slots=slots),
@@ -37,7 +39,7 @@ def test_all_equal_reward_group_contributes_exactly_zero(slots, advantage):
 def test_dapo_dropped_group_changes_neither_gradient_nor_normaliser(slots):
     """Adding a group with equal rewards (dropped by dynamic sampling) changes no bit."""
     model = small_model("float32")
-    objective = ObjectiveConfig(
+    objective = GRPOObjective(
         dapo_dynamic_sampling=True, kl_coef=0.1, entropy_coef=0.01, loss_agg="token_mean"
     )
     rng, batch, rewards = make_case(22, torch.float32, "continuous")
@@ -94,7 +96,7 @@ def test_peak_memory_is_per_slot_buffers_plus_one(slots, advantage, per_slot):
     # Round-robin over groups: every group opens before any closes.
     order = sorted(range(len(batch)), key=lambda i: (i % 4, i // 4))
     events = [syn.Event(k, i) for i in order for k in ("finished", "reward")]
-    objective = ObjectiveConfig(advantage=advantage)
+    objective = GRPOObjective(advantage=advantage)
     streamed, result, ledger = streamed_gradient(
         model, batch, rewards, objective, LedgerConfig(max_group_slots=slots), events
     )
@@ -108,9 +110,9 @@ def test_single_processed_trajectory_holds_one_buffer():
     rng = random.Random(24)
     batch = syn.random_batch(rng, [3, 3], VOCAB, MAX_LEN, torch.float32, empty_prob=0.0)
     events = [syn.Event("finished", i) for i in range(6)] + [syn.Event("reward", i) for i in (0, 3)]
-    backend = TorchBackend(model, ObjectiveConfig())
-    ledger = GradientLedger(backend, ObjectiveConfig(), LedgerConfig(max_group_slots=None))
-    ledger.begin_batch(syn.group_plan(batch))
+    backend = TorchBackend(model, GRPOObjective())
+    ledger = GradientLedger(backend, GRPOObjective(), LedgerConfig(max_group_slots=None))
+    ledger.begin_batch(batch_plan(batch))
     for e in events:
         (ledger.on_finished(batch[e.traj_id]) if e.kind == "finished" else ledger.on_reward(e.traj_id, 1.0))
     assert ledger.pool.num_live == 1 + 2  # P + one S per group, no R yet
@@ -120,7 +122,7 @@ def test_single_processed_trajectory_holds_one_buffer():
 def test_data_parallel_ranks_sum_to_the_global_gradient(advantage):
     """Two ledgers, each owning half of every group, see all rewards: their sum is the reference."""
     model = small_model("float64")
-    objective = ObjectiveConfig(advantage=advantage, kl_coef=0.05, dapo_dynamic_sampling=True)
+    objective = GRPOObjective(advantage=advantage, kl_coef=0.05, dapo_dynamic_sampling=True)
     rng, batch, rewards = make_case(25, torch.float64, "binary")
     events = syn.random_event_order(rng, len(batch))
     owner = {t.traj_id: rng.randrange(2) for t in batch}
@@ -128,7 +130,7 @@ def test_data_parallel_ranks_sum_to_the_global_gradient(advantage):
     for rank in range(2):
         backend = TorchBackend(model, objective)
         ledger = GradientLedger(backend, objective, LedgerConfig(max_group_slots=1))
-        ledger.begin_batch(syn.group_plan(batch))
+        ledger.begin_batch(batch_plan(batch))
         syn.feed_events(ledger, batch, rewards, events, owner=lambda t: owner[t.traj_id] == rank,
                         num_loss_tokens=lambda t: num_loss_tokens(t, objective))
         ledger.close_batch()
@@ -140,7 +142,7 @@ def test_data_parallel_ranks_sum_to_the_global_gradient(advantage):
 @pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 def test_parameters_after_one_step_match(optimizer, dtype):
-    objective = ObjectiveConfig(kl_coef=0.05, entropy_coef=0.01)
+    objective = GRPOObjective(kl_coef=0.05, entropy_coef=0.01)
     rng, batch, rewards = make_case(26, getattr(torch, dtype), "continuous")
     model_ref = small_model(dtype)
     model_stream = copy.deepcopy(model_ref)

@@ -7,8 +7,10 @@ import math
 import pytest
 import torch
 
-from megathunder import synthetic as syn
-from megathunder.config import LedgerConfig, ObjectiveConfig
+from megathunder.streaming import synthetic as syn
+
+from megathunder.trajectory import batch_plan
+from megathunder.config import GRPOObjective, LedgerConfig
 from megathunder.streaming.reference import reference_gradient
 from megathunder.streaming import GradientLedger, LedgerError, TorchBackend
 from tests.helpers import make_case, rel_err, small_model
@@ -17,11 +19,11 @@ from tests.helpers import make_case, rel_err, small_model
 @pytest.fixture
 def setup():
     model = small_model("float64")
-    objective = ObjectiveConfig(kl_coef=0.05)
+    objective = GRPOObjective(kl_coef=0.05)
     rng, batch, rewards = make_case(31, torch.float64, "continuous")
     backend = TorchBackend(model, objective)
     ledger = GradientLedger(backend, objective, LedgerConfig(max_group_slots=1))
-    ledger.begin_batch(syn.group_plan(batch))
+    ledger.begin_batch(batch_plan(batch))
     return model, objective, batch, rewards, backend, ledger
 
 
@@ -93,7 +95,7 @@ def test_reward_before_finish_and_double_finish(setup):
 
 def test_events_outside_a_batch_and_bad_plans():
     model = small_model("float64")
-    ledger = GradientLedger(TorchBackend(model, ObjectiveConfig()), ObjectiveConfig())
+    ledger = GradientLedger(TorchBackend(model, GRPOObjective()), GRPOObjective())
     with pytest.raises(LedgerError, match="no batch is open"):
         ledger.on_reward(0, 1.0)
     with pytest.raises(LedgerError, match="no batch is open"):

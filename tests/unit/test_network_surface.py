@@ -102,7 +102,7 @@ def test_scanner_catches_wildcard_binds():
 
 
 def test_nothing_binds_a_wildcard_address_by_default():
-    from megathunder.config.schema import EngineConfig
+    from megathunder.config import EngineConfig
 
     found = []
     for path in sorted(PACKAGE.rglob("*.py")):

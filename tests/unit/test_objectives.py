@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from megathunder.config import ObjectiveConfig
+from megathunder.config import GRPOObjective
 from megathunder.objectives import (
     advantage,
     batch_divisor,
@@ -24,7 +24,7 @@ REWARDS = [0.3, 1.0, -2.0, 0.5, 0.5]
 
 
 def test_grpo_advantages_match_torch_mean_and_std():
-    cfg = ObjectiveConfig(advantage="grpo", std_eps=1e-6)
+    cfg = GRPOObjective(advantage="grpo", std_eps=1e-6)
     stats = group_stats(REWARDS, cfg)
     r = torch.tensor(REWARDS, dtype=torch.float64)
     expected = (r - r.mean()) / (r.std() + 1e-6)
@@ -33,7 +33,7 @@ def test_grpo_advantages_match_torch_mean_and_std():
 
 
 def test_rloo_is_the_leave_one_out_baseline():
-    cfg = ObjectiveConfig(advantage="rloo")
+    cfg = GRPOObjective(advantage="rloo")
     stats = group_stats(REWARDS, cfg)
     for i, x in enumerate(REWARDS):
         others = REWARDS[:i] + REWARDS[i + 1 :]
@@ -42,9 +42,9 @@ def test_rloo_is_the_leave_one_out_baseline():
 
 
 def test_dr_grpo_has_no_std_and_batch_std_uses_the_batch():
-    dr = ObjectiveConfig(advantage="dr_grpo")
+    dr = GRPOObjective(advantage="dr_grpo")
     assert advantage(1.0, group_stats(REWARDS, dr)) == pytest.approx(1.0 - sum(REWARDS) / 5)
-    bs = ObjectiveConfig(advantage="batch_std", std_eps=1e-12)
+    bs = GRPOObjective(advantage="batch_std", std_eps=1e-12)
     centered = [1.0, -1.0, 2.0, -2.0]
     assert batch_divisor(centered, bs) == pytest.approx(torch.tensor(centered).std().item())
     assert batch_divisor(centered, dr) == 1.0
@@ -52,16 +52,16 @@ def test_dr_grpo_has_no_std_and_batch_std_uses_the_batch():
 
 def test_group_of_equal_rewards_has_exact_zero_statistics():
     for value in (0.1, 1e4 + 0.3, -7.77):
-        stats = group_stats([value] * 7, ObjectiveConfig())
+        stats = group_stats([value] * 7, GRPOObjective())
         assert stats.mean == value and stats.std == 0.0
         assert advantage(value, stats) == 0.0
 
 
 def test_dapo_keeps_only_groups_with_signal():
-    on = ObjectiveConfig(dapo_dynamic_sampling=True)
+    on = GRPOObjective(dapo_dynamic_sampling=True)
     assert not keeps_group([1.0, 1.0, 1.0], on)
     assert keeps_group([1.0, 0.0, 1.0], on)
-    assert keeps_group([1.0, 1.0], ObjectiveConfig())
+    assert keeps_group([1.0, 1.0], GRPOObjective())
 
 
 @pytest.mark.parametrize(
@@ -74,7 +74,7 @@ def test_dapo_keeps_only_groups_with_signal():
     ],
 )
 def test_aggregation(mode, expected_z, expected_nu):
-    cfg = ObjectiveConfig(loss_agg=mode, loss_agg_norm_tokens=8)
+    cfg = GRPOObjective(loss_agg=mode, loss_agg_norm_tokens=8)
     assert normaliser([5, 10, 0], cfg) == expected_z
     assert sequence_weight(5, cfg) == expected_nu
     assert normaliser([], cfg) == 1.0  # an empty (all-dropped) batch divides by 1, not 0

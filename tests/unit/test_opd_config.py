@@ -5,25 +5,24 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from pydantic import ValidationError
-
-from megathunder.config import LearnerConfig
-
 
 def test_kv_strategies_need_past_kv_attention_and_no_pipeline():
-    with pytest.raises(ValidationError, match="core_attention=past_kv"):
-        LearnerConfig.model_validate({"opd": {"strategy": "kv_adjoint"}})
-    with pytest.raises(ValidationError, match="pipeline_parallel"):
-        LearnerConfig.model_validate({"opd": {"strategy": "forward_early"}, "precision": {"core_attention": "past_kv"},
-                                      "parallel": {"pipeline_parallel": 2}})
-    LearnerConfig.model_validate({"opd": {"strategy": "recompute"}})
-    LearnerConfig.model_validate({"opd": {"strategy": "kv_adjoint"}, "precision": {"core_attention": "past_kv"}})
+    from megathunder.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="objective.strategy: kv_adjoint needs learner.precision.core_attention=past_kv"):
+        load_config(None, ["objective.kind=opd"])
+    with pytest.raises(ConfigError, match="objective.strategy: forward_early does not run with learner.parallel.pipeline"):
+        load_config(None, ["objective.kind=opd", "objective.strategy=forward_early",
+                           "learner.precision.core_attention=past_kv", "learner.parallel.pipeline_parallel=2",
+                           "learner.model.num_layers=2"])
+    load_config(None, ["objective.kind=opd", "objective.strategy=recompute"])
+    load_config(None, ["objective.kind=opd", "learner.precision.core_attention=past_kv"])
 
 
 def test_past_kv_spec_replaces_only_the_core_attention():
     from megatron.core.transformer.dot_product_attention import DotProductAttention
 
-    from megathunder.config.schema import PolicyModelConfig, PrecisionConfig
+    from megathunder.config import PolicyModelConfig, PrecisionConfig
     from megathunder.learner.model import layer_spec
     from megathunder.learner.past_kv import PastKVAttention
 
@@ -35,22 +34,23 @@ def test_past_kv_spec_replaces_only_the_core_attention():
     assert ours.submodules.mlp == stock.submodules.mlp
 
 
+RECOMPUTE = "objective.strategy=recompute"
+
+
 @pytest.mark.parametrize("overrides, message", [
-    (["objective.kind=opd_grpo"], "learner.opd: required when objective.kind is opd_grpo"),
-    (["objective.kind=opd_grpo", "learner.opd.strategy=recompute", "schedule.mode=async"], "schedule.mode: "),
-    (["objective.kind=opd_grpo", "learner.opd.strategy=recompute", "objective.loss_agg=seq_mean_token_mean"],
+    (["objective.kind=opd_grpo", RECOMPUTE, "schedule.mode=async"], "schedule.mode: "),
+    (["objective.kind=opd_grpo", RECOMPUTE, "objective.loss_agg=seq_mean_token_mean"],
      "objective.loss_agg: seq_mean_token_mean cannot be combined"),
-    (["objective.kind=opd_grpo", "learner.opd.strategy=recompute", "objective.loss_agg=seq_mean_token_sum"],
-     "learner.opd.aggregation: token_mean, but opd_grpo"),
-    (["objective.kind=opd_grpo", "learner.opd.strategy=recompute", "objective.kl_coef=0.1"], "objective: DAPO"),
-    (["objective.kind=opd_grpo", "learner.opd.strategy=recompute", "verifier.on_failure=drop_group"],
-     "verifier.on_failure: drop_group"),
-    (["objective.kind=opd_grpo", "learner.opd.strategy=recompute", "learner.opd.divergence=gjsd"],
-     "learner.opd.divergence: opd_grpo"),
-    (["objective.kind=opd"], "learner.opd: required when objective.kind is opd"),
-    (["objective.kind=opd", "learner.opd.strategy=recompute", "schedule.mode=async"], "schedule.mode: "),
-    (["objective.kind=opd", "learner.opd.strategy=recompute", "schedule.mode=fully_async"], "schedule.mode: "),
-    (["learner.opd.strategy=recompute", "learner.opd.teacher_hf_checkpoint=/t"], "learner.opd.teacher_hf_checkpoint: "),
+    (["objective.kind=opd_grpo", RECOMPUTE, "objective.kl_coef=0.1"], "objective.kl_coef: KL-to-reference"),
+    (["objective.kind=opd_grpo", RECOMPUTE, "objective.dapo_dynamic_sampling=true"], "objective.dapo_dynamic_sampling: "),
+    (["objective.kind=opd_grpo", RECOMPUTE, "verifier.on_failure=drop_group"], "verifier.on_failure: drop_group"),
+    (["objective.kind=opd_grpo", RECOMPUTE, "objective.divergence=gjsd"],
+     "objective.divergence: not a field of objective.kind=opd_grpo"),
+    (["objective.kind=opd", RECOMPUTE, "schedule.mode=async"], "schedule.mode: "),
+    (["objective.kind=opd", RECOMPUTE, "schedule.mode=fully_async"], "schedule.mode: "),
+    (["objective.kind=opd", RECOMPUTE, "objective.kl_coef=0.1"], "objective.kl_coef: not a field of objective.kind=opd"),
+    (["objective.teacher.hf_checkpoint=/t"], "objective.teacher: not a field of objective.kind=grpo"),
+    (["objective.kind=bogus"], "objective.kind: 'bogus' is not one of 'grpo', 'opd', 'opd_grpo'"),
     (["run.tiny_model.num_kv_heads=3"], "num_kv_heads: 3 does not divide"),
 ])
 def test_training_objective_is_checked_when_parsed(overrides, message):
@@ -64,12 +64,13 @@ def test_opd_objective_parses_with_its_teacher():
     from megathunder.config import load_config
 
     assert load_config(None).objective.kind == "grpo"
-    cfg = load_config(None, ["objective.kind=opd", "schedule.mode=sync", "learner.opd.strategy=recompute",
-                             "learner.opd.teacher_hf_checkpoint=/ckpt/teacher"])
-    assert cfg.learner.opd.teacher_hf_checkpoint == "/ckpt/teacher"
+    cfg = load_config(None, ["objective.kind=opd", "schedule.mode=sync", RECOMPUTE,
+                             "objective.teacher.hf_checkpoint=/ckpt/teacher"])
+    assert cfg.objective.teacher.hf_checkpoint == "/ckpt/teacher" and cfg.objective.needs_teacher
     cfg = load_config(Path(__file__).resolve().parents[2] / "configs/opd_quickstart.yaml")
-    assert (cfg.objective.kind, cfg.schedule.mode, cfg.learner.opd.teacher_hf_checkpoint) == ("opd", "thunder", None)
+    assert (cfg.objective.kind, cfg.schedule.mode, cfg.objective.teacher.hf_checkpoint) == ("opd", "thunder", None)
     for mode in ("sync", "thunder"):
-        cfg = load_config(None, ["objective.kind=opd_grpo", f"schedule.mode={mode}", "learner.opd.strategy=recompute",
-                                 "learner.opd.teacher_hf_checkpoint=/ckpt/teacher"])
+        cfg = load_config(None, ["objective.kind=opd_grpo", f"schedule.mode={mode}", RECOMPUTE,
+                                 "objective.teacher.hf_checkpoint=/ckpt/teacher"])
         assert (cfg.objective.kind, cfg.schedule.mode) == ("opd_grpo", mode)
+        assert (cfg.objective.aggregation, cfg.objective.divergence) == ("token_mean", "reverse_kl")

@@ -8,8 +8,10 @@ import random
 import pytest
 import torch
 
-from megathunder import synthetic as syn
-from megathunder.config import LedgerConfig, ObjectiveConfig
+from megathunder.streaming import synthetic as syn
+
+from megathunder.trajectory import batch_plan
+from megathunder.config import GRPOObjective, LedgerConfig
 from megathunder.objectives import LossSpec, trajectory_loss
 from megathunder.objectives.opd import opd_coefficients, opd_loss
 from megathunder.streaming.reference import batch_advantages
@@ -57,7 +59,7 @@ def _reference(model, batch, rewards, objective, score) -> torch.Tensor:
 @pytest.mark.parametrize("advantage,loss_agg,slots", [("grpo", "token_mean", 1), ("rloo", "seq_mean_token_sum", None),
                                                       ("grpo", "seq_mean_token_sum", 0)])
 def test_opd_kl_per_turn_plus_grpo_through_the_ledger_equals_batch(strategy, advantage, loss_agg, slots):
-    objective = ObjectiveConfig(advantage=advantage, loss_agg=loss_agg)
+    objective = GRPOObjective(advantage=advantage, loss_agg=loss_agg)
     student, teacher = small_model("float64", seed=0), small_model("float64", seed=7)
     score = _teacher_fn(teacher)
     for seed in range(3):
@@ -66,7 +68,7 @@ def test_opd_kl_per_turn_plus_grpo_through_the_ledger_equals_batch(strategy, adv
         backend = TorchBackend(student, objective)
         combo = OPDWithRewards(backend, TorchSegmentModel(student), FunctionTeacher(score), objective,
                                LedgerConfig(max_group_slots=slots), beta=BETA, strategy=strategy)
-        combo.begin_batch(syn.group_plan(batch))
+        combo.begin_batch(batch_plan(batch))
         for t, parts in zip(batch, episodes, strict=True):
             combo.begin_trajectory(t.traj_id, parts[0][1])
         num_parts = {t.traj_id: len(episodes[t.traj_id]) - 1 for t in batch}
@@ -85,7 +87,7 @@ def test_opd_kl_per_turn_plus_grpo_through_the_ledger_equals_batch(strategy, adv
 
 def test_combination_rejects_what_it_cannot_stream():
     student = small_model("float64")
-    objective = ObjectiveConfig(loss_agg="seq_mean_token_mean")
+    objective = GRPOObjective(loss_agg="seq_mean_token_mean")
     with pytest.raises(ValueError, match="loss_agg"):
         OPDWithRewards(TorchBackend(student, objective), TorchSegmentModel(student),
                        FunctionTeacher(lambda *a: None), objective)

@@ -81,11 +81,11 @@ def test_kv_adjoint_leaves_little_work_after_the_last_turn():
 
 
 def _bigger_teacher():
-    from megathunder.config import ModelConfig
+    from megathunder.config import DecoderConfig
     from megathunder.models.torch_decoder import build_torch_decoder
     from tests.helpers import MAX_LEN
 
-    cfg = ModelConfig(vocab_size=VOCAB, hidden_size=24, num_layers=3, num_heads=3, max_seq_len=MAX_LEN,
+    cfg = DecoderConfig(vocab_size=VOCAB, hidden_size=24, num_layers=3, num_heads=3, max_seq_len=MAX_LEN,
                       dtype="float64")
     return build_torch_decoder(cfg, seed=11)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megathunder.config import ObjectiveConfig
+from megathunder.config import GRPOObjective
 from megathunder.objectives import LossSpec, token_logprobs_and_entropy, trajectory_loss
 from megathunder.streaming.reference import batch_advantages, batch_loss, reference_gradient
 from tests.helpers import make_case, rel_err, small_model
@@ -22,9 +22,9 @@ def _old_logps(model, batch):
 @pytest.mark.parametrize(
     "objective",
     [
-        ObjectiveConfig(advantage="grpo", kl_coef=0.1, kl_estimator="k3", entropy_coef=0.02),
-        ObjectiveConfig(advantage="rloo", loss_agg="seq_mean_token_mean", kl_coef=0.1, kl_estimator="k1"),
-        ObjectiveConfig(advantage="dr_grpo", tis="token", kl_coef=0.1, kl_estimator="k2"),
+        GRPOObjective(advantage="grpo", kl_coef=0.1, kl_estimator="k3", entropy_coef=0.02),
+        GRPOObjective(advantage="rloo", loss_agg="seq_mean_token_mean", kl_coef=0.1, kl_estimator="k1"),
+        GRPOObjective(advantage="dr_grpo", tis="token", kl_coef=0.1, kl_estimator="k2"),
     ],
     ids=["grpo-k3-entropy", "rloo-k1", "drgrpo-tis-k2"],
 )
@@ -71,7 +71,7 @@ def test_every_surrogate_has_gradient_minus_a_grad_logp_at_ratio_one(policy_loss
     model = small_model("float64")
     _, batch, _ = make_case(12, torch.float64)
     traj = next(t for t in batch if t.loss_mask.any())
-    cfg = ObjectiveConfig(policy_loss=policy_loss)
+    cfg = GRPOObjective(policy_loss=policy_loss)
     logits = model(traj.tokens[None])[0, :-1]
     logp, _ = token_logprobs_and_entropy(logits, traj.tokens[1:], False)
     params = list(model.parameters())
@@ -88,7 +88,7 @@ def test_every_surrogate_has_gradient_minus_a_grad_logp_at_ratio_one(policy_loss
 def test_micro_batching_does_not_change_the_reference():
     model = small_model("float64")
     _, batch, rewards = make_case(13, torch.float64)
-    objective = ObjectiveConfig(kl_coef=0.05, entropy_coef=0.01)
+    objective = GRPOObjective(kl_coef=0.05, entropy_coef=0.01)
     full = reference_gradient(model, batch, rewards, objective)
     for mbs in (1, 3):
         assert rel_err(reference_gradient(model, batch, rewards, objective, micro_batch_size=mbs), full) <= 1e-12

@@ -24,7 +24,7 @@ def test_defaults_and_overrides():
         (["sandbox.memory_mb=8"], "sandbox.memory_mb"),
         (["sandbox.cgroup=maybe"], "sandbox.cgroup"),
         (["sandbox.cpu_time_s=10000", "sandbox.wall_time_s=1"], "sandbox.cpu_time_s"),
-        (["sandbox.container_cli=podman"], "sandbox.container_cli"),
+        (["sandbox.cli=podman"], "sandbox.cli"),
         (["sandbox.num_uids=4", "agent.max_concurrent_episodes=8"], "sandbox.num_uids"),
         (["verifier.timeout_s=0"], "verifier.timeout_s"),
         (["verifier.on_failure=retry"], "verifier.on_failure"),

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from megathunder.config import ConfigError, load_config
-from megathunder.config.schema import EngineConfig
+from megathunder.config import EngineConfig
 from megathunder.rollout.engines.balancer import LeastOutstandingBalancer
 from megathunder.rollout.engines.server import server_command
 from megathunder.rollout.engines.rpc import encode_tensors, weight_load_call

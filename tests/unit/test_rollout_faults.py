@@ -10,7 +10,7 @@ import math
 
 import pytest
 
-from megathunder.config import AgentLoopConfig, ConfigError, SandboxConfig, VerifierConfig, load_config
+from megathunder.config import AgentLoopConfig, ConfigError, LocalSandboxConfig, VerifierConfig, load_config
 from megathunder.rollout.agent_loop import AgentLoop
 from megathunder.rollout.scripted import ScriptedPolicy
 from megathunder.rollout.types import Completion
@@ -60,7 +60,7 @@ def _run(task, engine_factory, *, num_prompts=2, samples=2, verifier=None, scrip
     events = []
     loop = AgentLoop(
         engine, c, task, AgentLoopConfig(max_total_tokens=4096, max_new_tokens_per_turn=512),
-        SandboxConfig(), VerifierPool(VerifierConfig(**{"timeout_s": 5, **(verifier or {})})),
+        LocalSandboxConfig(), VerifierPool(VerifierConfig(**{"timeout_s": 5, **(verifier or {})})),
         emit=events.append,
     )  # fmt: skip
     episodes = asyncio.run(loop.run_batch(insts, samples, seed=3))
@@ -175,7 +175,7 @@ def test_engine_error_ends_the_batch_and_cancels_the_other_episodes():
         insts = task.instances(3)
         loop = AgentLoop(
             Dying(c, {i.prompt: ["ok"] for i in insts}), c, task, AgentLoopConfig(),
-            SandboxConfig(), VerifierPool(VerifierConfig()),
+            LocalSandboxConfig(), VerifierPool(VerifierConfig()),
         )  # fmt: skip
         with pytest.raises(RuntimeError, match="no rollout server left"):
             await asyncio.wait_for(loop.run_batch(insts, 2), 10)
@@ -274,7 +274,7 @@ def test_token_and_time_budgets_end_the_episode_without_failing_it():
     def run(agent, seconds_per_token):
         loop = AgentLoop(
             ScriptedPolicy(c, {inst.prompt: [long_turn]}, seconds_per_token=seconds_per_token),
-            c, task, AgentLoopConfig(**agent), SandboxConfig(), VerifierPool(VerifierConfig()),
+            c, task, AgentLoopConfig(**agent), LocalSandboxConfig(), VerifierPool(VerifierConfig()),
         )  # fmt: skip
         return asyncio.run(loop.run_batch([inst], 1))[0]
 

@@ -19,7 +19,7 @@ import aiohttp
 import pytest
 
 from megathunder.config import ConfigError, load_config
-from megathunder.config.schema import EngineConfig
+from megathunder.config import EngineConfig
 from megathunder.rollout.engines import server as server_mod
 from megathunder.rollout.engines.server import ServerEngine, ServerError
 from megathunder.rollout.types import SamplingParams

@@ -8,8 +8,8 @@ import random
 import numpy as np
 import pytest
 
-from megathunder.config import LedgerConfig, ObjectiveConfig
-from megathunder.simulate import metrics
+from megathunder.config import GRPOObjective, LedgerConfig
+from megathunder.simulate import sim_metrics as metrics
 from megathunder.simulate.learner_model import (
     burst_s,
     ledger_ready_times,
@@ -158,15 +158,16 @@ def test_slots_zero_is_group_level_and_unbounded_is_per_trajectory(seed):
 @pytest.mark.parametrize("seed,slots", [(s, k) for s in range(4) for k in (0, 1, 2)])
 def test_slot_rule_matches_the_real_ledger(seed, slots):
     """Which reward event each trajectory's score backward happens at, in the real ledger."""
-    from megathunder import synthetic as syn
+    from megathunder.streaming import synthetic as syn
+    from megathunder.trajectory import batch_plan
     from megathunder.streaming import GradientLedger, TorchBackend
     from tests.helpers import make_case, small_model
 
     rng, batch, rewards = make_case(seed, __import__("torch").float64, "continuous")
-    objective = ObjectiveConfig()
+    objective = GRPOObjective()
     ledger = GradientLedger(TorchBackend(small_model(), objective), objective,
                             LedgerConfig(max_group_slots=slots))
-    plan = syn.group_plan(batch)
+    plan = batch_plan(batch)
     ledger.begin_batch(plan)
     group = np.empty(len(batch), dtype=int)
     for g, (_, ids) in enumerate(plan):

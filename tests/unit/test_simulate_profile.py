@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from megathunder.config import ConfigError
-from megathunder.simulate import metrics
+from megathunder.simulate import sim_metrics as metrics
 from megathunder.simulate.profile import bundled_profiles, load_profile
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -24,7 +24,7 @@ import time
 import psutil
 import pytest
 
-from megathunder.config import AgentLoopConfig, SandboxConfig, VerifierConfig
+from megathunder.config import AgentLoopConfig, LocalSandboxConfig, VerifierConfig
 from megathunder.rollout.agent_loop import AgentLoop
 from megathunder.rollout.scripted import ScriptedPolicy
 from megathunder.rollout.tools import BASH, Tool
@@ -137,7 +137,7 @@ def _snapshot(proc: psutil.Process) -> dict:
     }
 
 
-def _sandbox_leftovers(cfg: SandboxConfig) -> list[str]:
+def _sandbox_leftovers(cfg: LocalSandboxConfig) -> list[str]:
     left = [f"dir {e}" for e in os.listdir(cfg.root_dir)] if os.path.isdir(cfg.root_dir) else []
     for p in psutil.process_iter(["uids"]):
         try:
@@ -163,7 +163,7 @@ async def _soak(with_sandbox: bool, tmp_path):
     agent = AgentLoopConfig(max_turns=6, max_total_tokens=4096, max_new_tokens_per_turn=256,
                             max_concurrent_episodes=NUM_PROMPTS * SAMPLES)  # fmt: skip
     loop = AgentLoop(
-        policy, c, task, agent, SandboxConfig(),
+        policy, c, task, agent, LocalSandboxConfig(),
         VerifierPool(VerifierConfig(timeout_s=3, max_concurrent=64, on_failure="drop_group")),
     )  # fmt: skip
 

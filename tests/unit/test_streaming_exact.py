@@ -8,8 +8,10 @@ import random
 import pytest
 import torch
 
-from megathunder import synthetic as syn
-from megathunder.config import LedgerConfig, ObjectiveConfig
+from megathunder.streaming import synthetic as syn
+
+from megathunder.trajectory import batch_plan
+from megathunder.config import GRPOObjective, LedgerConfig
 from megathunder.streaming.reference import reference_gradient
 from tests.helpers import make_case, rel_err, small_model, streamed_gradient
 
@@ -21,8 +23,8 @@ REWARDS = ["binary", "continuous", "large_offset", "binary"]
 GRID = list(itertools.product(ADVANTAGES, AGGREGATIONS, SLOTS, REWARDS))
 
 
-def random_objective(rng: random.Random, advantage: str, loss_agg: str) -> ObjectiveConfig:
-    return ObjectiveConfig(
+def random_objective(rng: random.Random, advantage: str, loss_agg: str) -> GRPOObjective:
+    return GRPOObjective(
         advantage=advantage,
         loss_agg=loss_agg,
         loss_agg_norm_tokens=32,
@@ -76,7 +78,7 @@ def test_streamed_equals_reference_fp32(model32, case):
 
 def test_large_offset_fp32_needs_the_reward_shift(model32):
     """Rewards 1e4 + O(1e-2): without the shift, R - (mu - b) S cancels catastrophically in fp32."""
-    objective = ObjectiveConfig(advantage="grpo")
+    objective = GRPOObjective(advantage="grpo")
     errors = {True: [], False: []}
     for seed in range(6):
         rng, batch, rewards = make_case(7000 + seed, torch.float32, "large_offset")
@@ -93,10 +95,10 @@ def test_large_offset_fp32_needs_the_reward_shift(model32):
 
 
 ORACLE_OBJECTIVES = [
-    ObjectiveConfig(advantage="grpo"),
-    ObjectiveConfig(advantage="dr_grpo", loss_agg="seq_mean_token_sum_norm", loss_agg_norm_tokens=16),
-    ObjectiveConfig(advantage="rloo", loss_agg="seq_mean_token_mean", kl_coef=0.1, tis="token"),
-    ObjectiveConfig(
+    GRPOObjective(advantage="grpo"),
+    GRPOObjective(advantage="dr_grpo", loss_agg="seq_mean_token_sum_norm", loss_agg_norm_tokens=16),
+    GRPOObjective(advantage="rloo", loss_agg="seq_mean_token_mean", kl_coef=0.1, tis="token"),
+    GRPOObjective(
         advantage="grpo", loss_agg="seq_mean_token_sum", kl_coef=0.05, kl_estimator="k2",
         entropy_coef=0.01, dapo_dynamic_sampling=True, overlong_filter=True, tis="sequence",
     ),
@@ -152,7 +154,7 @@ def test_group_close_summed_backward_is_exact(model64, case, monkeypatch):
     original = backend.backward_sum
     backend.backward_sum = lambda trajs, specs: calls.append(len(trajs)) or original(trajs, specs)
     ledger = ledger_module.GradientLedger(backend, objective, LedgerConfig(max_group_slots=slots))
-    ledger.begin_batch(syn.group_plan(batch))
+    ledger.begin_batch(batch_plan(batch))
     syn.feed_events(ledger, batch, rewards, syn.random_event_order(rng, len(batch)))
     ledger.close_batch()
     assert rel_err(backend.live.flat(), reference) <= 1e-10

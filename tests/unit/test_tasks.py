@@ -6,7 +6,9 @@ import json
 
 import pytest
 
-from megathunder.config import TaskConfig
+from pydantic import TypeAdapter
+
+from megathunder.config import GeneratedTaskConfig, TaskConfig
 from megathunder.rollout.tools import safe_eval
 from megathunder.rollout.tasks import build_task
 from megathunder.rollout.tasks.task import tool_call_text
@@ -24,7 +26,7 @@ from tests.rollout_helpers import needs_root, run_scripted
     "name", ["arithmetic", "calculator", pytest.param("terminal", marks=needs_root)]
 )
 def test_bundled_task_scripted_solutions_score_one(name, tmp_path):
-    task = build_task(TaskConfig(name=name))
+    task = build_task(TypeAdapter(TaskConfig).validate_python({"name": name}))
     insts = task.instances(3, seed=5)
     episodes, _ = run_scripted(task, insts, tmp_path)
     assert [ep.reward.reward for ep in episodes] == [1.0, 1.0, 1.0]
@@ -37,7 +39,7 @@ def test_bundled_task_scripted_solutions_score_one(name, tmp_path):
 
 
 def test_calculator_is_multi_turn_and_rejects_code():
-    task = build_task(TaskConfig(name="calculator"))
+    task = build_task(GeneratedTaskConfig(name="calculator"))
     inst = task.instances(1, seed=0)[0]
     assert len(task.scripted_turns(inst)) == 4
     assert safe_eval("(3 + 4) * 5 - 2 ** 3") == 27
@@ -48,7 +50,7 @@ def test_calculator_is_multi_turn_and_rejects_code():
 
 def test_instances_are_reproducible_and_distinct():
     for name in ("arithmetic", "calculator", "swe_local", "terminal"):
-        task = build_task(TaskConfig(name=name))
+        task = build_task(TypeAdapter(TaskConfig).validate_python({"name": name}))
         a, b = task.instances(6, seed=1), task.instances(6, seed=1)
         assert a == b and len({i.prompt for i in a}) == 6  # the scripted policy keys on the prompt
         assert [i.prompt for i in task.instances(6, seed=2)] != [i.prompt for i in a]

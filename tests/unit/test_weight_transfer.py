@@ -105,9 +105,10 @@ def test_gloo_group_broadcasts_buckets_to_a_worker():
 @pytest.mark.parametrize(
     ("overrides", "field"),
     [
-        (["rollout.engine.weight_transfer=nccl"], "rollout.engine.weight_transfer"),
-        (["rollout.engine.weight_transfer_backend=nccl"], "rollout.engine.weight_transfer_backend"),
-        (["rollout.engine.weight_transfer=collective", "rollout.engine.bucket_mb=0"], "rollout.engine.bucket_mb"),
+        (["rollout.engine.weight_transfer=nccl"], "rollout.engine.weight_transfer.kind"),
+        (["rollout.engine.weight_transfer.backend=nccl"], "rollout.engine.weight_transfer.backend"),
+        (["rollout.engine.weight_transfer.kind=collective", "rollout.engine.weight_transfer.bucket_mb=0"],
+         "rollout.engine.weight_transfer.bucket_mb"),
     ],
 )
 def test_bad_transfer_configs_name_the_field(overrides, field):
@@ -119,8 +120,8 @@ def test_bad_transfer_configs_name_the_field(overrides, field):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without CUDA")
 def test_nccl_without_cuda_fails_when_the_engine_starts_not_at_parse_time():
     """A GPU job's config validates anywhere (a CPU-only login node); the transfer group refuses."""
-    load_config(None, ["rollout.engine.weight_transfer=collective", "rollout.engine.weight_transfer_backend=nccl"])
-    with pytest.raises(ValueError, match="weight_transfer_backend: nccl needs a CUDA device"):
+    load_config(None, ["rollout.engine.weight_transfer.kind=collective", "rollout.engine.weight_transfer.backend=nccl"])
+    with pytest.raises(ValueError, match="weight_transfer.backend: nccl needs a CUDA device"):
         asyncio.run(WeightSender.open("127.0.0.1", "nccl", [], bucket_bytes=2**20))
 
 

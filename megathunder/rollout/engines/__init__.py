@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from megathunder.config.schema import EngineConfig
+    from megathunder.config import EngineConfig
     from megathunder.rollout.types import RolloutEngine
 
 

@@ -16,21 +16,12 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import ipaddress
 import os
+
+from megathunder.config.base import is_loopback
 
 MIDDLEWARE = f"{__name__}.BearerAuthMiddleware"
 OPEN_PATHS = ("/health",)  # liveness probes carry no secret
-
-
-def is_loopback(host: str) -> bool:
-    """True for 127.0.0.0/8, ::1 and ``localhost``. Other names count as exposed without a DNS
-    lookup: validating a config must not depend on the network it runs on."""
-    host = host.strip("[]")
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return host.lower() in ("localhost", "localhost.localdomain")
 
 
 def read_api_key(env_name: str | None) -> str | None:

@@ -21,7 +21,7 @@ from megathunder.rollout.types import Completion, SamplingParams, WeightSource
 if TYPE_CHECKING:
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    from megathunder.config.schema import EngineConfig
+    from megathunder.config import EngineConfig
 
 
 def vllm_sampling_params(params: SamplingParams):

@@ -12,7 +12,7 @@ platform:
   back into tensors inside the worker. Raw tensors as RPC arguments crash vLLM's engine core, and
   the server's ``/collective_rpc`` accepts only strings, so one string payload serves both.
 
-With ``weight_transfer: collective`` the bytes travel instead by broadcast over a process group
+With ``weight_transfer: {kind: collective}`` the bytes travel instead by broadcast over a process group
 the workers join once (``transfer.py``; gloo on CPU, NCCL on GPUs) and only the bucket plan goes
 through ``collective_rpc``. Either way the engines' ``update_weights`` do the pause / load /
 reset prefix cache / stamp version / resume sequence around the load step.

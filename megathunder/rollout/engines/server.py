@@ -55,7 +55,7 @@ KEEPALIVE_S = 2.0  # below vLLM's HTTP keep-alive timeout (VLLM_HTTP_TIMEOUT_KEE
 if TYPE_CHECKING:
     import aiohttp
 
-    from megathunder.config.schema import EngineConfig
+    from megathunder.config import EngineConfig
 
 log = logging.getLogger(__name__)
 

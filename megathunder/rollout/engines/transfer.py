@@ -1,11 +1,11 @@
 """Weights into vLLM workers over a collective, one flat bucket at a time.
 
-Used when ``EngineConfig.weight_transfer`` is ``collective``. The process holding the engine
+Used when ``rollout.engine.weight_transfer.kind`` is ``collective``. The process holding the engine
 handle (learner rank 0, where ``gather_weights`` leaves the resharded Hugging Face tensors) is
 rank 0 of a process group made for this purpose only; every vLLM worker of every engine joins it
 once, at engine start, through ``collective_rpc``. Per push:
 
-1. :func:`plan_buckets` groups the tensors by dtype into buckets of at most ``bucket_mb``
+1. :func:`plan_buckets` groups the tensors by dtype into buckets of at most ``weight_transfer.bucket_mb``
    (a single larger tensor gets a bucket of its own);
 2. the plan -- names, shapes, dtypes, offsets -- goes to the workers in one ``collective_rpc``
    call (:meth:`MegathunderWorkerExtension.megathunder_receive_buckets`), while
@@ -40,7 +40,7 @@ from typing import Any
 import torch
 from torch.distributed import TCPStore
 
-from megathunder.config import EngineConfig
+from megathunder.config import CollectiveTransfer, EngineConfig
 from megathunder.rollout.engines.rpc import Rpc, WeightLoadCall, weight_load_call
 from megathunder.rollout.types import WeightSource
 
@@ -51,7 +51,7 @@ TIMEOUT = timedelta(minutes=10)
 def check_backend(backend: str) -> None:
     if backend == "nccl" and not torch.cuda.is_available():
         raise ValueError(
-            "weight_transfer_backend: nccl needs a CUDA device and none is available "
+            "rollout.engine.weight_transfer.backend: nccl needs a CUDA device and none is available "
             "(torch.cuda.is_available() is False); use gloo on CPU"
         )
 
@@ -260,10 +260,10 @@ class WeightSender:
 
 async def open_sender(cfg: EngineConfig, engines: Sequence[Rpc]) -> WeightSender | None:
     """The transfer group's rank 0 for ``engines`` (one RPC each) when ``cfg`` asks for it."""
-    if cfg.weight_transfer != "collective":
+    wt = cfg.weight_transfer
+    if not isinstance(wt, CollectiveTransfer):
         return None
-    return await WeightSender.open(cfg.weight_transfer_host, cfg.weight_transfer_backend, engines,
-                                   int(cfg.bucket_mb * 2**20))
+    return await WeightSender.open(wt.host, wt.backend, engines, int(wt.bucket_mb * 2**20))
 
 
 def weight_loader(weights: WeightSource, sender: WeightSender | None) -> Callable[[Rpc], Awaitable[Any]]:

@@ -5,14 +5,15 @@
 
 from __future__ import annotations
 
+from megathunder.config import LocalSandboxConfig, SandboxConfig
 from megathunder.rollout.sandbox.core import ExecResult, Sandbox, SandboxError
 from megathunder.rollout.sandbox.container import ContainerSandbox
 from megathunder.rollout.sandbox.local import LocalSandbox
 
 
-async def build_sandbox(cfg, image: str | None = None) -> Sandbox:
-    """``cfg`` is a :class:`megathunder.config.SandboxConfig`; ``image`` the task's container."""
-    if cfg.backend == "local":
+async def build_sandbox(cfg: SandboxConfig, image: str | None = None) -> Sandbox:
+    """A sandbox of the ``sandbox`` section's backend; ``image``: the task's container image."""
+    if isinstance(cfg, LocalSandboxConfig):
         return LocalSandbox(cfg)
     return await ContainerSandbox(cfg, image or "").start()
 

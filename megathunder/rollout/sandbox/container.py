@@ -21,10 +21,11 @@ import shutil
 import uuid
 from collections.abc import Sequence
 
+from megathunder.config import ContainerSandboxConfig
 from megathunder.rollout.sandbox.core import ExecResult, Sandbox, SandboxError, run_process
 
 
-def _limited(cfg, argv: Sequence[str], wall_s: float) -> list[str]:
+def _limited(cfg: ContainerSandboxConfig, argv: Sequence[str], wall_s: float) -> list[str]:
     """Limits applied inside the container by coreutils/util-linux, present in common images."""
     cpu = max(1, int(cfg.cpu_time_s + 0.999))
     return [
@@ -36,68 +37,68 @@ def _limited(cfg, argv: Sequence[str], wall_s: float) -> list[str]:
     ]  # fmt: skip
 
 
-def docker_start_argv(cfg, image: str, name: str) -> list[str]:
+def docker_start_argv(cfg: ContainerSandboxConfig, image: str, name: str) -> list[str]:
     return [
-        cfg.container_cli or "docker", "run", "--detach", "--rm", "--name", name,
+        cfg.cli or "docker", "run", "--detach", "--rm", "--name", name,
         "--network", "none", "--memory", f"{cfg.memory_mb}m", "--memory-swap", f"{cfg.memory_mb}m",
-        "--pids-limit", str(cfg.max_processes), "--cpus", f"{cfg.container_cpus:g}",
+        "--pids-limit", str(cfg.max_processes), "--cpus", f"{cfg.cpus:g}",
         "--cap-drop", "ALL", "--security-opt", "no-new-privileges",
-        "--tmpfs", f"/tmp:size={cfg.tmpfs_mb}m", "--workdir", cfg.container_workdir,
-        *cfg.container_extra_args, "--entrypoint", "sleep", image, "infinity",
+        "--tmpfs", f"/tmp:size={cfg.tmpfs_mb}m", "--workdir", cfg.workdir,
+        *cfg.extra_args, "--entrypoint", "sleep", image, "infinity",
     ]  # fmt: skip
 
 
 def docker_exec_argv(
-    cfg, name: str, argv: Sequence[str], interactive: bool, wall_s: float
+    cfg: ContainerSandboxConfig, name: str, argv: Sequence[str], interactive: bool, wall_s: float
 ) -> list[str]:
     return [
-        cfg.container_cli or "docker", "exec", *(["--interactive"] if interactive else []),
-        "--workdir", cfg.container_workdir, name, *_limited(cfg, argv, wall_s),
+        cfg.cli or "docker", "exec", *(["--interactive"] if interactive else []),
+        "--workdir", cfg.workdir, name, *_limited(cfg, argv, wall_s),
     ]  # fmt: skip
 
 
-def docker_stop_argv(cfg, name: str) -> list[str]:
-    return [cfg.container_cli or "docker", "rm", "--force", name]
+def docker_stop_argv(cfg: ContainerSandboxConfig, name: str) -> list[str]:
+    return [cfg.cli or "docker", "rm", "--force", name]
 
 
-def apptainer_start_argv(cfg, image: str, name: str) -> list[str]:
+def apptainer_start_argv(cfg: ContainerSandboxConfig, image: str, name: str) -> list[str]:
     return [
-        cfg.container_cli or "apptainer", "instance", "start", "--containall", "--cleanenv",
+        cfg.cli or "apptainer", "instance", "start", "--containall", "--cleanenv",
         "--net", "--network", "none", "--writable-tmpfs", "--no-home",
-        "--pwd", cfg.container_workdir, *cfg.container_extra_args, image, name,
+        "--pwd", cfg.workdir, *cfg.extra_args, image, name,
     ]  # fmt: skip
 
 
 def apptainer_exec_argv(
-    cfg, name: str, argv: Sequence[str], interactive: bool, wall_s: float
+    cfg: ContainerSandboxConfig, name: str, argv: Sequence[str], interactive: bool, wall_s: float
 ) -> list[str]:
     del interactive  # apptainer exec always forwards stdin
     return [
-        cfg.container_cli or "apptainer", "exec", "--pwd", cfg.container_workdir,
+        cfg.cli or "apptainer", "exec", "--pwd", cfg.workdir,
         f"instance://{name}", *_limited(cfg, argv, wall_s),
     ]  # fmt: skip
 
 
-def apptainer_stop_argv(cfg, name: str) -> list[str]:
-    return [cfg.container_cli or "apptainer", "instance", "stop", name]
+def apptainer_stop_argv(cfg: ContainerSandboxConfig, name: str) -> list[str]:
+    return [cfg.cli or "apptainer", "instance", "stop", name]
 
 
-def enroot_start_argv(cfg, image: str, name: str) -> list[str]:
-    return [cfg.container_cli or "enroot", "create", "--name", name, image]
+def enroot_start_argv(cfg: ContainerSandboxConfig, image: str, name: str) -> list[str]:
+    return [cfg.cli or "enroot", "create", "--name", name, image]
 
 
 def enroot_exec_argv(
-    cfg, name: str, argv: Sequence[str], interactive: bool, wall_s: float
+    cfg: ContainerSandboxConfig, name: str, argv: Sequence[str], interactive: bool, wall_s: float
 ) -> list[str]:
     del interactive
     return [
-        cfg.container_cli or "enroot", "start", "--rw", *cfg.container_extra_args, name,
-        "sh", "-c", 'cd "$0" && exec "$@"', cfg.container_workdir, *_limited(cfg, argv, wall_s),
+        cfg.cli or "enroot", "start", "--rw", *cfg.extra_args, name,
+        "sh", "-c", 'cd "$0" && exec "$@"', cfg.workdir, *_limited(cfg, argv, wall_s),
     ]  # fmt: skip
 
 
-def enroot_stop_argv(cfg, name: str) -> list[str]:
-    return [cfg.container_cli or "enroot", "remove", "--force", name]
+def enroot_stop_argv(cfg: ContainerSandboxConfig, name: str) -> list[str]:
+    return [cfg.cli or "enroot", "remove", "--force", name]
 
 
 _RUNTIMES = {
@@ -116,19 +117,19 @@ def check_image(backend: str, image: str) -> None:
 class ContainerSandbox(Sandbox):
     """Created with :meth:`start`; one container per episode."""
 
-    def __init__(self, cfg, image: str) -> None:
+    def __init__(self, cfg: ContainerSandboxConfig, image: str) -> None:
         if not image:
             raise SandboxError(
                 f"sandbox.backend={cfg.backend} needs a container image for the task"
             )
         self.cfg, self.image = cfg, image
         self.name = f"megathunder-{uuid.uuid4().hex[:12]}"
-        self.workdir = cfg.container_workdir
+        self.workdir = cfg.workdir
         self._start, self._exec, self._stop = _RUNTIMES[cfg.backend]
         self._started = False
 
     async def start(self) -> ContainerSandbox:
-        cli = self.cfg.container_cli or self.cfg.backend
+        cli = self.cfg.cli or self.cfg.backend
         if shutil.which(cli) is None:
             raise SandboxError(f"sandbox.backend={self.cfg.backend}: {cli!r} is not on PATH")
         check_image(self.cfg.backend, self.image)

@@ -32,6 +32,7 @@ import tempfile
 from collections.abc import Sequence
 
 from megathunder.rollout.sandbox.core import ExecResult, Sandbox, SandboxError, run_process
+from megathunder.config import LocalSandboxConfig
 from megathunder.rollout.sandbox.cgroups import create_cgroup
 
 _SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib64", "/lib32", "/etc")
@@ -87,7 +88,7 @@ def _check_traversable(path: str) -> None:
 
 
 class LocalSandbox(Sandbox):
-    def __init__(self, cfg) -> None:  # cfg: megathunder.config.SandboxConfig
+    def __init__(self, cfg: LocalSandboxConfig) -> None:
         self.cfg = cfg
         if os.geteuid() != 0:
             raise SandboxError("the local sandbox runs commands as a dedicated uid and needs root")

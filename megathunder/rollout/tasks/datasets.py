@@ -5,7 +5,7 @@ Every error names the file, the record (line number or row) and the field. Each 
 its container image; the episode's container is started from it (docker, apptainer, enroot).
 
 Rewards run the instance's tests in its container (the repository is at ``/testbed`` in SWE-bench
-and SWE-smith images: set ``sandbox.container_workdir=/testbed``): apply the test patch if there
+and SWE-smith images: set ``sandbox.workdir=/testbed``): apply the test patch if there
 is one, then run ``test_command`` from the record, or by default ``python -m pytest`` on the
 FAIL_TO_PASS and PASS_TO_PASS tests. SWE-bench's own harness uses per-repository commands (Django's
 ``runtests.py``, ...): put those in ``test_command`` to match it.

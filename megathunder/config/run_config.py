@@ -1,0 +1,321 @@
+"""The run's sections (``run``, ``schedule``, ``batch``, ``sft``, ``eval``, ``exactness``) and the
+``Config`` root, whose validators hold the rules that span sections (each names the field it
+blames)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal, get_args
+
+from pydantic import Field, field_validator, model_validator
+
+from megathunder.config.base import Strict, default_tag
+from megathunder.config.learner_config import LearnerConfig, LearnerOptimizerConfig
+from megathunder.config.objective_config import (
+    DistillObjective,
+    GRPOObjective,
+    LedgerConfig,
+    ObjectiveConfig,
+    OPDGRPOObjective,
+    RLObjective,
+)
+from megathunder.config.rollout_config import (
+    AgentLoopConfig,
+    DatasetTaskConfig,
+    GeneratedTaskConfig,
+    LocalSandboxConfig,
+    RolloutConfig,
+    SandboxConfig,
+    TaskConfig,
+    VerifierConfig,
+)
+
+ScheduleMode = Literal["sync", "async", "fully_async", "thunder"]
+"""The four schedules (``megathunder.trainer.schedules``); every other list of them is
+``get_args(ScheduleMode)``."""
+SCHEDULE_MODES: tuple[str, ...] = get_args(ScheduleMode)
+
+
+class BatchConfig(Strict):
+    num_prompts_per_batch: int = Field(8, ge=1)
+    samples_per_prompt: int = Field(4, ge=1)
+
+
+class ScheduleConfig(Strict):
+    """How rollout and training overlap (``megathunder.trainer.schedules``).
+
+    sync: the learner waits for the whole batch. thunder: streamed gradients, same update as sync.
+    async: batch k+1 is sampled while the learner trains on batch k (one step stale).
+    fully_async: episodes run continuously while weights change under them (bounded staleness).
+    """
+
+    mode: ScheduleMode = "thunder"
+    max_staleness: int = Field(2, ge=1)
+    """fully_async: a group whose oldest turn was sampled more than this many optimizer steps
+    before the step that would train on it is dropped (and logged)."""
+    probe_tokens: int = Field(16, ge=0)
+    """Zero-staleness probe after each weight sync: tokens sampled by the engine and scored by the
+    learner (0: off)."""
+    probe_tolerance: float = Field(1e-3, gt=0)
+    """Largest per-token |logprob gap| the probe accepts before it stops the run."""
+
+
+class SftConfig(Strict):
+    """Supervised warm start on the task's reference answers before RL (0 steps: none)."""
+
+    num_steps: int = Field(0, ge=0)
+    batch_size: int = Field(32, ge=1)
+    lr: float = Field(3e-3, gt=0)
+
+    def optimizer(self, base: LearnerOptimizerConfig) -> LearnerOptimizerConfig:
+        """The warm start's optimizer: ``base`` with this section's learning rate, a 10% warmup and
+        a cosine decay to lr / 10 over ``num_steps``."""
+        return base.model_copy(update={
+            "lr": self.lr, "min_lr": self.lr / 10, "lr_warmup_steps": max(1, self.num_steps // 10),
+            "lr_decay_steps": self.num_steps, "lr_decay_style": "cosine",
+        })  # fmt: skip
+
+
+class EvalConfig(Strict):
+    """Evaluation on task instances held out from training: pass@1..k (``megathunder eval``, and
+    every ``every_n_steps`` optimizer steps while training)."""
+
+    k: int = Field(4, ge=1)
+    """Samples per instance; pass@1 .. pass@k are reported."""
+    num_instances: int = Field(32, ge=1)
+    split: Literal["held_out", "all"] = "held_out"
+    """held_out: instances whose prompt hashes below heldout_fraction (training skips exactly
+    these; megathunder.eval.instances); all: every instance of the task (a separate test file)."""
+    heldout_fraction: float = Field(0.1, gt=0, lt=1)
+    seed: int = 1_000_000
+    """Draws the instances and seeds the samples."""
+    every_n_steps: int = Field(0, ge=0)
+    """Periodic evaluation during training; 0 = off."""
+    temperature: float = Field(1.0, ge=0)
+    """0 = greedy (then k must be 1: greedy samples are all the same)."""
+    pass_reward: float = 1.0
+    """A sample passes when its verifier's reward is at least this."""
+    output_path: str | None = None
+    """JSON written by megathunder eval; null: <run.output_dir>/eval.json."""
+
+    @model_validator(mode="after")
+    def _check(self) -> EvalConfig:
+        if self.temperature == 0 and self.k > 1:
+            raise ValueError(
+                f"k: {self.k} greedy samples (temperature=0) are identical; use k=1 or a "
+                "temperature > 0"
+            )
+        return self
+
+
+class TinyModelConfig(Strict):
+    """Sizes of the locally built tiny Qwen2 (``run.init_model: tiny``; the tokenizer is always
+    the same). vLLM's CPU attention needs hidden_size / num_heads = 32."""
+
+    hidden_size: int = Field(128, ge=32)
+    intermediate_size: int = Field(256, ge=1)
+    num_layers: int = Field(2, ge=1)
+    num_heads: int = Field(4, ge=1)
+    num_kv_heads: int = Field(2, ge=1)
+
+    @model_validator(mode="after")
+    def _check(self) -> TinyModelConfig:
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_kv_heads: {self.num_kv_heads} does not divide num_heads={self.num_heads}")
+        if self.hidden_size % self.num_heads:
+            raise ValueError(f"hidden_size: {self.hidden_size} is not divisible by num_heads={self.num_heads}")
+        return self
+
+
+class RunConfig(Strict):
+    seed: int = 0
+    num_steps: int = Field(10, ge=1)
+    output_dir: str = "runs/latest"
+    init_model: str = "tiny"
+    """Where the policy starts when ``learner.model.hf_checkpoint`` is unset: ``tiny`` builds a
+    tiny Qwen2 and its tokenizer locally in the run directory (no hub)."""
+    tiny_model: TinyModelConfig = TinyModelConfig()
+    checkpoint_every: int = Field(0, ge=0)
+    """Save a resumable checkpoint every N optimizer steps (0: only at the end)."""
+    resume: bool = True
+    """Continue from the run directory's latest checkpoint and journal when there is one."""
+    wandb: Literal["disabled", "offline", "online"] = "offline"
+    """wandb logging (offline: files under the run directory; disabled: none; skipped with a warning if wandb is not installed)."""
+    wandb_project: str = "megathunder"
+    progress: bool = True
+    timeline_steps: int = Field(500, ge=1)
+    """timeline.png and trace.json cover the last N optimizer steps: older spans are dropped, so
+    a long run's memory stays bounded (metrics.jsonl and the journal keep every step)."""
+
+
+class DecoderConfig(Strict):
+    """A small decoder built in-process (the learner's own model is configured with the learner)."""
+
+    vocab_size: int = Field(64, ge=2)
+    hidden_size: int = Field(32, ge=1)
+    num_layers: int = Field(2, ge=1)
+    num_heads: int = Field(4, ge=1)
+    max_seq_len: int = Field(256, ge=2)
+    dtype: Literal["float32", "float64"] = "float32"
+
+    @model_validator(mode="after")
+    def _check(self) -> DecoderConfig:
+        if self.hidden_size % self.num_heads:
+            raise ValueError(
+                f"hidden_size: {self.hidden_size} is not divisible by num_heads={self.num_heads}"
+            )
+        return self
+
+
+class DecoderOptimizerConfig(Strict):
+    """The exactness run's torch optimizer."""
+
+    name: Literal["sgd", "adamw"] = "adamw"
+    lr: float = Field(1e-3, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = Field(1e-8, gt=0)
+    max_grad_norm: float | None = Field(1.0, gt=0)
+
+
+class ExactnessConfig(Strict):
+    """``megathunder exactness``: the small in-process decoder it samples from, and its optimizer
+    (the learner's own model and optimizer are ``learner.model`` / ``learner.optimizer``)."""
+
+    model: DecoderConfig = DecoderConfig()
+    optimizer: DecoderOptimizerConfig = DecoderOptimizerConfig()
+
+
+class Config(Strict):
+    run: RunConfig = RunConfig()
+    schedule: ScheduleConfig = ScheduleConfig()
+    batch: BatchConfig = BatchConfig()
+    objective: ObjectiveConfig = GRPOObjective()
+    ledger: LedgerConfig = LedgerConfig()
+    rollout: RolloutConfig = RolloutConfig()
+    learner: LearnerConfig = LearnerConfig()
+    agent: AgentLoopConfig = AgentLoopConfig()
+    sandbox: SandboxConfig = LocalSandboxConfig()
+    verifier: VerifierConfig = VerifierConfig()
+    task: TaskConfig = GeneratedTaskConfig()
+    eval: EvalConfig = EvalConfig()
+    sft: SftConfig = SftConfig()
+    exactness: ExactnessConfig = ExactnessConfig()
+
+    @field_validator("objective", mode="before")
+    @classmethod
+    def _default_objective(cls, value: object) -> object:
+        return default_tag(value, "kind", "grpo")
+
+    @field_validator("sandbox", mode="before")
+    @classmethod
+    def _default_sandbox(cls, value: object) -> object:
+        return default_tag(value, "backend", "local")
+
+    @field_validator("task", mode="before")
+    @classmethod
+    def _default_task(cls, value: object) -> object:
+        return default_tag(value, "name", "arithmetic")
+
+    @model_validator(mode="after")
+    def _check_rollout_side(self) -> Config:
+        if isinstance(self.task, DatasetTaskConfig) and isinstance(self.sandbox, LocalSandboxConfig):
+            raise ValueError(
+                f"sandbox.backend: task {self.task.name} runs in each instance's container image; "
+                "use docker, apptainer or enroot"
+            )
+        sb = self.sandbox
+        if isinstance(sb, LocalSandboxConfig) and sb.num_uids < self.agent.max_concurrent_episodes:
+            raise ValueError(
+                f"sandbox.num_uids: {sb.num_uids} is fewer than agent.max_concurrent_episodes="
+                f"{self.agent.max_concurrent_episodes} (each open local sandbox needs its own uid)"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _derive_ledger(self) -> Config:
+        """A group can be dropped at its last reward only if nothing of it reached the update."""
+        if self.verifier.on_failure == "drop_group" and not self.ledger.hold_groups_until_close:
+            if "hold_groups_until_close" in self.ledger.model_fields_set:
+                raise ValueError("ledger.hold_groups_until_close: must be true with verifier.on_failure="
+                                 "drop_group (a failed trajectory's group must still be droppable)")
+            self.ledger = self.ledger.model_copy(update={"hold_groups_until_close": True})
+        return self
+
+    @model_validator(mode="after")
+    def _check_distillation(self) -> Config:
+        obj = self.objective
+        if not isinstance(obj, DistillObjective):
+            return self
+        if self.schedule.mode not in ("sync", "thunder"):
+            raise ValueError(
+                f"schedule.mode: objective.kind={obj.kind} trains on the student's own samples (sync or "
+                f"thunder); {self.schedule.mode} would train on stale samples"
+            )
+        if obj.strategy != "recompute":
+            if self.learner.precision.core_attention != "past_kv":
+                raise ValueError(f"objective.strategy: {obj.strategy} needs learner.precision.core_attention=past_kv")
+            if self.learner.parallel.pipeline_parallel > 1:
+                raise ValueError(f"objective.strategy: {obj.strategy} does not run with "
+                                 "learner.parallel.pipeline_parallel > 1")
+        if isinstance(obj, OPDGRPOObjective) and self.verifier.on_failure == "drop_group":
+            raise ValueError("verifier.on_failure: drop_group cannot be combined with opd_grpo (a dropped "
+                             "group's KL terms are already streamed); use zero_reward")
+        return self
+
+    @model_validator(mode="after")
+    def _check_streamable(self) -> Config:
+        """Thunder streams one optimizer step per batch; anything else is not exact."""
+        obj = self.objective
+        if self.schedule.mode != "thunder" or not isinstance(obj, RLObjective):
+            return self
+        if obj.num_ppo_epochs != 1:
+            raise ValueError(
+                "objective.num_ppo_epochs: thunder needs exactly 1 (one optimizer step per batch "
+                f"keeps the ratio at 1 so streamed gradients are exact); got {obj.num_ppo_epochs}"
+            )
+        if obj.num_minibatches_per_batch != 1:
+            raise ValueError(
+                "objective.num_minibatches_per_batch: thunder needs exactly 1 optimizer step per "
+                f"batch; got {obj.num_minibatches_per_batch}"
+            )
+        if obj.entropy_quantile_mask is not None:
+            raise ValueError(
+                "objective.entropy_quantile_mask: a batch-quantile mask depends on every token of "
+                "the batch, so no trajectory's gradient is fixed before the batch closes; it "
+                "cannot be streamed (use schedule.mode=sync)"
+            )
+        return self
+
+
+def check_paths(cfg: Config) -> None:
+    """The files a run reads exist: the model, the teacher, the task file (a one-line
+    ``ValueError`` naming the field). For commands that use them; ``megathunder config`` does not
+    check, so a cluster config validates anywhere."""
+    model = cfg.learner.model.hf_checkpoint
+    if model is None and cfg.run.init_model != "tiny":
+        model, field = cfg.run.init_model, "run.init_model"
+    else:
+        field = "learner.model.hf_checkpoint"
+    if model is not None:
+        _check_model_dir(field, Path(model))
+    obj = cfg.objective
+    if isinstance(obj, DistillObjective) and obj.teacher.hf_checkpoint is not None:
+        _check_model_dir("objective.teacher.hf_checkpoint", Path(obj.teacher.hf_checkpoint))
+    if isinstance(cfg.task, DatasetTaskConfig):
+        path = Path(cfg.task.path)
+        if not path.is_file():
+            raise ValueError(f"task.path: {path}: no such file")
+        try:
+            path.open("rb").close()
+        except OSError as err:
+            raise ValueError(f"task.path: {path}: cannot be read ({err.strerror})") from None
+
+
+def _check_model_dir(field: str, path: Path) -> None:
+    if not path.is_dir():
+        raise ValueError(f"{field}: {path}: no such directory (a Hugging Face model directory)")
+    if not (path / "config.json").is_file():
+        raise ValueError(f"{field}: {path} has no config.json (a Hugging Face model directory)")
+    if not any(path.glob("*.safetensors")):
+        raise ValueError(f"{field}: {path} has no *.safetensors weights")

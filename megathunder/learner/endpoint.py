@@ -1,0 +1,100 @@
+"""``LearnerEndpoint``: the calls the controller (global rank 0) makes on every learner rank.
+
+The controller submits ``LearnerEndpoint`` methods to the ``LearnerService``
+(``megathunder.learner.service``), which broadcasts each call's name and arguments to the other
+ranks and runs it on every rank, in submission order, on the learner's worker thread. Collectives
+inside the calls (DP reduce, TP/PP exchange, the weight gather) line up by construction.
+
+One thunder trajectory, from its reward to the weight push (GRPO; every call below runs on every
+learner rank, the owner of the trajectory doing its backward passes)::
+
+    agent_loop._finish            emits RolloutEvent("trajectory_finished"), then ("reward")
+    Trainer._on_event             service.submit(LearnerEndpoint.finished, traj)
+      LearnerEndpoint.finished    batch.on_finished(traj)     GRPOBatch: DP owner, reference logprobs
+        GradientLedger.on_finished                            streaming/ledger.py: waits for its reward
+    Trainer._on_event             service.submit(LearnerEndpoint.reward, traj_id, reward)
+      LearnerEndpoint.reward      batch.on_reward(traj_id, r)
+        GradientLedger.on_reward  backend.backward -> run_schedule -> trajectory_loss    (its gradient)
+                                  group complete: slot folded into P with the group's advantages
+    run_thunder                   service.call(LearnerEndpoint.close)
+      LearnerEndpoint.close       batch.close() -> ledger.close_batch(): P / Z into DDP's buffers
+    Trainer.finish_step           service.call(LearnerEndpoint.step)
+      LearnerEndpoint.step        MegatronLearner.step: DP reduce (finalize_model_grads), optimizer step
+    Trainer.push_weights          service.call(LearnerEndpoint.gather_weights)
+      LearnerEndpoint.gather_weights   MegatronLearner.inference_weights: HF-named tensors on rank 0
+                                  engine.update_weights(weights, version)   rollout/engines: into vLLM
+    Trainer.probe                 engine.generate, then service.call(LearnerEndpoint.score, ...)
+
+OPD adds ``turn`` (a model turn was generated: its gradient while its tool call runs).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from megathunder.learner.batches import Batch, BatchOutcome, new_batch
+from megathunder.learner.checkpoint import save_checkpoint
+from megathunder.learner.learner import MegatronLearner, StepResult
+from megathunder.learner.parallel import from_last_stage
+from megathunder.streaming.opd_turns import CachedTeacher
+from megathunder.trajectory import BatchPlan, Trajectory
+
+
+class LearnerEndpoint:
+    """What a learner rank does for the controller; one instance per rank, called in lockstep."""
+
+    def __init__(self, learner: MegatronLearner, checkpoint_dir: Path, teacher: CachedTeacher | None = None) -> None:
+        self.learner, self.checkpoint_dir, self.teacher = learner, checkpoint_dir, teacher
+        self._batch: Batch | None = None
+
+    # ------------------------------------------------------------------ a batch's events
+
+    def begin(self, plan: BatchPlan, streamed: bool) -> None:
+        """A new batch: its groups, and whether its gradient streams (thunder) or comes at close."""
+        self._batch = new_batch(self.learner, self.teacher, plan, streamed)
+
+    def turn(self, traj_id: int, tokens: list[int], start: int, end: int) -> None:
+        """Turn ``tokens[start:end]`` of a trajectory was generated; its tool call starts now."""
+        self._current().on_turn(traj_id, tokens, start, end)
+
+    def finished(self, traj: Trajectory) -> None:
+        self._current().on_finished(traj)
+
+    def reward(self, traj_id: int, reward: float | None) -> None:
+        """``None``: the trajectory failed and its group leaves the batch."""
+        self._current().on_reward(traj_id, reward)
+
+    def close(self) -> BatchOutcome:
+        outcome = self._current().close()
+        self._batch = None
+        return outcome
+
+    def _current(self) -> Batch:
+        if self._batch is None:
+            raise RuntimeError("learner call outside a batch: begin() first")
+        return self._batch
+
+    # ------------------------------------------------------------------ weights and checks
+
+    def step(self) -> StepResult:
+        return self.learner.step()
+
+    def gather_weights(self) -> list[tuple[str, torch.Tensor]] | None:
+        """The weights in the inference (HF) layout on global rank 0, None elsewhere."""
+        return self.learner.inference_weights()
+
+    def score(self, tokens: list[int], prompt_len: int) -> torch.Tensor:
+        """The learner's logprobs of ``tokens[prompt_len:]`` given what precedes them (every rank)."""
+        mask = torch.zeros(len(tokens) - 1, dtype=torch.bool)
+        mask[prompt_len - 1 :] = True
+        traj = Trajectory(traj_id=-1, group_id=-1, tokens=torch.tensor(tokens), loss_mask=mask)
+        out = self.learner.token_logprobs([traj])
+        return from_last_stage(self.learner.pgs, None if out is None else out[0][prompt_len - 1 :])
+
+    def checkpoint(self) -> str:
+        return str(save_checkpoint(self.learner, self.checkpoint_dir))
+
+    def export(self, path: str) -> None:
+        self.learner.export_hf(path)

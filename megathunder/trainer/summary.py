@@ -1,0 +1,42 @@
+"""The run's summary: ``summary.json`` and the table printed at the end of ``megathunder train``."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+
+def write_summary(out: Path, rows: list[dict]) -> dict:
+    k = max(1, len(rows) // 5)
+    mean = lambda key, rs: sum(r[key] for r in rs) / max(len(rs), 1)  # noqa: E731
+    summary = {
+        "schedule": rows[-1]["schedule"] if rows else None,
+        "steps": len(rows),
+        "reward_first_steps": round(mean("reward_mean", rows[:k]), 4),
+        "reward_last_steps": round(mean("reward_mean", rows[-k:]), 4),
+        "mean_step_s": round(mean("step_s", rows), 3),
+        "learner_idle_share": round(mean("learner_idle_share", rows), 4),
+        "max_policy_lag": max((r["policy_lag_max"] for r in rows), default=0),
+        "max_probe_gap": max((r["probe_gap"] for r in rows if not math.isnan(r["probe_gap"])), default=float("nan")),
+        "mean_backward_after_last_reward": round(mean("backward_after_last_reward", rows), 3),
+        "wall_s": round(rows[-1]["wall_s"], 1) if rows else 0.0,
+    }
+    for key in ("opd/reverse_kl", "opd/gjsd"):
+        if rows and key in rows[0]:
+            summary[f"{key}_first_steps"] = round(mean(key, rows[:k]), 4)
+            summary[f"{key}_last_steps"] = round(mean(key, rows[-k:]), 4)
+    evals = [r for r in rows if "eval/pass@1" in r]
+    if evals:
+        summary["eval_pass@1_first"] = round(evals[0]["eval/pass@1"], 4)
+        summary["eval_pass@1_last"] = round(evals[-1]["eval/pass@1"], 4)
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return summary
+
+
+def print_summary(summary: dict, out: Path) -> None:
+    print(f"\n{'metric':<34} value")
+    for key, value in summary.items():
+        print(f"{key:<34} {value:.4g}" if isinstance(value, float) else f"{key:<34} {value}")
+    print(f"run directory: {out}  (metrics.jsonl, journal.jsonl, timeline.png, trace.json, checkpoints/)")
+    print(json.dumps(summary))

@@ -7,7 +7,12 @@ import os
 import sys
 from collections.abc import Sequence
 
+from megathunder import console
 from megathunder.bench import sweep
+from megathunder.config import SCHEDULE_MODES
+
+if os.environ.get(console.QUIET_ENV) == "1":  # a child process of a quiet command (vLLM's engine core)
+    console.quiet_third_party()
 
 BENCHMARKS = {
     "ledger": "megathunder.bench.ledger_overhead",
@@ -18,7 +23,6 @@ BENCHMARKS = {
     "schedules": "megathunder.bench.schedule_runs",
     "weights": "megathunder.bench.weight_push",
 }
-SCHEDULES = ("sync", "async", "fully_async", "thunder")  # megathunder.simulate.SCHEDULES
 
 
 def _cmd_config(args: argparse.Namespace) -> int:
@@ -46,11 +50,22 @@ def _cmd_exactness(args: argparse.Namespace) -> int:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # read by vLLM at import: the progress bar is the output
     from megathunder.config import load_config
+    from megathunder.trainer import interrupt
+
+    cfg = load_config(args.config, args.overrides, paths=True)
+    if interrupt.should_supervise():  # an interactive run: Ctrl-C stops it after the step (trainer/interrupt.py)
+        return interrupt.supervise(args.argv)
+    interrupt.as_supervised_child()
+
+    from megathunder.learner.service import LearnerRankLost
     from megathunder.trainer.run import train
 
-    return train(load_config(args.config, args.overrides))
+    try:
+        return train(cfg)
+    except LearnerRankLost as err:
+        print(f"megathunder: {err}", file=sys.stderr, flush=True)
+        return 1
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
@@ -98,6 +113,8 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Configs are YAML files (see configs/); override any field with dotted.key=value, "
         "e.g. ledger.max_group_slots=4 objective.kl_coef=1e-3.",
     )
+    parser.add_argument("-v", "--verbose", action="store_true",
+                        help="show the libraries' warnings and log lines too (also MEGATHUNDER_VERBOSE=1)")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("config", help="print the resolved, validated configuration")
@@ -178,7 +195,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "timings, simulate its schedule, print predicted vs measured step time")
     p.add_argument("overrides", nargs="*", metavar="key=value",
                    help="e.g. schedules.max_group_slots=0 workload.turns.sigma=1.0")
-    p.add_argument("--schedules", nargs="+", choices=SCHEDULES, default=list(SCHEDULES))
+    p.add_argument("--schedules", nargs="+", choices=SCHEDULE_MODES, default=list(SCHEDULE_MODES))
     p.add_argument("--out", default=None, help="output folder (default runs/simulate/PROFILE)")
     p.add_argument("--no-plots", action="store_true", help="tables only")
     p.add_argument("--sensitivity", action="store_true",
@@ -212,17 +229,18 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     from megathunder.config import ConfigError
 
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
+    args.argv = argv
+    if args.verbose:
+        os.environ[console.VERBOSE_ENV] = "1"
+    if not console.verbose():
+        console.quiet_third_party()
     try:
         return args.func(args)
     except ConfigError as err:
         print(f"megathunder: {err}", file=sys.stderr)
         return 2
-    except Exception as err:
-        if type(err).__name__ != "LearnerRankLost":
-            raise
-        print(f"megathunder: {err}", file=sys.stderr, flush=True)
-        return 1
 
 
 if __name__ == "__main__":

@@ -21,10 +21,11 @@ import os
 import subprocess
 import sys
 import tempfile
+from megathunder.config import SCHEDULE_MODES
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-SCHEDULES = ("sync", "thunder", "async", "fully_async")
+SCHEDULES = SCHEDULE_MODES
 WORKLOADS = {
     "quickstart": ["task.name=arithmetic", "agent.max_turns=1"],
     "tools": ["task.name=calculator", "task.max_operand=9", "agent.max_turns=5", "agent.max_new_tokens_per_turn=40",

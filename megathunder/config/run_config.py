@@ -68,10 +68,10 @@ class SftConfig(Strict):
     lr: float = Field(3e-3, gt=0)
 
     def optimizer(self, base: LearnerOptimizerConfig) -> LearnerOptimizerConfig:
-        """The warm start's optimizer: ``base`` with this section's learning rate, a 10% warmup and
-        a cosine decay to lr / 10 over ``num_steps``."""
+        """The warm start's optimizer: Adam (whatever ``base``, the RL optimizer, is) with this
+        section's learning rate, a 10% warmup and a cosine decay to lr / 10 over ``num_steps``."""
         return base.model_copy(update={
-            "lr": self.lr, "min_lr": self.lr / 10, "lr_warmup_steps": max(1, self.num_steps // 10),
+            "name": "adam", "lr": self.lr, "min_lr": self.lr / 10, "lr_warmup_steps": max(1, self.num_steps // 10),
             "lr_decay_steps": self.num_steps, "lr_decay_style": "cosine",
         })  # fmt: skip
 
@@ -252,12 +252,11 @@ class Config(Strict):
                 f"schedule.mode: objective.kind={obj.kind} trains on the student's own samples (sync or "
                 f"thunder); {self.schedule.mode} would train on stale samples"
             )
-        if obj.strategy != "recompute":
-            if self.learner.precision.core_attention != "past_kv":
-                raise ValueError(f"objective.strategy: {obj.strategy} needs learner.precision.core_attention=past_kv")
-            if self.learner.parallel.pipeline_parallel > 1:
-                raise ValueError(f"objective.strategy: {obj.strategy} does not run with "
-                                 "learner.parallel.pipeline_parallel > 1")
+        if self.learner.parallel.pipeline_parallel > 1:  # a turn's forward is a plain model call
+            raise ValueError(f"learner.parallel.pipeline_parallel: objective.kind={obj.kind} runs each turn's "
+                             "forward as one model call, not a pipeline schedule; use 1")
+        if obj.strategy != "recompute" and self.learner.precision.core_attention != "past_kv":
+            raise ValueError(f"objective.strategy: {obj.strategy} needs learner.precision.core_attention=past_kv")
         if isinstance(obj, OPDGRPOObjective) and self.verifier.on_failure == "drop_group":
             raise ValueError("verifier.on_failure: drop_group cannot be combined with opd_grpo (a dropped "
                              "group's KL terms are already streamed); use zero_reward")

@@ -1,8 +1,7 @@
 """megatron-core on a machine without CUDA: the few replacements it needs, in one place.
 
-megatron-core assumes CUDA in a handful of ways (FEASIBILITY.md lists each failure seen without
-this module): CUDA RNG state in the tensor-parallel RNG tracker, ``torch.cuda.current_device()``
-used as a device, ``torch.cuda.synchronize`` in the checkpoint writer, hard-coded
+megatron-core assumes CUDA in a handful of ways (each one seen failing without this module):
+CUDA RNG state in the tensor-parallel RNG tracker, ``torch.cuda.current_device()`` used as a device, ``torch.cuda.synchronize`` in the checkpoint writer, hard-coded
 ``device="cuda"`` tensors and ``.cuda()`` calls, and ``param.type()`` compared with
 ``torch.cuda.FloatTensor`` names in the optimizers. ``enable()`` maps all of these to the CPU:
 

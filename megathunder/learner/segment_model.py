@@ -47,7 +47,8 @@ class MegatronSegmentModel:
 
     def __init__(self, model: torch.nn.Module, pgs: ProcessGroups) -> None:
         if pgs.dims.pp > 1:
-            raise ConfigError("learner.opd: per-turn segment forwards do not run with pipeline_parallel > 1")
+            raise ConfigError("learner.parallel.pipeline_parallel: per-turn segment forwards do not run with "
+                              "pipeline parallelism")
         self.model = model  # DDP wrapper (student) or bare GPTModel (teacher)
         gpt = getattr(model, "module", model)
         has_past_kv = any(isinstance(m, PastKVAttention) for m in gpt.modules())

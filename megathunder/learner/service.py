@@ -108,6 +108,7 @@ class LearnerService(Generic[E]):
         self._group = dist.new_group(backend="gloo") if self.world_size > 1 else None
         self._heartbeat = _Heartbeat(self.rank, self.world_size) if self.world_size > 1 else None
         self._lock = threading.Lock()
+        self._queued: set[concurrent.futures.Future] = set()
 
     # ------------------------------------------------------------------ controller (rank 0)
 
@@ -116,12 +117,27 @@ class LearnerService(Generic[E]):
         name = method.__name__
         if getattr(type(self.endpoint), name, None) is not method:
             raise TypeError(f"{method!r} is not a method of {type(self.endpoint).__name__}")
-        return self._pool.submit(self._run, name, args, kwargs)
+        future = self._pool.submit(self._run, name, args, kwargs)
+        with self._lock:
+            self._queued.add(future)
+        future.add_done_callback(self._forget)
+        return future
+
+    def _forget(self, future: concurrent.futures.Future) -> None:
+        with self._lock:
+            self._queued.discard(future)
 
     async def call(self, method: Callable[Concatenate[E, P], R], *args: P.args, **kwargs: P.kwargs) -> R:
         return await asyncio.wrap_future(self.submit(method, *args, **kwargs))
 
-    def stop(self) -> None:
+    def stop(self, cancel_pending: bool = False) -> None:
+        """Stop every rank's service after the calls submitted so far (``cancel_pending``: after
+        the call running now; the rest are dropped)."""
+        if cancel_pending:  # queued calls never reach any rank: the ranks stay in step
+            with self._lock:
+                queued = list(self._queued)
+            for future in queued:
+                future.cancel()
         if self.world_size > 1:
             try:
                 self._pool.submit(self._run, _STOP, (), {}).result()

@@ -5,7 +5,7 @@ weights w, the unnormalised loss is
 
     loss_i(A, rf) = nu_i * sum_t m_t * [ surrogate_t(A) * w_t  +  rf * (beta * kl_t - alpha * H_t) ]
 
-whose gradient at ratio 1 is ``-A * h_i + rf * q_i`` (DESIGN.md section 2). ``advantage=None``
+whose gradient at ratio 1 is ``-A * h_i + rf * q_i`` (docs/exactness.md, section 1). ``advantage=None``
 leaves the score term out and ``reward_free=False`` the KL/entropy terms, so the ledger can ask
 for h_i alone (A = -1), q_i alone, or both combined in one backward when the coefficients are
 known. The batch loss is ``(1/Z) * sum_i loss_i(A_i, keep_g)``.

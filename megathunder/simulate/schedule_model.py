@@ -34,8 +34,9 @@ from megathunder.simulate.learner_model import (
 from megathunder.simulate.profile import Profile
 from megathunder.simulate.rollout_model import Interval, RolloutCluster
 from megathunder.simulate.workload import Batch, sample_batch
+from megathunder.config import SCHEDULE_MODES
 
-SCHEDULES = ("sync", "async", "fully_async", "thunder")
+SCHEDULES = SCHEDULE_MODES
 
 
 @dataclass

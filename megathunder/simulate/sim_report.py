@@ -220,7 +220,7 @@ def last_line(profile: Profile, figs: dict) -> str:
     return json.dumps(out)
 
 
-CALIBRATION_TOLERANCE = 0.15  # issue 9: predicted step time within 15% of the measured one
+CALIBRATION_TOLERANCE = 0.15  # the calibration target: predicted step time within 15% of the measured one
 
 
 def format_calibration(results: list[dict]) -> str:

@@ -8,9 +8,10 @@
     others:  LearnerService.serve()
     rank 0:  timeline.png / trace.json, summary.json, checkpoint
 
-SIGUSR1 (Slurm's ``--signal=B:USR1@T`` forwarded by the launch script) ends the step loop after
-the current step; rank 0 saves a checkpoint and the command exits with STOPPED_EARLY (75), so the
-script can requeue the job and the same command resumes from checkpoints/latest.
+Stopping (``megathunder.trainer.interrupt``): SIGUSR1 (Slurm's ``--signal=B:USR1@T`` forwarded by
+the launch script) or a first Ctrl-C ends the step loop after the current step; rank 0 saves a
+checkpoint and the command exits with STOPPED_EARLY (75), so the script can requeue the job and the
+same command resumes from checkpoints/latest. SIGTERM or a second Ctrl-C stops at once (130).
 """
 
 from __future__ import annotations
@@ -18,9 +19,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import os
 import shutil
-import signal
+import sys
 import threading
 from pathlib import Path
 
@@ -37,15 +37,13 @@ from megathunder.learner.teacher import build_teacher
 from megathunder.rollout.chat import ChatCodec
 from megathunder.rollout.engines import start_engine
 from megathunder.rollout.tasks import build_task
+from megathunder.trainer.interrupt import STOPPED_EARLY, STOPPED_NOW, StopNow, StopSignals
 from megathunder.trainer.schedules import SCHEDULES
 from megathunder.trainer.setup import barrier, build_learner, build_teacher_model, initial_model
 from megathunder.trainer.summary import print_summary, write_summary
 from megathunder.trainer.trainer import Trainer
 
 log = logging.getLogger(__name__)
-
-STOPPED_EARLY = 75  # exit status: stopped on SIGUSR1 with a checkpoint saved; run again to resume
-
 
 class StepsUntilSignal:
     """``range(start, stop)`` that ends early once ``stop_requested`` is set (checked before each step)."""
@@ -70,8 +68,18 @@ def prepare_run_dir(cfg: Config) -> Path:
 
 
 def train(cfg: Config) -> int:
-    stop_requested = threading.Event()  # every rank: SIGUSR1's default action would kill the process
-    signal.signal(signal.SIGUSR1, lambda signum, frame: stop_requested.set())
+    signals = StopSignals()  # every rank: SIGUSR1's default action would kill the process
+    try:
+        return _train(cfg, signals)
+    except (StopNow, asyncio.CancelledError):
+        if signals.now.is_set():
+            print(f"megathunder: stopped now; the same command resumes from the last checkpoint in "
+                  f"{Path(cfg.run.output_dir) / 'checkpoints'} (if any)", file=sys.stderr, flush=True)
+            return STOPPED_NOW
+        raise
+
+
+def _train(cfg: Config, signals: StopSignals) -> int:
     out = prepare_run_dir(cfg)
     pgs = init_distributed(cfg.learner)
     ckpt_dir = out / "checkpoints"
@@ -99,16 +107,19 @@ def train(cfg: Config) -> int:
         service.serve()
         return 0
     try:
-        summary = asyncio.run(_control(cfg, out, service, model_dir, start, stop_requested))
+        summary = asyncio.run(_control(cfg, out, service, model_dir, start, signals))
     finally:
-        service.stop()
+        service.stop(cancel_pending=signals.now.is_set())
     if summary == STOPPED_EARLY:
         return STOPPED_EARLY
     return 0 if summary is not None else 1
 
 
 async def _control(cfg: Config, out: Path, service: LearnerService[LearnerEndpoint], model_dir: Path, start: int,
-                   stop_requested: threading.Event) -> dict | int | None:
+                   signals: StopSignals) -> dict | int | None:
+    loop, task = asyncio.get_running_loop(), asyncio.current_task()
+    assert task is not None
+    signals.on_stop_now.append(lambda: loop.call_soon_threadsafe(task.cancel))
     codec = ChatCodec(AutoTokenizer.from_pretrained(model_dir))
     engine = await start_engine(cfg.rollout.engine, model_dir, log_dir=out / "logs", policy_version=start)
     trainer = None
@@ -118,15 +129,15 @@ async def _control(cfg: Config, out: Path, service: LearnerService[LearnerEndpoi
         if cfg.eval.every_n_steps and start == 0:  # the warm-started model, before RL
             before = await trainer.periodic_eval(-1, force=True)
             (out / "eval_before.json").write_text(json.dumps(before, indent=2) + "\n")
-        steps = StepsUntilSignal(range(start, cfg.run.num_steps), stop_requested)
+        steps = StepsUntilSignal(range(start, cfg.run.num_steps), signals.after_step)
         trainer.bar = tqdm(total=len(steps), desc=f"{cfg.objective.kind}/{cfg.schedule.mode}", unit="step",
                            disable=not cfg.run.progress, mininterval=1.0)
         await SCHEDULES[cfg.schedule.mode](trainer, steps)
         trainer.bar.close()
-        if trainer.version < cfg.run.num_steps:  # SIGUSR1: checkpoint now, resume later
+        if trainer.version < cfg.run.num_steps:  # asked to stop after a step: checkpoint now, resume later
             path = await service.call(LearnerEndpoint.checkpoint)
-            print(f"megathunder: SIGUSR1: stopped after step {trainer.version} of {cfg.run.num_steps}; "
-                  f"checkpoint {path}; the same command resumes from it", flush=True)
+            print(f"megathunder: stopped after step {trainer.version} of {cfg.run.num_steps}; checkpoint {path}; "
+                  "the same command resumes from it", file=sys.stderr, flush=True)
             return STOPPED_EARLY
         if steps:
             await service.call(LearnerEndpoint.checkpoint)
@@ -140,7 +151,10 @@ async def _control(cfg: Config, out: Path, service: LearnerService[LearnerEndpoi
         print_summary(summary, out)
         return summary
     finally:
+        signals.on_stop_now.clear()
         if trainer is not None:
+            if trainer.bar is not None:
+                trainer.bar.close()
             trainer.metrics.close()
             trainer.journal.close()
         await engine.close()

@@ -27,6 +27,8 @@ from tests.cluster import slurm_local
 
 REPO = Path(__file__).resolve().parents[2]
 
+JOB_END = "__megathunder_test_job_end__"
+OUTPUT_WAIT_S = 30.0
 TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL",
             "DEADLINE", "PREEMPTED"}
 
@@ -79,11 +81,15 @@ def run_job(cluster, workdir: Path, body: str, sbatch_args: tuple[str, ...] = ()
             timeout: float = 240) -> Job:
     """sbatch a bash script (body after the header), wait for its end, return state and output.
 
-    Polls ``scontrol show job`` every 0.25 s (``sbatch --wait`` polls too slowly for tests).
+    Polls ``scontrol show job`` every 0.25 s (``sbatch --wait`` polls too slowly for tests). A job
+    can reach its final state before the batch step's output file holds everything its steps
+    printed, so the script ends by writing a last line (an EXIT trap, after every srun in it has
+    returned and with it every line its tasks wrote); the output is read once that line is there.
     """
     workdir.mkdir(parents=True, exist_ok=True)
     script, out = workdir / "job.sh", workdir / "job.out"
     script.write_text("#!/bin/bash\nset -euo pipefail\n"
+                      f"trap 'echo {JOB_END}' EXIT\n"
                       f"export OMP_NUM_THREADS=1 PYTHONWARNINGS=ignore PY={shlex.quote(sys.executable)}\n"
                       f"cd {shlex.quote(str(REPO))}\n{body}\n")
     t0 = time.monotonic()
@@ -100,7 +106,13 @@ def run_job(cluster, workdir: Path, body: str, sbatch_args: tuple[str, ...] = ()
     else:
         cluster.run_client("scancel", str(job_id), check=False)
         pytest.fail(f"job {job_id} still {state} after {timeout:.0f} s:\n{_read(out)}")
-    return Job(job_id, state, exit_code, _read(out), time.monotonic() - t0)
+    seconds = time.monotonic() - t0
+    output = _read(out)
+    waited = time.monotonic()
+    while JOB_END not in output and time.monotonic() - waited < OUTPUT_WAIT_S:  # killed jobs never write it
+        time.sleep(0.1)
+        output = _read(out)
+    return Job(job_id, state, exit_code, output.replace(f"{JOB_END}\n", ""), seconds)
 
 
 def _read(path: Path) -> str:

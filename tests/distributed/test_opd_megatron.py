@@ -77,7 +77,7 @@ def test_tp2_every_strategy_equals_single_process_batch_opd(single, hf_qwen2, hf
 
 def test_dp2_every_strategy_equals_single_process_batch_opd(single, hf_qwen2, hf_teacher, tmp_path):
     """Each data-parallel rank streams its own trajectories; Z counts every rank's tokens
-    (``finish_opd_batch``), the step's DP reduction sums the ranks' shares."""
+    (``finish_opd_stream``), the step's DP reduction sums the ranks' shares."""
     run = _run(2, hf_qwen2, hf_teacher, tmp_path / "dp2.pt", tp=1)
     _check(run, _flat(single["sync_grad"]), single["sync"])
 

@@ -6,13 +6,13 @@ from pathlib import Path
 
 import pytest
 
-def test_kv_strategies_need_past_kv_attention_and_no_pipeline():
+def test_kv_strategies_need_past_kv_attention_and_distillation_no_pipeline():
     from megathunder.config import ConfigError, load_config
 
     with pytest.raises(ConfigError, match="objective.strategy: kv_adjoint needs learner.precision.core_attention=past_kv"):
         load_config(None, ["objective.kind=opd"])
-    with pytest.raises(ConfigError, match="objective.strategy: forward_early does not run with learner.parallel.pipeline"):
-        load_config(None, ["objective.kind=opd", "objective.strategy=forward_early",
+    with pytest.raises(ConfigError, match="learner.parallel.pipeline_parallel: objective.kind=opd runs each turn"):
+        load_config(None, ["objective.kind=opd", "objective.strategy=recompute",
                            "learner.precision.core_attention=past_kv", "learner.parallel.pipeline_parallel=2",
                            "learner.model.num_layers=2"])
     load_config(None, ["objective.kind=opd", "objective.strategy=recompute"])

@@ -1,4 +1,4 @@
-"""The streamed gradient equals the batch-synchronous reference (DESIGN.md section 2)."""
+"""The streamed gradient equals the batch-synchronous reference (docs/exactness.md, section 2)."""
 
 from __future__ import annotations
 

@@ -13,6 +13,7 @@ import itertools
 from collections.abc import Hashable, Sequence
 from typing import TYPE_CHECKING
 
+from megathunder import console
 from megathunder.rollout.engines.common import engine_kwargs, finish_reason, single_version
 from megathunder.rollout.engines.rpc import WeightLoadCall
 from megathunder.rollout.engines.transfer import WeightSender, open_sender, weight_loader
@@ -57,7 +58,8 @@ class InProcessEngine:
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        args = AsyncEngineArgs(model=str(model_path), **engine_kwargs(cfg))
+        kwargs = {"use_tqdm_on_load": console.verbose(), **engine_kwargs(cfg)}  # no loading bar unless -v
+        args = AsyncEngineArgs(model=str(model_path), **kwargs)
         engine = cls(AsyncLLM.from_engine_args(args), policy_version)
         # no local holds the AsyncLLM: vLLM keeps this frame alive, and close() must free it
         await engine.llm.update_weight_version(str(policy_version))

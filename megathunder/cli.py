@@ -43,8 +43,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 
 def _cmd_exactness(args: argparse.Namespace) -> int:
-    from megathunder.config import load_config
     from megathunder.bench.exactness import run
+    from megathunder.config import load_config
 
     return run(load_config(args.config, args.overrides))
 

@@ -34,12 +34,13 @@ def _quantiles(xs: list[float]) -> dict[str, float]:
 
 
 async def _run_task(name: str, args, sandbox_cfg: LocalSandboxConfig) -> dict:
+    from megathunder.models.local_tokenizer import train_local_chatml_tokenizer
     from megathunder.rollout.agent_loop import AgentLoop
     from megathunder.rollout.chat import ChatCodec
-    from megathunder.models.local_tokenizer import train_local_chatml_tokenizer
+    from megathunder.rollout.episode import RolloutEvent
     from megathunder.rollout.scripted import ScriptedPolicy
-    from megathunder.rollout.verifiers import VerifierPool
     from megathunder.rollout.tasks import build_task
+    from megathunder.rollout.verifiers import VerifierPool
 
     codec = ChatCodec(train_local_chatml_tokenizer())
     task = build_task(TypeAdapter(TaskConfig).validate_python({"name": name}))
@@ -49,7 +50,7 @@ async def _run_task(name: str, args, sandbox_cfg: LocalSandboxConfig) -> dict:
         {i.prompt: task.scripted_turns(i) for i in insts},
         seconds_per_token=args.seconds_per_token,
     )
-    events = []
+    events: list[RolloutEvent] = []
     agent_cfg = AgentLoopConfig(
         max_total_tokens=8192,
         max_new_tokens_per_turn=1024,
@@ -70,12 +71,16 @@ async def _run_task(name: str, args, sandbox_cfg: LocalSandboxConfig) -> dict:
     finish = [e.time - t0 for e in events if e.kind == "trajectory_finished"]
     reward = [e.time - t0 for e in events if e.kind == "reward"]
     per_ep = []
+    rewards: list[float] = []
     for ep in episodes:
-        total = ep.finished_at - ep.started_at + ep.reward.duration_s
+        outcome = ep.reward
+        assert outcome is not None and outcome.reward is not None  # scripted: correct, never dropped
+        rewards.append(outcome.reward)
+        total = ep.finished_at - ep.started_at + outcome.duration_s
         parts = {
             "generation_s": ep.generation_s,
             "tool_s": ep.tool_s,
-            "verifier_s": ep.reward.duration_s,
+            "verifier_s": outcome.duration_s,
         }
         per_ep.append(
             {
@@ -89,7 +94,7 @@ async def _run_task(name: str, args, sandbox_cfg: LocalSandboxConfig) -> dict:
     return {
         "task": name,
         "episodes": len(episodes),
-        "mean_reward": statistics.fmean(ep.reward.reward for ep in episodes),
+        "mean_reward": statistics.fmean(rewards),
         "batch_wall_s": wall,
         "mean_episode": mean,
         "trajectory_finished_s": _quantiles(finish),

@@ -20,11 +20,11 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from megathunder.config import Config
+from megathunder.config import Config, ConfigError, RLObjective
 from megathunder.models.torch_decoder import TorchDecoder, build_torch_decoder
 from megathunder.objectives import token_logprobs_and_entropy
-from megathunder.streaming.reference import reference_gradient
 from megathunder.streaming import GradientLedger, TorchBackend
+from megathunder.streaming.reference import reference_gradient
 from megathunder.trajectory import Trajectory, batch_plan
 
 EOS = 0
@@ -83,7 +83,7 @@ def task_reward(completion: torch.Tensor, vocab_size: int) -> float:
 
 def event_times(rng: random.Random, batch: list[Trajectory]) -> list[tuple[float, str, int]]:
     """Generation time grows with length (plus a long tail); the verifier adds its own latency."""
-    events = []
+    events: list[tuple[float, str, int]] = []
     for t in batch:
         finish = 0.05 * t.num_targets * rng.lognormvariate(0.0, 0.5)
         events.append((finish, "finished", t.traj_id))
@@ -92,12 +92,15 @@ def event_times(rng: random.Random, batch: list[Trajectory]) -> list[tuple[float
 
 
 def run(cfg: Config) -> int:
+    objective = cfg.objective
+    if not isinstance(objective, RLObjective):
+        raise ConfigError(f"objective.kind={objective.kind}: the exactness run streams a reward objective (grpo)")
     torch.manual_seed(cfg.run.seed)
     rng = random.Random(cfg.run.seed)
     model = build_torch_decoder(cfg.exactness.model, seed=cfg.run.seed)
     ref = copy.deepcopy(model).requires_grad_(False)
-    backend = TorchBackend(model, cfg.objective)
-    ledger = GradientLedger(backend, cfg.objective, cfg.ledger)
+    backend = TorchBackend(model, objective)
+    ledger = GradientLedger(backend, objective, cfg.ledger)
     opt_cfg = cfg.exactness.optimizer
     if opt_cfg.name == "adamw":
         optimizer = torch.optim.AdamW(model.parameters(), lr=opt_cfg.lr, betas=opt_cfg.betas,
@@ -111,13 +114,14 @@ def run(cfg: Config) -> int:
     with open(out / "metrics.jsonl", "w") as metrics:
         bar = tqdm(range(cfg.run.num_steps), desc="grpo/thunder", unit="step", mininterval=1.0)
         for step in bar:
-            batch, rewards = [], []
+            batch: list[Trajectory] = []
+            rewards: list[float] = []
             for g in range(cfg.batch.num_prompts_per_batch):
                 prompt = torch.randint(1, cfg.exactness.model.vocab_size, (1, PROMPT_LEN))
                 trajs, rs = sample_group(model, ref, prompt, cfg, len(batch), g)
                 batch += trajs
                 rewards += rs
-            reference = reference_gradient(model, batch, rewards, cfg.objective)
+            reference = reference_gradient(model, batch, rewards, objective)
             t0 = time.perf_counter()
             ledger.begin_batch(batch_plan(batch))
             backward_before_last_reward = 0

@@ -77,13 +77,12 @@ def main(argv: Sequence[str]) -> int:
                 break
         return _relaunch(args, child)
 
-    from megathunder.streaming import synthetic as syn
-
-    from megathunder.trajectory import batch_plan
     from megathunder.config import GRPOObjective, LearnerConfig, LedgerConfig
     from megathunder.learner.batches import grpo_gradient
     from megathunder.learner.learner import MegatronLearner
     from megathunder.learner.parallel import destroy_distributed, init_distributed
+    from megathunder.streaming import synthetic as syn
+    from megathunder.trajectory import batch_plan
 
     cfg = LearnerConfig.model_validate({
         "parallel": {"tensor_parallel": args.tp, "pipeline_parallel": args.pp},

@@ -20,11 +20,11 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from megathunder.streaming import synthetic as syn
-from megathunder.config import GRPOObjective, LedgerConfig, DecoderConfig
+from megathunder.config import DecoderConfig, GRPOObjective, LedgerConfig
 from megathunder.models.torch_decoder import build_torch_decoder
 from megathunder.objectives import LossSpec
 from megathunder.streaming import GradBuffer, GradientLedger, TorchBackend
+from megathunder.streaming import synthetic as syn
 from megathunder.trajectory import Trajectory, batch_plan
 
 

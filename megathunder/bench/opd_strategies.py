@@ -20,16 +20,28 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import random
+import socket
 import statistics
 import time
-from collections.abc import Sequence
+import weakref
+from collections.abc import Callable, Sequence
 
 import torch
 
 from megathunder.config import DecoderConfig
 from megathunder.models.torch_decoder import build_torch_decoder
-from megathunder.streaming.opd_turns import TorchSegmentModel, TurnStreamer, accumulate_full_trajectory_opd
+from megathunder.streaming.opd_turns import (
+    SegmentModel,
+    TeacherFn,
+    TorchSegmentModel,
+    TurnStreamer,
+    accumulate_full_trajectory_opd,
+)
+
+Student = tuple[SegmentModel, Callable[[], None], Callable[[], None]]
+"""The model under test, how to zero its gradient, and how to close it."""
 
 
 class _SavedBytes:
@@ -38,9 +50,7 @@ class _SavedBytes:
     def __init__(self) -> None:
         self.live = self.peak = 0
 
-    def __enter__(self):
-        import weakref
-
+    def __enter__(self) -> _SavedBytes:
         def pack(t):
             n = t.numel() * t.element_size()
             self.live += n
@@ -68,21 +78,19 @@ def _release(owner: _SavedBytes, n: int) -> None:
     owner.live -= n
 
 
-def _torch_student(args, max_len):
+def _torch_student(args: argparse.Namespace, max_len: int) -> Student:
     cfg = DecoderConfig(vocab_size=args.vocab_size, hidden_size=args.hidden_size, num_layers=args.num_layers,
                       num_heads=max(1, args.hidden_size // 64), max_seq_len=max_len)
     student = build_torch_decoder(cfg, seed=0)
     return TorchSegmentModel(student), lambda: student.zero_grad(set_to_none=True), lambda: None
 
 
-def _megatron_student(args, max_len):
+def _megatron_student(args: argparse.Namespace, max_len: int) -> Student:
     """The Megatron learner (one process, past-K/V attention layer spec); gradients in DDP's buffers."""
-    from megathunder.config import LearnerConfig
-    from megathunder.learner.segment_model import MegatronSegmentModel
+    from megathunder.config import GRPOObjective, LearnerConfig
+    from megathunder.learner.learner import MegatronLearner
     from megathunder.learner.parallel import destroy_distributed, init_distributed
-
-    import os
-    import socket
+    from megathunder.learner.segment_model import MegatronSegmentModel
 
     if "MASTER_PORT" not in os.environ:  # one process, no launcher: any free local port
         with socket.socket() as sock:
@@ -98,9 +106,6 @@ def _megatron_student(args, max_len):
         "precision": {"core_attention": "past_kv"},
         "optimizer": {"name": "sgd", "use_distributed_optimizer": False},
     })
-    from megathunder.config import GRPOObjective
-    from megathunder.learner.learner import MegatronLearner
-
     learner = MegatronLearner.build(cfg, GRPOObjective(), init_distributed(cfg))
     return MegatronSegmentModel(learner.ddp, learner.pgs), learner.ddp.zero_grad_buffer, destroy_distributed
 
@@ -152,7 +157,7 @@ def main(argv: Sequence[str]) -> int:
                 t0 = time.perf_counter()
                 accumulate_full_trajectory_opd(student, [(tokens, mask, teacher_logp)], 1.0)
                 elapsed = time.perf_counter() - t0
-            return elapsed, saved.peak if measure_memory else 0
+            return elapsed, saved.peak if saved is not None else 0
 
         full_bytes = full_pass(True)[1]
         full_s = statistics.median(full_pass(False)[0] for _ in range(args.repeats + 1))
@@ -178,6 +183,7 @@ def main(argv: Sequence[str]) -> int:
                 totals.append(end - t0 - timed.seconds)
                 tails.append(end - t_last - (timed.seconds - tool_before))
                 if rep == 0:
+                    assert saved is not None  # run 0 measures memory
                     peaks.append(saved.peak)
                     continue
                 passes = streamer.stats["forward_tokens"] + streamer.stats["backward_tokens"]
@@ -202,14 +208,14 @@ def main(argv: Sequence[str]) -> int:
 class _Timed:
     """A stateless teacher whose time is taken out of the learner's."""
 
-    def __init__(self, fn) -> None:
+    def __init__(self, fn: TeacherFn) -> None:
         self.fn, self.seconds = fn, 0.0
 
-    def score(self, traj_id, tokens, start):
+    def score(self, traj_id: int, tokens: torch.Tensor, start: int) -> torch.Tensor:
         t0 = time.perf_counter()
         out = self.fn(tokens, start, tokens.numel())
         self.seconds += time.perf_counter() - t0
         return out
 
-    def release(self, traj_id):
+    def release(self, traj_id: int) -> None:
         pass

@@ -31,7 +31,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from megathunder.config import EngineConfig
-from megathunder.rollout.types import SamplingParams
+from megathunder.rollout.types import RolloutEngine, SamplingParams
 
 
 @dataclass(frozen=True)
@@ -48,7 +48,9 @@ class EngineBenchResult:
         return asdict(self)
 
 
-async def _timed_batch(engine, prompts, params) -> tuple[float, int]:
+async def _timed_batch(
+    engine: RolloutEngine, prompts: Sequence[Sequence[int]], params: SamplingParams
+) -> tuple[float, int]:
     t0 = time.perf_counter()
     out = await asyncio.gather(*(engine.generate(p, params) for p in prompts))
     return time.perf_counter() - t0, sum(len(c.token_ids) for c in out)

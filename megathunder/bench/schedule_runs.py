@@ -21,8 +21,9 @@ import os
 import subprocess
 import sys
 import tempfile
-from megathunder.config import SCHEDULE_MODES
 from pathlib import Path
+
+from megathunder.config import SCHEDULE_MODES
 
 ROOT = Path(__file__).resolve().parents[2]
 SCHEDULES = SCHEDULE_MODES

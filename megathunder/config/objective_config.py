@@ -19,6 +19,8 @@ from megathunder.config.base import Strict
 
 TurnStrategy = Literal["recompute", "kv_adjoint", "forward_early"]
 LossAggregation = Literal["token_mean", "seq_mean_token_sum", "seq_mean_token_mean", "seq_mean_token_sum_norm"]
+OPDAggregation = Literal["token_mean", "seq_mean_token_sum"]
+"""The aggregations a per-turn streamed divergence supports (``megathunder.objectives.opd``)."""
 
 
 class _Kind(Strict):
@@ -104,7 +106,7 @@ class OPDObjective(Distillation):
     """``kind: opd``: on-policy distillation only (rewards are logged, not trained on)."""
 
     kind: Literal["opd"] = "opd"
-    aggregation: Literal["token_mean", "seq_mean_token_sum"] = "token_mean"
+    aggregation: OPDAggregation = "token_mean"
     divergence: Literal["reverse_kl", "gjsd"] = "reverse_kl"
     """reverse_kl: per-token l - l^T as a policy-gradient advantage; gjsd: GKD's generalized
     Jensen-Shannon divergence over the vocabulary (the teacher's whole distribution)."""
@@ -132,9 +134,11 @@ class OPDGRPOObjective(Distillation, RLObjective):
         return self
 
     @property
-    def aggregation(self) -> str:
+    def aggregation(self) -> OPDAggregation:
         """Both parts are normalised by the reward part's Z."""
-        return self.loss_agg
+        agg = self.loss_agg
+        assert agg in ("token_mean", "seq_mean_token_sum")  # checked by the validator
+        return agg
 
     @property
     def divergence(self) -> Literal["reverse_kl"]:

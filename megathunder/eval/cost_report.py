@@ -118,6 +118,7 @@ def time_to_score(baseline: RunCurve, run: RunCurve) -> list[dict]:
     rows = []
     for threshold in sorted(set(baseline.scores)):
         b = first_reaching(baseline, threshold)
+        assert b is not None  # the threshold is one of the baseline's scores
         r = first_reaching(run, threshold)
         hb = baseline.gpu_hours[b]
         hr = None if r is None else run.gpu_hours[r]
@@ -161,9 +162,10 @@ def plot(curves: list[RunCurve], metric: str, out_png: Path) -> None:
         label = f"{c.schedule} ({c.name})"
         (line,) = ax_h.plot(c.gpu_hours, c.scores, marker="o", label=label)
         ax_s.plot(c.steps, c.scores, marker="o", color=line.get_color(), label=label)
-        if all(se is not None for se in c.stderr):
-            lo = [s - se for s, se in zip(c.scores, c.stderr, strict=True)]
-            hi = [s + se for s, se in zip(c.scores, c.stderr, strict=True)]
+        stderr = [se for se in c.stderr if se is not None]
+        if len(stderr) == len(c.stderr):
+            lo = [s - se for s, se in zip(c.scores, stderr, strict=True)]
+            hi = [s + se for s, se in zip(c.scores, stderr, strict=True)]
             ax_h.fill_between(c.gpu_hours, lo, hi, color=line.get_color(), alpha=0.15)
     ax_h.set_xlabel("GPU-hours (process-hours on CPU)")
     ax_s.set_xlabel("optimizer step")

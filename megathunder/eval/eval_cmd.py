@@ -6,14 +6,23 @@ checked before the (slow) engine starts, and each failure is one line naming wha
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import math
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
-from megathunder.eval.instances import EvalInputError
+from megathunder.config import Config, load_config
+from megathunder.eval.evaluate import EvalResult, MissingSamplesError, evaluate
+from megathunder.eval.instances import EvalInputError, eval_instances
+from megathunder.rollout import engines
+from megathunder.rollout.chat import ChatCodec
+from megathunder.rollout.tasks import build_task
+from megathunder.rollout.tasks.datasets import DatasetError
 from megathunder.rollout.tasks.split import InstanceDrawError
+from megathunder.rollout.tasks.task import Task, TaskInstance
 
 
 def check_checkpoint(path: str | Path) -> Path:
@@ -29,10 +38,8 @@ def check_checkpoint(path: str | Path) -> Path:
     return path
 
 
-def format_table(result, task_name: str) -> str:
+def format_table(result: EvalResult, task_name: str) -> str:
     lines = [f"evaluation: {task_name}, {result.num_instances} instances x {result.k} samples"]
-    from megathunder.eval.evaluate import MissingSamplesError
-
     try:
         scores = result.pass_at_all()
     except MissingSamplesError as err:  # said instead of a score
@@ -59,7 +66,7 @@ def format_table(result, task_name: str) -> str:
     return "\n".join(lines)
 
 
-def _log_wandb(cfg, result, out_dir: Path) -> str | None:
+def _log_wandb(cfg: Config, result: EvalResult, out_dir: Path) -> str | None:
     """Offline wandb run with the metrics, when wandb is installed (never online: evaluation of
     a checkpoint is logged locally; ``run.wandb=disabled`` or --no-wandb skip it)."""
     try:
@@ -77,12 +84,8 @@ def _log_wandb(cfg, result, out_dir: Path) -> str | None:
     return str(getattr(run, "dir", out_dir))
 
 
-async def _run_engine(cfg, checkpoint: Path, task, instances):
+async def _run_engine(cfg: Config, checkpoint: Path, task: Task, instances: Sequence[TaskInstance]) -> EvalResult:
     from tokenizers import Tokenizer
-
-    from megathunder.eval.evaluate import evaluate
-    from megathunder.rollout import engines
-    from megathunder.rollout.chat import ChatCodec
 
     codec = ChatCodec(Tokenizer.from_file(str(checkpoint / "tokenizer.json")))
     engine = await engines.start_engine(cfg.rollout.engine, checkpoint, log_dir=cfg.run.output_dir)
@@ -92,12 +95,7 @@ async def _run_engine(cfg, checkpoint: Path, task, instances):
         await engine.close()
 
 
-def run(args) -> int:
-    from megathunder.config import load_config
-    from megathunder.eval.instances import eval_instances
-    from megathunder.rollout.tasks import build_task
-    from megathunder.rollout.tasks.datasets import DatasetError
-
+def run(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
     try:
         checkpoint = check_checkpoint(args.checkpoint)

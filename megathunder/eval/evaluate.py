@@ -41,8 +41,10 @@ from megathunder.config import Config
 from megathunder.eval.passk import pass_at_k_over_instances
 from megathunder.rollout.agent_loop import build_agent_loop
 from megathunder.rollout.chat import ChatCodec
+from megathunder.rollout.episode import Episode
 from megathunder.rollout.tasks.task import Task, TaskInstance
 from megathunder.rollout.types import RolloutEngine
+from megathunder.rollout.verifiers import VerifierStatus
 
 SampleStatus = Literal["ok", "verifier_error", "verifier_timeout", "episode_error"]
 
@@ -210,12 +212,16 @@ def _finite(x: float) -> float | None:
     return x if math.isfinite(x) else None
 
 
-def _sample_outcome(sample: int, ep, pass_reward: float) -> SampleOutcome:
+_STATUS: dict[VerifierStatus, SampleStatus] = {
+    "ok": "ok", "error": "verifier_error", "timeout": "verifier_timeout",
+    "skipped": "episode_error",  # the episode failed before scoring (non-finite logprobs)
+}  # fmt: skip
+
+
+def _sample_outcome(sample: int, ep: Episode, pass_reward: float) -> SampleOutcome:
     out = ep.reward
-    status: SampleStatus = {
-        "ok": "ok", "error": "verifier_error", "timeout": "verifier_timeout",
-        "skipped": "episode_error",  # the episode failed before scoring (non-finite logprobs)
-    }[out.status]  # fmt: skip
+    assert out is not None  # the agent loop scores every episode it returns (status skipped if failed)
+    status = _STATUS[out.status]
     runs = [r for t in ep.turns for r in t.tool_runs]
     return SampleOutcome(
         sample=sample,
@@ -236,6 +242,12 @@ def _sample_outcome(sample: int, ep, pass_reward: float) -> SampleOutcome:
         wall_s=ep.finished_at - ep.started_at + out.duration_s,
         final_text=ep.final_text[-500:],
     )
+
+
+def _all_done(row: Sequence[SampleOutcome | None]) -> list[SampleOutcome]:
+    done = [s for s in row if s is not None]
+    assert len(done) == len(row), "internal: an episode has no outcome"
+    return done
 
 
 async def evaluate(
@@ -304,7 +316,7 @@ async def evaluate(
     return EvalResult(
         k=k,
         instances=[
-            InstanceOutcome(inst.instance_id, list(row))
+            InstanceOutcome(inst.instance_id, _all_done(row))
             for inst, row in zip(instances, samples, strict=True)
         ],
         wall_s=time.monotonic() - start,

@@ -104,13 +104,13 @@ class MegatronBackend:
         # One schedule call per spec: a pipeline schedule runs exactly one backward per forward.
         objective = self._objective()
         for spec in specs:
+
+            def loss(_k: int, logp: torch.Tensor, ent: torch.Tensor | None, spec: LossSpec = spec) -> torch.Tensor:
+                return trajectory_loss(logp, ent, traj, spec, objective)
+
             self.ddp.zero_grad_buffer()
             with self.ddp.no_sync():
-                run_schedule(
-                    self.ddp, self.pgs, [traj],
-                    lambda _k, logp, ent, spec=spec: trajectory_loss(logp, ent, traj, spec, objective),
-                    need_entropy=objective.entropy_coef > 0,
-                )
+                run_schedule(self.ddp, self.pgs, [traj], loss, need_entropy=objective.entropy_coef > 0)
             self.num_backward += 1
             yield self.live
 

@@ -29,13 +29,13 @@ rank counts every trajectory, so Z is the whole batch's.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 
 import torch
 import torch.distributed as dist
 
-from megathunder.config import ConfigError, DistillObjective, RLObjective
+from megathunder.config import ConfigError, DistillObjective, OPDAggregation, RLObjective
 from megathunder.learner.backend import run_schedule
 from megathunder.learner.learner import MegatronLearner
 from megathunder.learner.segment_model import MegatronSegmentModel
@@ -142,6 +142,13 @@ def _distill(learner: MegatronLearner) -> DistillObjective:
     return learner.objective
 
 
+def _kept_rewards(rewards: Mapping[int, float | None], order: Sequence[int]) -> list[float]:
+    """The rewards of ``order``'s trajectories, all of kept groups (a None reward drops its group)."""
+    known = [r for r in (rewards[t] for t in order) if r is not None]
+    assert len(known) == len(order), "internal: a trajectory of a kept group has no reward"
+    return known
+
+
 def new_batch(learner: MegatronLearner, teacher: CachedTeacher | None, plan: BatchPlan, streamed: bool) -> Batch:
     """The batch of ``learner``'s objective (``objective.kind``); the distillation kinds need the teacher."""
     kind = learner.objective.kind
@@ -200,7 +207,7 @@ class GRPOBatch(Batch):
             order = [tid for g, members in self.plan if g not in self.dropped for tid in members]
             owner = [self.owners.owner[t] for t in order]
             z, mine = grpo_gradient(self.learner, [self.trajs[t] for t in order],
-                                    [self.rewards[t] for t in order], owner)
+                                    _kept_rewards(self.rewards, order), owner)
             self._num_sync_passes = len(mine)
             result = BatchResult(normaliser=z, num_kept_groups=len(self.plan) - len(self.dropped),
                                  num_dropped_groups=len(self.dropped), num_kept_trajectories=len(order),
@@ -208,7 +215,7 @@ class GRPOBatch(Batch):
         return BatchOutcome(**asdict(result), backward_after_last_reward=self._left_after_last_reward())
 
 
-def grpo_gradient(learner: MegatronLearner, batch: Sequence[Trajectory], rewards: Sequence[float | None],
+def grpo_gradient(learner: MegatronLearner, batch: Sequence[Trajectory], rewards: Sequence[float],
                   owner: Sequence[int] | None = None) -> tuple[float, list[int]]:
     """GRPO's batch-synchronous gradient: every reward known; this rank's kept trajectories (all
     when ``owner`` is None) as the micro-batches of one schedule call; the unnormalised sum, then
@@ -339,7 +346,8 @@ def opd_gradient(learner: MegatronLearner, batch: Sequence[Trajectory], teacher:
     return totals
 
 
-def _opd_totals(learner: MegatronLearner, counts: Sequence[int], divergence_sum: float, aggregation: str) -> OPDTotals:
+def _opd_totals(learner: MegatronLearner, counts: Sequence[int], divergence_sum: float,
+                aggregation: OPDAggregation) -> OPDTotals:
     """Z and the mean divergence of the whole batch: this rank's counts summed over the DP group."""
     totals = torch.tensor([sum(counts), len(counts), divergence_sum], dtype=torch.float64, device=learner.pgs.device)
     if learner.pgs.dims.dp > 1:
@@ -400,12 +408,13 @@ class OPDGRPOBatch(OPDBatch):
 
     def close(self) -> BatchOutcome:
         if self.streamer is not None:
+            assert self.kl is not None  # streamed
             closed = self.ledger.close_batch()
             divergence = finish_opd_grpo_stream(self.learner, self.streamer, self.kl, closed.normaliser)
             result = BatchResult(**{**asdict(closed), "peak_buffers": closed.peak_buffers + 1})
         else:
             order = [tid for _, members in self.plan for tid in members]
-            totals = opd_grpo_gradient(self.learner, [self.trajs[t] for t in order], [self.rewards[t] for t in order],
+            totals = opd_grpo_gradient(self.learner, [self.trajs[t] for t in order], _kept_rewards(self.rewards, order),
                                        [self.owners.owner[t] for t in order], self.teacher)
             divergence = totals.divergence_mean
             result = BatchResult(normaliser=totals.normaliser, num_kept_groups=len(self.plan), num_dropped_groups=0,
@@ -423,7 +432,7 @@ def finish_opd_grpo_stream(learner: MegatronLearner, streamer: TurnStreamer, kl:
     return totals.divergence_mean
 
 
-def opd_grpo_gradient(learner: MegatronLearner, batch: Sequence[Trajectory], rewards: Sequence[float | None],
+def opd_grpo_gradient(learner: MegatronLearner, batch: Sequence[Trajectory], rewards: Sequence[float],
                       owner: Sequence[int], teacher: CachedTeacher) -> OPDTotals:
     """opd_grpo's batch-synchronous reference: on this rank's trajectories the reward terms
     (``grpo_gradient``'s schedule call) and the KL terms (``opd_gradient``'s full-trajectory

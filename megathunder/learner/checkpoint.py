@@ -15,11 +15,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from megathunder.learner.learner import MegatronLearner
+
 # The optimizer state layout that reshards across TP/PP/DP (Megatron's "fully reshardable").
 _OPTIM_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
 
 
-def _sharded_state(learner, is_loading: bool) -> dict:
+def _sharded_state(learner: MegatronLearner, is_loading: bool) -> dict:
     model_sd = learner.model.sharded_state_dict()
     return {
         "model": model_sd,
@@ -76,7 +78,7 @@ def _adam_step_kept_out_of_param_state(optimizer):
                 state["step"] = state["step"].clone()
 
 
-def save_checkpoint(learner, root: str | Path) -> Path:
+def save_checkpoint(learner: MegatronLearner, root: str | Path) -> Path:
     from megatron.core import dist_checkpointing
 
     root = Path(root)
@@ -107,7 +109,7 @@ def latest_checkpoint(root: str | Path) -> Path | None:
     return path if path.is_dir() else None
 
 
-def load_checkpoint(learner, path: str | Path, load_optimizer: bool = True) -> None:
+def load_checkpoint(learner: MegatronLearner, path: str | Path, load_optimizer: bool = True) -> None:
     from megatron.core import dist_checkpointing
 
     path = Path(path)

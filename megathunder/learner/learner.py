@@ -135,7 +135,11 @@ class MegatronLearner:
         """Per-target logprobs on the last pipeline stage (None on other stages)."""
         if not trajs:
             return []
-        model = self.reference if use_reference else self.ddp
+        if use_reference:
+            assert self.reference is not None, "no reference model: objective.kl_coef is 0"
+            model = self.reference
+        else:
+            model = self.ddp
         offloaded = use_reference and next(model.parameters()).device != self.pgs.device
         if offloaded:
             model.to(self.pgs.device)

@@ -11,13 +11,18 @@ from __future__ import annotations
 import os
 import sys
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 
-from megathunder.config import ConfigError, LearnerConfig, ParallelConfig
-from megathunder.config import PolicyModelConfig, check_parallel_divides_model
+from megathunder.config import (
+    ConfigError,
+    LearnerConfig,
+    ParallelConfig,
+    PolicyModelConfig,
+    check_parallel_divides_model,
+)
 from megathunder.learner import rendezvous
 from megathunder.learner.rendezvous import rendezvous_from_env
 
@@ -61,7 +66,7 @@ class ProcessGroups:
     tp_rank: int
     pp_rank: int
     dp_rank: int
-    collection: object  # megatron.core.process_groups_config.ProcessGroupCollection
+    collection: Any  # megatron.core.process_groups_config.ProcessGroupCollection
     device: torch.device
 
     @property

@@ -30,17 +30,12 @@ import math
 from collections.abc import Iterator, Sequence
 
 import torch
+from megatron.core.transformer.module import MegatronModule
 
 KV = tuple[torch.Tensor, torch.Tensor]
 
 
-def _module_base():
-    from megatron.core.transformer.module import MegatronModule
-
-    return MegatronModule
-
-
-class PastKVAttention(_module_base()):
+class PastKVAttention(MegatronModule):
     """Causal dot-product attention whose keys/values may be prefixed by a cache of past ones.
 
     Signature of Megatron's core attention: query [sq, b, np, hn], key/value [sk, b, ng, hn]

@@ -13,18 +13,18 @@ from __future__ import annotations
 
 import argparse
 import collections
+import os
+import socket
 import sys
+from collections.abc import Sequence
 
 
-def main(argv=None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m megathunder.learner.preflight")
     parser.add_argument("config")
     parser.add_argument("overrides", nargs="*")
     parser.add_argument("--expect-world", type=int, required=True)
     args = parser.parse_args(argv)
-
-    import os
-    import socket
 
     import torch.distributed as dist
 
@@ -36,7 +36,7 @@ def main(argv=None) -> int:
     except ConfigError as err:
         print(f"megathunder preflight: learner: {err}", file=sys.stderr, flush=True)
         return 2
-    nodes = [None] * pgs.world_size
+    nodes: list[str | None] = [None] * pgs.world_size
     node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
     if pgs.world_size > 1:
         dist.all_gather_object(nodes, node)

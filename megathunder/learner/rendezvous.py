@@ -32,7 +32,7 @@ import os
 import re
 import socket
 import subprocess
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import dataclass
 
 DEFAULT_PORT = 29500
@@ -62,7 +62,8 @@ class Rendezvous:
 
 # ---- Slurm host lists -------------------------------------------------------------------------
 def _split_top_level(expr: str) -> list[str]:
-    parts, depth, start = [], 0, 0
+    parts: list[str] = []
+    depth, start = 0, 0
     for i, ch in enumerate(expr):
         if ch == "[":
             depth += 1
@@ -76,7 +77,7 @@ def _split_top_level(expr: str) -> list[str]:
 
 
 def _expand_range(body: str) -> list[str]:
-    out = []
+    out: list[str] = []
     for item in body.split(","):
         if "-" in item:
             lo, hi = item.split("-", 1)
@@ -93,7 +94,7 @@ def expand_hostlist(expr: str) -> list[str]:
     ``node[1-2]`` -> node1 node2; ``gpu[01-03,07],login`` -> gpu01 gpu02 gpu03 gpu07 login;
     ``r[1-2]-n[1-2]`` -> r1-n1 r1-n2 r2-n1 r2-n2.
     """
-    hosts = []
+    hosts: list[str] = []
     for part in _split_top_level(expr):
         pieces = re.split(r"(\[[^\]]*\])", part)
         choices = [_expand_range(p[1:-1]) if p.startswith("[") else [p] for p in pieces if p]
@@ -127,7 +128,8 @@ def _int(env: Mapping[str, str], key: str) -> int:
         raise LaunchError(f"{key}={env.get(key)!r}: expected an integer in the launch environment") from None
 
 
-def rendezvous_from_env(env: Mapping[str, str] | None = None, resolve=node_address) -> Rendezvous:
+def rendezvous_from_env(env: Mapping[str, str] | None = None,
+                        resolve: Callable[[str], str] = node_address) -> Rendezvous:
     """Rank, world size, local rank and rank 0's address; see the module docstring for the order."""
     env = os.environ if env is None else env
     node = env.get("SLURMD_NODENAME") or socket.gethostname()
@@ -185,10 +187,10 @@ def _resolves_to_loopback(host: str) -> bool | None:
         infos = socket.getaddrinfo(host, None)
     except OSError:
         return None
-    return all(_is_loopback(info[4][0]) for info in infos)
+    return all(_is_loopback(str(info[4][0])) for info in infos)
 
 
-def export(rdzv: Rendezvous, env: dict[str, str] | None = None, backend: str = "gloo") -> None:
+def export(rdzv: Rendezvous, env: MutableMapping[str, str] | None = None, backend: str = "gloo") -> None:
     """Set MASTER_ADDR / MASTER_PORT (and, for gloo, GLOO_SOCKET_IFNAME) for init_process_group.
 
     gloo advertises the address its host name resolves to. When rank 0 is on loopback every rank

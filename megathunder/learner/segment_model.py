@@ -57,7 +57,7 @@ class MegatronSegmentModel:
         buffers = getattr(model, "buffers", None)
         self.live = GradBuffer([b.grad_data for b in buffers]) if isinstance(buffers, list) else None
 
-    def forward_segment(self, tokens: torch.Tensor, past: Sequence[KV] | None):
+    def forward_segment(self, tokens: torch.Tensor, past: Sequence[KV] | None) -> tuple[torch.Tensor, list[KV]]:
         device = self.pgs.device
         tokens = tokens.to(device)
         num_past = past[0][0].shape[0] if past else 0
@@ -68,7 +68,9 @@ class MegatronSegmentModel:
             return self.model(tokens[None], positions, attention_mask=None)[0], []
         with self.cache.segment(past) as produced:
             logits = self.model(tokens[None], positions, attention_mask=None)
-        return logits[0], list(produced)
+        kv = [layer for layer in produced if layer is not None]
+        assert len(kv) == len(produced), "a PastKVAttention layer produced no K/V"
+        return logits[0], kv
 
     def logprobs(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return vocab_parallel_logprobs(logits, targets.to(logits.device), self.pgs.tp)[0]
@@ -100,10 +102,12 @@ class MegatronSegmentModel:
 
         return reduce_from_tensor_model_parallel_region(local, group=self.pgs.tp)
 
-    def backward(self, outputs, grads, retain_graph: bool = False) -> None:
+    def backward(self, outputs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor] | None,
+                 retain_graph: bool = False) -> None:
         with self.model.no_sync():
             torch.autograd.backward(list(outputs), None if grads is None else list(grads),
                                     retain_graph=retain_graph)
 
     def divide_grads(self, z: float) -> None:
+        assert self.live is not None, "a model without gradient buffers (the teacher) has no gradient"
         self.live.div_(z)

@@ -71,7 +71,8 @@ class _Heartbeat:
     def silent_ranks(self) -> list[tuple[int, float]]:
         """(rank, seconds since its last heartbeat) for ranks silent for over 2.5 beats."""
         time.sleep(2.5 * HEARTBEAT_S)
-        out, now = [], time.time()
+        out: list[tuple[int, float]] = []
+        now = time.time()
         for r in range(self.world_size):
             key = f"megathunder/alive/{r}"
             age = now - float(self.store.get(key)) if self.store.check([key]) else float("inf")
@@ -143,10 +144,16 @@ class LearnerService(Generic[E]):
                 self._pool.submit(self._run, _STOP, (), {}).result()
             except LearnerRankLost:
                 pass  # already reported by the call that found it
-            self._heartbeat.stop()
+            self._beats.stop()
         self._pool.shutdown(wait=True)
 
-    def _broadcast(self, msg):
+    @property
+    def _beats(self) -> _Heartbeat:
+        """The heartbeat, which every rank of a world of more than one process runs."""
+        assert self._heartbeat is not None, "no heartbeat in a single-process world"
+        return self._heartbeat
+
+    def _broadcast(self, msg: Any) -> Any:
         box = [msg]
         dist.broadcast_object_list(box, src=0, group=self._group)
         return box[0]
@@ -158,7 +165,7 @@ class LearnerService(Generic[E]):
             self._broadcast((method, args, kwargs))
             return None if method == _STOP else self._execute(method, args, kwargs)
         except RuntimeError as err:  # gloo: a peer closed its connection or timed out
-            silent = self._heartbeat.silent_ranks()
+            silent = self._beats.silent_ranks()
             if not silent:
                 raise  # every rank is alive: a real error of the call itself
             who = ", ".join(f"rank {r} (silent {age:.0f} s)" for r, age in silent)
@@ -187,7 +194,7 @@ class LearnerService(Generic[E]):
                     f"learner rank {self.rank}: lost the controller (rank 0): {str(err).splitlines()[0][:200]}"
                 ) from err
             if method == _STOP:
-                self._heartbeat.stop()
+                self._beats.stop()
                 return
             self._execute(method, args, kwargs)
 

@@ -27,11 +27,10 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Literal
 
 import torch
 
-OPDAggregation = Literal["token_mean", "seq_mean_token_sum"]
+from megathunder.config import OPDAggregation
 
 
 def opd_coefficients(

@@ -15,6 +15,7 @@ from typing import Literal
 
 import torch
 
+from megathunder.rollout.types import FinishReason
 from megathunder.rollout.verifiers import RewardOutcome
 from megathunder.trajectory import Trajectory
 
@@ -38,7 +39,7 @@ class Turn:
     index: int
     start: int  # position of the turn's first generated token in ``token_ids``
     end: int  # one past its last generated token
-    finish_reason: str
+    finish_reason: FinishReason
     policy_version: int
     started_at: float  # time.monotonic()
     generated_at: float
@@ -131,7 +132,7 @@ class Episode:
         trained = logprobs is not None
         self.token_ids += ids
         self.loss_mask += [trained] * len(ids)
-        self.rollout_logprobs += list(logprobs) if trained else [0.0] * len(ids)
+        self.rollout_logprobs += list(logprobs) if logprobs is not None else [0.0] * len(ids)
 
 
 @dataclass(frozen=True)

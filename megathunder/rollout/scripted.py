@@ -11,10 +11,10 @@ that each lands on its own target position. ``seconds_per_token`` simulates deco
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 
 from megathunder.rollout.chat import IM_START, ChatCodec
-from megathunder.rollout.types import Completion, SamplingParams
+from megathunder.rollout.types import Completion, FinishReason, SamplingParams, WeightSource
 
 
 def scripted_logprob(token_id: int) -> float:
@@ -45,11 +45,11 @@ class ScriptedPolicy:
         return script[turn] if turn < len(script) else "I am done."
 
     async def generate(
-        self, prompt_token_ids: Sequence[int], params: SamplingParams, *, session_id=None
+        self, prompt_token_ids: Sequence[int], params: SamplingParams, *, session_id: Hashable | None = None
     ) -> Completion:
         self.num_calls += 1
         ids = self.codec.encode_trusted(self._turn_text(prompt_token_ids)) + [self.codec.im_end_id]
-        finish = "stop"
+        finish: FinishReason = "stop"
         if len(ids) > params.max_new_tokens:
             ids, finish = ids[: params.max_new_tokens], "length"
         if self.seconds_per_token:
@@ -58,7 +58,7 @@ class ScriptedPolicy:
             await asyncio.sleep(0)
         return Completion(ids, [scripted_logprob(t) for t in ids], finish, self.policy_version)
 
-    async def update_weights(self, weights, policy_version: int) -> None:
+    async def update_weights(self, weights: WeightSource, policy_version: int) -> None:
         self.policy_version = policy_version
 
     async def reset_prefix_cache(self) -> None:

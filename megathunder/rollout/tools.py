@@ -63,17 +63,24 @@ class Tool:
         return dict(args)
 
 
-async def _bash(sb: Sandbox, args: Mapping[str, str]) -> str:
-    result = await sb.shell(args["command"])
+def _in_sandbox(sb: Sandbox | None) -> Sandbox:
+    """The episode's sandbox, which every episode whose task has a sandbox tool gets."""
+    if sb is None:
+        raise RuntimeError("a sandbox tool was called in an episode without a sandbox")
+    return sb
+
+
+async def _bash(sb: Sandbox | None, args: Mapping[str, str]) -> str:
+    result = await _in_sandbox(sb).shell(args["command"])
     return result.observation() or f"[exit code {result.exit_code}, no output]"
 
 
-async def _read_file(sb: Sandbox, args: Mapping[str, str]) -> str:
-    return (await sb.read_file(args["path"])).observation()
+async def _read_file(sb: Sandbox | None, args: Mapping[str, str]) -> str:
+    return (await _in_sandbox(sb).read_file(args["path"])).observation()
 
 
-async def _write_file(sb: Sandbox, args: Mapping[str, str]) -> str:
-    result = await sb.write_file(args["path"], args["content"])
+async def _write_file(sb: Sandbox | None, args: Mapping[str, str]) -> str:
+    result = await _in_sandbox(sb).write_file(args["path"], args["content"])
     return (
         result.observation()
         if not result.ok
@@ -81,7 +88,8 @@ async def _write_file(sb: Sandbox, args: Mapping[str, str]) -> str:
     )
 
 
-async def _str_replace(sb: Sandbox, args: Mapping[str, str]) -> str:
+async def _str_replace(sb: Sandbox | None, args: Mapping[str, str]) -> str:
+    sb = _in_sandbox(sb)
     path, old, new = args["path"], args["old"], args["new"]
     read = await sb.read_file(path, max_bytes=STR_REPLACE_MAX_BYTES)
     if not read.ok:
@@ -95,12 +103,12 @@ async def _str_replace(sb: Sandbox, args: Mapping[str, str]) -> str:
     return written.observation() if not written.ok else f"replaced 1 occurrence in {path}"
 
 
-_BINOPS = {
+_BINOPS: dict[type[ast.operator], Callable[[Any, Any], Any]] = {
     ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
     ast.Div: operator.truediv, ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod,
     ast.Pow: operator.pow,
 }  # fmt: skip
-_UNARY = {ast.UAdd: operator.pos, ast.USub: operator.neg}
+_UNARY: dict[type[ast.unaryop], Callable[[Any], Any]] = {ast.UAdd: operator.pos, ast.USub: operator.neg}
 
 
 def safe_eval(expression: str) -> int | float:
@@ -109,7 +117,7 @@ def safe_eval(expression: str) -> int | float:
     def ev(node: ast.AST) -> int | float:
         if isinstance(node, ast.Expression):
             return ev(node.body)
-        if isinstance(node, ast.Constant) and type(node.value) in (int, float):
+        if isinstance(node, ast.Constant) and isinstance(node.value, int | float) and not isinstance(node.value, bool):
             return node.value
         if isinstance(node, ast.BinOp) and type(node.op) in _BINOPS:
             left, right = ev(node.left), ev(node.right)

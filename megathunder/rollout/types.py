@@ -26,12 +26,17 @@ class SamplingParams:
     ignore_eos: bool = False  # benchmarks: generate exactly max_new_tokens
 
 
+FinishReason = Literal["stop", "length", "abort"]
+"""Why a completion ended: "stop": EOS or a stop token (returned last); "length": max_new_tokens
+or the model length; "abort": the request was aborted."""
+
+
 @dataclass(frozen=True)
 class Completion:
     token_ids: list[int]
     logprobs: list[float]  # one per generated token, from the engine that sampled it (by default of
     # the distribution actually sampled, after temperature/top-p/top-k: EngineConfig.logprobs_mode)
-    finish_reason: Literal["stop", "length", "abort"]  # "stop": EOS or a stop token (returned last)
+    finish_reason: FinishReason  # "stop": EOS or a stop token (returned last)
     policy_version: int  # weights version that produced every token (-1: aborted before any token)
 
 

@@ -20,15 +20,21 @@ import multiprocessing
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:  # not at run time: every in_subprocess call's process imports this module
+    from megathunder.config import VerifierConfig
 
 log = logging.getLogger(__name__)
+
+VerifierStatus = Literal["ok", "error", "timeout", "skipped"]
+"""skipped: the episode had failed before its verifier could run."""
 
 
 @dataclass(frozen=True)
 class RewardOutcome:
     reward: float | None  # None when the group is dropped
-    status: Literal["ok", "error", "timeout", "skipped"]  # skipped: the episode had failed
+    status: VerifierStatus
     drop_group: bool
     duration_s: float
     detail: str = ""
@@ -44,7 +50,7 @@ class RewardOutcome:
 
 
 class VerifierPool:
-    def __init__(self, cfg) -> None:  # cfg: megathunder.config.VerifierConfig
+    def __init__(self, cfg: VerifierConfig) -> None:
         self.cfg = cfg
         self._slots = asyncio.Semaphore(cfg.max_concurrent)
         self.num_failures = 0
@@ -71,7 +77,7 @@ class VerifierPool:
         (status ``skipped``): the same policy as a verifier failure."""
         return self._failed(traj_id, "skipped", detail, time.monotonic())
 
-    def _failed(self, traj_id: int, status, detail: str, start: float) -> RewardOutcome:
+    def _failed(self, traj_id: int, status: VerifierStatus, detail: str, start: float) -> RewardOutcome:
         self.num_failures += 1
         drop = self.cfg.on_failure == "drop_group"
         log.warning(

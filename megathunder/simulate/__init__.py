@@ -7,9 +7,9 @@
 See ``megathunder simulate --help`` and ``megathunder/simulate/README.md``.
 """
 
-from megathunder.simulate.sim_metrics import overlap_bound, step_table, summary
 from megathunder.simulate.profile import Profile, load_profile
 from megathunder.simulate.schedule_model import SCHEDULES, Trace, simulate
+from megathunder.simulate.sim_metrics import overlap_bound, step_table, summary
 
 __all__ = ["Profile", "SCHEDULES", "Trace", "load_profile", "overlap_bound", "simulate", "step_table",
            "summary"]

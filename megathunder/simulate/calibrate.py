@@ -35,10 +35,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from megathunder.simulate.sim_metrics import summary
 from megathunder.simulate.profile import Dist, Profile
 from megathunder.simulate.run_dir import Episode, RunDir, Turn
 from megathunder.simulate.schedule_model import RUNNERS
+from megathunder.simulate.sim_metrics import summary
 from megathunder.simulate.workload import Batch
 
 GRADIENT_CALLS = frozenset({"begin", "finished", "reward", "close"})
@@ -235,6 +235,10 @@ def calibrate(run: RunDir) -> dict:
     pred, model = predict(cal, replay=True), predict(cal, replay=False)
     lrn = cal.profile.learner
     gaps = [g for b in cal.batches for g in b.tool_latency_s[b.tool_latency_s > 0]]
+    generate_s: list[float] = []
+    for b in cal.batches:
+        assert b.decode_s is not None  # fit() measures every turn
+        generate_s.extend(b.decode_s)
     return {
         "run": str(run.path), "schedule": run.schedule, "steps": len(run.metrics),
         "measured_step_s": meas["step_s"], "predicted_step_s": pred["step_s"],
@@ -243,7 +247,7 @@ def calibrate(run: RunDir) -> dict:
         "measured_learner_idle": meas["learner_idle_share"], "predicted_learner_idle": pred["learner_idle_share"],
         "fitted": {
             "decode_tokens_per_s": cal.profile.rollout.decode_tokens_per_s,
-            "generate_s_mean": float(np.mean([t for b in cal.batches for t in b.decode_s])),
+            "generate_s_mean": float(np.mean(generate_s)),
             "learner_seconds_per_token": lrn.seconds_per_token, "optimizer_step_s": lrn.optimizer_step_s,
             "weight_sync_s": lrn.weight_sync_s, "weight_sync_learner_s": lrn.weight_sync_learner_s,
             "tool_gap_s_mean": float(np.mean(gaps or [0.0])),

@@ -52,11 +52,13 @@ class Dist(_Strict):
     def sample(self, rng: np.random.Generator, n: int, z: np.ndarray | None = None) -> np.ndarray:
         """n draws; ``z`` (standard normals) replaces the lognormal's own draws when given."""
         if self.kind == "constant":
+            assert self.value is not None  # checked by the validator
             x = np.full(n, float(self.value))
         elif self.kind == "empirical":
             x = rng.choice(np.asarray(self.values, dtype=float), size=n)
         else:
             z = rng.standard_normal(n) if z is None else z
+            assert self.median is not None  # checked by the validator
             x = float(self.median) * np.exp(self.sigma * z)
         return np.clip(x, self.min, self.max if self.max is not None else np.inf)
 

@@ -36,6 +36,10 @@ from megathunder.simulate.workload import Batch
 
 _READY, _DONE, _REWARD, _CALL, _REPLAYED = range(5)
 
+_BatchLists = tuple[list[float], list[float], list[float], list[float], list[float] | None]
+"""A batch's per-turn decode tokens, tool latency, observation prefill seconds, per-trajectory
+verifier latency and (replay) measured decode seconds per turn, as Python lists."""
+
 
 @dataclass
 class Interval:
@@ -78,8 +82,8 @@ class RolloutCluster:
         self._turn: list[int] = []  # per traj: global index of its current turn
         self._end: list[int] = []  # per traj: one past its last turn
         self._engine: list[int] = []
-        self._lists: dict[int, tuple[list, list, list, list]] = {}  # per batch, as Python lists
-        self._data: list[tuple[list, list, list, list]] = []  # per traj: its batch's lists
+        self._lists: dict[int, _BatchLists] = {}  # per batch, as Python lists
+        self._data: list[_BatchLists] = []  # per traj: its batch's lists
         self._first: list[int] = []  # per traj: global index of its first turn
         self._local_idx: list[int] = []  # per traj: its index in its batch
         self.finish_time: list[float] = []

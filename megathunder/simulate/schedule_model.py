@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from megathunder.config import SCHEDULE_MODES
 from megathunder.simulate.learner_model import (
     BACKWARD_SHARE,
     Burst,
@@ -34,7 +35,6 @@ from megathunder.simulate.learner_model import (
 from megathunder.simulate.profile import Profile
 from megathunder.simulate.rollout_model import Interval, RolloutCluster
 from megathunder.simulate.workload import Batch, sample_batch
-from megathunder.config import SCHEDULE_MODES
 
 SCHEDULES = SCHEDULE_MODES
 

@@ -98,10 +98,10 @@ def write_tables(traces: dict[str, Trace], figs: dict, out: Path) -> list[Path]:
         w.writerows(rows)
     ivs = out / "timeline.csv"
     with ivs.open("w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(["schedule", "lane", "start_s", "end_s", "kind", "step"])
+        writer = csv.writer(f)
+        writer.writerow(["schedule", "lane", "start_s", "end_s", "kind", "step"])
         for name, tr in traces.items():
-            w.writerows([name, iv.lane, f"{iv.start:.3f}", f"{iv.end:.3f}", iv.kind, iv.step]
+            writer.writerows([name, iv.lane, f"{iv.start:.3f}", f"{iv.end:.3f}", iv.kind, iv.step]
                         for iv in tr.intervals)
     summ = out / "summary.json"
     profile = next(iter(traces.values())).profile

@@ -88,6 +88,18 @@ class _Traj:
     score_done: bool = False
     reward_free_done: bool = False
 
+    @property
+    def finished_tokens(self) -> int:
+        """The loss-token count of a trajectory known to have finished."""
+        assert self.num_loss_tokens is not None, f"internal: trajectory {self.traj_id} has not finished"
+        return self.num_loss_tokens
+
+    @property
+    def known_reward(self) -> float:
+        """The reward of a trajectory known to have one (it arrived and did not fail)."""
+        assert self.reward is not None, f"internal: trajectory {self.traj_id} has no reward"
+        return self.reward
+
 
 @dataclass
 class _Slot:
@@ -111,6 +123,12 @@ class _Group:
     @property
     def closed(self) -> bool:
         return self.stats is not None
+
+    @property
+    def closed_stats(self) -> GroupStats:
+        """The group scalars of a group known to be closed."""
+        assert self.stats is not None, f"internal: group {self.group_id} is still open"
+        return self.stats
 
 
 @dataclass(frozen=True)
@@ -256,9 +274,9 @@ class GradientLedger:
         pending = [t.traj_id for t in self._order if t.data is not None and t.group.keep and not t.score_done]
         assert not pending, f"internal: trajectories {pending} were never processed"
         kept = [t for t in self._order if t.group.keep]
-        z = normaliser([t.num_loss_tokens for t in kept], self.objective)  # type: ignore[misc]
+        z = normaliser([t.finished_tokens for t in kept], self.objective)
         if self._PA is not None:
-            centered = [t.reward - t.group.stats.mean for t in kept]  # type: ignore[operator,union-attr]
+            centered = [t.known_reward - t.group.closed_stats.mean for t in kept]
             self._P.add_(self._PA, alpha=1.0 / batch_divisor(centered, self.objective))
         self._P.div_(z)
         self.backend.load_grad(self._P)
@@ -289,8 +307,14 @@ class GradientLedger:
         self.events.append((time.perf_counter(), kind, ident))
 
     @property
+    def _accumulator(self) -> GradBuffer:
+        """P, while a batch is open."""
+        assert self._P is not None, "internal: no batch is open"
+        return self._P
+
+    @property
     def _score_sink(self) -> GradBuffer:
-        return self._PA if self._PA is not None else self._P  # type: ignore[return-value]
+        return self._PA if self._PA is not None else self._accumulator
 
     def _advance_all(self, members: Iterable[_Traj]) -> None:
         for m in members:
@@ -310,12 +334,12 @@ class GradientLedger:
             if backward_sum is not None and g.keep and self._PA is None
             and m.data is not None and not m.score_done
         ]
-        if len(batchable) > 1:
+        if backward_sum is not None and len(batchable) > 1:
             specs = []
             for m in batchable:
                 fuse = self._has_reward_free and not m.reward_free_done
-                specs.append(LossSpec(advantage=advantage(m.reward, g.stats), reward_free=fuse))  # type: ignore[arg-type]
-            self._P.add_(backward_sum([m.data for m in batchable], specs))  # type: ignore[union-attr]
+                specs.append(LossSpec(advantage=advantage(m.known_reward, g.closed_stats), reward_free=fuse))
+            self._accumulator.add_(backward_sum([m.data for m in batchable], specs))
             for m in batchable:
                 m.score_done = m.reward_free_done = True
             self._log("backward:direct-sum", g.group_id)
@@ -333,7 +357,7 @@ class GradientLedger:
         sinks: list[str] = []
         if not t.score_done:
             if g.closed:
-                a = advantage(t.reward, g.stats)  # type: ignore[arg-type]
+                a = advantage(t.known_reward, g.closed_stats)
                 fuse = self._has_reward_free and not t.reward_free_done and self._PA is None
                 specs.append(LossSpec(advantage=a, reward_free=fuse))
                 sinks.append("direct+rf" if fuse else "direct")
@@ -353,7 +377,7 @@ class GradientLedger:
                 self._add_to_slot(g, t, grad)
                 t.score_done = True
             elif sink == "rf":
-                self._P.add_(grad)  # type: ignore[union-attr]
+                self._accumulator.add_(grad)
                 t.reward_free_done = True
             else:
                 self._score_sink.add_(grad)
@@ -379,7 +403,8 @@ class GradientLedger:
             slot.shift = t.reward if self.reward_shift else 0.0
             slot.S = self.pool.acquire().copy_(h)
         else:
-            slot.S.add_(h)  # type: ignore[union-attr]
+            assert slot.S is not None
+            slot.S.add_(h)
         d = t.reward - slot.shift
         if d != 0.0:
             if self._std_free:
@@ -393,12 +418,12 @@ class GradientLedger:
         slot.num_processed += 1
 
     def _close_group(self, g: _Group) -> None:
-        rewards = [m.reward for m in g.members]  # sample order
         if g.failed:
             g.stats, g.keep = GroupStats(mean=0.0, std=0.0, coef=0.0), False
         else:
-            g.stats = group_stats(rewards, self.objective)  # type: ignore[arg-type]
-            g.keep = keeps_group(rewards, self.objective)  # type: ignore[arg-type]
+            rewards = [m.known_reward for m in g.members]  # sample order; none failed
+            g.stats = group_stats(rewards, self.objective)
+            g.keep = keeps_group(rewards, self.objective)
         self._log("group_closed", g.group_id)
         slot = g.slot
         if slot is not None:
@@ -407,7 +432,8 @@ class GradientLedger:
                 if slot.R is not None:
                     self._score_sink.add_(slot.R, alpha=-c)
                 if delta != 0.0:
-                    self._score_sink.add_(slot.S, alpha=c * delta)  # type: ignore[arg-type]
+                    assert slot.S is not None  # num_processed > 0
+                    self._score_sink.add_(slot.S, alpha=c * delta)
             self.pool.release([slot.S, slot.R])
             g.slot = None
             self._num_slots_used -= 1

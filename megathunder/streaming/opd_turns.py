@@ -34,7 +34,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Literal, Protocol
+from typing import Literal, Protocol, TypeGuard, cast
 
 import torch
 
@@ -76,8 +76,21 @@ class Teacher(Protocol):
 
     def release(self, traj_id: int) -> None: ...
 
-    # Teachers that hold the whole distribution (CachedTeacher) also provide, for the GJSD:
-    # score_rows(traj_id, tokens, start) -> log-prob rows [n, V(/tp)] predicting tokens[start:].
+
+class DistributionTeacher(Teacher, Protocol):
+    """A teacher that holds the whole distribution (``CachedTeacher``), as the GJSD needs."""
+
+    def score_log_softmax(self, traj_id: int, tokens: torch.Tensor, start: int) -> torch.Tensor:
+        """The teacher's log-probability rows [n, V(/tp)] predicting tokens[start:]."""
+
+
+def is_teacher(teacher: TeacherFn | Teacher) -> TypeGuard[Teacher]:
+    """A ``Teacher`` object rather than a bare scoring function."""
+    return hasattr(teacher, "score")
+
+
+def gives_distributions(teacher: TeacherFn | Teacher) -> TypeGuard[DistributionTeacher]:
+    return hasattr(teacher, "score_log_softmax")
 
 
 def _logp_of(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -92,23 +105,24 @@ class TorchSegmentModel:
     def __init__(self, model: TorchDecoder) -> None:
         self.model = model
 
-    def forward_segment(self, tokens, past):
+    def forward_segment(self, tokens: torch.Tensor, past: Sequence[KV] | None) -> tuple[torch.Tensor, list[KV]]:
         logits, kv = self.model.forward_with_cache(tokens[None], list(past) if past else None)
         return logits[0], kv
 
-    def logprobs(self, logits, targets):
+    def logprobs(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return _logp_of(logits, targets)
 
-    def log_softmax(self, logits):
+    def log_softmax(self, logits: torch.Tensor) -> torch.Tensor:
         return torch.log_softmax(logits, dim=-1)
 
-    def vocab_sum(self, x):
+    def vocab_sum(self, x: torch.Tensor) -> torch.Tensor:
         return x.sum(dim=-1)
 
-    def backward(self, outputs, grads, retain_graph=False):
+    def backward(self, outputs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor] | None,
+                 retain_graph: bool = False) -> None:
         torch.autograd.backward(list(outputs), None if grads is None else list(grads), retain_graph=retain_graph)
 
-    def divide_grads(self, z):
+    def divide_grads(self, z: float) -> None:
         for p in self.model.parameters():
             if p.grad is not None:
                 p.grad.div_(z)
@@ -120,10 +134,10 @@ class FunctionTeacher:
     def __init__(self, fn: TeacherFn) -> None:
         self.fn = fn
 
-    def score(self, traj_id, tokens, start):
+    def score(self, traj_id: int, tokens: torch.Tensor, start: int) -> torch.Tensor:
         return self.fn(tokens, start, tokens.numel())
 
-    def release(self, traj_id):
+    def release(self, traj_id: int) -> None:
         pass
 
 
@@ -145,7 +159,7 @@ class CachedTeacher:
         self.stats = {"forward_tokens": 0}
 
     @torch.no_grad()
-    def score_rows(self, traj_id, tokens, start):
+    def score_rows(self, traj_id: int, tokens: torch.Tensor, start: int) -> torch.Tensor:
         """Logit rows predicting tokens[start:], forwarding only the tokens not yet cached."""
         s = self._state.setdefault(traj_id, _TeacherState())
         n, end = s.num_tokens, tokens.numel()
@@ -155,6 +169,7 @@ class CachedTeacher:
         self.stats["forward_tokens"] += end - n
         rows = logits[max(start - 1 - n, 0) : end - 1 - n]
         if start == n:  # the first target is predicted by the previous call's last position
+            assert s.last_logits is not None  # n >= start >= 1: a previous call forwarded tokens
             rows = torch.cat([s.last_logits[None], rows], dim=0)
         dim = self.model.kv_seq_dim
         s.kv = kv if s.kv is None else [(torch.cat([pk, k], dim), torch.cat([pv, v], dim))
@@ -162,14 +177,14 @@ class CachedTeacher:
         s.num_tokens, s.last_logits = end, logits[-1]
         return rows
 
-    def score(self, traj_id, tokens, start):
+    def score(self, traj_id: int, tokens: torch.Tensor, start: int) -> torch.Tensor:
         return self.model.logprobs(self.score_rows(traj_id, tokens, start), tokens[start:])
 
-    def score_log_softmax(self, traj_id, tokens, start):
+    def score_log_softmax(self, traj_id: int, tokens: torch.Tensor, start: int) -> torch.Tensor:
         """The teacher's log-probability rows [n, V(/tp)] predicting tokens[start:] (for the GJSD)."""
         return self.model.log_softmax(self.score_rows(traj_id, tokens, start))
 
-    def release(self, traj_id):
+    def release(self, traj_id: int) -> None:
         self._state.pop(traj_id, None)
 
 
@@ -194,12 +209,13 @@ class TurnStreamer:
     def __init__(self, model: TorchDecoder | SegmentModel, teacher: TeacherFn | Teacher, beta: float = 1.0,
                  strategy: Strategy = "kv_adjoint", aggregation: OPDAggregation = "token_mean",
                  divergence: Divergence = "reverse_kl", jsd_lam: float = 0.5) -> None:
-        self.model = TorchSegmentModel(model) if isinstance(model, torch.nn.Module) else model
-        if divergence == "gjsd" and not hasattr(teacher, "score_log_softmax"):
+        self.model: SegmentModel = TorchSegmentModel(model) if isinstance(model, torch.nn.Module) else model
+        if divergence == "gjsd" and not gives_distributions(teacher):
             raise ValueError("divergence gjsd: the teacher must give whole distributions (CachedTeacher)")
         self.divergence = divergence
         self.jsd_lam = jsd_lam
-        self.teacher = teacher if hasattr(teacher, "score") else FunctionTeacher(teacher)
+        # cast: not a Teacher, so a TeacherFn (a TypeGuard narrows only where it holds)
+        self.teacher: Teacher = teacher if is_teacher(teacher) else FunctionTeacher(cast(TeacherFn, teacher))
         self.beta = beta
         self.strategy = strategy
         self.aggregation = aggregation
@@ -285,8 +301,10 @@ class TurnStreamer:
         """sum_t c_t l_t over the turn's targets tokens[start:]; logits_for_targets[i] predicts
         tokens[start + i]."""
         if self.divergence == "gjsd":  # beta * sum_t JSD_lam(teacher || student) at the turn's positions
+            rows_teacher = self.teacher
+            assert gives_distributions(rows_teacher)  # checked in __init__
             student = self.model.log_softmax(logits_for_targets)
-            teacher = self.teacher.score_log_softmax(traj_id, all_tokens, start).to(student)
+            teacher = rows_teacher.score_log_softmax(traj_id, all_tokens, start).to(student)
             divergence = self.model.vocab_sum(gjsd_terms(student, teacher, self.jsd_lam)).sum()
             self.divergence_sum += float(divergence.detach())
             return self.beta * divergence

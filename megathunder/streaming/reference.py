@@ -91,11 +91,11 @@ def reference_gradient(
     for p in params:
         p.grad = None
     advantages, z = batch_advantages(batch, rewards, cfg)
-    kept = [i for i, a in enumerate(advantages) if a is not None]
+    kept = [(i, a) for i, a in enumerate(advantages) if a is not None]
     step = micro_batch_size or max(len(kept), 1)
     for start in range(0, len(kept), step):
-        idx = kept[start : start + step]
-        loss = batch_loss(model, [batch[i] for i in idx], [advantages[i] for i in idx], cfg)  # type: ignore[misc]
+        chunk = kept[start : start + step]
+        loss = batch_loss(model, [batch[i] for i, _ in chunk], [a for _, a in chunk], cfg)
         loss.backward()
     grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
     flat = torch.cat([g.reshape(-1) for g in grads])

@@ -11,15 +11,17 @@ from __future__ import annotations
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
+from megathunder.streaming.ledger import GradientLedger
 from megathunder.trajectory import Trajectory
 
 
 @dataclass(frozen=True)
 class Event:
-    kind: str  # "finished" | "reward"
+    kind: Literal["finished", "reward"]
     traj_id: int
 
 
@@ -115,7 +117,7 @@ def sample_order_events(num_trajs: int) -> list[Event]:
 
 
 def feed_events(
-    ledger,
+    ledger: GradientLedger,
     batch: Sequence[Trajectory],
     rewards: Sequence[float],
     events: Sequence[Event],
@@ -133,4 +135,5 @@ def feed_events(
         elif owner is None or owner(traj):
             ledger.on_finished(traj)
         else:
+            assert num_loss_tokens is not None, "feed_events: owner needs num_loss_tokens"
             ledger.on_remote_finished(ev.traj_id, num_loss_tokens(traj))

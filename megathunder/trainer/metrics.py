@@ -7,11 +7,13 @@ import logging
 import os
 from pathlib import Path
 
+from megathunder.config import Config
+
 log = logging.getLogger(__name__)
 
 
 class MetricsLog:
-    def __init__(self, out_dir: Path, cfg, keep_steps: int = 0, enabled: bool = True) -> None:
+    def __init__(self, out_dir: Path, cfg: Config, keep_steps: int = 0, enabled: bool = True) -> None:
         """``keep_steps``: on resume, rows of steps >= keep_steps are dropped (they are redone)."""
         self.enabled = enabled
         self.path = out_dir / "metrics.jsonl"

@@ -17,7 +17,6 @@ from pathlib import Path
 
 import torch
 import yaml
-
 from safetensors.torch import load_file
 
 from megathunder.config import Config, load_config
@@ -80,7 +79,7 @@ def digest(path: Path) -> str:
     return h.hexdigest()[:16]
 
 
-def main(run_dir: str, overrides: list[str], out: str) -> int:
+def main(run_dir: str | Path, overrides: list[str], out: str) -> int:
     run_dir = Path(run_dir)
     cfg = load_config(run_dir / "config.yaml", overrides)
     learner = build_replay_learner(cfg, run_dir)

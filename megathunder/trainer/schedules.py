@@ -21,6 +21,7 @@ from collections.abc import Awaitable, Callable, Iterator
 from typing import Protocol
 
 from megathunder.learner.endpoint import LearnerEndpoint
+from megathunder.rollout.episode import Episode
 from megathunder.trainer.trainer import StepRecord, Trainer
 
 log = logging.getLogger(__name__)
@@ -71,7 +72,7 @@ async def run_async(tr: Trainer, steps: Steps) -> None:
 async def run_fully_async(tr: Trainer, steps: Steps) -> None:
     cfg = tr.cfg
     num_groups, size = cfg.batch.num_prompts_per_batch, cfg.batch.samples_per_prompt
-    done: asyncio.Queue = asyncio.Queue()
+    done: asyncio.Queue[list[Episode]] = asyncio.Queue()
     slots = asyncio.Semaphore(2 * num_groups)  # groups in flight: one batch ahead of the learner
     counter = itertools.count()
 
@@ -100,7 +101,8 @@ async def run_fully_async(tr: Trainer, steps: Steps) -> None:
     try:
         for step in steps:
             started = time.monotonic()
-            batch, stale = [], 0
+            batch: list[list[Episode]] = []
+            stale = 0
             while len(batch) < num_groups:
                 group = await done.get()
                 oldest = min((t.policy_version for e in group for t in e.turns), default=tr.version)

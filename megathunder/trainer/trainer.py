@@ -161,6 +161,7 @@ class Trainer:
         """Gather + reshard on the learner, load into vLLM, then probe; returns the probe's gap."""
         start = time.monotonic()
         weights = await self.service.call(LearnerEndpoint.gather_weights)
+        assert weights is not None  # gathered on global rank 0, the controller
         await self.engine.update_weights(weights, self.version)
         gap = self.last_probe_gap = await self.probe()
         self.timeline.add_sync(start, time.monotonic(), self.version)

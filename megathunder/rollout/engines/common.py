@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from megathunder.config import EngineConfig
+from megathunder.rollout.types import FinishReason
 
 EXTENSION_CLS = "megathunder.rollout.engines.worker_extension.MegathunderWorkerExtension"
 """Passed to vLLM as ``worker_extension_cls`` (``--worker-extension-cls`` for servers)."""
@@ -24,8 +25,12 @@ def single_version(spans, num_tokens: int, request_id: str) -> int:
     return int(versions.pop())
 
 
-def finish_reason(reason: str | None) -> str:
-    return reason if reason in ("stop", "length") else "abort"
+def finish_reason(reason: str | None) -> FinishReason:
+    if reason == "stop":
+        return "stop"
+    if reason == "length":
+        return "length"
+    return "abort"
 
 
 def engine_kwargs(cfg: EngineConfig) -> dict:

@@ -53,6 +53,12 @@ class InProcessEngine:
         self._update_lock = asyncio.Lock()
         self.sender: WeightSender | None = None  # weight_transfer=collective
 
+    @property
+    def _llm(self) -> AsyncLLM:
+        if self.llm is None:
+            raise RuntimeError("the in-process engine is closed")
+        return self.llm
+
     @classmethod
     async def start(cls, model_path: str, cfg: EngineConfig, policy_version: int = 0) -> InProcessEngine:
         from vllm.engine.arg_utils import AsyncEngineArgs
@@ -62,7 +68,7 @@ class InProcessEngine:
         args = AsyncEngineArgs(model=str(model_path), **kwargs)
         engine = cls(AsyncLLM.from_engine_args(args), policy_version)
         # no local holds the AsyncLLM: vLLM keeps this frame alive, and close() must free it
-        await engine.llm.update_weight_version(str(policy_version))
+        await engine._llm.update_weight_version(str(policy_version))
         try:
             engine.sender = await open_sender(cfg, [engine._rpc])
         except BaseException:
@@ -71,7 +77,7 @@ class InProcessEngine:
         return engine
 
     async def _rpc(self, call: WeightLoadCall) -> list:
-        return await self.llm.collective_rpc(call.method, args=call.args, kwargs=call.kwargs)
+        return await self._llm.collective_rpc(call.method, args=call.args, kwargs=call.kwargs)
 
     @property
     def policy_version(self) -> int:
@@ -80,7 +86,7 @@ class InProcessEngine:
     @property
     def block_size(self) -> int:
         """Tokens per KV-cache block (prefix caching reuses whole blocks)."""
-        return self.llm.vllm_config.cache_config.block_size
+        return self._llm.vllm_config.cache_config.block_size
 
     async def generate(
         self, prompt_token_ids: Sequence[int], params: SamplingParams, *, session_id: Hashable | None = None
@@ -90,7 +96,7 @@ class InProcessEngine:
         request_id = f"mt-{next(self._request_ids)}"
         prompt = TokensPrompt(prompt_token_ids=list(prompt_token_ids))
         final = None
-        async for out in self.llm.generate(prompt, vllm_sampling_params(params), request_id):
+        async for out in self._llm.generate(prompt, vllm_sampling_params(params), request_id):
             final = out
         if final is None or not final.finished:
             raise RuntimeError(f"request {request_id} ended without a final output")
@@ -127,8 +133,10 @@ class InProcessEngine:
             )
             request_id = f"mt-plp-{next(self._request_ids)}"
             final = None
-            async for out in self.llm.generate(TokensPrompt(prompt_token_ids=list(token_ids)), params, request_id):
+            async for out in self._llm.generate(TokensPrompt(prompt_token_ids=list(token_ids)), params, request_id):
                 final = out
+            if final is None:
+                raise RuntimeError(f"request {request_id} ended without a final output")
             cached = final.num_cached_tokens or 0
             if cached < start or not read_cache:
                 entries = final.prompt_logprobs[start:]
@@ -144,15 +152,15 @@ class InProcessEngine:
         """
         load = weight_loader(weights, self.sender)
         async with self._update_lock:
-            await self.llm.pause_generation(mode="wait", clear_cache=False)
+            await self._llm.pause_generation(mode="wait", clear_cache=False)
             await load(self._rpc)
             await self.reset_prefix_cache()
-            await self.llm.update_weight_version(str(policy_version))
+            await self._llm.update_weight_version(str(policy_version))
             self._policy_version = policy_version
-            await self.llm.resume_generation()
+            await self._llm.resume_generation()
 
     async def reset_prefix_cache(self) -> None:
-        if not await self.llm.reset_prefix_cache():
+        if not await self._llm.reset_prefix_cache():
             raise RuntimeError("vLLM refused to reset its prefix cache (blocks still in use)")
 
     async def close(self) -> None:

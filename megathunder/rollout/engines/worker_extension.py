@@ -20,6 +20,8 @@ class MegathunderWorkerExtension:
     ``self`` is the vLLM worker; ``self.reload_weights`` is its in-place reloader.
     """
 
+    megathunder_transfer: TransferGroup | None  # set by megathunder_transfer_join
+
     def megathunder_load_safetensors(self, payload_b64: str) -> int:
         """Load the base64 safetensors blob made by ``rpc.encode_tensors``; returns #tensors."""
         tensors = load(base64.b64decode(payload_b64))

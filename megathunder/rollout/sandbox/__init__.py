@@ -6,8 +6,8 @@
 from __future__ import annotations
 
 from megathunder.config import LocalSandboxConfig, SandboxConfig
-from megathunder.rollout.sandbox.core import ExecResult, Sandbox, SandboxError
 from megathunder.rollout.sandbox.container import ContainerSandbox
+from megathunder.rollout.sandbox.core import ExecResult, Sandbox, SandboxError
 from megathunder.rollout.sandbox.local import LocalSandbox
 
 

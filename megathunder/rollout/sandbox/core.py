@@ -51,12 +51,13 @@ class ExecResult:
         if code is not None and code > 128 and code - 128 in _SIGNALS:
             sig = code - 128
             cpu = f" of {self.cpu_limit_s:g} s" if self.cpu_limit_s else ""
-            why = {
+            reasons: dict[int, str] = {
                 signal.SIGXCPU: f"CPU-time limit{cpu} exceeded",
                 signal.SIGKILL: "killed (memory or process limit, or the CPU-time hard limit)",
                 signal.SIGSEGV: "segmentation fault (often the memory limit)",
                 signal.SIGXFSZ: "file-size limit exceeded",
-            }.get(sig, "")
+            }
+            why = reasons.get(sig, "")
             return f"command terminated by signal {_SIGNALS[sig]}" + (f": {why}" if why else "")
         return f"command failed with exit code {code}"
 
@@ -154,7 +155,9 @@ async def run_process(
 
     async def pump() -> None:
         nonlocal size
+        assert proc.stdout is not None  # stdout=PIPE
         if stdin is not None:
+            assert proc.stdin is not None  # stdin=PIPE
             try:
                 proc.stdin.write(stdin)
                 await proc.stdin.drain()
@@ -176,6 +179,7 @@ async def run_process(
         if proc.returncode is None:
             _kill_group(proc.pid)
             await proc.wait()
+    assert proc.returncode is not None  # waited for above
     code = proc.returncode if proc.returncode >= 0 else 128 - proc.returncode  # -N: signal N
     return ExecResult(
         exit_code=None if timed_out else code,

@@ -31,9 +31,9 @@ import stat
 import tempfile
 from collections.abc import Sequence
 
-from megathunder.rollout.sandbox.core import ExecResult, Sandbox, SandboxError, run_process
 from megathunder.config import LocalSandboxConfig
 from megathunder.rollout.sandbox.cgroups import create_cgroup
+from megathunder.rollout.sandbox.core import ExecResult, Sandbox, SandboxError, run_process
 
 _SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib64", "/lib32", "/etc")
 _SANDBOX_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"

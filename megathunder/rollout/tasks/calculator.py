@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import random
 
-from megathunder.rollout.tools import CALCULATOR
 from megathunder.rollout.tasks.task import Task, TaskInstance, last_number, tool_call_text
+from megathunder.rollout.tools import CALCULATOR
 
 
 class CalculatorTask(Task):

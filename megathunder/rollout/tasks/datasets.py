@@ -19,8 +19,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from megathunder.rollout.tools import BASH, READ_FILE, STR_REPLACE, WRITE_FILE
 from megathunder.rollout.tasks.task import Task, TaskInstance
+from megathunder.rollout.tools import BASH, READ_FILE, STR_REPLACE, WRITE_FILE
 
 
 class DatasetError(ValueError):
@@ -69,7 +69,7 @@ def read_records(path: str | Path) -> list[tuple[str, dict[str, Any]]]:
 
 
 def _field(
-    where: str, record: dict, name: str, kind: type | tuple = str, default: Any = ...
+    where: str, record: dict, name: str, kind: type[str] | type[list] = str, default: Any = ...
 ) -> Any:
     if name not in record or record[name] is None:
         if default is not ...:
@@ -84,7 +84,7 @@ def _field(
     if not isinstance(value, kind) or (kind is list and not all(isinstance(v, str) for v in value)):
         want = "a list of strings" if kind is list else kind.__name__
         raise DatasetError(f"{where}: field {name!r} must be {want}, got {type(value).__name__}")
-    if kind is str and not value.strip():
+    if isinstance(value, str) and kind is str and not value.strip():
         raise DatasetError(f"{where}: field {name!r} is empty")
     return value
 

@@ -11,8 +11,8 @@ import random
 from dataclasses import dataclass
 from textwrap import dedent
 
-from megathunder.rollout.tools import BASH, READ_FILE, STR_REPLACE, WRITE_FILE
 from megathunder.rollout.tasks.task import Task, TaskInstance, tool_call_text
+from megathunder.rollout.tools import BASH, READ_FILE, STR_REPLACE, WRITE_FILE
 
 TEST_COMMAND = "python3 -m unittest discover -s tests -t . -q"
 

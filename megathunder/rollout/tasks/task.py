@@ -53,6 +53,7 @@ class Task(abc.ABC):
 
     async def setup(self, inst: TaskInstance, sandbox: Sandbox | None) -> None:
         if inst.files:
+            assert sandbox is not None, f"task {self.name}: instance files need a sandbox"
             await sandbox.upload(inst.files)
 
     @abc.abstractmethod

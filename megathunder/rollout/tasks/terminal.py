@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import random
 
-from megathunder.rollout.tools import BASH
 from megathunder.rollout.tasks.task import Task, TaskInstance, tool_call_text
+from megathunder.rollout.tools import BASH
 
 
 def _count_errors(rng: random.Random) -> tuple[str, dict, str, str, str]:

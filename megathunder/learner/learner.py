@@ -97,6 +97,9 @@ class MegatronLearner:
             use_gloo_process_groups=False,
             pg_collection=pgs.collection,
         )
+        if opt.name == "sgd":  # megatron-core 0.16 has no state initialiser for SGD: a checkpoint would not load
+            for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
+                inner.init_state_fn = _init_sgd_state
         decay_steps = opt.lr_decay_steps or max(opt.lr_warmup_steps + 1, 1)
         scheduler = OptimizerParamScheduler(
             optimizer, init_lr=0.0 if opt.lr_warmup_steps else opt.lr, max_lr=opt.lr, min_lr=opt.min_lr,
@@ -183,3 +186,14 @@ class MegatronLearner:
         if not isinstance(self.objective, RLObjective):
             raise TypeError(f"objective.kind={self.objective.kind} has no reward part")
         return num_loss_tokens(traj, self.objective)
+
+
+def _init_sgd_state(opt: torch.optim.Optimizer, config: object = None) -> None:
+    """SGD's state before a checkpoint is loaded into it: a zero momentum buffer per parameter, the
+    buffer torch's SGD makes at its first step (``buf = grad`` = momentum * 0 + grad)."""
+    for group in opt.param_groups:
+        if group.get("momentum", 0) == 0:
+            continue
+        for p in group["params"]:
+            if len(opt.state[p]) == 0:
+                opt.state[p]["momentum_buffer"] = torch.zeros_like(p.data)

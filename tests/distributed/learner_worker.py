@@ -91,7 +91,7 @@ def _learner(args, objective=None):
     cfg = LearnerConfig.model_validate({
         "parallel": {"tensor_parallel": args.tp, "pipeline_parallel": args.pp},
         "model": {"hf_checkpoint": args.hf},
-        "optimizer": {"name": "adam", "lr": 1e-2, "use_distributed_optimizer": args.dist_opt},
+        "optimizer": {"name": args.ckpt_optimizer, "lr": 1e-2, "use_distributed_optimizer": args.dist_opt},
     })
     pgs = init_distributed(cfg)
     return MegatronLearner.build(cfg, objective or GRPOObjective(), pgs, LedgerConfig(max_group_slots=1))
@@ -163,6 +163,7 @@ def main() -> None:
     p.add_argument("--optimizer", default="sgd")
     p.add_argument("--lr", type=float, default=1.0)
     p.add_argument("--dist-opt", action="store_true")
+    p.add_argument("--ckpt-optimizer", default="adam", help="checkpoint_save / checkpoint_resume: adam or sgd")
     p.add_argument("--objective", default="{}")
     args = p.parse_args()
     {"equivalence": equivalence, "checkpoint_save": checkpoint_save,

@@ -101,7 +101,8 @@ def test_other_families_import_and_match_transformers(tmp_path, family, tie):
     _assert_logprobs_match_transformers(hf_dir, torch.load(out)["logprobs"])
 
 
-@pytest.mark.parametrize("dist_opt", [[], ["--dist-opt"]], ids=["plain_optimizer", "distributed_optimizer"])
+@pytest.mark.parametrize("dist_opt", [[], ["--dist-opt"], ["--ckpt-optimizer", "sgd"]],
+                         ids=["plain_optimizer", "distributed_optimizer", "sgd_with_momentum"])
 def test_checkpoint_resume_is_exact_and_reshards_tp1_to_tp2(hf_qwen2, tmp_path, dist_opt):
     ckpt, saved = tmp_path / "ckpt", tmp_path / "saved.pt"
     launch(1, "checkpoint_save", "--out", str(saved), "--hf", str(hf_qwen2), "--ckpt", str(ckpt), *dist_opt)

@@ -34,12 +34,15 @@ SMALL = [
     "sandbox.num_uids=16", "run.progress=false", *SGD,
     "eval.every_n_steps=1",  # pass@k on the held-out problems after every step (the report's curve)
 ]
-UPDATE_RTOL = 1e-4
-"""Relative difference of two runs' parameter updates from the same start (``update_error``) that
-fp32 reassociation can cause. Per coordinate, a sum of n terms in another order differs by at most
-(n - 1) * 2^-24 * sum |term| (first order); with n <= 64 trajectories per batch that is <= 4e-6 of
-the terms' magnitudes, so 1e-4 leaves a factor of 25 for cancellation between terms (advantages of
-both signs) and for the few steps over which differences compound. Observed: ~1e-6."""
+UPDATE_RTOL = 1e-3
+"""How far two runs' parameter updates from the same start (``update_error``, relative) may differ
+when they differ only in fp32 summation order. Per coordinate a sum of n terms in another order
+differs by at most about n * 2^-24 * sum_i |term_i|; a GRPO gradient sum_i A_i h_i cancels heavily
+(each group's advantages sum to zero, and its trajectories' h_i are alike), so relative to the
+update the difference is that bound times the cancellation factor sum_i |A_i h_i| / |sum_i A_i h_i|,
+which the data sets. Measured on these runs: 1.2e-5 (live thunder vs its sync replay, 3 steps;
+replaying thunder in the journal's order gives 0.0). 1e-3 is 80x that, and 60x below what a wrong
+batch changes (one of 16 trajectories dropped or counted twice moves the update by ~6e-2)."""
 
 
 def train(out: Path, *overrides: str, timeout: int = 600) -> subprocess.CompletedProcess:
@@ -133,9 +136,11 @@ def test_replay_through_sync_and_thunder_gives_the_live_parameters(base, tmp_pat
     thunder = replay(base, tmp_path / "thunder", "thunder")
     sync = replay(base, tmp_path / "sync", "sync")
     assert thunder["replayed_steps"] == sync["replayed_steps"] == 3
-    errors = [update_error(start, tmp_path / "thunder", live), update_error(start, tmp_path / "sync", live),
-              update_error(start, tmp_path / "sync", tmp_path / "thunder")]
-    print("relative update differences (thunder replay, sync replay vs live; sync vs thunder):", errors)
+    # thunder replayed in the journal's event order sums in the live run's order: the same bits
+    replayed, trained = weights(tmp_path / "thunder"), weights(live)
+    assert replayed.keys() == trained.keys() and all(torch.equal(replayed[k], trained[k]) for k in trained)
+    errors = [update_error(start, tmp_path / "sync", live), update_error(start, tmp_path / "sync", tmp_path / "thunder")]
+    print("relative update differences (sync replay vs live; vs thunder replay):", errors)
     assert max(errors) <= UPDATE_RTOL
 
 

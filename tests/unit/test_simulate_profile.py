@@ -75,11 +75,16 @@ def test_cli_on_swe_smith_reports_the_published_comparison(tmp_path):
         assert (tmp_path / name).stat().st_size > 0
 
 
-def test_cli_schedule_names_match_the_simulator():
-    from megathunder.cli import SCHEDULES
-    from megathunder.simulate import SCHEDULES as simulated
+def test_the_schedules_are_listed_once():
+    """The config's list of schedules is the one the trainer, the simulator and the bench use."""
+    from typing import get_args
 
-    assert SCHEDULES == simulated
+    from megathunder.bench.schedule_runs import SCHEDULES as benched
+    from megathunder.config import SCHEDULE_MODES, ScheduleMode
+    from megathunder.simulate import SCHEDULES as simulated
+    from megathunder.trainer.schedules import SCHEDULES as trained
+
+    assert SCHEDULE_MODES == get_args(ScheduleMode) == simulated == benched and set(trained) == set(SCHEDULE_MODES)
 
 
 def test_cli_help_mentions_simulate():

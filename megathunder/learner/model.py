@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from megathunder.config import ConfigError, LearnerConfig, PolicyModelConfig, PrecisionConfig
 from megathunder.learner.parallel import ProcessGroups
+from megathunder.learner.past_kv import with_past_kv_attention
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -111,8 +112,6 @@ def layer_spec(model: PolicyModelConfig, precision: PrecisionConfig):
 
         spec = get_gpt_layer_local_spec(qk_layernorm=qk_norm, normalization="RMSNorm")
     if precision.core_attention == "past_kv":
-        from megathunder.learner.past_kv import with_past_kv_attention
-
         spec = with_past_kv_attention(spec)
     return spec
 

@@ -23,7 +23,7 @@ from megathunder.config import (
     PolicyModelConfig,
     check_parallel_divides_model,
 )
-from megathunder.learner import rendezvous
+from megathunder.learner import cpu_compat, rendezvous
 from megathunder.learner.rendezvous import rendezvous_from_env
 
 T = TypeVar("T")
@@ -105,8 +105,6 @@ def init_distributed(cfg: LearnerConfig) -> ProcessGroups:
         dims.check_model(cfg.model)
     if cfg.precision.layer_spec == "transformer_engine" and not torch.cuda.is_available():
         raise ConfigError("learner.precision.layer_spec: transformer_engine needs CUDA GPUs")
-
-    from megathunder.learner import cpu_compat
 
     cpu_compat.enable()
     backend = cfg.parallel.backend

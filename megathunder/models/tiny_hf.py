@@ -25,6 +25,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from megathunder.models.local_tokenizer import train_byte_level_bpe
+
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 TOOL_TOKENS = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>")
 
@@ -124,8 +126,6 @@ def build_tokenizer(vocab_size: int = 512, seed: int = 0):
     """Byte-level BPE trained on the generated corpus, wrapped as a transformers fast tokenizer."""
     from tokenizers import AddedToken
     from transformers import PreTrainedTokenizerFast
-
-    from megathunder.models.local_tokenizer import train_byte_level_bpe
 
     tok = train_byte_level_bpe(_corpus(random.Random(seed)), vocab_size, SPECIAL_TOKENS)
     tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in TOOL_TOKENS])

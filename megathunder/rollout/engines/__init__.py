@@ -7,11 +7,11 @@ Both implement ``megathunder.rollout.types.RolloutEngine``; :func:`start_engine`
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from megathunder.config import EngineConfig
-    from megathunder.rollout.types import RolloutEngine
+from megathunder.config import EngineConfig
+from megathunder.rollout.engines.inprocess import InProcessEngine
+from megathunder.rollout.engines.server import ServerEngine
+from megathunder.rollout.types import RolloutEngine
 
 
 async def start_engine(
@@ -19,13 +19,9 @@ async def start_engine(
 ) -> RolloutEngine:
     """Start (or attach to) the engine ``cfg`` describes; ``await engine.close()`` when done."""
     if cfg.deployment == "in_process":
-        from megathunder.rollout.engines.inprocess import InProcessEngine
-
         if model_path is None:
             raise ValueError("model_path is needed for the in-process engine")
         return await InProcessEngine.start(str(model_path), cfg, policy_version)
-    from megathunder.rollout.engines.server import ServerEngine
-
     return await ServerEngine.start(
         None if model_path is None else str(model_path), cfg, log_dir, policy_version
     )

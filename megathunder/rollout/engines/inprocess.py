@@ -14,6 +14,7 @@ from collections.abc import Hashable, Sequence
 from typing import TYPE_CHECKING
 
 from megathunder import console
+from megathunder.config import EngineConfig
 from megathunder.rollout.engines.common import engine_kwargs, finish_reason, single_version
 from megathunder.rollout.engines.rpc import WeightLoadCall
 from megathunder.rollout.engines.transfer import WeightSender, open_sender, weight_loader
@@ -22,7 +23,6 @@ from megathunder.rollout.types import Completion, SamplingParams, WeightSource
 if TYPE_CHECKING:
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    from megathunder.config import EngineConfig
 
 
 def vllm_sampling_params(params: SamplingParams):

@@ -41,6 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from megathunder.config import EngineConfig
 from megathunder.rollout.engines.auth import MIDDLEWARE, read_api_key
 from megathunder.rollout.engines.balancer import LeastOutstandingBalancer, NoLiveServerError
 from megathunder.rollout.engines.common import engine_kwargs, finish_reason, single_version
@@ -55,7 +56,6 @@ KEEPALIVE_S = 2.0  # below vLLM's HTTP keep-alive timeout (VLLM_HTTP_TIMEOUT_KEE
 if TYPE_CHECKING:
     import aiohttp
 
-    from megathunder.config import EngineConfig
 
 log = logging.getLogger(__name__)
 

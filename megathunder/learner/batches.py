@@ -29,6 +29,7 @@ rank counts every trajectory, so Z is the whole batch's.
 
 from __future__ import annotations
 
+import abc
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 
@@ -92,7 +93,7 @@ class Ownership:
         return self.owner[traj_id] == self.dp_rank
 
 
-class Batch:
+class Batch(abc.ABC):
     """What every objective's batch shares: its plan, its path, DP ownership, and the count of
     backward passes the learner still had to run after the batch's last reward."""
 
@@ -101,15 +102,16 @@ class Batch:
         self.owners = Ownership(learner.pgs.dims.dp, learner.pgs.dp_rank)
         self._passes_at_last_reward = 0
 
+    @abc.abstractmethod
     def passes(self) -> int:
         """Backward passes this rank has run for the batch so far."""
-        return 0
 
     def on_turn(self, traj_id: int, tokens: list[int], start: int, end: int) -> None:
         """Turn ``tokens[start:end]`` of a trajectory was generated (``tokens``: the trajectory so far)."""
 
+    @abc.abstractmethod
     def on_finished(self, traj: Trajectory) -> None:
-        raise NotImplementedError
+        """A trajectory ended (its reward is still to come)."""
 
     def on_reward(self, traj_id: int, reward: float | None) -> None:
         """``None``: the trajectory failed and its group leaves the batch (``verifier.on_failure:
@@ -117,8 +119,9 @@ class Batch:
         if self.streamed:  # at the end, every pass follows the last reward
             self._passes_at_last_reward = self.passes()
 
+    @abc.abstractmethod
     def close(self) -> BatchOutcome:
-        raise NotImplementedError
+        """Every event is in: leave this rank's share of the batch's gradient in DDP's buffers."""
 
     def _left_after_last_reward(self) -> int:
         return self.passes() - self._passes_at_last_reward

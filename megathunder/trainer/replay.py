@@ -84,7 +84,7 @@ def main(run_dir: str | Path, overrides: list[str], out: str) -> int:
     cfg = load_config(run_dir / "config.yaml", overrides)
     learner = build_replay_learner(cfg, run_dir)
     teacher = None
-    if cfg.objective.kind in ("opd", "opd_grpo"):
+    if cfg.objective.needs_teacher:
         teacher = build_teacher(teacher_dir(cfg, run_dir), learner.cfg, learner.pgs)
     n = replay(cfg, run_dir, learner, teacher=teacher)
     learner.export_hf(out)

@@ -1,7 +1,8 @@
 """``megathunder train``: set up a run (or resume it), train, and write its report.
 
     pgs   = init_distributed(cfg.learner)                # TP x PP x DP, gloo or NCCL
-    model    = initial_model(cfg, out) -> sft warm start    # HF directory: learner and vLLM load it
+    task     = build_task(cfg.task)                           # once per run: SFT, rollouts, evaluation
+    model    = initial_model(cfg, task, out, pgs)             # HF directory (+ SFT): learner and vLLM load it
     learner  = MegatronLearner.build(...); resume from checkpoints/latest
     teacher  = objective.kind=opd/opd_grpo: frozen Megatron model (given, or built: tiny model + SFT)
     rank 0:  engine, agent loop -> Trainer -> SCHEDULES[cfg.schedule.mode]
@@ -37,6 +38,7 @@ from megathunder.learner.teacher import build_teacher
 from megathunder.rollout.chat import ChatCodec
 from megathunder.rollout.engines import start_engine
 from megathunder.rollout.tasks import build_task
+from megathunder.rollout.tasks.task import Task
 from megathunder.trainer.interrupt import STOPPED_EARLY, STOPPED_NOW, StopNow, StopSignals
 from megathunder.trainer.schedules import SCHEDULES
 from megathunder.trainer.setup import barrier, build_learner, build_teacher_model, initial_model
@@ -92,11 +94,12 @@ def _train(cfg: Config, signals: StopSignals) -> int:
                 shutil.rmtree(out / name, ignore_errors=True)
         (out / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
     barrier()
-    model_dir = initial_model(cfg, out, pgs)
+    task = build_task(cfg.task)
+    model_dir = initial_model(cfg, task, out, pgs)
     learner = build_learner(cfg, pgs, model_dir)
     teacher = None
-    if cfg.objective.kind in ("opd", "opd_grpo"):  # a frozen Megatron teacher in the student's layout
-        teacher = build_teacher(build_teacher_model(cfg, out, pgs), cfg.learner, pgs)
+    if cfg.objective.needs_teacher:  # a frozen Megatron teacher in the student's layout
+        teacher = build_teacher(build_teacher_model(cfg, task, out, pgs), cfg.learner, pgs)
     if latest is not None:
         load_checkpoint(learner, latest)
         if pgs.rank == 0:
@@ -107,7 +110,7 @@ def _train(cfg: Config, signals: StopSignals) -> int:
         service.serve()
         return 0
     try:
-        summary = asyncio.run(_control(cfg, out, service, model_dir, start, signals))
+        summary = asyncio.run(_control(cfg, task, out, service, model_dir, start, signals))
     finally:
         service.stop(cancel_pending=signals.now.is_set())
     if summary == STOPPED_EARLY:
@@ -115,8 +118,8 @@ def _train(cfg: Config, signals: StopSignals) -> int:
     return 0 if summary is not None else 1
 
 
-async def _control(cfg: Config, out: Path, service: LearnerService[LearnerEndpoint], model_dir: Path, start: int,
-                   signals: StopSignals) -> dict | int | None:
+async def _control(cfg: Config, task: Task, out: Path, service: LearnerService[LearnerEndpoint], model_dir: Path,
+                   start: int, signals: StopSignals) -> dict | int | None:
     loop, task = asyncio.get_running_loop(), asyncio.current_task()
     assert task is not None
     signals.on_stop_now.append(lambda: loop.call_soon_threadsafe(task.cancel))
@@ -124,7 +127,7 @@ async def _control(cfg: Config, out: Path, service: LearnerService[LearnerEndpoi
     engine = await start_engine(cfg.rollout.engine, model_dir, log_dir=out / "logs", policy_version=start)
     trainer = None
     try:
-        trainer = Trainer(cfg, out, service, engine, codec, build_task(cfg.task), start)
+        trainer = Trainer(cfg, out, service, engine, codec, task, start)
         await trainer.push_weights()  # the engine samples from exactly the learner's weights
         if cfg.eval.every_n_steps and start == 0:  # the warm-started model, before RL
             before = await trainer.periodic_eval(-1, force=True)

@@ -1,8 +1,8 @@
 """What a run starts from: its initial model, its learner, and OPD's teacher.
 
-    model_dir = initial_model(cfg, out, pgs)      # the configured HF directory or a tiny model, then SFT
-    learner   = build_learner(cfg, pgs, model_dir) # Megatron learner with the run's ledger settings
-    teacher   = build_teacher_model(cfg, out, pgs) # OPD: the configured teacher, or one built here
+    model_dir = initial_model(cfg, task, out, pgs)       # the configured HF directory or a tiny model, then SFT
+    learner   = build_learner(cfg, pgs, model_dir)        # Megatron learner with the run's ledger settings
+    teacher   = build_teacher_model(cfg, task, out, pgs)  # OPD: the configured teacher, or one built here
 
 Every rank calls each of these (they build models and run collectives); files are written by
 global rank 0 and read by every rank after a barrier.
@@ -18,10 +18,11 @@ from megathunder.config import Config, DistillObjective, TinyModelConfig
 from megathunder.learner.learner import MegatronLearner
 from megathunder.learner.parallel import ProcessGroups
 from megathunder.models.tiny_hf import TinyModelSpec, save_tiny_qwen2
+from megathunder.rollout.tasks.task import Task
 from megathunder.trainer.sft import warm_start
 
 
-def initial_model(cfg: Config, out: Path, pgs: ProcessGroups) -> Path:
+def initial_model(cfg: Config, task: Task, out: Path, pgs: ProcessGroups) -> Path:
     """The HF directory the run starts from: the configured checkpoint, or a tiny model built here;
     then the SFT warm start (if any) from it."""
     if cfg.learner.model.hf_checkpoint is not None:
@@ -32,7 +33,7 @@ def initial_model(cfg: Config, out: Path, pgs: ProcessGroups) -> Path:
         source = Path(cfg.run.init_model)
     if cfg.sft.num_steps == 0:
         return source
-    return warm_start(cfg, pgs, source, out / "sft_model")
+    return warm_start(cfg, task, pgs, source, out / "sft_model")
 
 
 def tiny_model(out_dir: Path, sizes: TinyModelConfig, pgs: ProcessGroups) -> Path:
@@ -54,7 +55,7 @@ def teacher_dir(cfg: Config, run_dir: Path) -> Path:
     return Path(given) if given is not None else run_dir / "teacher_model"
 
 
-def build_teacher_model(cfg: Config, run_dir: Path, pgs: ProcessGroups) -> Path:
+def build_teacher_model(cfg: Config, task: Task, run_dir: Path, pgs: ProcessGroups) -> Path:
     """The teacher's HF directory. Unless ``objective.teacher.hf_checkpoint`` is given, the run
     builds one (every rank takes part; done once per run directory): the default tiny model (the
     GRPO quickstart's) SFT-warm-started on the task's reference solutions -- a teacher that
@@ -65,7 +66,7 @@ def build_teacher_model(cfg: Config, run_dir: Path, pgs: ProcessGroups) -> Path:
         return out
     source = tiny_model(run_dir / "teacher_init", TinyModelConfig(), pgs)
     teacher_cfg = cfg.model_copy(update={"sft": cfg.sft.model_copy(update={"num_steps": teacher.sft_num_steps})})
-    return warm_start(teacher_cfg, pgs, source, out, desc="teacher sft")
+    return warm_start(teacher_cfg, task, pgs, source, out, desc="teacher sft")
 
 
 def _distill(cfg: Config) -> DistillObjective:

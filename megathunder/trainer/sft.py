@@ -24,14 +24,13 @@ from megathunder.learner.parallel import ProcessGroups
 from megathunder.rollout.agent_loop import build_agent_loop
 from megathunder.rollout.chat import ChatCodec
 from megathunder.rollout.scripted import ScriptedPolicy
-from megathunder.rollout.tasks import build_task
 from megathunder.rollout.tasks.split import is_held_out
+from megathunder.rollout.tasks.task import Task
 from megathunder.trajectory import Trajectory
 
 
-async def demonstrations(cfg: Config, codec: ChatCodec, num: int, seed: int) -> list[Trajectory]:
-    """``num`` reference episodes of the task (instances drawn with ``seed``)."""
-    task = build_task(cfg.task)
+async def demonstrations(cfg: Config, task: Task, codec: ChatCodec, num: int, seed: int) -> list[Trajectory]:
+    """``num`` reference episodes of ``task`` (instances drawn with ``seed``)."""
     instances = task.instances(num, seed=seed)
     if cfg.eval.split == "held_out":  # never train on what evaluation measures
         instances = [i for i in instances if not is_held_out(i, cfg.eval.heldout_fraction)]
@@ -60,15 +59,17 @@ def sft_step(learner: MegatronLearner, batch: list[Trajectory]) -> float:
     return total / max(num_tokens, 1)  # this rank's share of the mean loss
 
 
-def warm_start(cfg: Config, pgs: ProcessGroups, source: Path, out_dir: Path, desc: str = "sft warm start") -> Path:
-    """Train ``sft.num_steps`` steps from the HF directory ``source``; export to ``out_dir``."""
+def warm_start(cfg: Config, task: Task, pgs: ProcessGroups, source: Path, out_dir: Path,
+               desc: str = "sft warm start") -> Path:
+    """Train ``sft.num_steps`` steps on ``task``'s reference solutions from the HF directory
+    ``source``; export to ``out_dir``."""
     if (out_dir / "config.json").is_file() and (out_dir / "model.safetensors").is_file():
         return out_dir  # a resumed run: the warm start is done
     sft = cfg.sft
     learner_cfg = cfg.learner.model_copy(update={"optimizer": sft.optimizer(cfg.learner.optimizer)})
     learner = MegatronLearner.build(learner_cfg, GRPOObjective(), pgs, hf_dir=source)
     codec = ChatCodec(AutoTokenizer.from_pretrained(source))
-    data = asyncio.run(demonstrations(cfg, codec, sft.num_steps * sft.batch_size, seed=cfg.run.seed + 7919))
+    data = asyncio.run(demonstrations(cfg, task, codec, sft.num_steps * sft.batch_size, seed=cfg.run.seed + 7919))
     random.Random(cfg.run.seed).shuffle(data)
     data = data * -(-sft.num_steps * sft.batch_size // len(data))  # held-out instances were left out
     show = cfg.run.progress and pgs.rank == 0

@@ -97,7 +97,7 @@ class Trainer:
     def _on_event(self, event: RolloutEvent) -> None:
         if not self._streaming:
             return
-        if event.kind == "turn_finished" and self.cfg.objective.kind in ("opd", "opd_grpo"):  # its tool call starts now
+        if event.kind == "turn_finished" and self.cfg.objective.needs_teacher:  # its tool call starts now
             p = event.payload
             self.service.submit(LearnerEndpoint.turn, event.traj_id, p["token_ids"], p["start"], p["end"])
         elif event.kind == "trajectory_finished":

@@ -120,9 +120,9 @@ def _train(cfg: Config, signals: StopSignals) -> int:
 
 async def _control(cfg: Config, task: Task, out: Path, service: LearnerService[LearnerEndpoint], model_dir: Path,
                    start: int, signals: StopSignals) -> dict | int | None:
-    loop, task = asyncio.get_running_loop(), asyncio.current_task()
-    assert task is not None
-    signals.on_stop_now.append(lambda: loop.call_soon_threadsafe(task.cancel))
+    loop, control = asyncio.get_running_loop(), asyncio.current_task()
+    assert control is not None
+    signals.on_stop_now.append(lambda: loop.call_soon_threadsafe(control.cancel))
     codec = ChatCodec(AutoTokenizer.from_pretrained(model_dir))
     engine = await start_engine(cfg.rollout.engine, model_dir, log_dir=out / "logs", policy_version=start)
     trainer = None

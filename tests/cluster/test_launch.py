@@ -79,7 +79,7 @@ def test_grpo_job_trains_on_two_nodes_checkpoints_on_sigusr1_requeues_and_resume
     assert "megathunder: rank 0/2 (local 0) on node2" in learner_log
     assert "megathunder: rank 1/2 (local 1) on node2" in learner_log
     # checkpoint-and-requeue: stopped after step k, resumed at k, every step trained once
-    stop = re.search(r"SIGUSR1: stopped after step (\d+) of 8; checkpoint (\S+);", learner_log)
+    stop = re.search(r"megathunder: stopped after step (\d+) of 8; checkpoint (\S+);", learner_log)
     assert stop, learner_log
     k = int(stop.group(1))
     assert 1 <= k < NUM_STEPS

@@ -17,6 +17,7 @@ covers both load paths.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import time
 
@@ -31,19 +32,22 @@ from megathunder.models.tiny_hf import TinyModelSpec, save_tiny_qwen2  # noqa: E
 from megathunder.rollout.engines import start_engine  # noqa: E402
 from megathunder.rollout.engines.transfer import plan_buckets  # noqa: E402
 from megathunder.rollout.engines.rpc import weight_load_call  # noqa: E402
-from megathunder.rollout.types import SamplingParams  # noqa: E402
+from megathunder.rollout.types import Completion, SamplingParams  # noqa: E402
 
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")  # vLLM's sampler compile costs 3-17 s on CPU
 
 LOGPROB_ATOL = 1e-4
 """Max |vLLM - transformers| per-token logprob, fp32, up to a few hundred tokens. Measured on this
 machine: 5e-6 to 6e-5; wrong weights give errors of ~13."""
-LONG_TOKENS = 4000
-"""A request that must still be decoding when a test acts on it: 1-4 ms per token on a loaded
-2-core machine, but a quiet CI machine decoded 1000 tokens in under 0.4 s, so 4000."""
+LONG_SECONDS = 3.0
+LONG_TOKENS_MIN, LONG_TOKENS_MAX = 4000, 16000
+"""A request that must still be decoding when a test acts on it (at most ~0.5 s after it starts)
+is sized from the engine's measured decode speed to take LONG_SECONDS (``Runner.long_tokens``):
+1-4 ms per token on a loaded 2-core machine, but the same machine, quiet, decoded 4000 tokens in
+under 0.4 s. Decoding slows as the context grows, so the measured speed is an upper bound."""
 LONG_LOGPROB_ATOL = 5e-4
-"""The same for a LONG_TOKENS completion (fp32 rounding grows with the attention span): measured
-2e-5 to 1.7e-4 at 1000 tokens, 4.6e-5 at 4000."""
+"""The same for the first LONG_TOKENS_MIN tokens of a long completion (fp32 rounding grows with
+the attention span): measured 2e-5 to 1.7e-4 at 1000 tokens, 4.6e-5 at 4000."""
 STALE_MIN_ERROR = 1e-2
 """Errors that show wrong weights or a stale cache (measured: ~19 for the stale prefix cache)."""
 NUM_SERVERS = 2
@@ -55,7 +59,7 @@ def _cfg(deployment: str) -> EngineConfig:
     return EngineConfig(
         deployment=deployment,
         dtype="float32",
-        max_model_len=LONG_TOKENS + 100,  # room for long requests that are still decoding when the test acts
+        max_model_len=LONG_TOKENS_MAX + 100,  # room for long requests that are still decoding when the test acts
         enforce_eager=True,
         gpu_memory_utilization=0.3,
         kv_cache_memory_bytes=256 * 2**20,
@@ -69,7 +73,7 @@ def _cfg(deployment: str) -> EngineConfig:
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    spec = TinyModelSpec(max_position_embeddings=LONG_TOKENS + 100)
+    spec = TinyModelSpec(max_position_embeddings=LONG_TOKENS_MAX + 100)
     return save_tiny_qwen2(tmp_path_factory.mktemp("tiny_qwen2"), spec)
 
 
@@ -97,6 +101,16 @@ class Runner:
 
     def run(self, coro):
         return self.loop.run_until_complete(coro)
+
+    def long_tokens(self) -> int:
+        """Tokens a request needs to decode for about LONG_SECONDS on this engine, now."""
+        if not hasattr(self, "_long_tokens"):
+            n = 1000
+            t0 = time.monotonic()
+            self.generate_many(prompts(1, 16, seed=99), SamplingParams(max_new_tokens=n, ignore_eos=True))
+            rate = n / max(time.monotonic() - t0, 1e-3)
+            self._long_tokens = min(LONG_TOKENS_MAX, max(LONG_TOKENS_MIN, int(rate * LONG_SECONDS)))
+        return self._long_tokens
 
     def generate_many(self, prompts, params):
         async def gather():
@@ -184,6 +198,11 @@ def max_logprob_error(model, prompts, completions, temperature: float = 1.0) -> 
     return max(errors)
 
 
+def head(c: Completion, n: int) -> Completion:
+    """The completion's first ``n`` tokens (a transformers forward of a 16k-token context is slow)."""
+    return dataclasses.replace(c, token_ids=c.token_ids[:n], logprobs=c.logprobs[:n])
+
+
 def perturbed(state: dict[str, torch.Tensor], seed: int, scale: float = 0.1) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     return {k: v + scale * torch.randn(v.shape, generator=g) for k, v in state.items()}
@@ -223,7 +242,7 @@ def test_cancelled_request_is_aborted(runner):
     """An episode that hits its wall-time limit cancels generate(): the engine aborts the request
     (a server sees the connection close) and keeps serving."""
     [p_long, p_next] = prompts(2, 16, seed=9)
-    long_params = SamplingParams(max_new_tokens=LONG_TOKENS, ignore_eos=True)
+    long_params = SamplingParams(max_new_tokens=runner.long_tokens(), ignore_eos=True)
     completed = ("vllm:request_success_total",), 'finished_reason="length"'
     if runner.deployment == "server":
         completed_before = runner.metric_sum(*completed)
@@ -344,7 +363,8 @@ def test_update_waits_for_in_flight_requests(runner, hf_model, base_state):
 
     async def scenario():
         engine = runner.engine
-        long = asyncio.ensure_future(engine.generate(p_long, SamplingParams(max_new_tokens=LONG_TOKENS, ignore_eos=True)))
+        long_params = SamplingParams(max_new_tokens=runner.long_tokens(), ignore_eos=True)
+        long = asyncio.ensure_future(engine.generate(p_long, long_params))
         await runner.wait_decoding(long)
         update = asyncio.ensure_future(engine.update_weights(iter(new.items()), policy_version=old_version + 1))
         await asyncio.sleep(0.05)
@@ -361,7 +381,7 @@ def test_update_waits_for_in_flight_requests(runner, hf_model, base_state):
     long, _, during = runner.run(scenario())
     hf_model.load_state_dict(old_state)
     assert long.policy_version == old_version
-    assert max_logprob_error(hf_model, [p_long], [long]) <= LONG_LOGPROB_ATOL
+    assert max_logprob_error(hf_model, [p_long], [head(long, LONG_TOKENS_MIN)]) <= LONG_LOGPROB_ATOL
     hf_model.load_state_dict(new)
     assert during.policy_version == old_version + 1
     assert max_logprob_error(hf_model, [p_during], [during]) <= LOGPROB_ATOL

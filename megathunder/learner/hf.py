@@ -1,4 +1,5 @@
-"""Hugging Face checkpoints (safetensors + config.json) in and out of the sharded Megatron policy.
+"""Hugging Face checkpoints (safetensors + config.json) in and out of the sharded Megatron policy,
+a tensor at a time: no rank ever reads, gathers or holds the whole model.
 
 Name and layout mapping for the Llama / Qwen2 / Qwen3 family (Megatron local-spec names; the TE
 spec fuses the two norms into the following linear layers):
@@ -16,103 +17,117 @@ spec fuses the two norms into the following linear layers):
     model.norm.weight                          decoder.final_layernorm.weight
     lm_head.weight (untied)                    output_layer.weight                   vocab-sharded
 
+Every TP shard is a contiguous range of the HF tensors it comes from: query groups
+``[r * G/tp, (r+1) * G/tp)`` are rows of q, k and v; rows ``[r * F/tp, (r+1) * F/tp)`` of gate and
+of up; a row range of the vocabulary; a column range of o_proj / down_proj. So
+
+- **loading** (:func:`load_hf`) reads, per parameter, exactly this rank's ranges of the HF tensors
+  (:class:`~megathunder.learner.safetensors_io.CheckpointReader`, safetensors' ``get_slice``) and
+  only for this pipeline stage's layers: peak host memory is the rank's shard plus one tensor;
+- **out** (:func:`stage_hf_tensors`) a stage gathers one parameter at a time onto its TP rank 0, in
+  a ``[tp, *shard]`` buffer, and hands out the HF tensors as *views* of that buffer whose row-major
+  element order is the HF tensor's (:func:`hf_views`): the consumer -- a bucket being packed for a
+  weight push, a safetensors file being written -- copies each into place once. Peak: one gathered
+  parameter on TP rank 0, nothing extra elsewhere.
+
 Conversion is slicing and concatenation only, so import followed by export is bit-exact.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
 
-from megathunder.config import ConfigError, PolicyModelConfig
+from megathunder.config import PolicyModelConfig
 from megathunder.learner.parallel import ProcessGroups
+from megathunder.learner.safetensors_io import INDEX_NAME, CheckpointReader, StreamingWriter, write_index
 
 _TE_NAMES = {
     "input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
     "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight",
 }
 
-
-def read_safetensors_dir(hf_dir: str | Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    files = sorted(Path(hf_dir).glob("*.safetensors"))
-    if not files:
-        raise ConfigError(f"learner.model.hf_checkpoint: no *.safetensors files in {hf_dir}")
-    state: dict[str, torch.Tensor] = {}
-    for f in files:
-        state.update(load_file(str(f)))
-    return state
+HFView = tuple[str, tuple[int, ...], torch.Tensor]
+"""(HF name, HF shape, a tensor whose row-major elements are the HF tensor's: copy it with
+``dst.view(view.shape).copy_(view)`` or materialise it with ``view.reshape(shape)``)."""
 
 
 def _head_dim(m: PolicyModelConfig) -> int:
     return m.head_dim or m.hidden_size // m.num_attention_heads
 
 
-def hf_to_megatron(hf: dict[str, torch.Tensor], m: PolicyModelConfig) -> dict[str, torch.Tensor]:
-    """Full (unsharded) Megatron state dict with global layer indices."""
-    hd, ng = _head_dim(m), m.num_query_groups
-    q_per_group = m.num_attention_heads // ng
-    out = {"embedding.word_embeddings.weight": hf["model.embed_tokens.weight"],
-           "decoder.final_layernorm.weight": hf["model.norm.weight"]}
-    if not m.tie_word_embeddings:
-        out["output_layer.weight"] = hf["lm_head.weight"]
-    for i in range(m.num_layers):
-        src, dst = f"model.layers.{i}.", f"decoder.layers.{i}."
-        attn = src + "self_attn."
-        for suffix in ("weight", "bias") if m.family == "qwen2" else ("weight",):
-            q = hf[attn + f"q_proj.{suffix}"].reshape(ng, q_per_group * hd, -1)
-            k = hf[attn + f"k_proj.{suffix}"].reshape(ng, hd, -1)
-            v = hf[attn + f"v_proj.{suffix}"].reshape(ng, hd, -1)
-            fused = torch.cat([q, k, v], dim=1)
-            out[dst + f"self_attention.linear_qkv.{suffix}"] = (
-                fused.reshape(-1, m.hidden_size) if suffix == "weight" else fused.reshape(-1)
-            )
-        if m.family == "qwen3":
-            out[dst + "self_attention.q_layernorm.weight"] = hf[attn + "q_norm.weight"]
-            out[dst + "self_attention.k_layernorm.weight"] = hf[attn + "k_norm.weight"]
-        out[dst + "input_layernorm.weight"] = hf[src + "input_layernorm.weight"]
-        out[dst + "self_attention.linear_proj.weight"] = hf[attn + "o_proj.weight"]
-        out[dst + "pre_mlp_layernorm.weight"] = hf[src + "post_attention_layernorm.weight"]
-        out[dst + "mlp.linear_fc1.weight"] = torch.cat(
-            [hf[src + "mlp.gate_proj.weight"], hf[src + "mlp.up_proj.weight"]], dim=0
-        )
-        out[dst + "mlp.linear_fc2.weight"] = hf[src + "mlp.down_proj.weight"]
-    return out
+def _biases(m: PolicyModelConfig) -> tuple[str, ...]:
+    return ("weight", "bias") if m.family == "qwen2" else ("weight",)
 
 
-def megatron_to_hf(full: dict[str, torch.Tensor], m: PolicyModelConfig) -> dict[str, torch.Tensor]:
-    """Inverse of ``hf_to_megatron``."""
-    hd, ng = _head_dim(m), m.num_query_groups
-    q_per_group = m.num_attention_heads // ng
-    out = {"model.embed_tokens.weight": full["embedding.word_embeddings.weight"],
-           "model.norm.weight": full["decoder.final_layernorm.weight"]}
-    if not m.tie_word_embeddings:
-        out["lm_head.weight"] = full["output_layer.weight"]
-    for i in range(m.num_layers):
-        src, dst = f"decoder.layers.{i}.", f"model.layers.{i}."
-        attn = dst + "self_attn."
-        for suffix in ("weight", "bias") if m.family == "qwen2" else ("weight",):
-            fused = full[src + f"self_attention.linear_qkv.{suffix}"].reshape(ng, (q_per_group + 2) * hd, -1)
-            q, k, v = fused.split([q_per_group * hd, hd, hd], dim=1)
-            for name, t in (("q_proj", q), ("k_proj", k), ("v_proj", v)):
-                t = t.reshape(-1, m.hidden_size) if suffix == "weight" else t.reshape(-1)
-                out[attn + f"{name}.{suffix}"] = t.contiguous()
+# ---------------------------------------------------------------------------- layout by config
+
+
+def stage_layers(m: PolicyModelConfig, pp: int, pp_rank: int) -> range:
+    """Global indices of the transformer layers of pipeline stage ``pp_rank`` (split evenly)."""
+    per = m.num_layers // pp
+    return range(pp_rank * per, (pp_rank + 1) * per)
+
+
+def megatron_keys(m: PolicyModelConfig, pp: int, pp_rank: int) -> list[str]:
+    """The stage's parameters (canonical local-spec names, global layer indices) in the order they
+    are loaded, exported and pushed; a tied last-stage output layer is the embedding and not listed."""
+    keys = ["embedding.word_embeddings.weight"] if pp_rank == 0 else []
+    for i in stage_layers(m, pp, pp_rank):
+        p = f"decoder.layers.{i}."
+        keys.append(p + "input_layernorm.weight")
+        keys += [p + f"self_attention.linear_qkv.{s}" for s in _biases(m)]
         if m.family == "qwen3":
-            out[attn + "q_norm.weight"] = full[src + "self_attention.q_layernorm.weight"]
-            out[attn + "k_norm.weight"] = full[src + "self_attention.k_layernorm.weight"]
-        out[dst + "input_layernorm.weight"] = full[src + "input_layernorm.weight"]
-        out[attn + "o_proj.weight"] = full[src + "self_attention.linear_proj.weight"]
-        out[dst + "post_attention_layernorm.weight"] = full[src + "pre_mlp_layernorm.weight"]
-        gate, up = full[src + "mlp.linear_fc1.weight"].chunk(2, dim=0)
-        out[dst + "mlp.gate_proj.weight"] = gate.contiguous()
-        out[dst + "mlp.up_proj.weight"] = up.contiguous()
-        out[dst + "mlp.down_proj.weight"] = full[src + "mlp.linear_fc2.weight"]
-    return out
+            keys += [p + "self_attention.q_layernorm.weight", p + "self_attention.k_layernorm.weight"]
+        keys += [p + "self_attention.linear_proj.weight", p + "pre_mlp_layernorm.weight",
+                 p + "mlp.linear_fc1.weight", p + "mlp.linear_fc2.weight"]
+    if pp_rank == pp - 1:
+        keys.append("decoder.final_layernorm.weight")
+        if not m.tie_word_embeddings:
+            keys.append("output_layer.weight")
+    return keys
+
+
+def hf_layout(key: str, m: PolicyModelConfig) -> list[tuple[str, tuple[int, ...]]]:
+    """The HF tensors (name, shape) that Megatron parameter ``key`` holds, in order."""
+    h, f, v, hd = m.hidden_size, m.ffn_hidden_size, m.vocab_size, _head_dim(m)
+    nq, nkv = m.num_attention_heads * hd, m.num_query_groups * hd
+    if key == "embedding.word_embeddings.weight":
+        return [("model.embed_tokens.weight", (v, h))]
+    if key == "output_layer.weight":
+        return [("model.embed_tokens.weight" if m.tie_word_embeddings else "lm_head.weight", (v, h))]
+    if key == "decoder.final_layernorm.weight":
+        return [("model.norm.weight", (h,))]
+    idx, rest = key[len("decoder.layers."):].split(".", 1)
+    p = f"model.layers.{idx}."
+    if rest.startswith("self_attention.linear_qkv."):
+        s = rest.rsplit(".", 1)[1]
+        tail = (h,) if s == "weight" else ()
+        return [(p + f"self_attn.{n}_proj.{s}", (rows, *tail)) for n, rows in (("q", nq), ("k", nkv), ("v", nkv))]
+    simple = {
+        "input_layernorm.weight": ("input_layernorm.weight", (h,)),
+        "self_attention.q_layernorm.weight": ("self_attn.q_norm.weight", (hd,)),
+        "self_attention.k_layernorm.weight": ("self_attn.k_norm.weight", (hd,)),
+        "self_attention.linear_proj.weight": ("self_attn.o_proj.weight", (h, nq)),
+        "pre_mlp_layernorm.weight": ("post_attention_layernorm.weight", (h,)),
+        "mlp.linear_fc2.weight": ("mlp.down_proj.weight", (h, f)),
+    }
+    if rest == "mlp.linear_fc1.weight":
+        return [(p + "mlp.gate_proj.weight", (f, h)), (p + "mlp.up_proj.weight", (f, h))]
+    name, shape = simple[rest]
+    return [(p + name, shape)]
+
+
+def hf_stage_layout(m: PolicyModelConfig, pp: int, pp_rank: int) -> list[tuple[str, tuple[int, ...]]]:
+    """Every HF tensor of the stage (name, shape), in :func:`stage_hf_tensors`' order."""
+    return [entry for key in megatron_keys(m, pp, pp_rank) for entry in hf_layout(key, m)]
 
 
 # ---------------------------------------------------------------------------- TP / PP sharding
@@ -152,6 +167,95 @@ def unshard(name: str, shards: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat([*gates, *ups], dim=0)
 
 
+def hf_views(key: str, shards: torch.Tensor, m: PolicyModelConfig) -> list[HFView]:
+    """The HF tensors of parameter ``key`` from its TP shards stacked as ``[n, *shard]`` (n = tp for
+    a sharded parameter, 1 for a replicated one), as views of ``shards`` (see ``HFView``).
+
+    Why the views have the HF element order: for ``rows`` the shards are consecutive row ranges;
+    for ``cols`` ``(H, n, c)`` is row ``i`` of every shard in turn, i.e. HF row ``i``; fused QKV
+    shards are consecutive query groups, so ``[n, G/n, (q+2)d, ...]`` is ``[G, (q+2)d, ...]`` and
+    q / k / v are its slices ``[:, :qd]``, ``[:, qd:qd+d]``, ``[:, qd+d:]`` (group-major, as HF
+    stores heads); ``[gate_r; up_r]`` shards are ``[n, 2, F/n, H]`` and gate / up are ``[:, 0]``,
+    ``[:, 1]``.
+    """
+    layout = hf_layout(key, m)
+    rule = _tp_rule(key)
+    n = shards.shape[0]
+    if rule is None:
+        pieces = [shards[0]]
+    elif "linear_qkv" in key:
+        hd, ng = _head_dim(m), m.num_query_groups
+        qd = m.num_attention_heads // ng * hd
+        fused = shards.reshape(ng, qd + 2 * hd, *shards.shape[2:])
+        pieces = [fused[:, :qd], fused[:, qd : qd + hd], fused[:, qd + hd :]]
+    elif rule == "swiglu_rows":
+        halves = shards.reshape(n, 2, shards.shape[1] // 2, *shards.shape[2:])
+        pieces = [halves[:, 0], halves[:, 1]]
+    elif rule == "cols":
+        pieces = [shards.permute(1, 0, 2)]
+    else:  # rows
+        pieces = [shards.reshape(-1, *shards.shape[2:])]
+    out = []
+    for (name, shape), view in zip(layout, pieces, strict=True):
+        if view.numel() != math.prod(shape):
+            raise ValueError(f"{key}: {name} has {view.numel()} elements, its HF shape {shape} needs {math.prod(shape)}")
+        out.append((name, shape, view))
+    return out
+
+
+class TensorSource(Protocol):
+    """Where shards are read from: a lazy checkpoint reader, or tensors in memory."""
+
+    def read(self, name: str) -> torch.Tensor: ...
+    def rows(self, name: str, start: int, stop: int) -> torch.Tensor: ...
+    def cols(self, name: str, start: int, stop: int) -> torch.Tensor: ...
+
+
+class InMemorySource:
+    """A ``TensorSource`` over a dict of full HF tensors (tests; the whole-checkpoint baseline of
+    ``megathunder bench load``)."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
+        self.tensors = tensors
+
+    def read(self, name: str) -> torch.Tensor:
+        return self.tensors[name]
+
+    def rows(self, name: str, start: int, stop: int) -> torch.Tensor:
+        return self.tensors[name][start:stop]
+
+    def cols(self, name: str, start: int, stop: int) -> torch.Tensor:
+        return self.tensors[name][:, start:stop]
+
+
+def read_shard(src: TensorSource, key: str, m: PolicyModelConfig, tp: int, tp_rank: int) -> torch.Tensor:
+    """TP rank ``tp_rank``'s shard of Megatron parameter ``key``, reading only its ranges of the HF
+    tensors (the inverse of :func:`hf_views`)."""
+    layout = hf_layout(key, m)
+    rule = _tp_rule(key)
+    if rule is None:
+        return src.read(layout[0][0])
+    if rule == "cols":
+        (name, (_, cols)), = layout
+        c = cols // tp
+        return src.cols(name, tp_rank * c, (tp_rank + 1) * c)
+    if rule == "swiglu_rows":
+        f = layout[0][1][0] // tp
+        return torch.cat([src.rows(name, tp_rank * f, (tp_rank + 1) * f) for name, _ in layout], dim=0)
+    if "linear_qkv" in key:  # query groups [g0, g1) of q, k and v, fused group by group
+        ng = m.num_query_groups
+        g0, g1 = tp_rank * ng // tp, (tp_rank + 1) * ng // tp
+        parts = []
+        for name, shape in layout:
+            per_group = shape[0] // ng
+            t = src.rows(name, g0 * per_group, g1 * per_group)
+            parts.append(t.reshape(g1 - g0, per_group, *shape[1:]))
+        return torch.cat(parts, dim=1).reshape(-1, *layout[0][1][1:])
+    (name, shape), = layout  # rows: a vocabulary range
+    r = shape[0] // tp
+    return src.rows(name, tp_rank * r, (tp_rank + 1) * r)
+
+
 def _local_to_global(name: str, offset: int) -> str:
     if name.startswith("decoder.layers."):
         idx, rest = name[len("decoder.layers."):].split(".", 1)
@@ -173,66 +277,70 @@ def _trainable_items(model: torch.nn.Module):
         yield name, param
 
 
-def load_full_state(
-    model: torch.nn.Module, full: dict[str, torch.Tensor], m: PolicyModelConfig, pgs: ProcessGroups, offset: int
-) -> None:
-    """Copy this rank's shard of a full Megatron state dict into the stage's model chunk."""
+def stage_params(model: torch.nn.Module, m: PolicyModelConfig, offset: int) -> dict[str, torch.Tensor]:
+    """Global canonical key -> this stage's parameter (the tied last-stage output layer included)."""
+    return {_local_to_global(_canonical(name), offset): param for name, param in _trainable_items(model)}
+
+
+def _checked_params(model: torch.nn.Module, m: PolicyModelConfig, pgs: ProcessGroups, offset: int) -> dict[str, torch.Tensor]:
+    params = stage_params(model, m, offset)
+    keys = megatron_keys(m, pgs.dims.pp, pgs.pp_rank)
+    extra = set(params) - set(keys) - {"output_layer.weight"}
+    missing = set(keys) - set(params)
+    if extra or missing:
+        raise KeyError(f"stage {pgs.pp_rank}: parameters {sorted(extra)} have no HF mapping; "
+                       f"mapped tensors {sorted(missing)} are not parameters of the model")
+    return params
+
+
+# ---------------------------------------------------------------------------- in
+
+
+def load_hf(model: torch.nn.Module, hf_dir: str | Path, m: PolicyModelConfig, pgs: ProcessGroups, offset: int,
+            src: TensorSource | None = None) -> None:
+    """Copy this rank's shards of the checkpoint in ``hf_dir`` into the stage's model chunk, reading
+    only those shards (``src`` replaces the lazy reader: tests and the whole-checkpoint baseline)."""
+    src = src if src is not None else CheckpointReader(hf_dir)
     with torch.no_grad():
-        for name, param in _trainable_items(model):
-            canon = _canonical(name)
-            key = _local_to_global(canon, offset)
-            if canon == "output_layer.weight" and m.tie_word_embeddings:
-                key = "embedding.word_embeddings.weight"  # last stage's copy of the tied embedding
-            if key not in full:
-                raise KeyError(f"checkpoint has no tensor for {key} (parameter {name})")
-            value = shard(key, full[key], pgs.dims.tp, pgs.tp_rank)
+        for key, param in _checked_params(model, m, pgs, offset).items():
+            value = read_shard(src, key, m, pgs.dims.tp, pgs.tp_rank)  # tied output: the embedding's rows
             if value.shape != param.shape:
                 raise ValueError(f"{key}: checkpoint shard {tuple(value.shape)} vs parameter {tuple(param.shape)}")
-            param.copy_(value.to(param.dtype))
+            param.copy_(value)
+            del value
 
 
-def gather_full_state(
-    model: torch.nn.Module, m: PolicyModelConfig, pgs: ProcessGroups, offset: int,
-    source: str = "param",
-) -> dict[str, torch.Tensor] | None:
-    """The full Megatron state dict on global rank 0 (None elsewhere): TP all-gather, PP gather.
+# ---------------------------------------------------------------------------- out
 
-    ``source="main_grad"`` gathers the parameters' gradient buffers instead (after a data-parallel
-    all-reduce they hold the full reduced gradient on every rank).
-    """
-    stage: dict[str, torch.Tensor] = {}
-    tp_group = pgs.tp
-    for name, param in _trainable_items(model):
-        canon = _canonical(name)
-        if canon == "output_layer.weight" and m.tie_word_embeddings:
-            continue
-        local = param.detach() if source == "param" else param.main_grad.detach()
-        if pgs.dims.tp > 1 and _tp_rule(canon) is not None:
-            parts = [torch.empty_like(local) for _ in range(pgs.dims.tp)]
-            dist.all_gather(parts, local.contiguous(), group=tp_group)
-            full = unshard(canon, parts)
+
+def stage_hf_tensors(model: torch.nn.Module, m: PolicyModelConfig, pgs: ProcessGroups, offset: int,
+                     dtype: torch.dtype | None = None) -> Iterator[HFView]:
+    """This stage's weights as HF tensors (``dtype``: cast first, e.g. to the inference dtype), one
+    parameter at a time, yielded on the stage's (TP rank 0, DP rank 0). Every TP rank of DP rank 0
+    takes part in each parameter's gather and must run the iterator to its end (it yields nothing
+    there); other DP ranks (replicas) return at once."""
+    if pgs.dp_rank != 0:
+        return
+    params = _checked_params(model, m, pgs, offset)
+    tp = pgs.dims.tp
+    root = dist.get_global_rank(pgs.tp, 0) if tp > 1 else pgs.rank
+    for key in megatron_keys(m, pgs.dims.pp, pgs.pp_rank):
+        local = params[key].detach()
+        if dtype is not None and local.dtype != dtype:
+            local = local.to(dtype)
+        if tp > 1 and _tp_rule(key) is not None:
+            stacked = torch.empty((tp, *local.shape), dtype=local.dtype, device=local.device) if pgs.tp_rank == 0 else None
+            dist.gather(local.contiguous(), None if stacked is None else list(stacked.unbind(0)), dst=root, group=pgs.tp)
         else:
-            full = local
-        stage[_local_to_global(canon, offset)] = full.cpu().clone()
-    if pgs.dims.pp == 1:
-        return stage if pgs.rank == 0 else None
-    gathered: list[dict | None] = [None] * pgs.dims.pp
-    if pgs.tp_rank == 0 and pgs.dp_rank == 0:
-        dist.gather_object(stage, gathered if pgs.pp_rank == 0 else None, dst=_pp_first_rank(pgs), group=pgs.pp)
-    if pgs.rank != 0:
-        return None
-    merged: dict[str, torch.Tensor] = {}
-    for part in gathered:
-        merged.update(part or {})
-    return merged
+            stacked = local[None]
+        if pgs.tp_rank == 0:
+            assert stacked is not None
+            yield from hf_views(key, stacked, m)
+        del stacked, local
 
 
-def _pp_first_rank(pgs: ProcessGroups) -> int:
-    return dist.get_global_rank(pgs.pp, 0)
-
-
-def import_hf(model: torch.nn.Module, hf_dir: str | Path, m: PolicyModelConfig, pgs: ProcessGroups, offset: int) -> None:
-    load_full_state(model, hf_to_megatron(read_safetensors_dir(hf_dir), m), m, pgs, offset)
+def shard_file_name(pp: int, pp_rank: int) -> str:
+    return "model.safetensors" if pp == 1 else f"model-{pp_rank + 1:05d}-of-{pp:05d}.safetensors"
 
 
 def hf_config_dict(m: PolicyModelConfig, dtype: str) -> dict:
@@ -261,19 +369,101 @@ def export_hf(
     model: torch.nn.Module, out_dir: str | Path, m: PolicyModelConfig, pgs: ProcessGroups, offset: int,
     source_dir: str | Path | None = None, dtype: str = "float32",
 ) -> None:
-    """Write ``model.safetensors`` + ``config.json`` (tokenizer files copied from ``source_dir``)."""
-    from safetensors.torch import save_file
-
-    full = gather_full_state(model, m, pgs, offset)
-    if full is None:
-        return
+    """A Hugging Face directory, written while streaming: each pipeline stage's (TP 0, DP 0) rank
+    writes its stage's file tensor by tensor (``model.safetensors`` with one stage, else
+    ``model-0000s-of-0000P.safetensors`` + ``model.safetensors.index.json``); rank 0 writes
+    ``config.json`` (or copies tokenizer and config files from ``source_dir``). Every rank calls
+    it; ``out_dir`` must be one directory for all of them (one machine or a shared file system).
+    Returns once every file is complete."""
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.contiguous() for k, v in megatron_to_hf(full, m).items()}, str(out / "model.safetensors"),
-              metadata={"format": "pt"})
-    if source_dir is not None:
-        for f in Path(source_dir).iterdir():
-            if f.is_file() and not f.name.endswith(".safetensors") and f.name != "model.safetensors.index.json":
-                shutil.copy2(f, out / f.name)
-    else:
-        (out / "config.json").write_text(json.dumps(hf_config_dict(m, dtype), indent=2) + "\n")
+    pp, stage = pgs.dims.pp, pgs.pp_rank
+    params_dtype = next(iter(stage_params(model, m, offset).values())).dtype
+    if pgs.rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        for old in [*out.glob("*.safetensors"), out / INDEX_NAME]:  # an earlier export's shards
+            old.unlink(missing_ok=True)
+    _barrier(pgs)
+    writer = None
+    if pgs.tp_rank == 0 and pgs.dp_rank == 0:
+        layout = [(name, shape, params_dtype) for name, shape in hf_stage_layout(m, pp, stage)]
+        writer = StreamingWriter(out / shard_file_name(pp, stage), layout)
+    try:
+        for name, shape, view in stage_hf_tensors(model, m, pgs, offset):
+            assert writer is not None
+            writer.write(name, view.reshape(shape))
+    finally:
+        if writer is not None:
+            writer.close()
+    if pgs.rank == 0:
+        if pp > 1:
+            weight_map = {name: shard_file_name(pp, s) for s in range(pp) for name, _ in hf_stage_layout(m, pp, s)}
+            total = sum(math.prod(shape) * params_dtype.itemsize for s in range(pp)
+                        for _, shape in hf_stage_layout(m, pp, s))
+            write_index(out, weight_map, total)
+        if source_dir is not None:
+            for f in Path(source_dir).iterdir():
+                if f.is_file() and not f.name.endswith(".safetensors") and f.name != INDEX_NAME:
+                    shutil.copy2(f, out / f.name)
+        else:
+            (out / "config.json").write_text(json.dumps(hf_config_dict(m, dtype), indent=2) + "\n")
+    _barrier(pgs)
+
+
+def _barrier(pgs: ProcessGroups) -> None:
+    if pgs.world_size > 1:
+        dist.barrier()
+
+
+# ---------------------------------------------------------------------------- tests' helpers
+
+
+def gather_full_state(
+    model: torch.nn.Module, m: PolicyModelConfig, pgs: ProcessGroups, offset: int,
+    source: str = "param",
+) -> dict[str, torch.Tensor] | None:
+    """The full Megatron state dict on global rank 0 (None elsewhere): TP all-gather, PP gather.
+    For tests that compare whole models across layouts -- it holds the model on rank 0.
+
+    ``source="main_grad"`` gathers the parameters' gradient buffers instead (after a data-parallel
+    all-reduce they hold the full reduced gradient on every rank).
+    """
+    stage: dict[str, torch.Tensor] = {}
+    for name, param in _trainable_items(model):
+        canon = _canonical(name)
+        if canon == "output_layer.weight" and m.tie_word_embeddings:
+            continue
+        local = param.detach() if source == "param" else param.main_grad.detach()
+        if pgs.dims.tp > 1 and _tp_rule(canon) is not None:
+            parts = [torch.empty_like(local) for _ in range(pgs.dims.tp)]
+            dist.all_gather(parts, local.contiguous(), group=pgs.tp)
+            full = unshard(canon, parts)
+        else:
+            full = local
+        stage[_local_to_global(canon, offset)] = full.cpu().clone()
+    if pgs.dims.pp == 1:
+        return stage if pgs.rank == 0 else None
+    gathered: list[dict | None] = [None] * pgs.dims.pp
+    if pgs.tp_rank == 0 and pgs.dp_rank == 0:
+        dist.gather_object(stage, gathered if pgs.pp_rank == 0 else None, dst=dist.get_global_rank(pgs.pp, 0),
+                           group=pgs.pp)
+    if pgs.rank != 0:
+        return None
+    merged: dict[str, torch.Tensor] = {}
+    for part in gathered:
+        merged.update(part or {})
+    return merged
+
+
+def load_full_state(
+    model: torch.nn.Module, full: dict[str, torch.Tensor], m: PolicyModelConfig, pgs: ProcessGroups, offset: int
+) -> None:
+    """Copy this rank's shard of a full Megatron state dict into the stage's model chunk (tests)."""
+    with torch.no_grad():
+        for name, param in _trainable_items(model):
+            canon = _canonical(name)
+            key = _local_to_global(canon, offset)
+            if canon == "output_layer.weight" and m.tie_word_embeddings:
+                key = "embedding.word_embeddings.weight"  # last stage's copy of the tied embedding
+            if key not in full:
+                raise KeyError(f"checkpoint has no tensor for {key} (parameter {name})")
+            param.copy_(shard(key, full[key], pgs.dims.tp, pgs.tp_rank).to(param.dtype))

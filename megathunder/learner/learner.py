@@ -75,7 +75,7 @@ class MegatronLearner:
         model = build_gpt_model(model_cfg, cfg.precision, pgs)
         offset = layer_offset(model_cfg, pgs)
         if hf_dir is not None:
-            hf.import_hf(model, hf_dir, model_cfg, pgs, offset)
+            hf.load_hf(model, hf_dir, model_cfg, pgs, offset)  # this rank's slices only
         opt = cfg.optimizer
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True,

@@ -22,6 +22,6 @@ def build_teacher(hf_dir: str | Path, student_cfg: LearnerConfig, pgs: ProcessGr
     precision = student_cfg.precision.model_copy(update={"core_attention": "past_kv"})
     model_cfg = resolve_model_config(student_cfg.model, hf_dir)
     model = build_gpt_model(model_cfg, precision, pgs)
-    hf.import_hf(model, hf_dir, model_cfg, pgs, layer_offset(model_cfg, pgs))
+    hf.load_hf(model, hf_dir, model_cfg, pgs, layer_offset(model_cfg, pgs))  # this rank's slices only
     model.requires_grad_(False).eval()
     return CachedTeacher(MegatronSegmentModel(model, pgs))

@@ -17,12 +17,12 @@ from pathlib import Path
 
 import torch
 import yaml
-from safetensors.torch import load_file
 
 from megathunder.config import Config, load_config
 from megathunder.learner.batches import new_batch
 from megathunder.learner.learner import MegatronLearner
 from megathunder.learner.parallel import init_distributed
+from megathunder.learner.safetensors_io import load_dir
 from megathunder.learner.teacher import build_teacher
 from megathunder.streaming.opd_turns import CachedTeacher
 from megathunder.trainer.journal import completed_steps
@@ -73,7 +73,7 @@ def build_replay_learner(cfg: Config, run_dir: Path) -> MegatronLearner:
 
 def digest(path: Path) -> str:
     h = hashlib.sha256()
-    for name, tensor in sorted(load_file(str(path / "model.safetensors")).items()):
+    for name, tensor in sorted(load_dir(path).items()):
         h.update(name.encode())
         h.update(tensor.to(torch.float32).numpy().tobytes())
     return h.hexdigest()[:16]

@@ -21,6 +21,7 @@ from megathunder.config import Config, GRPOObjective
 from megathunder.learner.backend import run_schedule
 from megathunder.learner.learner import MegatronLearner
 from megathunder.learner.parallel import ProcessGroups
+from megathunder.learner.safetensors_io import has_weights
 from megathunder.rollout.agent_loop import build_agent_loop
 from megathunder.rollout.chat import ChatCodec
 from megathunder.rollout.scripted import ScriptedPolicy
@@ -63,7 +64,7 @@ def warm_start(cfg: Config, task: Task, pgs: ProcessGroups, source: Path, out_di
                desc: str = "sft warm start") -> Path:
     """Train ``sft.num_steps`` steps on ``task``'s reference solutions from the HF directory
     ``source``; export to ``out_dir``."""
-    if (out_dir / "config.json").is_file() and (out_dir / "model.safetensors").is_file():
+    if (out_dir / "config.json").is_file() and has_weights(out_dir):
         return out_dir  # a resumed run: the warm start is done
     sft = cfg.sft
     learner_cfg = cfg.learner.model_copy(update={"optimizer": sft.optimizer(cfg.learner.optimizer)})

@@ -82,13 +82,19 @@ def test_distributed_optimizer_adam_step_matches_single_process(hf_qwen2, tmp_pa
 
 
 def test_tp2_pp2_hf_roundtrip_is_bit_exact_and_logprobs_match_transformers(hf_qwen2, tmp_path):
-    from safetensors.torch import load_file
+    """Each rank reads only its slices; each stage writes its own file (an HF sharded checkpoint)."""
+    import json
+
+    from megathunder.learner.safetensors_io import INDEX_NAME, load_dir
 
     export, out = tmp_path / "export", tmp_path / "rt.pt"
     launch(4, "hf_roundtrip", "--out", str(out), "--hf", str(hf_qwen2), "--export", str(export),
            "--tp", "2", "--pp", "2")
-    original, exported = load_file(hf_qwen2 / "model.safetensors"), load_file(export / "model.safetensors")
+    original, exported = load_dir(hf_qwen2), load_dir(export)
     assert sorted(original) == sorted(exported)
+    index = json.loads((export / INDEX_NAME).read_text())
+    assert sorted(index["weight_map"]) == sorted(original)
+    assert sorted(set(index["weight_map"].values())) == sorted(f.name for f in export.glob("*.safetensors"))
     assert all(torch.equal(original[k], exported[k]) for k in original)
     _assert_logprobs_match_transformers(export, torch.load(out)["logprobs"])
 

@@ -58,9 +58,9 @@ def rows(out: Path) -> list[dict]:
 
 
 def weights(path: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
+    from megathunder.learner.safetensors_io import load_dir
 
-    return load_file(str(path / "model.safetensors"))
+    return load_dir(path)
 
 
 def update_error(start: Path, a: Path, b: Path) -> float:

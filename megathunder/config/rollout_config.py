@@ -12,24 +12,33 @@ from megathunder.config.base import Strict, default_tag, is_loopback
 
 
 class RpcTransfer(Strict):
-    """Weights inside the ``collective_rpc`` payload (base64 safetensors): no extra setup."""
+    """The fallback: weights inside the ``collective_rpc`` payload (base64 safetensors of the whole
+    model, gathered on the learner's rank 0); no extra setup, but it neither streams nor scales."""
 
     kind: Literal["rpc"] = "rpc"
 
 
 class CollectiveTransfer(Strict):
-    """Weights by broadcast of flat dtype-grouped buckets over a process group that the learner's
-    rank 0 and every vLLM worker join once, at engine start; only the bucket plan goes by RPC."""
+    """The default: weights by broadcast of buckets over process groups that every vLLM worker
+    joins once, at engine start -- one group per learner pipeline stage, whose (TP 0, DP 0) rank
+    sends that stage's tensors; no rank holds the whole model (``rollout/engines/transfer.py``)."""
 
     kind: Literal["collective"] = "collective"
-    backend: Literal["gloo", "nccl"] = "gloo"
-    """gloo (CPU tensors) or nccl (needs a CUDA device: checked when the engine starts, not at
-    parse time, so a GPU job's config validates on a CPU-only login node)."""
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
+    """auto: nccl where CUDA is available, else gloo; nccl needs a CUDA device (checked when the
+    engine starts, not at parse time, so a GPU job's config validates on a CPU-only login node)."""
     host: str = "127.0.0.1"
-    """Address of the learner's rendezvous store, reachable by every vLLM worker (the learner's
-    host name when servers run on other nodes)."""
+    """Address of the rendezvous store that the engine's process (learner rank 0) serves, reachable
+    by every vLLM worker: the learner's first node when servers run on other nodes (the launch
+    scripts set it)."""
+    port: int = Field(0, ge=0, le=65535)
+    """Port of that store; 0: a free one (fine unless a firewall needs it fixed)."""
     bucket_mb: float = Field(256.0, gt=0)
     """Most MiB per broadcast bucket (a larger tensor goes alone)."""
+    sparse_threshold: float = Field(0.0, ge=0, le=1)
+    """Send a tensor as a sparse patch (indices and values of the elements that changed, in the
+    inference dtype, since the last push) when at most this fraction of it changed; dense otherwise.
+    0: always dense. Each vLLM worker then keeps a copy of the weights (checkpoint layout) to patch."""
 
 
 WeightTransfer = Annotated[RpcTransfer | CollectiveTransfer, Field(discriminator="kind")]
@@ -80,16 +89,16 @@ class EngineConfig(Strict):
     request_timeout_s: float = Field(3600.0, gt=0)
     vllm_kwargs: dict[str, str | int | float | bool] = {}
     """Further vLLM engine arguments by name (e.g. {tensor_parallel_size: 2}); passed unchanged."""
-    weight_transfer: WeightTransfer = RpcTransfer()
-    """How pushed weights reach the workers: ``{kind: rpc}`` (serialised into the collective_rpc
-    payload) or ``{kind: collective, backend, host, bucket_mb}`` (bucketed broadcast over a process
-    group joined once at engine start). A plain ``rpc`` / ``collective`` is short for the kind with
-    its defaults."""
+    weight_transfer: WeightTransfer = CollectiveTransfer()
+    """How pushed weights reach the workers: ``{kind: collective, backend, host, port, bucket_mb,
+    sparse_threshold}`` (the default: bucketed broadcast over process groups joined once at engine
+    start) or ``{kind: rpc}`` (the fallback: serialised into the collective_rpc payload). A plain
+    ``rpc`` / ``collective`` is short for the kind with its defaults."""
 
     @field_validator("weight_transfer", mode="before")
     @classmethod
     def _default_transfer(cls, value: object) -> object:
-        return default_tag(value, "kind", "rpc")
+        return default_tag(value, "kind", "collective")
 
     @model_validator(mode="after")
     def _check(self) -> EngineConfig:
@@ -108,6 +117,13 @@ class EngineConfig(Strict):
                 raise ValueError(
                     f"api_key_env: required to attach to servers off loopback ({exposed[0]})"
                 )
+        wt = self.weight_transfer
+        remote = [u for u in self.server_urls if not is_loopback(urlsplit(u).hostname or "")]
+        if isinstance(wt, CollectiveTransfer) and remote and is_loopback(wt.host):
+            raise ValueError(
+                f"weight_transfer.host: {wt.host} is loopback, which the servers on other machines "
+                f"({remote[0]}) cannot reach: set the address of the learner's rank 0 (or kind=rpc)"
+            )
         return self
 
 

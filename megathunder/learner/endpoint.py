@@ -20,9 +20,10 @@ learner rank, the owner of the trajectory doing its backward passes)::
       LearnerEndpoint.close       batch.close() -> ledger.close_batch(): P / Z into DDP's buffers
     Trainer.finish_step           service.call(LearnerEndpoint.step)
       LearnerEndpoint.step        MegatronLearner.step: DP reduce (finalize_model_grads), optimizer step
-    Trainer.push_weights          service.call(LearnerEndpoint.gather_weights)
-      LearnerEndpoint.gather_weights   MegatronLearner.inference_weights: HF-named tensors on rank 0
-                                  engine.update_weights(weights, version)   rollout/engines: into vLLM
+    Trainer.push_weights          engine.update_weights(StreamedWeights(send), version)   pauses vLLM,
+                                  its workers receive while send = service.call(LearnerEndpoint.send_weights)
+      LearnerEndpoint.send_weights     StageSender.send: each PP stage broadcasts its own buckets
+                                  (learner/push.py; weight_transfer=rpc: gather_weights, all on rank 0)
     Trainer.probe                 engine.generate, then service.call(LearnerEndpoint.score, ...)
 
 OPD adds ``turn`` (a model turn was generated: its gradient while its tool call runs).
@@ -38,6 +39,7 @@ from megathunder.learner.batches import Batch, BatchOutcome, new_batch
 from megathunder.learner.checkpoint import save_checkpoint
 from megathunder.learner.learner import MegatronLearner, StepResult
 from megathunder.learner.parallel import from_last_stage
+from megathunder.learner.push import StageSender, gather_to_rank0
 from megathunder.streaming.opd_turns import CachedTeacher
 from megathunder.trajectory import BatchPlan, Trajectory
 
@@ -48,6 +50,7 @@ class LearnerEndpoint:
     def __init__(self, learner: MegatronLearner, checkpoint_dir: Path, teacher: CachedTeacher | None = None) -> None:
         self.learner, self.checkpoint_dir, self.teacher = learner, checkpoint_dir, teacher
         self._batch: Batch | None = None
+        self.sender = StageSender(learner)
 
     # ------------------------------------------------------------------ a batch's events
 
@@ -81,9 +84,18 @@ class LearnerEndpoint:
     def step(self) -> StepResult:
         return self.learner.step()
 
+    def join_weight_transfer(self, rendezvous_json: str) -> None:
+        """Once, when the engine opens its transfer groups: each stage's sender joins its group."""
+        self.sender.join(rendezvous_json)
+
+    def send_weights(self) -> dict[str, float]:
+        """One push over the transfer groups, each stage sending its own tensors; the push's
+        figures (bytes, tensors, changed fraction), summed over the stages."""
+        return self.sender.send()
+
     def gather_weights(self) -> list[tuple[str, torch.Tensor]] | None:
-        """The weights in the inference (HF) layout on global rank 0, None elsewhere."""
-        return self.learner.inference_weights()
+        """The rpc fallback: the weights in the inference (HF) layout on global rank 0, None elsewhere."""
+        return gather_to_rank0(self.learner)
 
     def score(self, tokens: list[int], prompt_len: int) -> torch.Tensor:
         """The learner's logprobs of ``tokens[prompt_len:]`` given what precedes them (every rank)."""

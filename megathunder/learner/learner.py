@@ -4,7 +4,7 @@ gradient ledger on DDP's buffers, and the frozen reference model.
     learner = MegatronLearner.build(cfg, objective, pgs, ledger_cfg, hf_dir)
     batch = new_batch(learner, teacher, plan, streamed)   # megathunder.learner.batches: the gradient
     ...events...; batch.close(); learner.step()            # one DP reduce + optimizer step per batch
-    learner.inference_weights()                            # HF-named tensors on rank 0: the push
+    (megathunder.learner.push)                             # the weight push, stage by stage
 
 A batch (``megathunder.learner.batches``) leaves this rank's share of (1/Z) sum_i grad loss_i in
 DDP's buffers; ``step`` reduces it across data-parallel ranks (a sum) and steps.
@@ -167,15 +167,6 @@ class MegatronLearner:
         """The weights as a Hugging Face directory (tokenizer and config copied from ``hf_dir``)."""
         hf.export_hf(self.model, out_dir, self.model_cfg, self.pgs, self.offset,
                      source_dir=self.hf_dir, dtype=self.cfg.precision.params_dtype)
-
-    def inference_weights(self) -> list[tuple[str, torch.Tensor]] | None:
-        """The full weights in Hugging Face names on global rank 0 (None elsewhere): TP/PP shards
-        gathered, fused QKV and [gate; up] split, vocabulary shards joined. A collective over the
-        learner's ranks: every rank must call it."""
-        full = hf.gather_full_state(self.model, self.model_cfg, self.pgs, self.offset)
-        if full is None:
-            return None
-        return list(hf.megatron_to_hf(full, self.model_cfg).items())
 
     def flat_params(self) -> torch.Tensor:
         """This rank's parameters (model chunk order), flattened -- for tests and probes."""

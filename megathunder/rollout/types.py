@@ -7,9 +7,9 @@ already tokenised, so there is no drift between turns.
 from __future__ import annotations
 
 import os
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal, Protocol, Union
+from typing import TYPE_CHECKING, Any, Literal, Protocol, Union
 
 if TYPE_CHECKING:
     import torch
@@ -40,8 +40,19 @@ class Completion:
     policy_version: int  # weights version that produced every token (-1: aborted before any token)
 
 
-WeightSource = Union[str, os.PathLike, Iterable[tuple[str, "torch.Tensor"]]]
-"""A safetensors checkpoint directory the engine can read, or (checkpoint_name, tensor) pairs."""
+@dataclass(frozen=True)
+class StreamedWeights:
+    """Weights that the learner's pipeline stages broadcast into the engine's transfer groups
+    themselves (``megathunder.rollout.engines.transfer``): ``send()`` starts them and returns (their
+    result) once every stage has sent its last frame. Only an engine whose groups were opened with
+    the learner's stage senders takes it."""
+
+    send: Callable[[], Awaitable[Any]]
+
+
+WeightSource = Union[str, os.PathLike, StreamedWeights, Iterable[tuple[str, "torch.Tensor"]]]
+"""A safetensors checkpoint directory the engine can read, (checkpoint_name, tensor) pairs, or
+weights the learner's stages stream (``StreamedWeights``)."""
 
 
 class RolloutEngine(Protocol):

@@ -37,6 +37,7 @@ from megathunder.learner.service import LearnerService
 from megathunder.learner.teacher import build_teacher
 from megathunder.rollout.chat import ChatCodec
 from megathunder.rollout.engines import start_engine
+from megathunder.rollout.engines.transfer import StageSenders
 from megathunder.rollout.tasks import build_task
 from megathunder.rollout.tasks.task import Task
 from megathunder.trainer.interrupt import STOPPED_EARLY, STOPPED_NOW, StopNow, StopSignals
@@ -124,7 +125,10 @@ async def _control(cfg: Config, task: Task, out: Path, service: LearnerService[L
     assert control is not None
     signals.on_stop_now.append(lambda: loop.call_soon_threadsafe(control.cancel))
     codec = ChatCodec(AutoTokenizer.from_pretrained(model_dir))
-    engine = await start_engine(cfg.rollout.engine, model_dir, log_dir=out / "logs", policy_version=start)
+    senders = StageSenders(cfg.learner.parallel.pipeline_parallel,  # each stage joins the weight-transfer groups
+                           lambda rdv: service.call(LearnerEndpoint.join_weight_transfer, rdv))
+    engine = await start_engine(cfg.rollout.engine, model_dir, log_dir=out / "logs", policy_version=start,
+                                senders=senders)
     trainer = None
     try:
         trainer = Trainer(cfg, out, service, engine, codec, task, start)

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from megathunder.config import Config
+from megathunder.config import CollectiveTransfer, Config
 from megathunder.eval.evaluate import evaluate
 from megathunder.eval.instances import eval_due, eval_instances
 from megathunder.learner.batches import BatchOutcome
@@ -34,7 +34,7 @@ from megathunder.rollout.chat import ChatCodec
 from megathunder.rollout.episode import Episode, RolloutEvent, trained_reward
 from megathunder.rollout.tasks.split import training_instances
 from megathunder.rollout.tasks.task import Task, TaskInstance
-from megathunder.rollout.types import RolloutEngine, SamplingParams
+from megathunder.rollout.types import RolloutEngine, SamplingParams, StreamedWeights, WeightSource
 from megathunder.trainer.journal import Journal
 from megathunder.trainer.metrics import MetricsLog
 from megathunder.trainer.timeline import Timeline
@@ -74,6 +74,7 @@ class Trainer:
         self.t0 = time.monotonic()
         self.wall_offset = self.metrics.rows[-1]["wall_s"] if self.metrics.rows else 0.0
         self.last_probe_gap = float("nan")
+        self.last_push: dict[str, float] = {}
         self.eval_set: list[TaskInstance] | None = None
         self.bar: tqdm | None = None
         self._streaming = False  # thunder: route the rollout's events to the learner
@@ -158,13 +159,26 @@ class Trainer:
     # ------------------------------------------------------------------ weights
 
     async def push_weights(self) -> float:
-        """Gather + reshard on the learner, load into vLLM, then probe; returns the probe's gap."""
+        """New weights into vLLM, then the probe; returns the probe's gap. By default each learner
+        stage streams its own buckets into the engine's transfer groups while the engine is paused
+        (``StreamedWeights``); with ``weight_transfer.kind=rpc`` rank 0 gathers them first."""
         start = time.monotonic()
-        weights = await self.service.call(LearnerEndpoint.gather_weights)
-        assert weights is not None  # gathered on global rank 0, the controller
+        stats: dict[str, float] = {}
+        if isinstance(self.cfg.rollout.engine.weight_transfer, CollectiveTransfer):
+            async def send() -> None:
+                stats.update(await self.service.call(LearnerEndpoint.send_weights))
+
+            weights: WeightSource = StreamedWeights(send)
+        else:
+            gathered = await self.service.call(LearnerEndpoint.gather_weights)
+            assert gathered is not None  # gathered on global rank 0, the controller
+            weights = gathered
         await self.engine.update_weights(weights, self.version)
+        pushed = time.monotonic()
         gap = self.last_probe_gap = await self.probe()
         self.timeline.add_sync(start, time.monotonic(), self.version)
+        self.last_push = {"push_s": pushed - start, "push_bytes": stats.get("payload_bytes", float("nan")),
+                          "push_changed_fraction": stats.get("changed_fraction", float("nan"))}
         return gap
 
     async def probe(self) -> float:
@@ -211,6 +225,7 @@ class Trainer:
             "grad_norm": result.grad_norm,
             "lr": result.lr,
             "probe_gap": self.last_probe_gap,  # async: the push (and its probe) at this step's start
+            **self.last_push,  # the last push: seconds (update_weights), bytes sent, changed fraction
             "step_s": step_s,
             "learner_busy_s": busy,
             "learner_idle_share": max(0.0, 1.0 - busy / step_s) if step_s > 0 else 0.0,

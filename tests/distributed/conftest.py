@@ -20,9 +20,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(nproc: int, mode: str, *args: str, timeout: int = 600, worker: Path = WORKER) -> None:
+def launch(nproc: int, mode: str, *args: str, timeout: int = 600, worker: Path = WORKER,
+           mode_arg: bool = True) -> None:
+    """``worker mode args...`` on ``nproc`` ranks (``mode_arg=False``: a worker without modes;
+    ``mode`` only names the run in errors)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
-           f"--master-port={free_port()}", "--master-addr=127.0.0.1", str(worker), mode, *args]
+           f"--master-port={free_port()}", "--master-addr=127.0.0.1", str(worker), *([mode] if mode_arg else []), *args]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     if proc.returncode != 0:

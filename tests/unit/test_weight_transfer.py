@@ -1,114 +1,158 @@
-"""Bucketed weight transfer: plans, pack/unpack round trip, the size bound, a gloo broadcast."""
+"""Weight transfer over gloo groups: frames, several senders in turn, sparse patches, failures.
+
+vLLM workers are stood in for by ``MegathunderWorkerExtension`` itself on a fake worker (threads
+here), whose ``reload_weights`` records what it was given: the code that runs inside vLLM is the
+code under test, everything it talks to is real gloo.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import pytest
 import torch
 
-from megathunder.config import ConfigError, load_config
+from megathunder.config import CollectiveTransfer, ConfigError, load_config
 from megathunder.rollout.engines.transfer import (
-    Bucket,
+    Frame,
+    FrameWriter,
     Rendezvous,
-    TransferGroup,
-    WeightSender,
-    pack,
-    plan_buckets,
-    receive,
-    unpack,
+    Slot,
+    StageSenders,
+    WeightTransfer,
 )
+from tests.weight_helpers import FakeWorker, engine_rpc
 
 
-def _weights() -> list[tuple[str, torch.Tensor]]:
-    g = torch.Generator().manual_seed(0)
+def _weights(seed: int = 0) -> list[tuple[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
     shapes = [(64, 32), (32,), (16, 8, 4), (), (100, 3), (7,), (256, 64)]
     out = []
     for i, shape in enumerate(shapes):
         dtype = (torch.float32, torch.bfloat16, torch.int64)[i % 3]
-        t = torch.randn(shape, generator=g).mul(100).to(dtype)
-        out.append((f"layer.{i}.weight", t))
+        out.append((f"layer.{i}.weight", torch.randn(shape, generator=g).mul(100).to(dtype)))
     return out
 
 
-@pytest.mark.parametrize("bucket_bytes", [1, 1000, 8192, 2**20])
-def test_plan_covers_every_tensor_once_within_the_bound(bucket_bytes):
+_engine_rpc = engine_rpc
+
+
+def test_frame_header_round_trips_through_json():
+    frame = Frame("sparse", "bfloat16", 10, (), "int32")
+    assert Frame.from_json(json.loads(json.dumps(frame.to_json()))) == frame
+
+
+def test_in_memory_push_reaches_two_workers_of_two_engines_exactly():
+    """The engine's own sender (no learner): buckets of mixed dtypes, one tensor larger than a
+    bucket; both workers reload exactly the sent tensors, in order."""
     weights = _weights()
-    plan = plan_buckets(weights, bucket_bytes)
-    names = [s.name for b in plan for s in b.slots]
-    assert sorted(names) == sorted(n for n, _ in weights)
-    for b in plan:
-        nbytes = b.numel * b.torch_dtype.itemsize
-        assert nbytes <= bucket_bytes or len(b.slots) == 1  # a larger tensor travels alone
-        assert {dict(weights)[s.name].dtype for s in b.slots} == {b.torch_dtype}
-    if bucket_bytes == 2**20:
-        assert len(plan) == 3  # one per dtype
-
-
-def test_pack_unpack_round_trip_through_json():
-    weights = _weights()
-    tensors = dict(weights)
-    for bucket in plan_buckets(weights, 4096):
-        wire = Bucket.from_json(bucket.to_json())
-        assert wire == bucket
-        flat = pack(bucket, tensors, torch.device("cpu"))
-        assert flat.numel() == bucket.numel and flat.dtype == bucket.torch_dtype
-        for name, view in unpack(wire, flat):
-            assert view.dtype == tensors[name].dtype and torch.equal(view, tensors[name])
-            assert view.data_ptr() >= flat.data_ptr()  # a view of the bucket, not a copy
-
-
-def _one_worker(on_receive):
-    """Stands in for ``collective_rpc`` to one worker (rank 1, a thread): it joins the group and
-    hands each push's plan to ``on_receive(group, plan_json)``."""
-
-    async def rpc(call):
-        if call.method == "megathunder_worker_rank":
-            return [0]
-        if call.method == "megathunder_transfer_join":
-            rdv = Rendezvous.from_json(call.args[0])
-            rpc.group = await asyncio.to_thread(TransferGroup.join, rdv, int(call.args[1]), torch.device("cpu"))
-        elif call.method == "megathunder_receive_buckets":
-            await on_receive(rpc.group, call.args[0])
-        else:
-            rpc.group.close()
-
-    return rpc
-
-
-def test_gloo_group_broadcasts_buckets_to_a_worker():
-    """Rank 0 (a WeightSender) and one worker rank (a thread here) on one gloo group: the worker
-    receives exactly the sent tensors, bucket by bucket."""
-    weights = _weights()
-    received: list[tuple[str, torch.Tensor]] = []
-
-    async def on_receive(group, plan_json: str) -> None:
-        plan = [Bucket.from_json(b) for b in json.loads(plan_json)]
-        received.extend(await asyncio.to_thread(lambda: [(n, t.clone()) for n, t in receive(group, plan)]))
-
-    rpc = _one_worker(on_receive)
+    workers = [FakeWorker(), FakeWorker()]
 
     async def main():
-        sender = await WeightSender.open("127.0.0.1", "gloo", [rpc], bucket_bytes=2048)
-        assert sender.group.world_size == 2 and rpc.group.rank == 1
-        await sender.push(iter(weights), rpc)
-        await sender.close(rpc)
+        cfg = CollectiveTransfer(host="127.0.0.1", backend="gloo", bucket_mb=2048 / 2**20)
+        transfer = await WeightTransfer.open(cfg, [w.rpc for w in workers])
+        assert transfer.rdv.world_size == 3 and transfer.rdv.num_senders == 1
+        stats = await transfer.push_local(iter(weights), _engine_rpc(workers))
+        await transfer.close(_engine_rpc(workers))
+        return stats
 
-    asyncio.run(main())
-    assert [n for n, _ in received] == [s.name for b in plan_buckets(weights, 2048) for s in b.slots]
-    got = dict(received)
-    for name, t in weights:
-        assert torch.equal(got[name], t)
+    stats = asyncio.run(main())
+    for w in workers:
+        assert list(w.loaded) == [n for n, _ in weights]
+        assert all(torch.equal(w.loaded[n], t) and w.loaded[n].dtype == t.dtype for n, t in weights)
+    assert stats.num_tensors == len(weights) and stats.num_frames >= 4  # 2 KiB buckets
+    assert stats.payload_bytes == sum(t.numel() * t.dtype.itemsize for _, t in weights)
+
+
+def _stage_senders(stage_tensors: list[list[tuple[str, torch.Tensor]]], bucket_bytes: int, patches=None):
+    """Learner stages stood in for by threads: each joins its group and pushes its tensors (dense,
+    or as ``patches[stage]``: name -> (indices, values))."""
+    groups: list = [None] * len(stage_tensors)
+
+    async def join(rdv_json: str) -> None:
+        rdv = Rendezvous.from_json(rdv_json)
+
+        def one(s):
+            groups[s] = rdv.join(s, 0, torch.device("cpu"))
+
+        await asyncio.gather(*(asyncio.to_thread(one, s) for s in range(len(stage_tensors))))
+
+    async def send(stage_patches=None):
+        def one(s):
+            writer = FrameWriter(groups[s], bucket_bytes)
+            for name, t in stage_tensors[s]:
+                if stage_patches and name in stage_patches[s]:
+                    writer.add_sparse(name, t.shape, *stage_patches[s][name])
+                else:
+                    writer.add(name, t.shape, t)
+            return writer.finish()
+        return await asyncio.gather(*(asyncio.to_thread(one, s) for s in range(len(stage_tensors))))
+
+    return StageSenders(len(stage_tensors), join), send, groups
+
+
+def test_stage_senders_push_in_turn_and_sparse_patches_equal_the_dense_push():
+    """Two senders (pipeline stages), one worker keeping a copy: a dense push, then a push where
+    stage 1 sends one tensor as a patch of its changed elements -- the worker reloads tensors equal,
+    bit for bit, to the new ones."""
+    g = torch.Generator().manual_seed(1)
+    stage0 = [("model.embed_tokens.weight", torch.randn(50, 8, generator=g).to(torch.bfloat16)),
+              ("model.layers.0.mlp.up_proj.weight", torch.randn(12, 8, generator=g).to(torch.bfloat16))]
+    stage1 = [("model.layers.1.mlp.up_proj.weight", torch.randn(12, 8, generator=g).to(torch.bfloat16)),
+              ("model.norm.weight", torch.randn(8, generator=g).to(torch.bfloat16))]
+    worker = FakeWorker(dtype=torch.bfloat16)
+    senders, send, groups = _stage_senders([stage0, stage1], bucket_bytes=256)
+
+    async def main():
+        cfg = CollectiveTransfer(host="127.0.0.1", backend="gloo", bucket_mb=256 / 2**20, sparse_threshold=0.5)
+        transfer = await WeightTransfer.open(cfg, [worker.rpc], senders)
+        assert transfer.local is None and transfer.rdv.dtype == "bfloat16" and transfer.rdv.num_senders == 2
+        first = await transfer.receive(worker.rpc, send)
+        dense = {n: t.clone() for n, t in worker.loaded.items()}
+        # the second push: three elements of one tensor changed, sent as a patch
+        name, old = stage1[0]
+        new = old.clone()
+        idx = torch.tensor([0, 17, 95])
+        new.view(-1)[idx] += 1
+        stage1[0] = (name, new)
+        patches = [{}, {name: (idx.to(torch.int32), new.view(-1)[idx])}]
+        second = await transfer.receive(worker.rpc, lambda: send(patches))
+        await transfer.close(worker.rpc)
+        for group in groups:
+            group.close()
+        return first, second, dense
+
+    first, second, dense = asyncio.run(main())
+    assert sorted(worker.loaded) == sorted(n for n, _ in stage0 + stage1)  # the whole copy, reloaded
+    for n, t in stage0 + stage1:
+        assert torch.equal(worker.loaded[n], t), n
+    assert not torch.equal(dense[stage1[0][0]], stage1[0][1])
+    assert sum(s.num_sparse_tensors for s in second) == 1 and second[1].changed_elements == 3 + 8
+    assert second[1].payload_bytes == 3 * (4 + 2) + 8 * 2  # int32 index + bf16 value; the norm dense
+    assert sum(s.num_frames for s in first) >= 3
+
+
+def test_a_patch_without_a_copy_to_patch_is_an_error(monkeypatch):
+    import megathunder.rollout.engines.worker_extension as ext
+
+    frame = Frame("sparse", "float32", 1, (Slot("w", (4,), 0, 1),))
+    monkeypatch.setattr(ext, "read_frames", lambda group: iter([(frame, [torch.zeros(1, dtype=torch.int32),
+                                                                          torch.ones(1)])]))
+    with pytest.raises(RuntimeError, match="no dense copy"):
+        ext._update_shadow([object()], {})
 
 
 @pytest.mark.parametrize(
     ("overrides", "field"),
     [
         (["rollout.engine.weight_transfer=nccl"], "rollout.engine.weight_transfer.kind"),
-        (["rollout.engine.weight_transfer.backend=nccl"], "rollout.engine.weight_transfer.backend"),
-        (["rollout.engine.weight_transfer.kind=collective", "rollout.engine.weight_transfer.bucket_mb=0"],
-         "rollout.engine.weight_transfer.bucket_mb"),
+        (["rollout.engine.weight_transfer.backend=mpi"], "rollout.engine.weight_transfer.backend"),
+        (["rollout.engine.weight_transfer.bucket_mb=0"], "rollout.engine.weight_transfer.bucket_mb"),
+        (["rollout.engine.weight_transfer.sparse_threshold=2"], "rollout.engine.weight_transfer.sparse_threshold"),
+        (["rollout.engine.deployment=server", "rollout.engine.api_key_env=K",
+          'rollout.engine.server_urls=["http://10.0.0.5:8100"]'], "rollout.engine.weight_transfer.host"),
     ],
 )
 def test_bad_transfer_configs_name_the_field(overrides, field):
@@ -117,29 +161,41 @@ def test_bad_transfer_configs_name_the_field(overrides, field):
     assert f"\n  {field}" in str(err.value), str(err.value)
 
 
+def test_collective_is_the_default_and_rpc_the_explicit_fallback():
+    cfg = load_config(None, [])
+    assert isinstance(cfg.rollout.engine.weight_transfer, CollectiveTransfer)
+    assert cfg.rollout.engine.weight_transfer.backend == "auto"
+    assert load_config(None, ["rollout.engine.weight_transfer=rpc"]).rollout.engine.weight_transfer.kind == "rpc"
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without CUDA")
 def test_nccl_without_cuda_fails_when_the_engine_starts_not_at_parse_time():
     """A GPU job's config validates anywhere (a CPU-only login node); the transfer group refuses."""
-    load_config(None, ["rollout.engine.weight_transfer.kind=collective", "rollout.engine.weight_transfer.backend=nccl"])
+    load_config(None, ["rollout.engine.weight_transfer.backend=nccl"])
     with pytest.raises(ValueError, match="weight_transfer.backend: nccl needs a CUDA device"):
-        asyncio.run(WeightSender.open("127.0.0.1", "nccl", [], bucket_bytes=2**20))
+        asyncio.run(WeightTransfer.open(CollectiveTransfer(backend="nccl"), []))
 
 
 def test_a_worker_that_fails_fails_the_push_at_once():
     """A worker's error reaches the caller without waiting for the broadcast's timeout."""
-    import time
-
-    async def on_receive(group, plan_json: str) -> None:
-        group.close()  # as a worker process that died would: its end of the group is gone
-        raise RuntimeError("worker failed to load")
-
-    rpc = _one_worker(on_receive)
+    worker = FakeWorker()
 
     async def main():
-        sender = await WeightSender.open("127.0.0.1", "gloo", [rpc], bucket_bytes=2048)
+        transfer = await WeightTransfer.open(CollectiveTransfer(backend="gloo", bucket_mb=2048 / 2**20), [worker.rpc])
+        worker.fail_on_receive = True
+        original = worker.megathunder_receive_stream
+
+        def receive_then_leave():
+            try:
+                return original()
+            finally:  # as a worker process that died would: its end of the group is gone
+                for group in worker.megathunder_groups or []:
+                    group.close()
+
+        worker.megathunder_receive_stream = receive_then_leave
         t0 = time.monotonic()
         with pytest.raises(RuntimeError, match="worker failed to load"):
-            await sender.push(iter(_weights()), rpc)
+            await transfer.push_local(iter(_weights()), worker.rpc)
         return time.monotonic() - t0
 
     assert asyncio.run(main()) < 30

@@ -17,7 +17,7 @@ from megathunder import console
 from megathunder.config import EngineConfig
 from megathunder.rollout.engines.common import engine_kwargs, finish_reason, single_version
 from megathunder.rollout.engines.rpc import WeightLoadCall
-from megathunder.rollout.engines.transfer import WeightSender, open_sender, weight_loader
+from megathunder.rollout.engines.transfer import StageSenders, WeightTransfer, open_transfer, weight_loader
 from megathunder.rollout.types import Completion, SamplingParams, WeightSource
 
 if TYPE_CHECKING:
@@ -51,7 +51,7 @@ class InProcessEngine:
         self._policy_version = policy_version
         self._request_ids = itertools.count()
         self._update_lock = asyncio.Lock()
-        self.sender: WeightSender | None = None  # weight_transfer=collective
+        self.transfer: WeightTransfer | None = None  # weight_transfer=collective
 
     @property
     def _llm(self) -> AsyncLLM:
@@ -60,7 +60,9 @@ class InProcessEngine:
         return self.llm
 
     @classmethod
-    async def start(cls, model_path: str, cfg: EngineConfig, policy_version: int = 0) -> InProcessEngine:
+    async def start(cls, model_path: str, cfg: EngineConfig, policy_version: int = 0,
+                    senders: StageSenders | None = None) -> InProcessEngine:
+        """``senders``: the learner's stage senders for the transfer groups (else this process sends)."""
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
@@ -70,7 +72,7 @@ class InProcessEngine:
         # no local holds the AsyncLLM: vLLM keeps this frame alive, and close() must free it
         await engine._llm.update_weight_version(str(policy_version))
         try:
-            engine.sender = await open_sender(cfg, [engine._rpc])
+            engine.transfer = await open_transfer(cfg, [engine._rpc], senders)
         except BaseException:
             await engine.close()
             raise
@@ -150,7 +152,7 @@ class InProcessEngine:
         every completion has exactly one version. If loading fails the engine stays paused:
         better no tokens than tokens from half-loaded weights.
         """
-        load = weight_loader(weights, self.sender)
+        load = weight_loader(weights, self.transfer)
         async with self._update_lock:
             await self._llm.pause_generation(mode="wait", clear_cache=False)
             await load(self._rpc)
@@ -167,10 +169,10 @@ class InProcessEngine:
         """Stop the engine core; dropping the last reference here keeps vLLM's ``__del__`` from
         running again at interpreter exit, when its module globals are already gone."""
         try:
-            if self.sender is not None and self.llm is not None:
-                async with self._update_lock:  # an update in flight finishes on the group first
-                    sender, self.sender = self.sender, None
-                    await sender.close(self._rpc)
+            if self.transfer is not None and self.llm is not None:
+                async with self._update_lock:  # an update in flight finishes on the groups first
+                    transfer, self.transfer = self.transfer, None
+                    await transfer.close(self._rpc)
         finally:
             llm, self.llm = self.llm, None
             if llm is not None:

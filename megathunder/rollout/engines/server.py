@@ -46,7 +46,7 @@ from megathunder.rollout.engines.auth import MIDDLEWARE, read_api_key
 from megathunder.rollout.engines.balancer import LeastOutstandingBalancer, NoLiveServerError
 from megathunder.rollout.engines.common import engine_kwargs, finish_reason, single_version
 from megathunder.rollout.engines.rpc import WeightLoadCall
-from megathunder.rollout.engines.transfer import WeightSender, open_sender, weight_loader
+from megathunder.rollout.engines.transfer import StageSenders, WeightTransfer, open_transfer, weight_loader
 from megathunder.rollout.types import Completion, SamplingParams, WeightSource
 
 HEALTH_TIMEOUT_S = 5.0  # a server whose /health does not answer in this time counts as dead
@@ -209,13 +209,15 @@ class ServerEngine:
         # unique across controllers attached to the same servers (vLLM rejects duplicate ids)
         self._request_ids = (f"mt-{uuid.uuid4().hex[:8]}-{n}" for n in itertools.count())
         self._update_lock = asyncio.Lock()
-        self.sender: WeightSender | None = None  # weight_transfer=collective
+        self.transfer: WeightTransfer | None = None  # weight_transfer=collective
 
     @classmethod
     async def start(
-        cls, model_path: str | None, cfg: EngineConfig, log_dir: str | Path = "logs", policy_version: int = 0
+        cls, model_path: str | None, cfg: EngineConfig, log_dir: str | Path = "logs", policy_version: int = 0,
+        senders: StageSenders | None = None,
     ) -> ServerEngine:
-        """Attach to ``cfg.server_urls``, or launch ``cfg.num_servers`` servers on this machine."""
+        """Attach to ``cfg.server_urls``, or launch ``cfg.num_servers`` servers on this machine;
+        ``senders``: the learner's stage senders for the transfer groups (else this process sends)."""
         import aiohttp
 
         pool = None
@@ -242,7 +244,8 @@ class ServerEngine:
         engine = cls(urls, session, policy_version, pool, cfg.session_affinity_max_imbalance)
         try:
             await engine._on_all("/update_weight_version", json={"new_version": str(policy_version)})
-            engine.sender = await open_sender(cfg, [functools.partial(engine._rpc_one, url) for url in urls])
+            engine.transfer = await open_transfer(cfg, [functools.partial(engine._rpc_one, url) for url in urls],
+                                                  senders)
         except BaseException:
             await engine.close()
             raise
@@ -353,7 +356,7 @@ class ServerEngine:
         Requests routed meanwhile wait on their server until it resumes; a server that fails to
         load stays paused (see ``InProcessEngine.update_weights``).
         """
-        load = weight_loader(weights, self.sender)
+        load = weight_loader(weights, self.transfer)
 
         async def finish(url: str) -> None:
             await self._reset_one(url)
@@ -373,7 +376,7 @@ class ServerEngine:
     async def _rpc(self, call: WeightLoadCall) -> list:
         """``call`` on every live server; with a transfer group, every server must be live (the
         group's broadcasts wait for all its ranks)."""
-        if self.sender is not None and self.lost:
+        if self.transfer is not None and self.lost:
             lost = "; ".join(f"{self.urls[i]} ({why})" for i, why in self.lost.items())
             raise ServerError(f"weight transfer needs every server that joined its group; lost {lost}")
         return await self._rpc_live(call)
@@ -391,10 +394,10 @@ class ServerEngine:
 
     async def close(self) -> None:
         try:
-            if self.sender is not None:
-                async with self._update_lock:  # an update in flight finishes on the group first
-                    sender, self.sender = self.sender, None
-                    await sender.close(self._rpc_live)
+            if self.transfer is not None:
+                async with self._update_lock:  # an update in flight finishes on the groups first
+                    transfer, self.transfer = self.transfer, None
+                    await transfer.close(self._rpc_live)
         finally:
             await self.session.close()
         if self.pool is not None:

@@ -1,38 +1,50 @@
-"""Weights into vLLM workers over a collective, one flat bucket at a time.
+"""Weights into vLLM workers over collectives, bucket by bucket, one sender per pipeline stage.
 
-Used when ``rollout.engine.weight_transfer.kind`` is ``collective``. The process holding the engine
-handle (learner rank 0, where ``gather_weights`` leaves the resharded Hugging Face tensors) is
-rank 0 of a process group made for this purpose only; every vLLM worker of every engine joins it
-once, at engine start, through ``collective_rpc``. Per push:
+Used when ``rollout.engine.weight_transfer.kind`` is ``collective`` (the default). The layout:
 
-1. :func:`plan_buckets` groups the tensors by dtype into buckets of at most ``weight_transfer.bucket_mb``
-   (a single larger tensor gets a bucket of its own);
-2. the plan -- names, shapes, dtypes, offsets -- goes to the workers in one ``collective_rpc``
-   call (:meth:`MegathunderWorkerExtension.megathunder_receive_buckets`), while
-3. rank 0 packs each bucket into one flat tensor and broadcasts it; each worker receives it
-   into a fresh buffer, :func:`unpack` gives views of it, and vLLM's in-place reloader consumes
-   them bucket by bucket. Only one bucket is in flight: the extra memory of a push is one bucket
-   on the sending side, and on a worker one bucket plus what vLLM's reloader keeps of a layer
-   whose tensors have not all arrived -- not a copy of the model.
+- **One process group per sender**: group ``s`` has the sender as its rank 0 and every vLLM worker
+  of every engine as ranks 1..W. In training the senders are the learner's pipeline stages -- the
+  (TP rank 0, DP rank 0) rank of stage ``s`` sends stage ``s``'s tensors (``megathunder.learner.push``)
+  -- so the bytes of a push leave each stage directly; no rank collects the model. An engine used
+  on its own (tests, benchmarks, ``update_weights`` with tensors in memory) has one group whose
+  sender is the process holding the engine.
+- **Frames**: a sender's push is a sequence of frames, each three broadcasts from rank 0 of its
+  group -- the byte length of a JSON header (``int64[1]``; 0 ends the sender's push), the header
+  (``uint8``: kind, dtype, and each tensor's name, HF shape and offset in the payload), the payload:
+  one flat ``dtype`` tensor for a dense bucket, or flat indices then flat values for a *sparse*
+  bucket (patches: only the elements that changed since the last push, ``sparse_threshold``). A
+  frame describes itself, so no plan travels by RPC and a sender decides bucket by bucket, as the
+  tensors arrive, where a bucket ends and whether a tensor goes dense or sparse.
+- **Workers** receive group 0's frames until its end marker, then group 1's, and so on, in one
+  ``collective_rpc`` (:meth:`MegathunderWorkerExtension.megathunder_receive_stream`) that runs
+  while the senders broadcast; the senders go in turn because every worker reads the groups in
+  order. Dense tensors feed vLLM's in-place reloader as they arrive; with sparse patches enabled
+  each worker keeps a copy of the weights in checkpoint layout (vLLM's CPU linear layers keep only
+  their prepacked oneDNN form, so there is nothing to patch in place), patches it, and reloads from
+  it.
 
-The group: a ``torch.distributed.TCPStore`` that rank 0 serves on a free port, and a
-``ProcessGroupGloo`` or ``ProcessGroupNCCL`` backend constructed directly on it. Such a backend
-is never registered with ``torch.distributed``, so the learner's default group and vLLM's
-internal groups are untouched, and its ranks are the group's own (a broadcast root is rank 0 of
-this group, whatever the process's other ranks). One class serves both backends, so the NCCL path
-is the gloo path with tensors on the GPU -- vLLM's ``StatelessProcessGroup`` +
-``PyNcclCommunicator`` would give NCCL a second, vLLM-internal code path and offer no gloo
-counterpart to test it on CPU.
+Memory, per push: a sender holds one bucket it packs into (reused) plus the parameter being
+converted; a worker one bucket plus what vLLM's reloader keeps of a layer whose tensors have not
+all arrived -- never a copy of the model (with sparse patches a worker also keeps its copy).
+
+The groups: a ``torch.distributed.TCPStore`` served by the engine's process on
+``weight_transfer.host:port`` (port 0: a free one) and one ``ProcessGroupGloo`` or
+``ProcessGroupNCCL`` per sender constructed directly on a prefix of it. Such backends are never
+registered with ``torch.distributed``, so the learner's groups and vLLM's are untouched and each
+group's ranks are its own. vLLM 0.32's weight-transfer engines (``vllm.distributed.weight_transfer``:
+``nccl_engine``, ``sparse_nccl_engine``, ``m2n_engine``, ``packed_tensor``) broadcast over
+vLLM's ``PyNcclCommunicator`` and CUDA streams only, so they cannot run (or be tested) on CPU, and
+they have one trainer sender; the frames above are the same idea over a backend chosen per machine.
+Sparse patches are vLLM's own format (flat indices into the checkpoint tensor, values).
 """
 
 from __future__ import annotations
 
 import asyncio
-import functools
 import json
 import math
 import os
-from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -42,10 +54,12 @@ from torch.distributed import TCPStore
 
 from megathunder.config import CollectiveTransfer, EngineConfig
 from megathunder.rollout.engines.rpc import Rpc, WeightLoadCall, weight_load_call
-from megathunder.rollout.types import WeightSource
+from megathunder.rollout.types import StreamedWeights, WeightSource
 
 TIMEOUT = timedelta(minutes=10)
 """How long a rendezvous or a broadcast waits for the other ranks."""
+RECEIVER_ERROR_GRACE_S = 10.0
+"""When a sender fails, how long to wait for the workers' RPC to report their own error."""
 
 
 def check_backend(backend: str) -> None:
@@ -56,105 +70,70 @@ def check_backend(backend: str) -> None:
         )
 
 
-# ---------------------------------------------------------------------- buckets
+def resolve_backend(backend: str) -> str:
+    """``auto``: NCCL where CUDA is available, gloo elsewhere."""
+    if backend == "auto":
+        return "nccl" if torch.cuda.is_available() else "gloo"
+    check_backend(backend)
+    return backend
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+# ---------------------------------------------------------------------- frames
 
 
 @dataclass(frozen=True)
 class Slot:
-    """One tensor's place in a bucket: ``flat[offset : offset + numel].view(shape)``."""
+    """One tensor in a frame: dense, ``payload[offset : offset + prod(shape)].view(shape)``; sparse,
+    ``count`` patch entries at ``indices[offset : offset + count]`` / ``values[...]``."""
 
     name: str
     shape: tuple[int, ...]
     offset: int
+    count: int | None = None  # sparse: number of changed elements
 
 
 @dataclass(frozen=True)
-class Bucket:
-    dtype: str  # torch dtype name without "torch.", e.g. "float32"
-    numel: int
+class Frame:
+    kind: str  # "dense" | "sparse"
+    dtype: str  # torch dtype name without "torch.", e.g. "bfloat16"
+    numel: int  # elements in the payload (sparse: in each of indices and values)
     slots: tuple[Slot, ...]
+    index_dtype: str = "int32"  # flat indices into the tensor (HF tensors have < 2**31 elements)
 
     @property
     def torch_dtype(self) -> torch.dtype:
         return getattr(torch, self.dtype)
 
     def to_json(self) -> dict[str, Any]:
-        return {"dtype": self.dtype, "numel": self.numel,
-                "slots": [[s.name, list(s.shape), s.offset] for s in self.slots]}
+        return {"kind": self.kind, "dtype": self.dtype, "numel": self.numel, "index_dtype": self.index_dtype,
+                "slots": [[s.name, list(s.shape), s.offset, s.count] for s in self.slots]}
 
     @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> Bucket:
-        slots = tuple(Slot(name, tuple(shape), offset) for name, shape, offset in data["slots"])
-        return cls(data["dtype"], data["numel"], slots)
+    def from_json(cls, data: dict[str, Any]) -> Frame:
+        slots = tuple(Slot(name, tuple(shape), offset, count) for name, shape, offset, count in data["slots"])
+        return cls(data["kind"], data["dtype"], data["numel"], slots, data.get("index_dtype", "int32"))
 
-
-def plan_buckets(named_tensors: Sequence[tuple[str, torch.Tensor]], bucket_bytes: int) -> list[Bucket]:
-    """Buckets of one dtype each and at most ``bucket_bytes`` (a larger tensor alone), in the
-    tensors' order within each dtype."""
-    by_dtype: dict[torch.dtype, list[tuple[str, torch.Tensor]]] = {}
-    for name, t in named_tensors:
-        by_dtype.setdefault(t.dtype, []).append((name, t))
-    buckets: list[Bucket] = []
-    for dtype, members in by_dtype.items():
-        capacity = max(1, bucket_bytes // dtype.itemsize)  # elements
-        slots: list[Slot] = []
-        numel = 0
-        for name, t in members:
-            if slots and numel + t.numel() > capacity:
-                buckets.append(Bucket(str(dtype).removeprefix("torch."), numel, tuple(slots)))
-                slots, numel = [], 0
-            slots.append(Slot(name, tuple(t.shape), numel))
-            numel += t.numel()
-        if slots:
-            buckets.append(Bucket(str(dtype).removeprefix("torch."), numel, tuple(slots)))
-    return buckets
-
-
-def pack(bucket: Bucket, tensors: Mapping[str, torch.Tensor], device: torch.device) -> torch.Tensor:
-    """The bucket's tensors copied into one new flat tensor on ``device``."""
-    flat = torch.empty(bucket.numel, dtype=bucket.torch_dtype, device=device)
-    for slot in bucket.slots:
-        t = tensors[slot.name].detach()
-        flat[slot.offset : slot.offset + t.numel()].copy_(t.reshape(-1))
-    return flat
-
-
-def unpack(bucket: Bucket, flat: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
-    """Named views of a flat bucket (no copies)."""
-    for slot in bucket.slots:
-        yield slot.name, flat[slot.offset : slot.offset + math.prod(slot.shape)].view(slot.shape)
-
-
-# ---------------------------------------------------------------------- the process group
-
-
-@dataclass(frozen=True)
-class Rendezvous:
-    """Where and how the transfer group meets: rank 0 serves the store at ``host:port``."""
-
-    host: str
-    port: int
-    world_size: int
-    backend: str
-
-    def to_json(self) -> str:
-        return json.dumps(self.__dict__)
-
-    @classmethod
-    def from_json(cls, text: str) -> Rendezvous:
-        return cls(**json.loads(text))
+    @property
+    def nbytes(self) -> int:
+        if self.kind == "dense":
+            return self.numel * self.torch_dtype.itemsize
+        return self.numel * (self.torch_dtype.itemsize + getattr(torch, self.index_dtype).itemsize)
 
 
 class TransferGroup:
-    """This process's rank in the transfer group: broadcasts from rank 0, nothing else."""
+    """This process's rank in one sender's group: broadcasts from rank 0, nothing else."""
 
-    def __init__(self, store: torch.distributed.Store, rank: int, world_size: int, backend: str,
+    def __init__(self, store: torch.distributed.Store, prefix: str, rank: int, world_size: int, backend: str,
                  device: torch.device) -> None:
         """Blocks until every rank has joined."""
         from torch.distributed import PrefixStore
 
         check_backend(backend)
-        store = PrefixStore("megathunder-weights", store)
+        store = PrefixStore(prefix, store)
         if backend == "gloo":
             from torch.distributed import ProcessGroupGloo
 
@@ -165,16 +144,8 @@ class TransferGroup:
             options = ProcessGroupNCCL.Options()
             options._timeout = TIMEOUT
             self.pg = ProcessGroupNCCL(store, rank, world_size, options)
-        self.store = store  # rank 0 serves it: it lives as long as the group
+        self.store = store  # the engine's process serves it: it lives as long as the group
         self.rank, self.world_size, self.device = rank, world_size, device
-
-    @classmethod
-    def join(cls, rdv: Rendezvous, rank: int, device: torch.device) -> TransferGroup:
-        """A worker's side (``rank`` > 0): connect to rank 0's store and join."""
-        from torch.distributed import TCPStore
-
-        store = TCPStore(rdv.host, rdv.port, rdv.world_size, is_master=False, timeout=TIMEOUT)
-        return cls(store, rank, rdv.world_size, rdv.backend, device)
 
     def broadcast(self, flat: torch.Tensor) -> None:
         """In place: rank 0's ``flat`` into everyone's."""
@@ -191,86 +162,305 @@ class TransferGroup:
         self.pg = None
 
 
-def receive(group: TransferGroup, plan: Iterable[Bucket]) -> Iterator[tuple[str, torch.Tensor]]:
-    """A worker's side of one push: each bucket broadcast into a fresh buffer, as named views."""
-    for bucket in plan:
-        flat = torch.empty(bucket.numel, dtype=bucket.torch_dtype, device=group.device)
-        group.broadcast(flat)
-        yield from unpack(bucket, flat)
+@dataclass
+class PushStats:
+    """What one sender's push put on the wire."""
+
+    num_frames: int = 0
+    num_tensors: int = 0
+    num_sparse_tensors: int = 0
+    payload_bytes: int = 0  # frame payloads (dense values, sparse indices + values)
+    dense_bytes: int = 0  # what the same tensors would have been as dense buckets
+    changed_elements: int = 0  # sparse tensors: patch entries; dense ones count whole
+    num_elements: int = 0
+
+    def add(self, other: PushStats) -> PushStats:
+        return PushStats(*(a + b for a, b in zip(self.__dict__.values(), other.__dict__.values(), strict=True)))
 
 
-# ---------------------------------------------------------------------- rank 0
-
-
-class WeightSender:
-    """Rank 0 of the transfer group, held by the engine in the learner's rank-0 process."""
+class FrameWriter:
+    """Rank 0 of one group: packs tensors into frames of at most ``bucket_bytes`` and broadcasts
+    each when full. One dense buffer of ``bucket_bytes`` is allocated per push and reused; a tensor
+    larger than a bucket goes as a frame of its own (its own storage, not copied when contiguous).
+    Call :meth:`finish` to end the push (it flushes, then sends the end marker)."""
 
     def __init__(self, group: TransferGroup, bucket_bytes: int) -> None:
         self.group, self.bucket_bytes = group, bucket_bytes
+        self.stats = PushStats()
+        self._buffer: torch.Tensor | None = None
+        self._slots: list[Slot] = []
+        self._used = 0
+        self._sparse: list[tuple[Slot, torch.Tensor, torch.Tensor]] = []
+        self._sparse_used = 0
+
+    # -- dense
+    def add(self, name: str, shape: Sequence[int], view: torch.Tensor, changed: int | None = None) -> None:
+        """``view``: the tensor, or a view whose row-major elements are the tensor's (``hf.HFView``);
+        ``changed``: how many of its elements changed since the last push, when known (statistics)."""
+        numel = math.prod(shape)
+        if view.numel() != numel:
+            raise ValueError(f"{name}: {view.numel()} elements for shape {tuple(shape)}")
+        self._flush_sparse()
+        capacity = max(1, self.bucket_bytes // view.dtype.itemsize)
+        if self._buffer is not None and (self._buffer.dtype != view.dtype or self._used + numel > capacity):
+            self._flush_dense()
+        self._count(numel, numel if changed is None else changed, view.dtype)
+        if numel > capacity:  # alone, from its own storage
+            flat = view.reshape(-1) if view.is_contiguous() else view.contiguous().reshape(-1)
+            flat = flat.to(self.group.device)
+            self._send(Frame("dense", dtype_name(view.dtype), numel, (Slot(name, tuple(shape), 0),)), [flat])
+            return
+        if self._buffer is None or self._buffer.dtype != view.dtype:
+            self._buffer = torch.empty(capacity, dtype=view.dtype, device=self.group.device)
+        self._buffer[self._used : self._used + numel].view(view.shape).copy_(view)
+        self._slots.append(Slot(name, tuple(shape), self._used))
+        self._used += numel
+
+    def skip(self, name: str, shape: Sequence[int], dtype: torch.dtype) -> None:
+        """A tensor unchanged since the last push: nothing on the wire (statistics only)."""
+        self._count(math.prod(shape), 0, dtype)
+
+    def _count(self, numel: int, changed: int, dtype: torch.dtype, sparse: bool = False) -> None:
+        self.stats.num_tensors += 1
+        self.stats.num_sparse_tensors += int(sparse)
+        self.stats.num_elements += numel
+        self.stats.changed_elements += changed
+        self.stats.dense_bytes += numel * dtype.itemsize
+
+    def _flush_dense(self) -> None:
+        if not self._slots:
+            return
+        assert self._buffer is not None
+        frame = Frame("dense", dtype_name(self._buffer.dtype), self._used, tuple(self._slots))
+        self._send(frame, [self._buffer[: self._used]])
+        self._slots, self._used = [], 0
+
+    # -- sparse
+    def add_sparse(self, name: str, shape: Sequence[int], indices: torch.Tensor, values: torch.Tensor) -> None:
+        """A patch: ``tensor.view(-1)[indices] = values`` (flat indices, values in the tensor's dtype)."""
+        self._flush_dense()
+        if math.prod(shape) >= 2**31:
+            raise ValueError(f"{name}: {math.prod(shape)} elements do not fit int32 patch indices")
+        nbytes = indices.numel() * (torch.int32.itemsize + values.dtype.itemsize)
+        if self._sparse and (values.dtype != self._sparse[0][2].dtype
+                             or self._sparse_used + nbytes > self.bucket_bytes):
+            self._flush_sparse()
+        offset = sum(int(i.numel()) for _, i, _ in self._sparse)
+        self._sparse.append((Slot(name, tuple(shape), offset, int(indices.numel())), indices, values))
+        self._sparse_used += nbytes
+        self._count(math.prod(shape), int(indices.numel()), values.dtype, sparse=True)
+        if self._sparse_used > self.bucket_bytes:
+            self._flush_sparse()
+
+    def _flush_sparse(self) -> None:
+        if not self._sparse:
+            return
+        dtype = self._sparse[0][2].dtype
+        indices = torch.cat([i.reshape(-1).to(torch.int32) for _, i, _ in self._sparse]).to(self.group.device)
+        values = torch.cat([v.reshape(-1) for _, _, v in self._sparse]).to(self.group.device)
+        frame = Frame("sparse", dtype_name(dtype), int(values.numel()), tuple(s for s, _, _ in self._sparse))
+        self._sparse, self._sparse_used = [], 0
+        self._send(frame, [indices, values])
+
+    # -- wire
+    def _send(self, frame: Frame, payload: list[torch.Tensor]) -> None:
+        header = torch.frombuffer(bytearray(json.dumps(frame.to_json()).encode()), dtype=torch.uint8)
+        self.group.broadcast(torch.tensor([header.numel()], dtype=torch.int64, device=self.group.device))
+        self.group.broadcast(header.to(self.group.device))
+        for flat in payload:
+            self.group.broadcast(flat)
+        self.stats.num_frames += 1
+        self.stats.payload_bytes += frame.nbytes
+
+    def finish(self) -> PushStats:
+        self._flush_dense()
+        self._flush_sparse()
+        self._buffer = None
+        self.group.broadcast(torch.zeros(1, dtype=torch.int64, device=self.group.device))
+        return self.stats
+
+
+def read_frames(group: TransferGroup) -> Iterator[tuple[Frame, list[torch.Tensor]]]:
+    """A worker's side of one sender's push: each frame and its payload (fresh buffers), until the
+    sender's end marker."""
+    while True:
+        length = torch.zeros(1, dtype=torch.int64, device=group.device)
+        group.broadcast(length)
+        if int(length.item()) == 0:
+            return
+        header = torch.empty(int(length.item()), dtype=torch.uint8, device=group.device)
+        group.broadcast(header)
+        frame = Frame.from_json(json.loads(bytes(header.cpu().tolist()).decode()))
+        if frame.kind == "dense":
+            parts = [torch.empty(frame.numel, dtype=frame.torch_dtype, device=group.device)]
+        else:
+            parts = [torch.empty(frame.numel, dtype=getattr(torch, frame.index_dtype), device=group.device),
+                     torch.empty(frame.numel, dtype=frame.torch_dtype, device=group.device)]
+        for flat in parts:
+            group.broadcast(flat)
+        yield frame, parts
+
+
+def dense_tensors(frame: Frame, payload: list[torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Named views of a dense frame's payload (no copies)."""
+    (flat,) = payload
+    for slot in frame.slots:
+        yield slot.name, flat[slot.offset : slot.offset + math.prod(slot.shape)].view(slot.shape)
+
+
+def sparse_patches(frame: Frame, payload: list[torch.Tensor]) -> Iterator[tuple[Slot, torch.Tensor, torch.Tensor]]:
+    """(slot, flat indices, values) of a sparse frame (views)."""
+    indices, values = payload
+    for slot in frame.slots:
+        assert slot.count is not None
+        yield slot, indices[slot.offset : slot.offset + slot.count], values[slot.offset : slot.offset + slot.count]
+
+
+# ---------------------------------------------------------------------- the engine's side
+
+
+@dataclass(frozen=True)
+class Rendezvous:
+    """Where and how the groups meet: the store at ``host:port``; group ``s`` (of ``num_senders``)
+    has ``world_size`` ranks; senders cast to ``dtype`` (the workers' model dtype)."""
+
+    host: str
+    port: int
+    world_size: int
+    backend: str
+    num_senders: int = 1
+    dtype: str = "float32"
+    bucket_bytes: int = 256 * 2**20
+    sparse_threshold: float = 0.0
+
+    def to_json(self) -> str:
+        return json.dumps(self.__dict__)
 
     @classmethod
-    async def open(cls, host: str, backend: str, engines: Sequence[Rpc], bucket_bytes: int) -> WeightSender:
-        """Serve the store on a free port; every worker of engine i joins as rank 1 + (workers of
-        engines before i) + its rank in its engine; join as rank 0."""
-        check_backend(backend)
-        offsets, world_size = [], 1
+    def from_json(cls, text: str) -> Rendezvous:
+        return cls(**json.loads(text))
+
+    @staticmethod
+    def prefix(sender: int) -> str:
+        return f"megathunder-weights/{sender}"
+
+    def join(self, sender: int, rank: int, device: torch.device) -> TransferGroup:
+        """Connect to the store and join group ``sender`` as ``rank`` (blocks until all have)."""
+        store = TCPStore(self.host, self.port, is_master=False, timeout=TIMEOUT)
+        return TransferGroup(store, self.prefix(sender), rank, self.world_size, self.backend, device)
+
+
+@dataclass(frozen=True)
+class StageSenders:
+    """The learner's stage senders, for an engine to open its groups with: ``join(rendezvous_json)``
+    makes each of the ``num_stages`` senders join its group (``megathunder.learner.push``) and
+    returns once they have."""
+
+    num_stages: int
+    join: Callable[[str], Awaitable[Any]]
+
+
+class WeightTransfer:
+    """An engine's transfer groups: the store (served here), the rendezvous, and -- when no learner
+    senders were given -- this process's own sender (rank 0 of the one group)."""
+
+    def __init__(self, store: TCPStore, rdv: Rendezvous, local: TransferGroup | None) -> None:
+        self.store, self.rdv, self.local = store, rdv, local
+
+    @classmethod
+    async def open(cls, cfg: CollectiveTransfer, engines: Sequence[Rpc], senders: StageSenders | None = None,
+                   ) -> WeightTransfer:
+        """Serve the store; every worker of engine i joins every group as rank 1 + (workers of
+        engines before i) + its rank in its engine; the senders join as rank 0 of theirs."""
+        backend = resolve_backend(cfg.backend)
+        offsets, world_size, dtypes = [], 1, set()
         for rpc in engines:
-            ranks = [int(r) for r in await rpc(WeightLoadCall("megathunder_worker_rank"))]
-            if sorted(ranks) != list(range(len(ranks))):
+            infos = [json.loads(r) for r in await rpc(WeightLoadCall("megathunder_worker_info"))]
+            ranks = sorted(i["rank"] for i in infos)
+            if ranks != list(range(len(ranks))):
                 raise RuntimeError(f"vLLM worker ranks {ranks} are not 0..{len(ranks) - 1}: unsupported layout")
+            dtypes |= {i["dtype"] for i in infos}
             offsets.append(world_size)
             world_size += len(ranks)
-        store = TCPStore(host, 0, world_size, is_master=True, timeout=TIMEOUT, wait_for_workers=False)
-        rdv = Rendezvous(host, store.port, world_size, backend).to_json()
+        if len(dtypes) > 1:
+            raise RuntimeError(f"the engines' workers run different dtypes {sorted(dtypes)}: one push cannot serve them")
+        store = TCPStore(cfg.host, cfg.port, is_master=True, timeout=TIMEOUT, wait_for_workers=False)
+        rdv = Rendezvous(cfg.host, store.port, world_size, backend, senders.num_stages if senders else 1,
+                         dtypes.pop() if dtypes else "float32", int(cfg.bucket_mb * 2**20), cfg.sparse_threshold)
         device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
         joining = asyncio.gather(*(
-            rpc(WeightLoadCall("megathunder_transfer_join", args=(rdv, str(offset))))
+            rpc(WeightLoadCall("megathunder_transfer_join", args=(rdv.to_json(), str(offset))))
             for rpc, offset in zip(engines, offsets, strict=True)
         ))
-        group = await asyncio.to_thread(TransferGroup, store, 0, world_size, backend, device)
-        await joining
-        return cls(group, bucket_bytes)
+        if senders is None:
+            _, local = await asyncio.gather(joining, asyncio.to_thread(
+                TransferGroup, store, rdv.prefix(0), 0, world_size, backend, device))
+            return cls(store, rdv, local)
+        await asyncio.gather(joining, senders.join(rdv.to_json()))
+        return cls(store, rdv, None)
 
-    async def push(self, named_tensors: Iterable[tuple[str, torch.Tensor]], rpc: Rpc) -> Any:
-        """Plan to the workers by RPC, bytes by broadcast, concurrently; returns the RPC's result."""
+    async def receive(self, rpc: Rpc, send: Callable[[], Awaitable[Any]]) -> Any:
+        """The workers receive (one RPC) while ``send()`` broadcasts, concurrently; fails as soon as
+        either side does (a worker that fails stops receiving: its error now, not after the
+        broadcast times out). Returns what ``send()`` returned."""
+        receiving = asyncio.ensure_future(rpc(WeightLoadCall("megathunder_receive_stream")))
+        sending = asyncio.ensure_future(send())
+        done, _ = await asyncio.wait((receiving, sending), return_when=asyncio.FIRST_EXCEPTION)
+        if sending in done and sending.exception() is not None and receiving not in done:
+            # a sender fails when a worker's end of the group goes: the worker's error says why
+            await asyncio.wait((receiving,), timeout=RECEIVER_ERROR_GRACE_S)
+        for task in (receiving, sending):
+            if task.done() and task.exception() is not None:
+                raise task.exception()  # type: ignore[misc]
+        await receiving
+        return await sending
+
+    async def push_local(self, named_tensors: Iterable[tuple[str, torch.Tensor]], rpc: Rpc) -> PushStats:
+        """Tensors held by this process (no learner senders), bucket by bucket."""
+        if self.local is None:
+            raise RuntimeError("this engine's weights come from the learner's stage senders (StreamedWeights); "
+                               "tensors in memory go by rpc (weight_transfer.kind=rpc) or a checkpoint path")
+        group = self.local
         named = list(named_tensors)
         if not named:
             raise ValueError("no tensors to load")
-        plan = plan_buckets(named, self.bucket_bytes)
-        call = WeightLoadCall("megathunder_receive_buckets", args=(json.dumps([b.to_json() for b in plan]),))
-        receiving = asyncio.ensure_future(rpc(call))
-        sending = asyncio.ensure_future(asyncio.to_thread(self._send, plan, dict(named)))
-        # a worker that fails stops receiving: raise its error now, not after the broadcast times out
-        done, _ = await asyncio.wait((receiving, sending), return_when=asyncio.FIRST_EXCEPTION)
-        for task in done:
-            task.result()
-        await sending
-        return await receiving
 
-    def _send(self, plan: list[Bucket], tensors: Mapping[str, torch.Tensor]) -> None:
-        for bucket in plan:
-            self.group.broadcast(pack(bucket, tensors, self.group.device))
+        def send() -> PushStats:
+            writer = FrameWriter(group, self.rdv.bucket_bytes)
+            for name, t in named:
+                writer.add(name, tuple(t.shape), t.detach())
+            return writer.finish()
+
+        return await self.receive(rpc, lambda: asyncio.to_thread(send))
 
     async def close(self, rpc: Rpc) -> None:
         try:
             await rpc(WeightLoadCall("megathunder_transfer_close"))
         finally:
-            self.group.close()
+            if self.local is not None:
+                self.local.close()
 
 
-async def open_sender(cfg: EngineConfig, engines: Sequence[Rpc]) -> WeightSender | None:
-    """The transfer group's rank 0 for ``engines`` (one RPC each) when ``cfg`` asks for it."""
+async def open_transfer(cfg: EngineConfig, engines: Sequence[Rpc], senders: StageSenders | None) -> WeightTransfer | None:
+    """The transfer groups for ``engines`` (one RPC each) when ``cfg`` asks for them."""
     wt = cfg.weight_transfer
     if not isinstance(wt, CollectiveTransfer):
         return None
-    return await WeightSender.open(wt.host, wt.backend, engines, int(wt.bucket_mb * 2**20))
+    return await WeightTransfer.open(wt, engines, senders)
 
 
-def weight_loader(weights: WeightSource, sender: WeightSender | None) -> Callable[[Rpc], Awaitable[Any]]:
-    """The load step of ``update_weights``, given the engine's RPC: in-memory tensors over the
-    transfer group when the engine has one, everything else by ``collective_rpc``. Made before
-    the engine pauses, so that a bad source fails with the engine still serving."""
-    if sender is not None and not isinstance(weights, str | os.PathLike):
-        return functools.partial(sender.push, weights)
+def weight_loader(weights: WeightSource, transfer: WeightTransfer | None) -> Callable[[Rpc], Awaitable[Any]]:
+    """The load step of ``update_weights``, given the engine's RPC: the learner's senders
+    (``StreamedWeights``) or in-memory tensors over the transfer groups, a checkpoint path (or
+    anything without groups) by ``collective_rpc``. Made before the engine pauses, so that a bad
+    source fails with the engine still serving."""
+    if isinstance(weights, StreamedWeights):
+        if transfer is None or transfer.local is not None:
+            raise RuntimeError("StreamedWeights need an engine whose transfer groups were opened with the "
+                               "learner's stage senders (weight_transfer.kind=collective, StageSenders)")
+        send = weights.send
+        return lambda rpc: transfer.receive(rpc, send)
+    if transfer is not None and not isinstance(weights, str | os.PathLike):
+        return lambda rpc: transfer.push_local(weights, rpc)
     call = weight_load_call(weights)
     return lambda rpc: rpc(call)

@@ -1,5 +1,5 @@
 """The methods megathunder adds to every vLLM worker (``worker_extension_cls``): load weights sent
-inside an RPC, and join / receive from / leave the weight-transfer group (``transfer.py``).
+inside an RPC, and join / receive from / leave the weight-transfer groups (``transfer.py``).
 
 Imported by the vLLM worker processes, by name (``EXTENSION_CLS`` in ``common.py``).
 """
@@ -8,10 +8,20 @@ from __future__ import annotations
 
 import base64
 import json
+import math
+from collections.abc import Iterator
 
+import torch
 from safetensors.torch import load
 
-from megathunder.rollout.engines.transfer import Bucket, Rendezvous, TransferGroup, receive
+from megathunder.rollout.engines.transfer import (
+    Rendezvous,
+    TransferGroup,
+    dense_tensors,
+    dtype_name,
+    read_frames,
+    sparse_patches,
+)
 
 
 class MegathunderWorkerExtension:
@@ -20,7 +30,9 @@ class MegathunderWorkerExtension:
     ``self`` is the vLLM worker; ``self.reload_weights`` is its in-place reloader.
     """
 
-    megathunder_transfer: TransferGroup | None  # set by megathunder_transfer_join
+    megathunder_groups: list[TransferGroup] | None  # one per sender, set by megathunder_transfer_join
+    megathunder_rdv: Rendezvous | None
+    megathunder_shadow: dict[str, torch.Tensor] | None  # sparse patches: the weights in checkpoint layout
 
     def megathunder_load_safetensors(self, payload_b64: str) -> int:
         """Load the base64 safetensors blob made by ``rpc.encode_tensors``; returns #tensors."""
@@ -28,35 +40,87 @@ class MegathunderWorkerExtension:
         self.reload_weights(weights_iterator=iter(tensors.items()))  # type: ignore[attr-defined]
         return len(tensors)
 
-    def megathunder_worker_rank(self) -> int:
-        """This worker's rank among its engine's workers (the transfer group counts them)."""
-        return self.rank  # type: ignore[attr-defined]
+    def megathunder_worker_info(self) -> str:
+        """This worker's rank among its engine's workers (the groups count them) and its model's
+        dtype (what senders cast to), as JSON."""
+        dtype = self.vllm_config.model_config.dtype  # type: ignore[attr-defined]
+        return json.dumps({"rank": self.rank, "dtype": dtype_name(dtype)})  # type: ignore[attr-defined]
 
     def megathunder_transfer_join(self, rendezvous_json: str, rank_offset: str) -> int:
-        """Join the weight-transfer group as rank ``rank_offset`` + this worker's rank; returns it."""
+        """Join every sender's group as rank ``rank_offset`` + this worker's rank; returns it."""
         rank = int(rank_offset) + self.rank  # type: ignore[attr-defined]
         rdv = Rendezvous.from_json(rendezvous_json)
-        self.megathunder_transfer = TransferGroup.join(rdv, rank, self.device)  # type: ignore[attr-defined]
+        device = self.device if rdv.backend == "nccl" else torch.device("cpu")  # type: ignore[attr-defined]
+        self.megathunder_groups = [rdv.join(s, rank, device) for s in range(rdv.num_senders)]
+        self.megathunder_rdv = rdv
+        self.megathunder_shadow = {} if rdv.sparse_threshold > 0 else None
         return rank
 
-    def megathunder_receive_buckets(self, plan_json: str) -> int:
-        """Receive the broadcast buckets ``plan_json`` describes and reload from them, bucket by
-        bucket; returns #tensors. One ``reload_weights`` (the model's ``load_weights`` between
-        vLLM's layerwise-reload set-up and finish) consumes the buckets as they arrive, rather than
-        one call per bucket: vLLM runs a layer's post-load processing once all of its tensors have
-        been loaded, and a layer's tensors may span buckets."""
-        group = getattr(self, "megathunder_transfer", None)
-        if group is None:
+    def megathunder_receive_stream(self) -> int:
+        """Receive every sender's frames, in sender order, and reload from them; returns #tensors.
+
+        Without sparse patches, one ``reload_weights`` (the model's ``load_weights`` between vLLM's
+        layerwise-reload set-up and finish) consumes the dense tensors as they arrive: vLLM runs a
+        layer's post-load processing once all of its tensors have been loaded, and a layer's
+        tensors may span frames. With sparse patches, every frame first updates this worker's copy
+        (dense tensors replace their entry, patches write their elements), then the whole copy is
+        reloaded -- a layer must be reloaded whole, and vLLM's CPU layers keep no plain weight to
+        patch in place."""
+        groups = getattr(self, "megathunder_groups", None)
+        if groups is None:
             raise RuntimeError("this worker is in no weight-transfer group (never joined, or closed)")
-        plan = [Bucket.from_json(b) for b in json.loads(plan_json)]
-        tensors = receive(group, plan)
-        self.reload_weights(weights_iterator=tensors)  # type: ignore[attr-defined]
-        for _ in tensors:  # buckets the loader left unread: rank 0 broadcasts every one
-            pass
-        return sum(len(b.slots) for b in plan)
+        shadow = self.megathunder_shadow
+        if shadow is None:
+            tensors = _dense_stream(groups)
+            count = 0
+
+            def counted() -> Iterator[tuple[str, torch.Tensor]]:
+                nonlocal count
+                for item in tensors:
+                    count += 1
+                    yield item
+
+            self.reload_weights(weights_iterator=counted())  # type: ignore[attr-defined]
+            for _ in tensors:  # frames the loader left unread: the senders broadcast every one
+                pass
+            return count
+        names = _update_shadow(groups, shadow)
+        self.reload_weights(weights_iterator=iter(shadow.items()))  # type: ignore[attr-defined]
+        return len(names)
 
     def megathunder_transfer_close(self) -> None:
-        group = getattr(self, "megathunder_transfer", None)
-        if group is not None:
+        for group in getattr(self, "megathunder_groups", None) or []:
             group.close()
-            self.megathunder_transfer = None
+        self.megathunder_groups = None
+        self.megathunder_shadow = None
+
+
+def _dense_stream(groups: list[TransferGroup]) -> Iterator[tuple[str, torch.Tensor]]:
+    for group in groups:
+        for frame, payload in read_frames(group):
+            if frame.kind != "dense":
+                raise RuntimeError("a sparse patch arrived but this worker keeps no copy to patch "
+                                   "(weight_transfer.sparse_threshold was 0 when the groups were opened)")
+            yield from dense_tensors(frame, payload)
+
+
+def _update_shadow(groups: list[TransferGroup], shadow: dict[str, torch.Tensor]) -> list[str]:
+    """Apply every frame of one push to ``shadow``; the names it touched."""
+    names = []
+    for group in groups:
+        for frame, payload in read_frames(group):
+            if frame.kind == "dense":
+                for name, view in dense_tensors(frame, payload):
+                    if name in shadow and shadow[name].shape == view.shape and shadow[name].dtype == view.dtype:
+                        shadow[name].copy_(view)
+                    else:
+                        shadow[name] = view.clone()
+                    names.append(name)
+                continue
+            for slot, indices, values in sparse_patches(frame, payload):
+                base = shadow.get(slot.name)
+                if base is None or tuple(base.shape) != slot.shape or math.prod(slot.shape) != base.numel():
+                    raise RuntimeError(f"sparse patch for {slot.name}, which this worker has no dense copy of yet")
+                base.view(-1)[indices.to(torch.int64)] = values.to(base.dtype)
+                names.append(slot.name)
+    return names

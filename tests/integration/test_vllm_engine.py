@@ -10,8 +10,9 @@ completion. vLLM's CPU kernels sum in a different order, so the two agree to flo
 not bitwise: ``LOGPROB_ATOL`` below.
 
 In-memory weights reach the in-process engine over the collective path (``weight_transfer:
-collective``, gloo, several buckets) and the servers by RPC payload, so every weight-update test
-covers both load paths.
+collective``, the default: gloo, several frames) and the servers by the rpc fallback (RPC payload),
+so every weight-update test covers both load paths (servers over the collective path:
+``tests/integration/test_server_auth.py``, ``megathunder bench weights``).
 """
 
 from __future__ import annotations
@@ -30,7 +31,6 @@ import torch  # noqa: E402
 from megathunder.config import EngineConfig  # noqa: E402
 from megathunder.models.tiny_hf import TinyModelSpec, save_tiny_qwen2  # noqa: E402
 from megathunder.rollout.engines import start_engine  # noqa: E402
-from megathunder.rollout.engines.transfer import plan_buckets  # noqa: E402
 from megathunder.rollout.engines.rpc import weight_load_call  # noqa: E402
 from megathunder.rollout.types import Completion, SamplingParams  # noqa: E402
 
@@ -312,8 +312,8 @@ def test_update_from_memory_then_from_path(runner, hf_model, base_state, tmp_pat
     ps = prompts(4, 30, seed=4)
     new = perturbed(base_state, seed=10)
     collective = runner.deployment == "in_process"
-    assert (getattr(runner.engine, "sender", None) is not None) == collective
-    assert len(plan_buckets(list(new.items()), int(TRANSFER_BUCKET_MB * 2**20))) > 3
+    assert (getattr(runner.engine, "transfer", None) is not None) == collective
+    assert sum(t.numel() * t.element_size() for t in new.values()) > 3 * TRANSFER_BUCKET_MB * 2**20  # > 3 frames
     runner.run(runner.engine.update_weights(iter(new.items()), policy_version=1))
     out = runner.generate_many(ps, SamplingParams(max_new_tokens=24, seed=1))
     assert {c.policy_version for c in out} == {1} and runner.engine.policy_version == 1

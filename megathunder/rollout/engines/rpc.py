@@ -12,10 +12,11 @@ platform:
   back into tensors inside the worker. Raw tensors as RPC arguments crash vLLM's engine core, and
   the server's ``/collective_rpc`` accepts only strings, so one string payload serves both.
 
-With ``weight_transfer: {kind: collective}`` the bytes travel instead by broadcast over a process group
-the workers join once (``transfer.py``; gloo on CPU, NCCL on GPUs) and only the bucket plan goes
-through ``collective_rpc``. Either way the engines' ``update_weights`` do the pause / load /
-reset prefix cache / stamp version / resume sequence around the load step.
+With ``weight_transfer: {kind: collective}`` (the default) the bytes travel instead by broadcast
+over process groups the workers join once (``transfer.py``; gloo on CPU, NCCL on GPUs) and only
+the call that starts receiving goes through ``collective_rpc``. Either way the engines'
+``update_weights`` do the pause / load / reset prefix cache / stamp version / resume sequence
+around the load step.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from typing import Any
 import torch
 from safetensors.torch import save
 
-from megathunder.rollout.types import WeightSource
+from megathunder.rollout.types import StreamedWeights, WeightSource
 
 
 @dataclass(frozen=True)
@@ -57,6 +58,8 @@ def weight_load_call(weights: WeightSource) -> WeightLoadCall:
         if not path.is_dir() or not any(path.glob("*.safetensors")):
             raise FileNotFoundError(f"no *.safetensors checkpoint in directory {path}")
         return WeightLoadCall("reload_weights", kwargs={"weights_path": str(path.resolve())})
+    if isinstance(weights, StreamedWeights):
+        raise TypeError("StreamedWeights travel over the transfer groups (weight_transfer.kind=collective), not by RPC")
     return WeightLoadCall("megathunder_load_safetensors", args=(encode_tensors(weights),))
 
 

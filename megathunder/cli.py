@@ -22,6 +22,7 @@ BENCHMARKS = {
     "rollout": "megathunder.bench.rollout_engine",
     "schedules": "megathunder.bench.schedule_runs",
     "weights": "megathunder.bench.weight_push",
+    "load": "megathunder.bench.weight_load",
 }
 
 

@@ -50,7 +50,7 @@ class LearnerEndpoint:
     def __init__(self, learner: MegatronLearner, checkpoint_dir: Path, teacher: CachedTeacher | None = None) -> None:
         self.learner, self.checkpoint_dir, self.teacher = learner, checkpoint_dir, teacher
         self._batch: Batch | None = None
-        self.sender = StageSender(learner)
+        self.sender = StageSender(learner.model, learner.model_cfg, learner.pgs, learner.offset)
 
     # ------------------------------------------------------------------ a batch's events
 

@@ -30,8 +30,10 @@ import math
 import torch
 import torch.distributed as dist
 
+from megathunder.config import PolicyModelConfig
 from megathunder.learner import hf
 from megathunder.learner.learner import MegatronLearner
+from megathunder.learner.parallel import ProcessGroups
 from megathunder.rollout.engines.transfer import FrameWriter, PushStats, Rendezvous, TransferGroup
 
 _INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -42,11 +44,11 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 
 class StageSender:
-    """One learner rank's part in weight pushes over the transfer groups."""
+    """One learner rank's part in weight pushes over the transfer groups: ``model`` is this rank's
+    chunk (``MegatronLearner.model``), its first layer the stage's global layer ``offset``."""
 
-    def __init__(self, learner: MegatronLearner) -> None:
-        self.learner = learner
-        pgs = learner.pgs
+    def __init__(self, model: torch.nn.Module, model_cfg: PolicyModelConfig, pgs: ProcessGroups, offset: int) -> None:
+        self.model, self.model_cfg, self.pgs, self.offset = model, model_cfg, pgs, offset
         self.is_sender = pgs.tp_rank == 0 and pgs.dp_rank == 0
         self.rdv: Rendezvous | None = None
         self.group: TransferGroup | None = None
@@ -56,7 +58,7 @@ class StageSender:
         """Every learner rank; the stage's sender joins its group (blocks until the workers have)."""
         self.close()
         rdv = self.rdv = Rendezvous.from_json(rendezvous_json)
-        pgs = self.learner.pgs
+        pgs = self.pgs
         if rdv.num_senders != pgs.dims.pp:
             raise ValueError(f"the engine opened {rdv.num_senders} sender groups for {pgs.dims.pp} pipeline stages")
         if self.is_sender:
@@ -72,22 +74,21 @@ class StageSender:
         """One push (every learner rank calls it); the whole push's figures, on every rank."""
         if self.rdv is None:
             raise RuntimeError("no weight-transfer group: join() first (the engine opens it at start)")
-        learner, pgs, rdv = self.learner, self.learner.pgs, self.rdv
+        pgs, rdv = self.pgs, self.rdv
         dtype = getattr(torch, rdv.dtype)
         writer = FrameWriter(self.group, rdv.bucket_bytes) if self.group is not None else None
         if rdv.sparse_threshold > 0 and pgs.dp_rank == 0:
             self._send_sparse(writer, dtype, rdv.sparse_threshold)
         else:
-            for name, shape, view in hf.stage_hf_tensors(learner.model, learner.model_cfg, pgs, learner.offset, dtype):
+            for name, shape, view in hf.stage_hf_tensors(self.model, self.model_cfg, pgs, self.offset, dtype):
                 assert writer is not None
                 writer.add(name, shape, view)
         stats = writer.finish() if writer is not None else PushStats()
         return _reduce(stats, pgs.device)
 
     def _send_sparse(self, writer: FrameWriter | None, dtype: torch.dtype, threshold: float) -> None:
-        learner, pgs = self.learner, self.learner.pgs
-        m, tp = learner.model_cfg, pgs.dims.tp
-        params = hf.stage_params(learner.model, m, learner.offset)
+        pgs, m, tp = self.pgs, self.model_cfg, self.pgs.dims.tp
+        params = hf.stage_params(self.model, m, self.offset)
         root = dist.get_global_rank(pgs.tp, 0) if tp > 1 else pgs.rank
         first = self.previous is None
         previous = self.previous = {} if self.previous is None else self.previous
@@ -118,7 +119,7 @@ class StageSender:
                     writer.skip(name, shape, view.dtype)
 
 
-def _gather(local: torch.Tensor, pgs, root: int) -> torch.Tensor | None:
+def _gather(local: torch.Tensor, pgs: ProcessGroups, root: int) -> torch.Tensor | None:
     """``[tp, *local.shape]`` on TP rank 0 (None elsewhere)."""
     stacked = torch.empty((pgs.dims.tp, *local.shape), dtype=local.dtype, device=local.device) if pgs.tp_rank == 0 else None
     dist.gather(local.contiguous(), None if stacked is None else list(stacked.unbind(0)), dst=root, group=pgs.tp)
@@ -161,6 +162,6 @@ def gather_to_rank0(learner: MegatronLearner) -> list[tuple[str, torch.Tensor]] 
     return out
 
 
-def _stage_sender_rank(pgs, stage: int) -> int:
+def _stage_sender_rank(pgs: ProcessGroups, stage: int) -> int:
     """Global rank of stage ``stage``'s (TP 0, DP 0) rank: rank 0's pipeline group member."""
     return dist.get_global_rank(pgs.pp, stage)

@@ -89,6 +89,10 @@ class TinyModelSpec:
     num_heads: int = 4
     num_kv_heads: int = 2
     vocab_size: int = 512  # BPE target; the model's vocabulary is rounded up to a multiple of 64
+    model_vocab_size: int | None = None
+    """The model's vocabulary when larger than the tokenizer's (ids the tokenizer never produces),
+    e.g. 49152 for a model of SmolLM2's shape; null: the tokenizer's, rounded up to 64."""
+    tie_word_embeddings: bool = False
     max_position_embeddings: int = 2048
     init_std: float = 0.2
     """Larger than HF's 0.02 so that outputs depend visibly on context (logits far from flat):
@@ -141,7 +145,8 @@ def build_tokenizer(vocab_size: int = 512, seed: int = 0):
 
 
 def build_model(spec: TinyModelSpec, vocab_size: int, eos_token_id: int, pad_token_id: int):
-    """A randomly initialised fp32 Qwen2ForCausalLM (untied embeddings, q/k/v biases as in Qwen2)."""
+    """A randomly initialised fp32 Qwen2ForCausalLM (q/k/v biases as in Qwen2; untied embeddings
+    unless the spec ties them)."""
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -154,7 +159,7 @@ def build_model(spec: TinyModelSpec, vocab_size: int, eos_token_id: int, pad_tok
         num_key_value_heads=spec.num_kv_heads,
         max_position_embeddings=spec.max_position_embeddings,
         initializer_range=spec.init_std,
-        tie_word_embeddings=False,
+        tie_word_embeddings=spec.tie_word_embeddings,
         bos_token_id=pad_token_id,
         eos_token_id=eos_token_id,
         pad_token_id=pad_token_id,
@@ -175,6 +180,10 @@ def save_tiny_qwen2(out_dir: str | Path, spec: TinyModelSpec = TinyModelSpec()) 
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer(spec.vocab_size, spec.seed)
     vocab_size = -(-len(tokenizer) // 64) * 64
+    if spec.model_vocab_size is not None:
+        if spec.model_vocab_size < vocab_size:
+            raise ValueError(f"model_vocab_size {spec.model_vocab_size} is below the tokenizer's {vocab_size}")
+        vocab_size = spec.model_vocab_size
     model = build_model(
         spec,
         vocab_size,

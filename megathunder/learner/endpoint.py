@@ -95,7 +95,8 @@ class LearnerEndpoint:
 
     def gather_weights(self) -> list[tuple[str, torch.Tensor]] | None:
         """The rpc fallback: the weights in the inference (HF) layout on global rank 0, None elsewhere."""
-        return gather_to_rank0(self.learner)
+        learner = self.learner
+        return gather_to_rank0(learner.model, learner.model_cfg, learner.pgs, learner.offset)
 
     def score(self, tokens: list[int], prompt_len: int) -> torch.Tensor:
         """The learner's logprobs of ``tokens[prompt_len:]`` given what precedes them (every rank)."""

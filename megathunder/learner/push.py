@@ -32,7 +32,6 @@ import torch.distributed as dist
 
 from megathunder.config import PolicyModelConfig
 from megathunder.learner import hf
-from megathunder.learner.learner import MegatronLearner
 from megathunder.learner.parallel import ProcessGroups
 from megathunder.rollout.engines.transfer import FrameWriter, PushStats, Rendezvous, TransferGroup
 
@@ -136,15 +135,15 @@ def _reduce(stats: PushStats, device: torch.device) -> dict[str, float]:
     return out
 
 
-def gather_to_rank0(learner: MegatronLearner) -> list[tuple[str, torch.Tensor]] | None:
+def gather_to_rank0(model: torch.nn.Module, m: PolicyModelConfig, pgs: ProcessGroups,
+                    offset: int) -> list[tuple[str, torch.Tensor]] | None:
     """The rpc fallback (``weight_transfer.kind=rpc``): every HF tensor on global rank 0 (None
     elsewhere), stage 0's from rank 0's own gathers, stage s's received tensor by tensor from the
     stage's (TP 0, DP 0) rank by point-to-point sends (shapes known from the config; no pickled
     objects). Rank 0 then holds the whole model: that is what the rpc payload needs, and why
     ``collective`` is the default."""
-    pgs, m = learner.pgs, learner.model_cfg
     out: list[tuple[str, torch.Tensor]] = []
-    sends = hf.stage_hf_tensors(learner.model, m, pgs, learner.offset)
+    sends = hf.stage_hf_tensors(model, m, pgs, offset)
     if pgs.rank == 0:
         out = [(name, view.reshape(shape).cpu().clone()) for name, shape, view in sends]
     else:
@@ -152,7 +151,7 @@ def gather_to_rank0(learner: MegatronLearner) -> list[tuple[str, torch.Tensor]] 
             dist.send(view.reshape(shape).contiguous(), dst=0)
     if pgs.rank != 0:
         return None
-    dtype = next(learner.model.parameters()).dtype
+    dtype = next(model.parameters()).dtype
     for stage in range(1, pgs.dims.pp):
         src = _stage_sender_rank(pgs, stage)
         for name, shape in hf.hf_stage_layout(m, pgs.dims.pp, stage):

@@ -15,6 +15,8 @@
 #   MT_ROLLOUT_TP    8 (GPUs per vLLM server); MT_SERVERS_PER_NODE GPUs / TP; MT_SERVER_PORT 8100
 #   MT_LEARNER_TASKS_PER_NODE  GPUs per node (learner ranks per node)
 #   MT_ROLLOUT_MODEL serve this HF directory instead of the config's policy model
+#   MT_WEIGHT_PORT   29600: the weight-transfer rendezvous on the first learner node (weights stream from
+#                    every pipeline stage into the vLLM workers: NCCL on GPU nodes, gloo on CPU nodes)
 #   MT_HEALTH_TIMEOUT_S 900; MT_LOG_DIR logs/slurm/JOBID (per attempt: attempt-N/); MT_PYTHON python
 # Sequence: config check -> rollout servers start -> learner preflight (world size, TP x PP x DP)
 # -> every server's /health -> training. Any component that does not come up ends the job

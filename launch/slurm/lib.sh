@@ -67,6 +67,21 @@ print("\n".join(expand_hostlist(sys.argv[1])))' "$MT_NODELIST")
   MT_LEARNER_WORLD=$((MT_LEARNER_NODES * MT_LEARNER_TASKS_PER_NODE))
   MT_LEARNER_NODELIST=$(IFS=,; echo "${MT_LEARNER_HOSTS[*]}")
   mkdir -p "$MT_LOG_DIR"
+  mt_weight_transfer
+}
+
+mt_weight_transfer() {  # weights stream from the learner's stages into every vLLM worker over collectives:
+  # NCCL on GPU nodes, gloo on CPU ones, the rendezvous store served by the controller (learner rank 0,
+  # on the first learner node) at MT_WEIGHT_PORT. Put first: a user's own weight_transfer overrides win.
+  local addr backend
+  addr=$(mt_node_addr "${MT_LEARNER_HOSTS[0]}")
+  [[ -n "$addr" ]] || mt_die launch "no address for the first learner node ${MT_LEARNER_HOSTS[0]}"
+  backend=gloo
+  ((MT_GPUS_PER_NODE > 0)) && backend=nccl
+  MT_WEIGHT_PORT=${MT_WEIGHT_PORT:-29600}
+  MT_OVERRIDE_ARGS=(rollout.engine.weight_transfer.kind=collective rollout.engine.weight_transfer.backend="$backend"
+                    rollout.engine.weight_transfer.host="$addr" rollout.engine.weight_transfer.port="$MT_WEIGHT_PORT"
+                    "${MT_OVERRIDE_ARGS[@]}")
 }
 
 mt_network_env() {  # NCCL / InfiniBand defaults for GPU nodes; a site's own settings win
@@ -99,6 +114,7 @@ mt_plan() {
   fi
   ((MT_TEACHER_NODES == 0)) || mt_log "teacher: ${MT_TEACHER_NODES} nodes (${MT_TEACHER_HOSTS[*]}), ${MT_SERVERS_PER_NODE} vLLM servers per node of ${MT_TEACHER_MODEL:-?}"
   mt_log "learner: ${MT_LEARNER_NODES} nodes (${MT_LEARNER_HOSTS[*]}), ${MT_LEARNER_TASKS_PER_NODE} ranks per node, world ${MT_LEARNER_WORLD}; controller on learner rank 0 (${MT_LEARNER_HOSTS[0]})"
+  mt_log "weights: streamed from each pipeline stage over collectives (${MT_OVERRIDE_ARGS[1]#*=}); rendezvous at ${MT_OVERRIDE_ARGS[2]#*=}:${MT_WEIGHT_PORT}"
   mt_log "config: $MT_CONFIG ${MT_OVERRIDES:-}; logs: $MT_LOG_DIR"
 }
 

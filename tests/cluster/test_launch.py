@@ -35,6 +35,9 @@ def test_dry_run_prints_the_128_gpu_plan_and_refuses_a_bad_split(tmp_path):
     assert len(train) == 1 and "--ntasks=96" in train[0] and "--nodelist=gpu05,gpu06" in train[0]
     assert 'rollout.engine.server_urls=["http://gpu01:8100","http://gpu02:8100","http://gpu03:8100",' \
            '"http://gpu04:8100"]' in train[0]
+    # weights stream over NCCL into the servers, meeting at the first learner node (not 127.0.0.1)
+    assert ("rollout.engine.weight_transfer.kind=collective rollout.engine.weight_transfer.backend=nccl "
+            "rollout.engine.weight_transfer.host=gpu05 rollout.engine.weight_transfer.port=29600") in train[0]
 
     bad = subprocess.run(["bash", SCRIPT], env=dict(env, MT_LEARNER_NODES="13"), cwd=REPO,
                          capture_output=True, text=True, timeout=120)

@@ -57,8 +57,9 @@ def _rank(args: argparse.Namespace) -> None:
     torch.distributed.barrier()
     reset_peak()
     t0 = time.perf_counter()
-    # the baseline: the whole checkpoint in this rank's memory, as every rank held it before
-    src = hf.InMemorySource({n: reader.read(n) for n in reader.file_of}) if args.reader == "full" else None
+    # the baseline: the whole checkpoint in this rank's memory, as every rank held it before (copied:
+    # a safetensors tensor is a view of the mmap'd file, resident only where touched)
+    src = hf.InMemorySource({n: reader.read(n).clone() for n in reader.file_of}) if args.reader == "full" else None
     hf.load_hf(model, args.hf, model_cfg, pgs, layer_offset(model_cfg, pgs), src=src)
     seconds = time.perf_counter() - t0
     peak = peak_bytes()

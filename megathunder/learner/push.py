@@ -109,7 +109,7 @@ class StageSender:
                 if mask_view is None:
                     writer.add(name, shape, view)
                     continue
-                idx = torch.nonzero(mask_view.reshape(-1)).reshape(-1)
+                idx = torch.nonzero(mask_view.reshape(-1)).reshape(-1).to(torch.int32)
                 if idx.numel() > threshold * math.prod(shape):
                     writer.add(name, shape, view, changed=int(idx.numel()))
                 elif idx.numel():

@@ -141,7 +141,7 @@ def test_a_patch_without_a_copy_to_patch_is_an_error(monkeypatch):
     monkeypatch.setattr(ext, "read_frames", lambda group: iter([(frame, [torch.zeros(1, dtype=torch.int32),
                                                                           torch.ones(1)])]))
     with pytest.raises(RuntimeError, match="no dense copy"):
-        ext._update_shadow([object()], {})
+        ext._update_shadow([object()], {}, ext._WaitClock())
 
 
 @pytest.mark.parametrize(

@@ -366,6 +366,8 @@ class WeightTransfer:
 
     def __init__(self, store: TCPStore, rdv: Rendezvous, local: TransferGroup | None) -> None:
         self.store, self.rdv, self.local = store, rdv, local
+        self.last_received: dict[str, float] = {}
+        """The last push, slowest worker: seconds in all (``total_s``) and blocked on the wire (``wait_s``)."""
 
     @classmethod
     async def open(cls, cfg: CollectiveTransfer, engines: Sequence[Rpc], senders: StageSenders | None = None,
@@ -404,6 +406,7 @@ class WeightTransfer:
         either side does (a worker that fails stops receiving: its error now, not after the
         broadcast times out). Returns what ``send()`` returned."""
         receiving = asyncio.ensure_future(rpc(WeightLoadCall("megathunder_receive_stream")))
+        self.last_received = {}
         sending = asyncio.ensure_future(send())
         done, _ = await asyncio.wait((receiving, sending), return_when=asyncio.FIRST_EXCEPTION)
         if sending in done and sending.exception() is not None and receiving not in done:
@@ -412,7 +415,8 @@ class WeightTransfer:
         for task in (receiving, sending):
             if task.done() and task.exception() is not None:
                 raise task.exception()  # type: ignore[misc]
-        await receiving
+        received = [json.loads(r) for r in await receiving]
+        self.last_received = {key: max(r[key] for r in received) for key in ("total_s", "wait_s")} if received else {}
         return await sending
 
     async def push_local(self, named_tensors: Iterable[tuple[str, torch.Tensor]], rpc: Rpc) -> PushStats:

@@ -9,12 +9,14 @@ from __future__ import annotations
 import base64
 import json
 import math
+import time
 from collections.abc import Iterator
 
 import torch
 from safetensors.torch import load
 
 from megathunder.rollout.engines.transfer import (
+    Frame,
     Rendezvous,
     TransferGroup,
     dense_tensors,
@@ -56,8 +58,10 @@ class MegathunderWorkerExtension:
         self.megathunder_shadow = {} if rdv.sparse_threshold > 0 else None
         return rank
 
-    def megathunder_receive_stream(self) -> int:
-        """Receive every sender's frames, in sender order, and reload from them; returns #tensors.
+    def megathunder_receive_stream(self) -> str:
+        """Receive every sender's frames, in sender order, and reload from them; returns JSON:
+        tensors reloaded, seconds in all (``total_s``) and seconds blocked on the wire (``wait_s``:
+        the rest is vLLM's reload work).
 
         Without sparse patches, one ``reload_weights`` (the model's ``load_weights`` between vLLM's
         layerwise-reload set-up and finish) consumes the dense tensors as they arrive: vLLM runs a
@@ -69,9 +73,11 @@ class MegathunderWorkerExtension:
         groups = getattr(self, "megathunder_groups", None)
         if groups is None:
             raise RuntimeError("this worker is in no weight-transfer group (never joined, or closed)")
+        start = time.perf_counter()
+        clock = _WaitClock()
         shadow = self.megathunder_shadow
         if shadow is None:
-            tensors = _dense_stream(groups)
+            tensors = _dense_stream(groups, clock)
             count = 0
 
             def counted() -> Iterator[tuple[str, torch.Tensor]]:
@@ -83,10 +89,10 @@ class MegathunderWorkerExtension:
             self.reload_weights(weights_iterator=counted())  # type: ignore[attr-defined]
             for _ in tensors:  # frames the loader left unread: the senders broadcast every one
                 pass
-            return count
-        names = _update_shadow(groups, shadow)
-        self.reload_weights(weights_iterator=iter(shadow.items()))  # type: ignore[attr-defined]
-        return len(names)
+        else:
+            count = len(_update_shadow(groups, shadow, clock))
+            self.reload_weights(weights_iterator=iter(shadow.items()))  # type: ignore[attr-defined]
+        return json.dumps({"tensors": count, "total_s": time.perf_counter() - start, "wait_s": clock.seconds})
 
     def megathunder_transfer_close(self) -> None:
         for group in getattr(self, "megathunder_groups", None) or []:
@@ -95,20 +101,37 @@ class MegathunderWorkerExtension:
         self.megathunder_shadow = None
 
 
-def _dense_stream(groups: list[TransferGroup]) -> Iterator[tuple[str, torch.Tensor]]:
+class _WaitClock:
+    """Seconds spent blocked in ``read_frames`` (waiting for and receiving broadcasts)."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+
+    def frames(self, group: TransferGroup) -> Iterator[tuple[Frame, list[torch.Tensor]]]:
+        frames = read_frames(group)
+        while True:
+            t0 = time.perf_counter()
+            item = next(frames, None)
+            self.seconds += time.perf_counter() - t0
+            if item is None:
+                return
+            yield item
+
+
+def _dense_stream(groups: list[TransferGroup], clock: _WaitClock) -> Iterator[tuple[str, torch.Tensor]]:
     for group in groups:
-        for frame, payload in read_frames(group):
+        for frame, payload in clock.frames(group):
             if frame.kind != "dense":
                 raise RuntimeError("a sparse patch arrived but this worker keeps no copy to patch "
                                    "(weight_transfer.sparse_threshold was 0 when the groups were opened)")
             yield from dense_tensors(frame, payload)
 
 
-def _update_shadow(groups: list[TransferGroup], shadow: dict[str, torch.Tensor]) -> list[str]:
+def _update_shadow(groups: list[TransferGroup], shadow: dict[str, torch.Tensor], clock: _WaitClock) -> list[str]:
     """Apply every frame of one push to ``shadow``; the names it touched."""
     names = []
     for group in groups:
-        for frame, payload in read_frames(group):
+        for frame, payload in clock.frames(group):
             if frame.kind == "dense":
                 for name, view in dense_tensors(frame, payload):
                     if name in shadow and shadow[name].shape == view.shape and shadow[name].dtype == view.dtype:

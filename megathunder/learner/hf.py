@@ -322,21 +322,32 @@ def stage_hf_tensors(model: torch.nn.Module, m: PolicyModelConfig, pgs: ProcessG
     if pgs.dp_rank != 0:
         return
     params = _checked_params(model, m, pgs, offset)
-    tp = pgs.dims.tp
-    root = dist.get_global_rank(pgs.tp, 0) if tp > 1 else pgs.rank
     for key in megatron_keys(m, pgs.dims.pp, pgs.pp_rank):
         local = params[key].detach()
-        if dtype is not None and local.dtype != dtype:
-            local = local.to(dtype)
-        if tp > 1 and _tp_rule(key) is not None:
-            stacked = torch.empty((tp, *local.shape), dtype=local.dtype, device=local.device) if pgs.tp_rank == 0 else None
-            dist.gather(local.contiguous(), None if stacked is None else list(stacked.unbind(0)), dst=root, group=pgs.tp)
+        if pgs.dims.tp > 1 and _tp_rule(key) is not None:
+            stacked = gather_shards(local, pgs, dtype)
         else:
-            stacked = local[None]
+            stacked = (local if dtype is None else local.to(dtype))[None]
         if pgs.tp_rank == 0:
             assert stacked is not None
             yield from hf_views(key, stacked, m)
         del stacked, local
+
+
+def gather_shards(local: torch.Tensor, pgs: ProcessGroups, dtype: torch.dtype | None = None) -> torch.Tensor | None:
+    """Every TP rank's ``local`` (cast to ``dtype``) stacked as ``[tp, *local.shape]`` on TP rank 0,
+    None elsewhere. Point-to-point into the stacked buffer's rows: ``dist.gather`` on gloo stages
+    the whole result in a second buffer first, and an all-gather would put it on every rank."""
+    dtype = dtype or local.dtype
+    if pgs.tp_rank != 0:
+        dist.send(local.to(dtype).contiguous(), dst=dist.get_global_rank(pgs.tp, 0), group=pgs.tp)
+        return None
+    stacked = torch.empty((pgs.dims.tp, *local.shape), dtype=dtype, device=local.device)
+    works = [dist.irecv(stacked[r], src=dist.get_global_rank(pgs.tp, r), group=pgs.tp) for r in range(1, pgs.dims.tp)]
+    stacked[0].copy_(local)  # cast on the way in
+    for work in works:
+        work.wait()
+    return stacked
 
 
 def shard_file_name(pp: int, pp_rank: int) -> str:

@@ -88,7 +88,6 @@ class StageSender:
     def _send_sparse(self, writer: FrameWriter | None, dtype: torch.dtype, threshold: float) -> None:
         pgs, m, tp = self.pgs, self.model_cfg, self.pgs.dims.tp
         params = hf.stage_params(self.model, m, self.offset)
-        root = dist.get_global_rank(pgs.tp, 0) if tp > 1 else pgs.rank
         first = self.previous is None
         previous = self.previous = {} if self.previous is None else self.previous
         for key in hf.megatron_keys(m, pgs.dims.pp, pgs.pp_rank):
@@ -98,7 +97,8 @@ class StageSender:
             changed = None if first else (_bits(cur) != _bits(previous[key])).to(torch.uint8)
             stacked, mask = cur[None], None if changed is None else changed[None]
             if tp > 1 and hf._tp_rule(key) is not None:
-                stacked, mask = _gather(cur, pgs, root), None if changed is None else _gather(changed, pgs, root)
+                stacked = hf.gather_shards(cur, pgs)
+                mask = None if changed is None else hf.gather_shards(changed, pgs)
             previous[key] = cur
             if writer is None:
                 continue
@@ -116,13 +116,6 @@ class StageSender:
                     writer.add_sparse(name, shape, idx, view.reshape(-1)[idx])
                 else:
                     writer.skip(name, shape, view.dtype)
-
-
-def _gather(local: torch.Tensor, pgs: ProcessGroups, root: int) -> torch.Tensor | None:
-    """``[tp, *local.shape]`` on TP rank 0 (None elsewhere)."""
-    stacked = torch.empty((pgs.dims.tp, *local.shape), dtype=local.dtype, device=local.device) if pgs.tp_rank == 0 else None
-    dist.gather(local.contiguous(), None if stacked is None else list(stacked.unbind(0)), dst=root, group=pgs.tp)
-    return stacked
 
 
 def _reduce(stats: PushStats, device: torch.device) -> dict[str, float]:

@@ -10,6 +10,7 @@ saves the full (gathered) parameters before and after each.
 from __future__ import annotations
 
 import argparse
+import json
 import random
 import sys
 from pathlib import Path
@@ -48,16 +49,24 @@ def make_batch(seed: int, vocab: int):
     return batch, rewards, events
 
 
+def _merge(base: dict, extra: dict) -> dict:
+    out = dict(base)
+    for key, value in extra.items():
+        out[key] = _merge(out.get(key, {}), value) if isinstance(value, dict) else value
+    return out
+
+
 def equivalence(args) -> None:
-    cfg = LearnerConfig.model_validate({
+    cfg = LearnerConfig.model_validate(_merge({
         "parallel": {"tensor_parallel": args.tp, "pipeline_parallel": args.pp},
         "model": {"hf_checkpoint": args.hf},
         "optimizer": {"name": args.optimizer, "lr": args.lr, "clip_grad": 0.0,
                       "use_distributed_optimizer": args.dist_opt},
-    })
+    }, json.loads(args.learner)))  # --learner: sequence parallelism, recompute, core attention
     objective = GRPOObjective.model_validate_json(args.objective)
     pgs = init_distributed(cfg)
-    learner = MegatronLearner.build(cfg, objective, pgs, LedgerConfig(max_group_slots=args.slots))
+    ledger_cfg = LedgerConfig.model_validate({"max_group_slots": args.slots, **json.loads(args.ledger)})
+    learner = MegatronLearner.build(cfg, objective, pgs, ledger_cfg)
     batch, rewards, events = make_batch(args.seed, learner.model_cfg.vocab_size)
     dp, dp_rank = pgs.dims.dp, pgs.dp_rank
     owner = [t.traj_id % dp for t in batch]
@@ -165,6 +174,8 @@ def main() -> None:
     p.add_argument("--dist-opt", action="store_true")
     p.add_argument("--ckpt-optimizer", default="adam", help="checkpoint_save / checkpoint_resume: adam or sgd")
     p.add_argument("--objective", default="{}")
+    p.add_argument("--learner", default="{}", help="JSON merged into the LearnerConfig (equivalence)")
+    p.add_argument("--ledger", default="{}", help="JSON LedgerConfig fields besides max_group_slots (equivalence)")
     args = p.parse_args()
     {"equivalence": equivalence, "checkpoint_save": checkpoint_save,
      "checkpoint_resume": checkpoint_resume, "hf_roundtrip": hf_roundtrip}[args.mode](args)

@@ -316,7 +316,7 @@ def opd_streamer(learner: MegatronLearner, teacher: CachedTeacher, into: GradBuf
     seg = MegatronSegmentModel(learner.ddp, learner.pgs)
     model = seg if into is None else IntoAccumulator(seg, learner.backend.live, into)
     return TurnStreamer(model, teacher, beta=opd.beta, strategy=opd.strategy, aggregation=opd.aggregation,
-                        divergence=opd.divergence, jsd_lam=opd.jsd_lam)
+                        divergence=opd.divergence, jsd_lam=opd.jsd_lam, max_cached=opd.max_cached_trajectories)
 
 
 def finish_opd_stream(learner: MegatronLearner, streamer: TurnStreamer) -> OPDTotals:

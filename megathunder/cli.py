@@ -35,6 +35,12 @@ def _cmd_config(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from megathunder.plan.plan_cmd import run
+
+    return run(args)
+
+
 def _cmd_bench(args: argparse.Namespace) -> int:
     import importlib
 
@@ -121,6 +127,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("config", help="YAML config file")
     p.add_argument("overrides", nargs="*", metavar="key=value")
     p.set_defaults(func=_cmd_config)
+
+    p = sub.add_parser(
+        "plan",
+        help="memory per GPU and per node and traffic per link of the config's learner layout, from the "
+        "model's config.json; exit 1 naming the part that does not fit or divide",
+        description="Predict a layout's memory (weights, gradients, optimizer, ledger, activations of the "
+        "longest trajectory, reference, teacher, OPD state, weight push) per GPU and per node, and the "
+        "bytes per step on each link; a table, then one JSON line. The launch scripts run it first.",
+    )
+    from megathunder.plan.plan_cmd import add_arguments as add_plan_arguments
+
+    add_plan_arguments(p)
+    p.set_defaults(func=_cmd_plan)
 
     p = sub.add_parser(
         "exactness",

@@ -16,6 +16,7 @@ if os.environ.get(console.QUIET_ENV) == "1":  # a child process of a quiet comma
 
 BENCHMARKS = {
     "ledger": "megathunder.bench.ledger_overhead",
+    "memory": "megathunder.bench.memory_fit",
     "learner": "megathunder.bench.learner_step",
     "opd": "megathunder.bench.opd_strategies",
     "episodes": "megathunder.bench.episode_timing",

@@ -15,7 +15,7 @@ the bytes of ``learner.precision.params_dtype``:
     ledger (thunder)      P (and P_A) in fp32 + K_eff slots x (2, or 1 std-free) x P x slot bytes,
                           on the device or in host memory (+ one fp32 staging buffer on each side)
     activations           the longest allowed trajectory (agent.max_total_tokens), in flight on up
-                          to min(PP, micro-batches per schedule call) micro-batches (below)
+                          to min(PP - stage, micro-batches per schedule call) micro-batches (1F1B)
     reference             P e, or in host memory with learner.reference.offload_to_cpu
     teacher, OPD state    the teacher's P_T e; per kept trajectory its K/V cache and the student's
                           retained segment graphs (objective.max_cached_trajectories)
@@ -87,7 +87,7 @@ from megathunder.config.rollout_config import CollectiveTransfer
 GiB = 2**30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 BACKWARD_LAYERS = 1.0  # the working set of one layer's backward, in layers of activations
-LOSS_BACKWARD_COPIES = 3  # fp32 [s, V/t] tensors live at the loss backward besides the saved ones
+LOSS_BACKWARD_COPIES = 1.25  # fp32 [s, V/t] tensors live at the loss backward besides the saved ones
 GPU_RUNTIME_GIB = 4.0  # CUDA context, NCCL communicators, allocator slack (an estimate)
 GPU_PROCESS_HOST_GIB = 3.0  # host RSS of one CUDA learner process (torch, megatron; an estimate)
 CONTROLLER_HOST_GIB = 2.0  # rank 0's controller: agent loop, engine client, journal (an estimate)
@@ -218,25 +218,34 @@ class ActivationModel:
 
     def stage_bytes(self, s: int, layers: int, first: bool, last: bool) -> dict[str, float]:
         """Stored bytes of one micro-batch of ``s`` tokens (the whole sequence) on a stage, and the
-        backward's working set on top."""
+        backward's working set on top (module docstring)."""
         sh, e = self.shape, self.e
-        _, sigma, _, _, _ = self._dims
+        _, sigma, a_t, _, _ = self._dims
         local = s / self.cp
         layer = self.layer_bytes(local)
         layer_full = self.layer_bytes(local, recompute=False)
         keep = local * sh.hidden / sigma * e
+        probs = local * a_t * (s if self.attention == "megatron" else 0) * e  # one [a_t, s, s] tensor, unfused
+        mask = local * s if self.attention == "megatron" else 0.0
+        grads = 2 * probs  # the gradients of the probabilities and of the scores
         if self.recompute == "full":
             n = self.recompute_num_layers
             freqs = local * sh.head_dim * e  # the rotary table, an input of every checkpoint (one storage)
             if self.recompute_method == "uniform":
                 stored = layers / n * keep + freqs
-                working = n * layer_full
+                working = n * layer_full + grads
             else:
                 stored = n * keep + (layers - n) * layer_full + freqs
-                working = layer_full
+                working = layer_full + grads
+        elif self.recompute == "selective" and "core_attn" in self.recompute_modules and self.attention == "megatron":
+            stored = layers * layer
+            working = layer + probs + mask + grads  # the attention recomputed, then differentiated
+        elif self.recompute == "selective":
+            stored = layers * layer
+            working = layer_full
         else:
             stored = layers * layer
-            working = BACKWARD_LAYERS * layer
+            working = layer - probs - mask + grads if self.attention == "megatron" else BACKWARD_LAYERS * layer
         if first:
             stored += 8 * local
         logits = 0.0
@@ -281,6 +290,7 @@ class Plan:
     problems: list[str] = field(default_factory=list)
     ledger_slots: int | None = None
     stage: int = 0  # the most loaded pipeline stage
+    rank0: list[Line] = field(default_factory=list)  # what global rank 0 holds alone (stage 0)
 
     @property
     def device_total(self) -> float:
@@ -351,16 +361,21 @@ def plan(cfg: Config, shape: ModelShape, machine: Machine, teacher: ModelShape |
         entropy=rl is not None and rl.entropy_coef > 0)
     group = cfg.batch.samples_per_prompt
     per_rank = -(-cfg.batch.num_prompts_per_batch * group // dp)
-    micro = min(pp, group if thunder else per_rank)  # micro-batches in flight on the first stage
+    calls = group if thunder else per_rank  # most micro-batches in one schedule call (thunder: a closing group)
 
     best: tuple[float, int, list[Line]] | None = None
+    rank0: list[Line] = []
     for stage in range(pp):
+        micro = min(pp - stage, calls)  # 1F1B: stage r holds up to pp - r micro-batches' activations
         lines = _rank_lines(cfg, shape, act, stage, tp, pp, dp, e, s_padded, micro, gpu, out, teacher)
+        if stage == 0:
+            rank0 = [line for line in lines if line.rank0_only]
         total = sum(line.device for line in lines)
         if best is None or total > best[0]:
             best = (total, stage, lines)
     assert best is not None
     _, out.stage, out.lines = best
+    out.rank0 = rank0
     if gpu:
         out.lines.append(Line("runtime", device=GPU_RUNTIME_GIB * GiB, note="CUDA context, NCCL, allocator (estimate)"))
     baseline = machine.process_host_gb
@@ -491,9 +506,8 @@ def _node_host(out: Plan, machine: Machine, gpu: bool) -> None:
     ranks = min(machine.ranks_per_node, out.layout["world"])
     out.node_host = [Line(f"{ranks} ranks", host=ranks * per_rank,
                           note="host lines of each rank" + ("" if gpu else " + its process memory (CPU ranks)"))]
-    for line in out.lines:
-        if line.rank0_only:
-            out.node_host.append(Line(line.part, host=line.host + (0 if gpu else line.device), note=line.note))
+    for line in out.rank0:
+        out.node_host.append(Line(line.part, host=line.host + (0 if gpu else line.device), note=line.note))
     out.node_host.append(Line("controller (rank 0)", host=CONTROLLER_HOST_GIB * GiB, note="estimate"))
 
 
@@ -520,7 +534,7 @@ def _links(out: Plan, cfg: Config, shape: ModelShape, tp: int, pp: int, cp: int,
     wt = cfg.rollout.engine.weight_transfer
     links["weight_push_per_step"] = model_bytes * (1 if isinstance(wt, CollectiveTransfer) else servers)
     links["trajectories_per_rank_per_step"] = per_rank
-    links["tp_per_step"] = links["tp_per_trajectory"] * per_rank
+    links["tp_per_step_at_max_length"] = links["tp_per_trajectory"] * per_rank
 
 
 def _fit(out: Plan, machine: Machine, gpu: bool) -> None:

@@ -6,8 +6,8 @@ traffic, before anything starts (the formulas: ``megathunder.plan.memory_plan``)
 
 The model's sizes come from ``learner.model.hf_checkpoint`` (a Hugging Face directory or its
 ``config.json``; only that file is read), else from ``run.init_model`` (a directory), else from the
-locally built tiny model (``run.tiny_model``); the teacher's likewise from
-``objective.teacher.hf_checkpoint``. Prints a table and, as the last line, one JSON object. Exit
+locally built tiny model (``run.tiny_model``) -- or, with ``--sizes config``, from ``learner.model``
+itself; the teacher's likewise from ``objective.teacher.hf_checkpoint``. Prints a table and, as the last line, one JSON object. Exit
 status 0 when the layout fits, 1 when it does not (stderr names the part: the field that does not
 divide, or the memory that does not fit), 2 for a bad config.
 """
@@ -33,9 +33,13 @@ from megathunder.plan.memory_plan import GiB, Machine, ModelShape, Plan, plan, r
 TINY_VOCAB = 512  # the local tokenizer's vocabulary (megathunder.models.tiny_hf), a multiple of 64
 
 
-def model_shape(cfg: Config) -> ModelShape:
-    """The policy's shape: its config.json, or the config's own sizes, or the tiny model's."""
+def model_shape(cfg: Config, sizes: str = "run") -> ModelShape:
+    """The policy's shape. ``sizes="run"``: the model ``megathunder train`` starts from -- its
+    config.json (``learner.model.hf_checkpoint``, else ``run.init_model``), else the tiny model.
+    ``sizes="config"``: ``learner.model``'s own sizes (a learner built without a checkpoint)."""
     m = cfg.learner.model
+    if sizes == "config" and m.hf_checkpoint is None:
+        return ModelShape.of(m)
     if m.hf_checkpoint is not None:
         return ModelShape.of(read_model_config(m.hf_checkpoint, m, "learner.model.hf_checkpoint"))
     if cfg.run.init_model != "tiny":
@@ -100,8 +104,8 @@ def _count(n: float) -> str:
     return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
 
 
-def run_plan(cfg: Config, machine: Machine) -> Plan:
-    return plan(cfg, model_shape(cfg), machine, teacher_shape(cfg))
+def run_plan(cfg: Config, machine: Machine, sizes: str = "run") -> Plan:
+    return plan(cfg, model_shape(cfg, sizes), machine, teacher_shape(cfg))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -112,6 +116,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cpu", action="store_true", help="CPU ranks: every rank's memory is the node's")
     parser.add_argument("--ranks-per-node", type=int, default=8, help="learner ranks per node (default 8)")
     parser.add_argument("--host-memory-gb", type=float, default=None, help="per node (default: this machine's)")
+    parser.add_argument("--sizes", choices=["run", "config"], default="run",
+                        help="run: the model megathunder train starts from (hf_checkpoint, init_model or the tiny "
+                        "model); config: learner.model's own sizes")
     parser.add_argument("--process-host-gb", type=float, default=None,
                         help="host memory of one learner process besides what is counted (default: an estimate "
                         "on GPUs, 0 on CPU)")
@@ -123,7 +130,7 @@ def run(args: argparse.Namespace) -> int:
         machine = Machine(gpu_memory_gb=None if args.cpu else args.gpu_memory_gb, ranks_per_node=args.ranks_per_node,
                           host_memory_gb=args.host_memory_gb if args.host_memory_gb is not None else host_memory_gb(),
                           world=args.world, process_host_gb=args.process_host_gb)
-        result = run_plan(cfg, machine)
+        result = run_plan(cfg, machine, args.sizes)
     except ConfigError as err:
         print(f"megathunder plan: {err}", file=sys.stderr)
         return 2

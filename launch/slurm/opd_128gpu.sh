@@ -42,6 +42,7 @@ mt_settings
 mt_network_env
 mt_plan
 mt_check_config
+mt_check_plan "objective.teacher.hf_checkpoint=$MT_TEACHER_MODEL"
 mt_start_rollout
 mt_start_servers teacher MT_TEACHER_HOSTS "$MT_TEACHER_PORT" "$MT_TEACHER_MODEL" "$MT_CONFIG" "${MT_OVERRIDE_ARGS[@]}"
 mt_learner_preflight

@@ -46,6 +46,28 @@ C = ["learner.model.vocab_size=32000", "learner.model.hidden_size=1024", "learne
 COMMON = ["schedule.mode=thunder", "batch.samples_per_prompt=3", "learner.optimizer.name=adam",
           "learner.optimizer.use_distributed_optimizer=false", "agent.max_new_tokens_per_turn=1"]
 
+BF16 = ["learner.precision.params_dtype=bfloat16"]
+G = ["learner.model.vocab_size=65536", "learner.model.hidden_size=2048", "learner.model.ffn_hidden_size=5632",
+     "learner.model.num_layers=16", "learner.model.num_attention_heads=16", "learner.model.num_query_groups=4",
+     "learner.model.tie_word_embeddings=false"]  # 1.02B parameters (one GPU)
+GPU_LAYOUTS: dict[str, tuple[int, list[str]]] = {
+    "G bf16 K2 fp32 s2048": (1, G + BF16 + ["batch.num_prompts_per_batch=2", "ledger.max_group_slots=2",
+                                           "agent.max_total_tokens=2048"]),
+    "G bf16 K4 bf16-slots s2048": (1, G + BF16 + ["batch.num_prompts_per_batch=4", "ledger.max_group_slots=4",
+                                                 "ledger.slot_dtype=bfloat16", "agent.max_total_tokens=2048"]),
+    "G bf16 K4 host-slots s2048": (1, G + BF16 + ["batch.num_prompts_per_batch=4", "ledger.max_group_slots=4",
+                                                 "ledger.slot_placement=host", "agent.max_total_tokens=2048"]),
+    "G bf16 unfused selective s8192": (1, G + BF16 + ["batch.num_prompts_per_batch=1", "ledger.max_group_slots=1",
+                                                     "learner.activations.recompute=selective",
+                                                     "agent.max_total_tokens=8192"]),
+    "G bf16 sdpa full-recompute s32768": (1, G + BF16 + ["learner.precision.core_attention=sdpa",
+                                                        "learner.activations.recompute=full",
+                                                        "batch.num_prompts_per_batch=1", "ledger.max_group_slots=1",
+                                                        "agent.max_total_tokens=32768"]),
+    "G bf16 TE s8192": (1, G + BF16 + ["learner.precision.layer_spec=transformer_engine", "batch.num_prompts_per_batch=1",
+                                      "ledger.max_group_slots=1", "agent.max_total_tokens=8192"]),
+}
+
 LAYOUTS: dict[str, tuple[int, list[str]]] = {
     # name: (ranks, overrides)
     "A tp1 K2 fp32 s512": (1, A + ["batch.num_prompts_per_batch=2", "ledger.max_group_slots=2",
@@ -203,19 +225,21 @@ def predicted_bytes(overrides: Sequence[str], world: int, gpu_memory_gb: float |
     return total
 
 
-def run_layout(name: str, ranks: int, overrides: Sequence[str], timeout: float) -> dict:
+def run_layout(name: str, ranks: int, overrides: Sequence[str], timeout: float, device: str = "cpu") -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "ranks.json"
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={ranks}", "--master-addr=127.0.0.1",
                f"--master-port={_free_port()}", "-m", "megathunder.bench.memory_fit", "--worker", "--out", str(out),
                *COMMON, *overrides]
-        env = dict(os.environ, OMP_NUM_THREADS="1", MALLOC_MMAP_THRESHOLD_="65536", PYTHONWARNINGS="ignore")
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+        if device == "cpu":
+            env["MALLOC_MMAP_THRESHOLD_"] = "65536"
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
         if proc.returncode != 0:
             raise RuntimeError(f"{name}: ranks failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
         reports = json.loads(out.read_text())
     measured = max(r["measured"] for r in reports)
-    predicted = predicted_bytes([*COMMON, *overrides], ranks)
+    predicted = predicted_bytes([*COMMON, *overrides], ranks, 80.0 if device == "cuda" else None)
     return {"layout": name, "ranks": ranks, "measured": measured, "predicted": predicted,
             "error": (predicted - measured) / measured, "per_rank": reports}
 
@@ -233,27 +257,36 @@ def main(argv: Sequence[str]) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--layouts", nargs="+", default=None, help=f"a subset of: {'; '.join(LAYOUTS)}")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                        help="cpu: peak RSS of each rank; cuda: max allocated CUDA memory (one GPU, its own layouts)")
+    parser.add_argument("--layouts", nargs="+", default=None,
+                        help=f"a subset of: {'; '.join(LAYOUTS)} (cuda: {'; '.join(GPU_LAYOUTS)})")
     parser.add_argument("--tolerance", type=float, default=0.15)
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per layout")
     parser.add_argument("overrides", nargs="*", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
         return worker(args)
-    names = args.layouts or list(LAYOUTS)
-    unknown = [n for n in names if n not in LAYOUTS]
+    table = GPU_LAYOUTS if args.device == "cuda" else LAYOUTS
+    names = args.layouts or list(table)
+    unknown = [n for n in names if n not in table]
     if unknown:
-        parser.error(f"unknown layouts {unknown}; known: {list(LAYOUTS)}")
+        parser.error(f"unknown layouts {unknown}; known: {list(table)}")
+    if args.device == "cuda":
+        import importlib.util
+
+        if importlib.util.find_spec("transformer_engine") is None:
+            names = [n for n in names if "TE" not in n.split()]  # TE's layers need Transformer Engine
     rows = []
     print(f"{'layout':<36} {'ranks':>5} {'predicted GiB':>14} {'measured GiB':>13} {'error':>7}")
     for name in names:
-        ranks, overrides = LAYOUTS[name]
-        row = run_layout(name, ranks, overrides, args.timeout)
+        ranks, overrides = table[name]
+        row = run_layout(name, ranks, overrides, args.timeout, args.device)
         rows.append(row)
         print(f"{name:<36} {ranks:>5} {row['predicted'] / 2**30:>14.3f} {row['measured'] / 2**30:>13.3f} "
               f"{100 * row['error']:>+6.1f}%", flush=True)
     worst = max(abs(r["error"]) for r in rows)
-    print(json.dumps({"bench": "memory", "device": "cpu", "tolerance": args.tolerance, "max_abs_error": round(worst, 4),
+    print(json.dumps({"bench": "memory", "device": args.device, "tolerance": args.tolerance, "max_abs_error": round(worst, 4),
                       "rows": [{k: v for k, v in r.items() if k != "per_rank"} for r in rows],
                       "per_rank": {r["layout"]: r["per_rank"] for r in rows}}))
     return 0 if worst <= args.tolerance else 1

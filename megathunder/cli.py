@@ -16,6 +16,7 @@ if os.environ.get(console.QUIET_ENV) == "1":  # a child process of a quiet comma
 
 BENCHMARKS = {
     "ledger": "megathunder.bench.ledger_overhead",
+    "memory": "megathunder.bench.memory_fit",
     "learner": "megathunder.bench.learner_step",
     "opd": "megathunder.bench.opd_strategies",
     "episodes": "megathunder.bench.episode_timing",
@@ -34,6 +35,12 @@ def _cmd_config(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
     print(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False), end="")
     return 0
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from megathunder.plan.plan_cmd import run
+
+    return run(args)
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
@@ -122,6 +129,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("config", help="YAML config file")
     p.add_argument("overrides", nargs="*", metavar="key=value")
     p.set_defaults(func=_cmd_config)
+
+    p = sub.add_parser(
+        "plan",
+        help="memory per GPU and per node and traffic per link of the config's learner layout, from the "
+        "model's config.json; exit 1 naming the part that does not fit or divide",
+        description="Predict a layout's memory (weights, gradients, optimizer, ledger, activations of the "
+        "longest trajectory, reference, teacher, OPD state, weight push) per GPU and per node, and the "
+        "bytes per step on each link; a table, then one JSON line. The launch scripts run it first.",
+    )
+    from megathunder.plan.plan_cmd import add_arguments as add_plan_arguments
+
+    add_plan_arguments(p)
+    p.set_defaults(func=_cmd_plan)
 
     p = sub.add_parser(
         "exactness",

@@ -43,6 +43,7 @@ mt_settings
 mt_network_env
 mt_plan
 mt_check_config
+mt_check_plan
 mt_start_rollout
 mt_learner_preflight
 mt_wait_healthy

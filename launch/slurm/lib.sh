@@ -1,5 +1,7 @@
-# Shared by the launch scripts (sourced): settings from the environment, node split, rollout
-# servers, learner preflight, health checks, the learner step with checkpoint-and-requeue.
+# Shared by the launch scripts (sourced): settings from the environment, node split, the memory
+# plan (megathunder plan: MT_GPU_MEMORY_GB, default 80; MT_HOST_MEMORY_GB, default the learner
+# node's), rollout servers, learner preflight, health checks, the learner step with
+# checkpoint-and-requeue.
 # Every failure goes through mt_die, which names the component and exits non-zero.
 
 mt_log() { echo "megathunder launch [$(date -u +%H:%M:%S)]: $*"; }
@@ -123,6 +125,24 @@ mt_check_config() {  # a bad config is named before any server or rank starts (i
   [[ "$MT_DRY_RUN" == 1 ]] || cmd=(srun "${MT_SRUN_EXTRA[@]}" --nodes=1 --ntasks=1 --nodelist="${MT_LEARNER_HOSTS[0]}"
                                     --job-name=config "${cmd[@]}")
   "${cmd[@]}" >"$MT_LOG_DIR/config.yaml" 2>"$MT_LOG_DIR/config.err" || mt_die config "$(grep -v Warning "$MT_LOG_DIR/config.err")"
+}
+
+mt_check_plan() {  # [overrides...]: the layout's memory fits the learner nodes, or the part that does not is named
+  # (megathunder plan: model config.json on a learner node, before any server or rank starts)
+  local cmd=($MT_PYTHON -m megathunder.cli plan "$MT_CONFIG" "${MT_OVERRIDE_ARGS[@]}" "$@" --world "$MT_LEARNER_WORLD"
+             --ranks-per-node "$MT_LEARNER_TASKS_PER_NODE")
+  if ((MT_GPUS_PER_NODE > 0)); then cmd+=(--gpu-memory-gb "${MT_GPU_MEMORY_GB:-80}"); else cmd+=(--cpu); fi
+  [[ -n "${MT_HOST_MEMORY_GB:-}" ]] && cmd+=(--host-memory-gb "$MT_HOST_MEMORY_GB")
+  [[ "$MT_DRY_RUN" == 1 ]] || cmd=(srun "${MT_SRUN_EXTRA[@]}" --nodes=1 --ntasks=1 --nodelist="${MT_LEARNER_HOSTS[0]}"
+                                    --job-name=plan "${cmd[@]}")
+  local status=0
+  "${cmd[@]}" >"$MT_LOG_DIR/plan.txt" 2>"$MT_LOG_DIR/plan.err" || status=$?
+  if ((status == 2)) && [[ "$MT_DRY_RUN" == 1 ]]; then  # a dry run away from the models: nothing to read
+    mt_log "plan: not checked in this dry run: $(grep -v Warning "$MT_LOG_DIR/plan.err" | tail -n 1)"
+    return 0
+  fi
+  ((status == 0)) || mt_die plan "$(grep -v Warning "$MT_LOG_DIR/plan.err" | grep -v '^ *warnings.warn' | tail -n 5)"
+  mt_log "plan: $(grep -E '^total ' "$MT_LOG_DIR/plan.txt" | head -1 | awk '{print $2" GiB per rank"}'); fits (${MT_LOG_DIR}/plan.txt)"
 }
 
 # ---- vLLM server pools (rollout; teacher for OPD) -----------------------------------------------

@@ -4,7 +4,7 @@
 # teacher (MT_TEACHER_MODEL, any size, the student's tokenizer) runs in the student's layout and
 # scores each finished turn on its K/V cache (objective.kind: opd; launch/slurm/opd_128gpu.yaml).
 #
-#   MT_TEACHER_MODEL=/models/Qwen2.5-72B-Instruct \
+#   MT_TEACHER_MODEL=/models/Qwen2.5-32B-Instruct \
 #   MT_OVERRIDES="learner.model.hf_checkpoint=/models/Qwen2.5-7B-Instruct" sbatch launch/slurm/opd_128gpu.sh
 #   MT_DRY_RUN=1 MT_NODELIST='gpu[01-16]' MT_TEACHER_MODEL=/m bash launch/slurm/opd_128gpu.sh
 #
@@ -42,6 +42,7 @@ mt_settings
 mt_network_env
 mt_plan
 mt_check_config
+mt_check_plan "objective.teacher.hf_checkpoint=$MT_TEACHER_MODEL"
 mt_start_rollout
 mt_start_servers teacher MT_TEACHER_HOSTS "$MT_TEACHER_PORT" "$MT_TEACHER_MODEL" "$MT_CONFIG" "${MT_OVERRIDE_ARGS[@]}"
 mt_learner_preflight

@@ -10,6 +10,7 @@ section is a discriminated union: each variant holds only its own fields.
 
 from megathunder.config.base import Strict, is_loopback
 from megathunder.config.learner_config import (
+    ActivationsConfig,
     LearnerConfig,
     LearnerOptimizerConfig,
     ParallelConfig,
@@ -66,6 +67,7 @@ from megathunder.config.run_config import (
 
 __all__ = [
     "SCHEDULE_MODES",
+    "ActivationsConfig",
     "AgentLoopConfig",
     "BatchConfig",
     "CollectiveTransfer",

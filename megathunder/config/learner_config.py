@@ -11,13 +11,29 @@ from megathunder.config.base import Strict
 
 
 class ParallelConfig(Strict):
-    """Megatron parallel layout. world size = tensor x pipeline x data (data inferred if null)."""
+    """Megatron parallel layout. world size = tensor x pipeline x context x data (data inferred if
+    null)."""
 
     tensor_parallel: int = Field(1, ge=1)
     pipeline_parallel: int = Field(1, ge=1)
+    context_parallel: int = Field(1, ge=1)
+    """Each trajectory's sequence split over this many ranks (Megatron's load-balanced 2 x CP
+    chunks; attention through Transformer Engine, so GPUs and layer_spec=transformer_engine only)."""
     data_parallel: int | None = Field(None, ge=1)
+    sequence_parallel: bool = False
+    """Megatron sequence parallelism: the activations outside the tensor-parallel matmuls (norms,
+    residuals, the layer inputs) are split along the sequence over the TP ranks instead of
+    replicated. Needs tensor_parallel > 1; each trajectory is padded to a multiple of TP."""
+    cp_comm_type: Literal["p2p", "all_gather", "a2a", "a2a+p2p"] = "p2p"
+    """How context-parallel ranks exchange keys and values (Transformer Engine)."""
     backend: Literal["auto", "gloo", "nccl"] = "auto"
     """auto: nccl with CUDA, gloo without."""
+
+    @model_validator(mode="after")
+    def _check(self) -> ParallelConfig:
+        if self.sequence_parallel and self.tensor_parallel == 1:
+            raise ValueError("sequence_parallel: needs tensor_parallel > 1 (it splits the sequence over the TP ranks)")
+        return self
 
 
 class PolicyModelConfig(Strict):
@@ -59,10 +75,13 @@ class PrecisionConfig(Strict):
     params_dtype: Literal["float32", "bfloat16"] = "float32"
     layer_spec: Literal["local", "transformer_engine"] = "local"
     """local: Megatron's own layers (CPU and GPU); transformer_engine: TE layers (GPU only)."""
-    core_attention: Literal["megatron", "past_kv"] = "megatron"
-    """megatron: the layer spec's own core attention; past_kv: ours, which also attends to a cache
-    of past keys/values with autograd (needed by the per-turn OPD strategies kv_adjoint and
-    forward_early; same math as megatron on a whole sequence)."""
+    core_attention: Literal["megatron", "sdpa", "past_kv"] = "megatron"
+    """megatron: the layer spec's own core attention (the local spec's is unfused: it stores s x s
+    scores per head; Transformer Engine's is fused); sdpa: ours on torch's
+    ``scaled_dot_product_attention`` (flash / memory-efficient kernels: memory linear in the
+    length, without Transformer Engine); past_kv: sdpa that also attends to a cache of past
+    keys/values with autograd (needed by the per-turn OPD strategies kv_adjoint and forward_early;
+    same math as the others on a whole sequence)."""
     fp8: Literal["e4m3", "hybrid"] | None = None
     """FP8 format for TE linear layers; hybrid = e4m3 forward, e5m2 backward."""
     fp8_recipe: Literal["delayed", "tensorwise", "mxfp8", "blockwise"] = "delayed"
@@ -76,6 +95,24 @@ class PrecisionConfig(Strict):
         if self.fp8 is not None and self.layer_spec != "transformer_engine":
             raise ValueError("fp8: needs layer_spec=transformer_engine (FP8 runs in TE's layers)")
         return self
+
+
+class ActivationsConfig(Strict):
+    """Activation memory: Megatron's activation recomputation (``TransformerConfig``'s
+    ``recompute_*`` fields, passed through)."""
+
+    recompute: Literal["none", "selective", "full"] = "none"
+    """none: every activation kept for the backward; selective: the ``recompute_modules`` of each
+    layer are recomputed in the backward (core attention by default: the s x s part of an unfused
+    attention); full: only each recomputed layer's input is kept, the layer is run again in the
+    backward."""
+    recompute_method: Literal["uniform", "block"] = "uniform"
+    """full: uniform checkpoints every ``recompute_num_layers`` layers; block recomputes the first
+    ``recompute_num_layers`` layers of each pipeline stage and keeps the rest."""
+    recompute_num_layers: int = Field(1, ge=1)
+    """full: layers per checkpoint (uniform) or layers recomputed per stage (block)."""
+    recompute_modules: list[Literal["core_attn", "mlp", "layernorm"]] = ["core_attn"]
+    """selective: which parts of each layer are recomputed."""
 
 
 class LearnerOptimizerConfig(Strict):
@@ -114,6 +151,7 @@ class LearnerConfig(Strict):
     parallel: ParallelConfig = ParallelConfig()
     model: PolicyModelConfig = PolicyModelConfig()
     precision: PrecisionConfig = PrecisionConfig()
+    activations: ActivationsConfig = ActivationsConfig()
     optimizer: LearnerOptimizerConfig = LearnerOptimizerConfig()
     reference: ReferenceModelConfig = ReferenceModelConfig()
     seed: int = 1234
@@ -122,11 +160,25 @@ class LearnerConfig(Strict):
     def _check(self) -> LearnerConfig:
         tp, pp, m = self.parallel.tensor_parallel, self.parallel.pipeline_parallel, self.model
         if m.hf_checkpoint is None:  # sizes known now; an HF checkpoint is checked when read
-            check_parallel_divides_model(m, tp, pp)
+            check_parallel_divides_model(m, tp, pp, self.parallel.context_parallel, self.parallel.cp_comm_type)
+        spec, attention = self.precision.layer_spec, self.precision.core_attention
+        if self.parallel.context_parallel > 1:
+            if spec != "transformer_engine":
+                raise ValueError(
+                    f"parallel.context_parallel: {self.parallel.context_parallel} needs "
+                    "precision.layer_spec=transformer_engine (context-parallel attention is Transformer "
+                    "Engine's; the local spec has none)")
+            if attention != "megatron":
+                raise ValueError(f"parallel.context_parallel: not with precision.core_attention={attention} "
+                                 "(context parallelism runs in Transformer Engine's attention)")
+        if self.activations.recompute != "none" and attention == "past_kv":
+            raise ValueError("activations.recompute: not with precision.core_attention=past_kv (a recomputed "
+                             "segment forward would no longer see its past keys/values)")
         return self
 
 
-def check_parallel_divides_model(m: PolicyModelConfig, tp: int, pp: int) -> None:
+def check_parallel_divides_model(m: PolicyModelConfig, tp: int, pp: int, cp: int = 1,
+                                 cp_comm_type: str = "p2p") -> None:
     """Raise ValueError naming the field when the layout cannot shard this model."""
     if m.num_attention_heads % tp:
         raise ValueError(
@@ -145,3 +197,8 @@ def check_parallel_divides_model(m: PolicyModelConfig, tp: int, pp: int) -> None
         )
     if m.num_layers % pp:
         raise ValueError(f"parallel.pipeline_parallel: {pp} does not divide model.num_layers={m.num_layers}")
+    if cp > 1 and cp_comm_type.startswith("a2a"):  # all-to-all over CP exchanges heads (TE)
+        for name, count in (("num_attention_heads", m.num_attention_heads), ("num_query_groups", m.num_query_groups)):
+            if count % (tp * cp):
+                raise ValueError(f"parallel.context_parallel: tensor_parallel x context_parallel = {tp} x {cp} "
+                                 f"does not divide model.{name}={count} (cp_comm_type={cp_comm_type})")

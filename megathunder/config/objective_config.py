@@ -90,6 +90,11 @@ class Distillation(_Kind):
     beta: float = Field(1.0, gt=0)
     """Coefficient of the per-token divergence to the teacher."""
     teacher: TeacherConfig = TeacherConfig()
+    max_cached_trajectories: int | None = Field(16, ge=0)
+    """Per learner rank: trajectories in flight whose per-turn state is kept (the student's segment
+    K/V and graphs under kv_adjoint / forward_early, the teacher's K/V cache). A trajectory that
+    starts while this many are open streams with ``recompute`` and an uncached teacher instead --
+    the same gradient, no state between turns. null: unbounded; 0: every trajectory recomputes."""
 
     @property
     def needs_teacher(self) -> bool:
@@ -155,11 +160,27 @@ DistillObjective = OPDObjective | OPDGRPOObjective
 
 
 class LedgerConfig(Strict):
-    """The gradient ledger: how many groups may stream per trajectory at once."""
+    """The gradient ledger: how many groups may stream per trajectory at once, and where their
+    buffers live (``megathunder.streaming.buffers``; the bound and the costs in docs/exactness.md,
+    section 2.7)."""
 
     max_group_slots: int | None = Field(None, ge=0)
     """K: groups that accumulate per-trajectory gradients while open (2 parameter-sized buffers
-    each, 1 for std-free advantages). 0 = group-level streaming; null = unbounded."""
+    each, 1 for std-free advantages). 0 = group-level streaming; null = unbounded, unless
+    ``slot_budget_gb`` bounds it."""
+    slot_budget_gb: float | None = Field(None, ge=0)
+    """GiB the slot buffers may take on each rank, in their placement; K is then the smaller of
+    ``max_group_slots`` and the number of slots that fit (each slot counted at its largest: 2
+    buffers, or 1 for std-free advantages). Set it, leave K null, and K follows the model's size."""
+    slot_dtype: Literal["gradient", "bfloat16"] = "gradient"
+    """gradient: the gradient buffers' own dtype (fp32 on the Megatron learner), exact as before.
+    bfloat16: half of fp32's memory; every add into a slot rounds to bf16 once, an error bounded
+    in docs/exactness.md (section 2.7)."""
+    slot_placement: Literal["device", "host"] = "device"
+    """device: slot buffers next to the gradient. host: in (pinned) host memory; each gradient
+    goes down through one device staging buffer while the next backward runs, and is added on a
+    host thread; the update is the same as with device slots. On a CPU learner both are the same
+    memory."""
     reward_free_terms: Literal["with_score", "at_finish"] = "with_score"
     """When KL/entropy gradients are computed: in the same forward as the trajectory's score
     gradient (fewest passes), or as soon as the trajectory finishes (earliest)."""

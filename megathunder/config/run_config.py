@@ -255,6 +255,13 @@ class Config(Strict):
         if self.learner.parallel.pipeline_parallel > 1:  # a turn's forward is a plain model call
             raise ValueError(f"learner.parallel.pipeline_parallel: objective.kind={obj.kind} runs each turn's "
                              "forward as one model call, not a pipeline schedule; use 1")
+        if self.learner.parallel.context_parallel > 1:
+            raise ValueError(f"learner.parallel.context_parallel: objective.kind={obj.kind} forwards each turn "
+                             "as one model call on the whole segment; use 1")
+        if self.learner.parallel.sequence_parallel:
+            raise ValueError(f"learner.parallel.sequence_parallel: objective.kind={obj.kind} forwards each turn "
+                             "segment as one model call of its own length, which sequence parallelism would split "
+                             "over the TP ranks; use false")
         if obj.strategy != "recompute" and self.learner.precision.core_attention != "past_kv":
             raise ValueError(f"objective.strategy: {obj.strategy} needs learner.precision.core_attention=past_kv")
         if isinstance(obj, OPDGRPOObjective) and self.verifier.on_failure == "drop_group":

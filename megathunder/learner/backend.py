@@ -9,6 +9,18 @@ gradient is written back into ``grad_data`` and reduced across data-parallel ran
 
 All ranks of one model-parallel group (TP and PP peers) must call ``backward`` with the same
 trajectories in the same order: the schedule communicates between them.
+
+Long trajectories (``run_schedule``). Under sequence parallelism the sequence is split over the TP
+ranks and under context parallelism over the CP ranks (Megatron's load-balanced layout: 2 x CP
+chunks, rank r holding chunks r and 2CP - 1 - r), so each trajectory's inputs are padded at the end
+to a multiple of ``ParallelDims.seq_multiple``. Padding is exact: attention is causal, so no real
+position sees a pad, and the pads' targets are cut off before the loss, so their rows carry zero
+gradient. Under CP each rank's logits cover its own chunks; their token logprobs (and entropies)
+are gathered into the whole sequence with a gather whose backward returns each rank its own
+positions' share, so ``loss_fn`` still sees one whole trajectory -- per-sequence terms (the
+aggregation's nu_i, sequence-level TIS) stay what they are -- and every CP rank computes the same
+loss; each rank's backward then covers the paths through its own chunks, and the DP x CP gradient
+reduction in ``step`` sums them into the trajectory's gradient.
 """
 
 from __future__ import annotations
@@ -17,6 +29,8 @@ from collections.abc import Callable, Iterator, Sequence
 from functools import partial
 
 import torch
+import torch.distributed as dist
+import torch.nn.functional as F
 from megatron.core.distributed import DistributedDataParallel
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
@@ -44,25 +58,39 @@ def run_schedule(
     on the last stage, one dict per micro-batch with its detached ``logp`` (and ``entropy``).
     """
     device = pgs.device
+    dims = pgs.dims
     index = iter(range(len(items)))
 
     def forward_step(data_iterator, model):
         k = next(data_iterator)
         tokens = items[k].tokens.to(device)
-        inputs, labels = tokens[None, :-1], tokens[1:]
-        positions = torch.arange(inputs.shape[1], device=device)[None]
-        output = model(inputs, positions, attention_mask=None)
-        return output, partial(_loss_func, k, labels)
+        num_targets = tokens.numel() - 1
+        pad = padded_length(num_targets, dims.seq_multiple) - num_targets
+        inputs, labels = F.pad(tokens[:-1], (0, pad)), F.pad(tokens[1:], (0, pad))
+        positions = torch.arange(inputs.numel(), device=device)
+        if dims.cp > 1:
+            from megatron.core.utils import get_batch_on_this_cp_rank
 
-    def _loss_func(k, labels, output):
+            local = get_batch_on_this_cp_rank({"tokens": inputs[None], "labels": labels[None],
+                                               "position_ids": positions[None]}, pgs.cp)
+            inputs, labels, positions = local["tokens"][0], local["labels"][0], local["position_ids"][0]
+        output = model(inputs[None], positions[None], attention_mask=None)
+        return output, partial(_loss_func, k, labels, num_targets)
+
+    def _loss_func(k, labels, num_targets, output):
         logp, entropy = vocab_parallel_logprobs(output[0], labels, pgs.tp, need_entropy)
+        if dims.cp > 1:
+            logp = gather_sequence(logp, pgs)
+            entropy = None if entropy is None else gather_sequence(entropy, pgs)
+        logp = logp[:num_targets]
+        entropy = None if entropy is None else entropy[:num_targets]
         loss = loss_fn(k, logp, entropy)
         report = {"logp": logp.detach()}
         if entropy is not None:
             report["entropy"] = entropy.detach()
         return loss, torch.ones((), dtype=torch.int, device=device), report
 
-    seq_length = max(t.tokens.numel() - 1 for t in items)
+    seq_length = padded_length(max(t.tokens.numel() - 1 for t in items), dims.seq_multiple)
     extra = {}
     if pgs.dims.pp > 1:
         config = ddp_model.config
@@ -79,6 +107,49 @@ def run_schedule(
         pg_collection=pgs.collection,
         **extra,
     )
+
+
+def padded_length(num_targets: int, multiple: int) -> int:
+    """The smallest multiple of ``multiple`` that holds ``num_targets`` positions."""
+    return -(-num_targets // multiple) * multiple
+
+
+def cp_positions(length: int, cp: int, rank: int, device: torch.device) -> torch.Tensor:
+    """The positions of a ``length``-long sequence that context-parallel rank ``rank`` holds:
+    chunks rank and 2 cp - 1 - rank of 2 cp (``megatron.core.utils.get_batch_on_this_cp_rank``)."""
+    chunk = length // (2 * cp)
+    first = torch.arange(rank * chunk, (rank + 1) * chunk, device=device)
+    last = torch.arange((2 * cp - 1 - rank) * chunk, (2 * cp - rank) * chunk, device=device)
+    return torch.cat([first, last])
+
+
+class _GatherSequence(torch.autograd.Function):
+    """Forward: every CP rank's per-position values, in sequence order, on every rank. Backward:
+    this rank's positions of the gradient (each rank holds the same loss of the whole sequence,
+    so the gradient of its own positions is its whole share; nothing is summed)."""
+
+    @staticmethod
+    def forward(ctx, local: torch.Tensor, pgs: ProcessGroups) -> torch.Tensor:
+        cp = pgs.dims.cp
+        parts = [torch.empty_like(local) for _ in range(cp)]
+        dist.all_gather(parts, local.contiguous(), group=pgs.cp)
+        length = local.numel() * cp
+        full = local.new_empty(length)
+        for rank, part in enumerate(parts):
+            full[cp_positions(length, cp, rank, local.device)] = part
+        ctx.positions = cp_positions(length, cp, pgs.cp_rank, local.device)
+        return full
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad[ctx.positions], None
+
+
+def gather_sequence(local: torch.Tensor, pgs: ProcessGroups) -> torch.Tensor:
+    """Per-position values [s / cp] of this CP rank's chunks -> [s] in sequence order."""
+    out = _GatherSequence.apply(local, pgs)
+    assert isinstance(out, torch.Tensor)
+    return out
 
 
 class MegatronBackend:

@@ -316,7 +316,7 @@ def opd_streamer(learner: MegatronLearner, teacher: CachedTeacher, into: GradBuf
     seg = MegatronSegmentModel(learner.ddp, learner.pgs)
     model = seg if into is None else IntoAccumulator(seg, learner.backend.live, into)
     return TurnStreamer(model, teacher, beta=opd.beta, strategy=opd.strategy, aggregation=opd.aggregation,
-                        divergence=opd.divergence, jsd_lam=opd.jsd_lam)
+                        divergence=opd.divergence, jsd_lam=opd.jsd_lam, max_cached=opd.max_cached_trajectories)
 
 
 def finish_opd_stream(learner: MegatronLearner, streamer: TurnStreamer) -> OPDTotals:
@@ -414,7 +414,8 @@ class OPDGRPOBatch(OPDBatch):
             assert self.kl is not None  # streamed
             closed = self.ledger.close_batch()
             divergence = finish_opd_grpo_stream(self.learner, self.streamer, self.kl, closed.normaliser)
-            result = BatchResult(**{**asdict(closed), "peak_buffers": closed.peak_buffers + 1})
+            result = BatchResult(**{**asdict(closed), "peak_buffers": closed.peak_buffers + 1,
+                                    "peak_device_bytes": closed.peak_device_bytes + self.kl.nbytes})
         else:
             order = [tid for _, members in self.plan for tid in members]
             totals = opd_grpo_gradient(self.learner, [self.trajs[t] for t in order], _kept_rewards(self.rewards, order),

@@ -6,7 +6,10 @@ CUDA RNG state in the tensor-parallel RNG tracker, ``torch.cuda.current_device()
 ``torch.cuda.FloatTensor`` names in the optimizers. ``enable()`` maps all of these to the CPU:
 
 - a ``TorchFunctionMode`` rewrites any CUDA device argument to ``cpu`` and makes ``Tensor.cuda()``
-  a no-op;
+  a no-op; the autograd engine does not carry a Python function mode into backward passes, so
+  the backward of every Python autograd function (Megatron's sequence-parallel linear layers
+  allocate with ``device=torch.cuda.current_device()`` there; activation checkpointing re-runs the
+  forward there) enters it too;
 - the CUDA RNG functions are pointed at the CPU generator;
 - ``torch.cuda.current_device`` / ``synchronize`` / ``set_device`` become harmless;
 - ``Tensor.type()`` reports CPU float tensors under their CUDA names, which is what the optimizer
@@ -87,6 +90,17 @@ def enable() -> bool:
         return original_type(self, dtype, non_blocking, **kwargs)
 
     torch.Tensor.type = _type
+    from torch.autograd.function import BackwardCFunction
+
+    backward_apply = BackwardCFunction.apply
+
+    def _apply_with_mode(self, *args):
+        if any(isinstance(m, _CudaToCpu) for m in torch.overrides._get_current_function_mode_stack()):
+            return backward_apply(self, *args)
+        with _CudaToCpu():
+            return backward_apply(self, *args)
+
+    BackwardCFunction.apply = _apply_with_mode
     _MODE = _CudaToCpu()
     _MODE.__enter__()
     _ENABLED = True

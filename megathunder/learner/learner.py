@@ -72,7 +72,7 @@ class MegatronLearner:
         hf_dir = Path(hf_dir) if hf_dir is not None else (
             Path(cfg.model.hf_checkpoint) if cfg.model.hf_checkpoint is not None else None)
         model_cfg = resolve_model_config(cfg.model, hf_dir)
-        model = build_gpt_model(model_cfg, cfg.precision, pgs)
+        model = build_gpt_model(model_cfg, cfg.precision, pgs, cfg.activations)
         offset = layer_offset(model_cfg, pgs)
         if hf_dir is not None:
             hf.load_hf(model, hf_dir, model_cfg, pgs, offset)  # this rank's slices only

@@ -4,7 +4,11 @@ All three families are RMSNorm + SwiGLU + RoPE + grouped-query attention; they d
 biases (Qwen2 has q/k/v biases), q/k RMSNorm (Qwen3) and tied embeddings (small Qwen models).
 The layer spec is Megatron's ``local`` spec (CPU and GPU) or Transformer Engine's (GPU; required
 for FP8, whose format and recipe are passed to TE through ``TransformerConfig``), either with its
-own core attention or with ours over past keys/values (``megathunder.learner.past_kv``).
+own core attention, with ours on torch's fused ``scaled_dot_product_attention``
+(``megathunder.learner.sdpa_attention``: memory linear in the length) or with ours over past
+keys/values (``megathunder.learner.past_kv``). Activation memory: Megatron's sequence parallelism
+and activation recomputation (selective, full) and, on the TE spec, context parallelism, passed
+through ``TransformerConfig``.
 """
 
 from __future__ import annotations
@@ -15,9 +19,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from megathunder.config import ConfigError, LearnerConfig, PolicyModelConfig, PrecisionConfig
+from megathunder.config import ActivationsConfig, ConfigError, LearnerConfig, PolicyModelConfig, PrecisionConfig
 from megathunder.learner.parallel import ProcessGroups
 from megathunder.learner.past_kv import with_past_kv_attention
+from megathunder.learner.sdpa_attention import SDPAttention, with_core_attention
+from megathunder.learner.sp_norm import with_sequence_parallel_norms
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -52,7 +58,10 @@ def policy_config_from_hf(hf_dir: str | Path, base: PolicyModelConfig) -> Policy
     ))
 
 
-def transformer_config(model: PolicyModelConfig, precision: PrecisionConfig, pgs: ProcessGroups):
+def transformer_config(model: PolicyModelConfig, precision: PrecisionConfig, pgs: ProcessGroups,
+                       activations: ActivationsConfig | None = None):
+    """Megatron's ``TransformerConfig`` of this model, layout and precision; ``activations``: the
+    recompute settings (none for forward-only models: the reference, the teacher)."""
     from megatron.core.transformer import TransformerConfig
 
     dtype = DTYPES[precision.params_dtype]
@@ -66,6 +75,16 @@ def transformer_config(model: PolicyModelConfig, precision: PrecisionConfig, pgs
             fp8_amax_history_len=precision.fp8_amax_history_len,
             fp8_amax_compute_algo=precision.fp8_amax_compute_algo,
         )
+    memory: dict = {}
+    if pgs.dims.sp:
+        memory["sequence_parallel"] = True
+    if pgs.dims.cp > 1:
+        memory.update(context_parallel_size=pgs.dims.cp, cp_comm_type=pgs.dims.cp_comm_type)
+    if activations is not None and activations.recompute == "selective":
+        memory.update(recompute_granularity="selective", recompute_modules=list(activations.recompute_modules))
+    elif activations is not None and activations.recompute == "full":
+        memory.update(recompute_granularity="full", recompute_method=activations.recompute_method,
+                      recompute_num_layers=activations.recompute_num_layers)
     return TransformerConfig(
         num_layers=model.num_layers,
         hidden_size=model.hidden_size,
@@ -96,12 +115,16 @@ def transformer_config(model: PolicyModelConfig, precision: PrecisionConfig, pgs
         persist_layer_norm=False,
         calculate_per_token_loss=True,  # DP reduction sums the ranks' partial gradients
         **fp8,
+        **memory,
     )
 
 
-def layer_spec(model: PolicyModelConfig, precision: PrecisionConfig):
+def layer_spec(model: PolicyModelConfig, precision: PrecisionConfig, sequence_parallel: bool = False,
+               num_layers: int | None = None):
     """The GPT layer spec: local or Transformer Engine, with Megatron's core attention or ours
-    (``past_kv``: attends to a cache of past keys/values with autograd, for per-turn OPD)."""
+    (``sdpa``: torch's fused kernels; ``past_kv``: also attends to a cache of past keys/values
+    with autograd, for per-turn OPD). The local spec under sequence parallelism becomes a block
+    spec of ``num_layers`` layers with SP-aware norms (``megathunder.learner.sp_norm``)."""
     qk_norm = model.family == "qwen3"
     if precision.layer_spec == "transformer_engine":
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
@@ -113,6 +136,11 @@ def layer_spec(model: PolicyModelConfig, precision: PrecisionConfig):
         spec = get_gpt_layer_local_spec(qk_layernorm=qk_norm, normalization="RMSNorm")
     if precision.core_attention == "past_kv":
         spec = with_past_kv_attention(spec)
+    elif precision.core_attention == "sdpa":
+        spec = with_core_attention(spec, SDPAttention)
+    if sequence_parallel and precision.layer_spec == "local":
+        assert num_layers is not None, "the local spec under sequence parallelism needs the stage's layer count"
+        spec = with_sequence_parallel_norms(spec, num_layers)
     return spec
 
 
@@ -121,15 +149,24 @@ def resolve_model_config(model: PolicyModelConfig, hf_dir: str | Path | None) ->
     return model if hf_dir is None else policy_config_from_hf(hf_dir, model)
 
 
-def build_gpt_model(model_cfg: PolicyModelConfig, precision: PrecisionConfig, pgs: ProcessGroups):
+def build_gpt_model(model_cfg: PolicyModelConfig, precision: PrecisionConfig, pgs: ProcessGroups,
+                    activations: ActivationsConfig | None = None):
     """The GPTModel chunk of this pipeline stage (weights randomly initialised)."""
     from megatron.core.models.gpt import GPTModel
 
     pgs.dims.check_model(model_cfg)
-    config = transformer_config(model_cfg, precision, pgs)
+    if activations is not None and activations.recompute == "full":
+        per_stage, n = model_cfg.num_layers // pgs.dims.pp, activations.recompute_num_layers
+        if activations.recompute_method == "block" and n > per_stage:
+            raise ConfigError(f"learner.activations.recompute_num_layers: {n} exceeds the {per_stage} layers of a "
+                              "pipeline stage")
+        if activations.recompute_method == "uniform" and per_stage % n:
+            raise ConfigError(f"learner.activations.recompute_num_layers: {n} does not divide the {per_stage} layers "
+                              "of a pipeline stage (recompute_method=uniform)")
+    config = transformer_config(model_cfg, precision, pgs, activations)
     model = GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(model_cfg, precision),
+        transformer_layer_spec=layer_spec(model_cfg, precision, pgs.dims.sp, model_cfg.num_layers // pgs.dims.pp),
         vocab_size=model_cfg.vocab_size,
         max_sequence_length=model_cfg.max_position_embeddings,
         pre_process=pgs.is_first_stage,

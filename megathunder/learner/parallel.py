@@ -1,7 +1,7 @@
 """Parallel layout and process groups, validated first and built once.
 
-``ParallelDims`` checks that the world is exactly tensor x pipeline x data *before* any process
-group exists. ``init_distributed`` then starts torch.distributed (gloo on CPU, NCCL on GPU), lets
+``ParallelDims`` checks that the world is exactly tensor x pipeline x context x data *before* any
+process group exists. ``init_distributed`` then starts torch.distributed (gloo on CPU, NCCL on GPU), lets
 Megatron build its groups once, and returns them as a ``ProcessGroups`` value that is passed to
 everything that communicates -- no code of ours reaches into Megatron's globals for a group.
 """
@@ -34,26 +34,36 @@ class ParallelDims:
     tp: int
     pp: int
     dp: int
+    cp: int = 1
+    sp: bool = False  # sequence parallelism over the TP ranks
+    cp_comm_type: str = "p2p"
 
     @classmethod
     def build(cls, cfg: ParallelConfig, world_size: int) -> ParallelDims:
-        tp, pp = cfg.tensor_parallel, cfg.pipeline_parallel
-        if world_size % (tp * pp):
-            raise ConfigError(
-                f"learner.parallel: world size {world_size} is not a multiple of "
-                f"tensor_parallel x pipeline_parallel = {tp} x {pp}"
-            )
-        dp = world_size // (tp * pp)
+        tp, pp, cp = cfg.tensor_parallel, cfg.pipeline_parallel, cfg.context_parallel
+        if world_size % (tp * pp * cp):
+            layout = f"tensor_parallel x pipeline_parallel = {tp} x {pp}" if cp == 1 else \
+                f"tensor_parallel x pipeline_parallel x context_parallel = {tp} x {pp} x {cp}"
+            raise ConfigError(f"learner.parallel: world size {world_size} is not a multiple of {layout}")
+        dp = world_size // (tp * pp * cp)
         if cfg.data_parallel is not None and cfg.data_parallel != dp:
+            cp_part = f" x {cp} (cp)" if cp > 1 else ""
             raise ConfigError(
                 f"learner.parallel.data_parallel: {cfg.data_parallel}, but world size {world_size} "
-                f"= {tp} (tp) x {pp} (pp) x {dp} (dp)"
+                f"= {tp} (tp) x {pp} (pp){cp_part} x {dp} (dp)"
             )
-        return cls(tp, pp, dp)
+        return cls(tp, pp, dp, cp, cfg.sequence_parallel, cfg.cp_comm_type)
+
+    @property
+    def seq_multiple(self) -> int:
+        """Every trajectory's length is padded to a multiple of this: TP under sequence parallelism
+        (the sequence is split over the TP ranks), 2 x CP under context parallelism (Megatron's
+        load-balanced chunks), their product with both."""
+        return (self.tp if self.sp else 1) * (2 * self.cp if self.cp > 1 else 1)
 
     def check_model(self, model: PolicyModelConfig) -> None:
         try:
-            check_parallel_divides_model(model, self.tp, self.pp)
+            check_parallel_divides_model(model, self.tp, self.pp, self.cp, self.cp_comm_type)
         except ValueError as err:
             raise ConfigError(f"learner.{err}") from None
 
@@ -82,6 +92,14 @@ class ProcessGroups:
         return self.collection.dp
 
     @property
+    def cp(self) -> dist.ProcessGroup:
+        return self.collection.cp
+
+    @property
+    def cp_rank(self) -> int:
+        return dist.get_rank(self.collection.cp) if self.dims.cp > 1 else 0
+
+    @property
     def is_first_stage(self) -> bool:
         return self.pp_rank == 0
 
@@ -105,6 +123,8 @@ def init_distributed(cfg: LearnerConfig) -> ProcessGroups:
         dims.check_model(cfg.model)
     if cfg.precision.layer_spec == "transformer_engine" and not torch.cuda.is_available():
         raise ConfigError("learner.precision.layer_spec: transformer_engine needs CUDA GPUs")
+    if dims.cp > 1 and not torch.cuda.is_available():
+        raise ConfigError("learner.parallel.context_parallel: needs CUDA GPUs (Transformer Engine's attention)")
 
     cpu_compat.enable()
     backend = cfg.parallel.backend
@@ -131,7 +151,7 @@ def init_distributed(cfg: LearnerConfig) -> ProcessGroups:
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(dims.tp, dims.pp)
+        parallel_state.initialize_model_parallel(dims.tp, dims.pp, context_parallel_size=dims.cp)
     torch.manual_seed(cfg.seed)
     model_parallel_cuda_manual_seed(cfg.seed)
     collection = ProcessGroupCollection.use_mpu_process_groups()

@@ -17,7 +17,8 @@ projection, q/k norms, RoPE, output projection, the tensor-parallel collectives 
 - Inside ``segment`` the model's rotary embedding is offset by the past length (a forward
   pre-hook on ``GPTModel.rotary_pos_emb``): the new tokens get positions s_past, s_past + 1, ...
 - ``past`` may be autograd leaves (``requires_grad``) or attached to an earlier segment's graph:
-  the attention is plain differentiable torch, so d loss / d past flows either way.
+  the attention is differentiable torch (``scaled_dot_product_attention``, whose fused kernels keep
+  memory linear in s_past + s), so d loss / d past flows either way.
 - Outside ``segment`` the module is ordinary causal attention, so the same model serves the
   ledger's full-trajectory passes, logprobs and the batch reference.
 """
@@ -25,18 +26,19 @@ projection, q/k norms, RoPE, output projection, the tensor-parallel collectives 
 from __future__ import annotations
 
 import contextlib
-import copy
-import math
 from collections.abc import Iterator, Sequence
 
 import torch
-from megatron.core.transformer.module import MegatronModule
+
+from megathunder.learner.sdpa_attention import SDPAttention, with_core_attention
 
 KV = tuple[torch.Tensor, torch.Tensor]
 
 
-class PastKVAttention(MegatronModule):
-    """Causal dot-product attention whose keys/values may be prefixed by a cache of past ones.
+class PastKVAttention(SDPAttention):
+    """Causal attention whose keys/values may be prefixed by a cache of past ones: ``SDPAttention``
+    (torch's fused kernels, memory linear in s_past + s) over [past; current] keys and values,
+    aligned bottom-right, so the current tokens see every past token and causally each other.
 
     Signature of Megatron's core attention: query [sq, b, np, hn], key/value [sk, b, ng, hn]
     (np heads and ng query groups of this tensor-parallel rank). Returns [sq, b, np * hn].
@@ -45,21 +47,8 @@ class PastKVAttention(MegatronModule):
     def __init__(self, config, layer_number: int, attn_mask_type, attention_type: str,
                  attention_dropout: float | None = None, softmax_scale: float | None = None,
                  cp_comm_type: str | None = None, pg_collection=None) -> None:
-        super().__init__(config=config)
-        dropout = config.attention_dropout if attention_dropout is None else attention_dropout
-        if dropout:
-            raise ValueError("PastKVAttention: attention_dropout must be 0 (exact per-turn gradients)")
-        if config.context_parallel_size != 1:
-            raise ValueError("PastKVAttention: context parallelism is not supported")
-        if config.apply_query_key_layer_scaling:
-            raise ValueError("PastKVAttention: apply_query_key_layer_scaling is not supported")
-        tp = pg_collection.tp.size() if pg_collection is not None else 1
-        self.layer_number = layer_number
-        self.num_heads = config.num_attention_heads // tp
-        self.num_groups = max(config.num_query_groups // tp, 1)
-        self.head_dim = config.kv_channels
-        self.softmax_scale = softmax_scale or 1.0 / math.sqrt(self.head_dim)
-        self.softmax_in_fp32 = config.attention_softmax_in_fp32 or config.fp16 or config.bf16
+        super().__init__(config, layer_number, attn_mask_type, attention_type, attention_dropout,
+                         softmax_scale, cp_comm_type, pg_collection)
         self._cache: PastKV | None = None  # set by PastKV; not a submodule
         self._index = -1
 
@@ -74,32 +63,13 @@ class PastKVAttention(MegatronModule):
             if past is not None:
                 key = torch.cat([past[0], key], dim=0)
                 value = torch.cat([past[1], value], dim=0)
-        sq, b = query.shape[0], query.shape[1]
-        num_past = key.shape[0] - sq
-        repeat = self.num_heads // self.num_groups
-        q = query.permute(1, 2, 0, 3)  # [b, np, sq, hn]
-        k = key.repeat_interleave(repeat, dim=2).permute(1, 2, 3, 0)  # [b, np, hn, sk]
-        v = value.repeat_interleave(repeat, dim=2).permute(1, 2, 0, 3)  # [b, np, sk, hn]
-        scores = torch.matmul(q, k) * self.softmax_scale
-        visible = torch.ones(sq, sq + num_past, dtype=torch.bool, device=query.device).tril(num_past)
-        scores = scores.masked_fill(~visible, float("-inf"))
-        if self.softmax_in_fp32:
-            probs = torch.softmax(scores.float(), dim=-1).to(v.dtype)
-        else:
-            probs = torch.softmax(scores, dim=-1)
-        context = torch.matmul(probs, v)  # [b, np, sq, hn]
-        return context.permute(2, 0, 1, 3).reshape(sq, b, self.num_heads * self.head_dim)
+        return self.attend(query, key, value)
 
 
 def with_past_kv_attention(spec):
     """A copy of a GPT layer spec (local or Transformer Engine) whose self-attention's core
     attention is ``PastKVAttention``; the linear layers, norms and RoPE stay as in ``spec``."""
-    spec = copy.deepcopy(spec)
-    attention = spec.submodules.self_attention
-    if getattr(attention.submodules, "core_attention", None) is None:
-        raise ValueError("with_past_kv_attention: the layer spec has no self_attention.core_attention")
-    attention.submodules.core_attention = PastKVAttention
-    return spec
+    return with_core_attention(spec, PastKVAttention)
 
 
 class PastKV:

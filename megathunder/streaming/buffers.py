@@ -4,12 +4,38 @@ A ``GradBuffer`` is a list of flat tensors laid out like the backend's gradient 
 tensor for a plain torch model; one per Megatron gradient buffer for the Megatron learner). The
 ledger only adds scaled buffers together, so any backend that can expose its gradient storage in
 this form can plug in.
+
+``BufferPool`` is the one place these buffers come from, and it counts them and their bytes. Two
+kinds: *accumulators* (P, P_A: the gradient's own dtype, on the gradient's device) and *slot*
+buffers (a group's S_g and R_g), whose dtype and placement are ``ledger.slot_dtype`` /
+``ledger.slot_placement``. Every operation on a slot goes through the pool:
+
+    slot_write(slot, h, alpha, first)    slot = h  or  slot += alpha * h   (h: the live gradient)
+    fold(acc, slot, alpha)               acc += alpha * slot               (at group close)
+
+Why the placements give the same update. A device-placed slot runs exactly these two tensor ops.
+A host-placed slot runs the same two ops on the same values, only elsewhere: ``slot_write`` first
+copies h (fp32, exact) into a staging buffer -- on a GPU a device buffer, so the live storage is
+free for the next backward at once, then an asynchronous copy on a side stream into pinned host
+memory -- and a host thread waits for that copy and runs ``slot += alpha * staged`` while the next
+trajectory's backward runs. ``fold`` copies the slot into the device staging buffer (bf16 -> fp32
+is exact) and adds it there. The values entering every add are the same, so on a CPU learner
+(where host and device are one memory and the same kernels run) the update is bitwise that of
+device slots; on a GPU the host adds run on the CPU's kernels, so a bf16 slot may round its last
+bit differently, within the same bound. Cost: one fp32 staging buffer on the device and one in
+pinned host memory, at most one transfer in flight (the next ``slot_write`` waits for it).
+
+bf16 slots: the add is computed in fp32 and rounded to bf16 once, so a slot that received m
+gradients carries at most m roundings of relative size u = 2^-8 each; the bound this gives on the
+final gradient is derived in docs/exactness.md (section 2.7) and tested in
+``tests/unit/test_ledger_memory.py``. Accumulators stay in the gradient's dtype.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
-from typing import Protocol
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Literal, Protocol
 
 import torch
 
@@ -32,8 +58,8 @@ class GradBuffer:
             t.zero_()
         return self
 
-    def copy_(self, other: GradBuffer) -> GradBuffer:
-        torch._foreach_copy_(self.tensors, other.tensors)
+    def copy_(self, other: GradBuffer, non_blocking: bool = False) -> GradBuffer:
+        torch._foreach_copy_(self.tensors, other.tensors, non_blocking=non_blocking)
         return self
 
     def add_(self, other: GradBuffer, alpha: float = 1.0) -> GradBuffer:
@@ -83,31 +109,191 @@ class GradientBackend(Protocol):
     # uses it for the trajectories a closing group releases at once.
 
 
-class BufferPool:
-    """Hands out parameter-sized buffers and counts them; freed buffers are reused, not freed."""
+SLOT_DTYPES: dict[str, torch.dtype | None] = {"gradient": None, "bfloat16": torch.bfloat16}
+"""``ledger.slot_dtype`` -> the slot buffers' dtype (None: the gradient storage's own)."""
+Placement = Literal["device", "host"]
 
-    def __init__(self, backend: GradientBackend) -> None:
+
+def slots_within_budget(max_slots: int | None, budget_gb: float | None, buffer_bytes: int,
+                        buffers_per_slot: int) -> int | None:
+    """K: ``max_slots`` (None = unbounded), lowered to the number of slots whose buffers fit in
+    ``budget_gb`` GiB (each slot counted at ``buffers_per_slot`` buffers of ``buffer_bytes``)."""
+    if budget_gb is None:
+        return max_slots
+    fit = int(budget_gb * 2**30) // (buffers_per_slot * max(buffer_bytes, 1))
+    return fit if max_slots is None else min(max_slots, fit)
+
+
+class _HostMover:
+    """Adds into host-placed slots, overlapped with the next backward (module docstring)."""
+
+    def __init__(self, template: GradBuffer) -> None:
+        self.cuda = any(t.is_cuda for t in template.tensors)
+        if self.cuda:
+            self.device_stage: GradBuffer | None = GradBuffer([torch.empty_like(t) for t in template.tensors])
+            self.stream = torch.cuda.Stream()
+        else:
+            self.device_stage = None
+        self.host_stage = GradBuffer([torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=self.cuda)
+                                      for t in template.tensors])
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="megathunder-host-slots")
+        self._pending: Future | None = None
+
+    @property
+    def device_bytes(self) -> int:
+        return self.device_stage.nbytes if self.device_stage is not None else 0
+
+    def wait(self) -> None:
+        """Every queued host add has finished (its staging buffers are free)."""
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            pending.result()
+
+    def write(self, slot: GradBuffer, h: GradBuffer, alpha: float, first: bool) -> None:
+        self.wait()
+        event = None
+        if self.device_stage is not None:
+            self.device_stage.copy_(h)  # on the compute stream: h may be zeroed right after
+            self.stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(self.stream):
+                self.host_stage.copy_(self.device_stage, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(self.stream)
+        else:
+            self.host_stage.copy_(h)
+        staged = self.host_stage
+
+        def add() -> None:
+            if event is not None:
+                event.synchronize()
+            _write(slot, staged, alpha, first)
+
+        self._pending = self._executor.submit(add)
+
+    def fold(self, acc: GradBuffer, slot: GradBuffer, alpha: float) -> None:
+        self.wait()
+        if self.device_stage is not None:
+            acc.add_(self.device_stage.copy_(slot), alpha=alpha)
+        else:
+            acc.add_(slot, alpha=alpha)
+
+
+def _write(slot: GradBuffer, h: GradBuffer, alpha: float, first: bool) -> None:
+    if first and alpha == 1.0:
+        slot.copy_(h)
+    else:
+        if first:
+            slot.zero_()
+        slot.add_(h, alpha=alpha)
+
+
+class BufferPool:
+    """Hands out parameter-sized buffers and counts them and their bytes; freed buffers are
+    reused, not freed. Accumulators come from the backend; slots in ``slot_dtype`` on
+    ``slot_placement`` (module docstring)."""
+
+    def __init__(self, backend: GradientBackend, slot_dtype: str = "gradient", slot_placement: Placement = "device") -> None:
         self._backend = backend
-        self._free: list[GradBuffer] = []
+        self.slot_dtype = SLOT_DTYPES[slot_dtype]
+        self.slot_placement: Placement = slot_placement
+        self._free: dict[str, list[GradBuffer]] = {"acc": [], "slot": []}
+        self._kind: dict[int, str] = {}  # id(buffer) -> "acc" | "slot", for the buffers handed out
+        self._template: GradBuffer | None = None  # the gradient storage's layout (first accumulator)
+        self._mover: _HostMover | None = None
         self.num_live = 0
         self.peak_live = 0
         self.num_allocated = 0
+        self.live_bytes = {"device": 0, "host": 0}
+        self.peak_bytes = {"device": 0, "host": 0}
+
+    # ------------------------------------------------------------------ buffers
 
     def acquire(self) -> GradBuffer:
-        if self._free:
-            buf = self._free.pop().zero_()
-        else:
-            buf = self._backend.zeros()
-            self.num_allocated += 1
-        self.num_live += 1
-        self.peak_live = max(self.peak_live, self.num_live)
-        return buf
+        """An accumulator: zeroed, the gradient's dtype, on its device."""
+        return self._take("acc", self._backend.zeros)
+
+    def acquire_slot(self) -> GradBuffer:
+        """A slot buffer, zeroed, in the slot dtype and placement."""
+        return self._take("slot", self._new_slot)
 
     def release(self, bufs: Iterable[GradBuffer | None]) -> None:
-        for buf in bufs:
-            if buf is not None:
-                self._free.append(buf)
-                self.num_live -= 1
+        given = [b for b in bufs if b is not None]
+        if self._mover is not None and any(self._kind.get(id(b)) == "slot" for b in given):
+            self._mover.wait()
+        for buf in given:
+            kind = self._kind.pop(id(buf))
+            self._free[kind].append(buf)
+            self.num_live -= 1
+            self.live_bytes[self._where(kind)] -= buf.nbytes
 
     def reset_peak(self) -> None:
         self.peak_live = self.num_live
+        self.peak_bytes = dict(self.live_bytes)
+        if self._mover is not None:
+            self.peak_bytes["device"] += self._mover.device_bytes
+            self.peak_bytes["host"] += self._mover.host_stage.nbytes
+
+    def slot_bytes(self, grad: GradBuffer) -> int:
+        """Bytes of one slot buffer for a gradient laid out like ``grad``."""
+        if self.slot_dtype is None:
+            return grad.nbytes
+        return grad.numel * self.slot_dtype.itemsize
+
+    # ------------------------------------------------------------------ slot arithmetic
+
+    def slot_write(self, slot: GradBuffer, h: GradBuffer, alpha: float = 1.0, first: bool = False) -> None:
+        """``slot = alpha * h`` (first) or ``slot += alpha * h``; ``h`` (the backend's live storage)
+        may be overwritten as soon as this returns."""
+        if self._mover is None:
+            _write(slot, h, alpha, first)
+        else:
+            self._mover.write(slot, h, alpha, first)
+
+    def fold(self, acc: GradBuffer, slot: GradBuffer, alpha: float) -> None:
+        """``acc += alpha * slot`` (an accumulator, a slot)."""
+        if self._mover is None:
+            acc.add_(slot, alpha=alpha)
+        else:
+            self._mover.fold(acc, slot, alpha)
+
+    def sync(self) -> None:
+        """Every queued slot add has finished."""
+        if self._mover is not None:
+            self._mover.wait()
+
+    # ------------------------------------------------------------------ internals
+
+    def _where(self, kind: str) -> str:
+        return "host" if kind == "slot" and self.slot_placement == "host" else "device"
+
+    def _take(self, kind: str, new: Callable[[], GradBuffer]) -> GradBuffer:
+        if self._free[kind]:
+            buf = self._free[kind].pop().zero_()
+        else:
+            buf = new()
+            self.num_allocated += 1
+            if kind == "acc" and self._template is None:
+                self._template = buf
+        self._kind[id(buf)] = kind
+        self.num_live += 1
+        self.peak_live = max(self.peak_live, self.num_live)
+        where = self._where(kind)
+        self.live_bytes[where] += buf.nbytes
+        staging = 0
+        if self._mover is not None:
+            staging = self._mover.device_bytes if where == "device" else self._mover.host_stage.nbytes
+        self.peak_bytes[where] = max(self.peak_bytes[where], self.live_bytes[where] + staging)
+        return buf
+
+    def _new_slot(self) -> GradBuffer:
+        template = self._template if self._template is not None else self._backend.zeros()
+        self._template = template
+        if self.slot_placement == "host":
+            if self._mover is None:
+                self._mover = _HostMover(template)
+                self.peak_bytes["device"] = max(self.peak_bytes["device"], self.live_bytes["device"] + self._mover.device_bytes)
+            pin = self._mover.cuda
+            return GradBuffer([torch.zeros(t.shape, dtype=self.slot_dtype or t.dtype, device="cpu", pin_memory=pin)
+                               for t in template.tensors])
+        return GradBuffer([torch.zeros(t.shape, dtype=self.slot_dtype or t.dtype, device=t.device)
+                           for t in template.tensors])

@@ -34,10 +34,13 @@ nothing of any group reaches P before its last reward (the R-part of std-free va
 R_g too), so a group can be dropped up to that moment and the update is exactly the
 batch-synchronous update on the groups kept.
 
-Memory: at most K slots (``LedgerConfig.max_group_slots``), each 2 parameter-sized buffers (1 for
-std-free variants), plus P (plus P_A for batch_std): 2K + 1. Groups that find no free slot wait
-(their trajectories are kept as data, not gradients) and stream directly once closed. K = 0 is
-group-level streaming, K = None per-trajectory streaming for every group.
+Memory: at most K slots (``LedgerConfig.max_group_slots``, lowered to what fits in
+``slot_budget_gb``), each 2 parameter-sized buffers (1 for std-free variants), plus P (plus P_A for
+batch_std): 2K + 1. Groups that find no free slot wait (their trajectories are kept as data, not
+gradients) and stream directly once closed. K = 0 is group-level streaming, K = None
+per-trajectory streaming for every group. Slot buffers may be bf16 and/or in host memory
+(``megathunder.streaming.buffers``: the same update for either placement; bf16's error bound in
+docs/exactness.md, section 2.7); P and P_A stay in the gradient's dtype on its device.
 
 Data parallel: each rank sees every reward and every trajectory's loss-token count, but runs
 backward only for its own (local) trajectories. Group scalars and Z are then identical on every
@@ -69,7 +72,7 @@ from megathunder.objectives import (
     num_loss_tokens,
     size_coef,
 )
-from megathunder.streaming.buffers import BufferPool, GradBuffer, GradientBackend
+from megathunder.streaming.buffers import BufferPool, GradBuffer, GradientBackend, slots_within_budget
 from megathunder.trajectory import Trajectory
 
 
@@ -138,6 +141,9 @@ class BatchResult:
     num_dropped_groups: int
     num_kept_trajectories: int
     peak_buffers: int
+    peak_device_bytes: int = 0  # the ledger's buffers at their peak (incl. a host slot's staging)
+    peak_host_bytes: int = 0
+    max_group_slots: int | None = None  # K in force (ledger.max_group_slots within slot_budget_gb)
 
 
 class GradientLedger:
@@ -154,7 +160,7 @@ class GradientLedger:
         self.objective = objective
         self.config = config or LedgerConfig()
         self.reward_shift = reward_shift
-        self.pool = BufferPool(backend)
+        self.pool = BufferPool(backend, self.config.slot_dtype, self.config.slot_placement)
         self._hold = self.config.hold_groups_until_close
         self._std_free = coef_known_before_close(objective) and not self._hold
         self._has_reward_free = objective.has_reward_free_terms
@@ -164,6 +170,7 @@ class GradientLedger:
         self._P: GradBuffer | None = None
         self._PA: GradBuffer | None = None  # score terms awaiting the batch divisor (batch_std)
         self._num_slots_used = 0
+        self.max_slots = self.config.max_group_slots  # K in force; the budget is applied in begin_batch
         self.events: list[tuple[float, str, int]] = []  # (time, kind, id) for timelines
 
     # ------------------------------------------------------------------ events
@@ -198,6 +205,8 @@ class GradientLedger:
         self._P = self.pool.acquire()
         if self.objective.advantage == "batch_std":
             self._PA = self.pool.acquire()
+        self.max_slots = slots_within_budget(self.config.max_group_slots, self.config.slot_budget_gb,
+                                             self.pool.slot_bytes(self._P), self.buffers_per_slot)
         self._num_slots_used = 0
         self.events = []
         self._log("begin_batch", -1)
@@ -275,6 +284,7 @@ class GradientLedger:
         assert not pending, f"internal: trajectories {pending} were never processed"
         kept = [t for t in self._order if t.group.keep]
         z = normaliser([t.finished_tokens for t in kept], self.objective)
+        self.pool.sync()
         if self._PA is not None:
             centered = [t.known_reward - t.group.closed_stats.mean for t in kept]
             self._P.add_(self._PA, alpha=1.0 / batch_divisor(centered, self.objective))
@@ -288,12 +298,20 @@ class GradientLedger:
             num_dropped_groups=len(self._groups) - num_kept,
             num_kept_trajectories=len(kept),
             peak_buffers=self.pool.peak_live,
+            peak_device_bytes=self.pool.peak_bytes["device"],
+            peak_host_bytes=self.pool.peak_bytes["host"],
+            max_group_slots=self.max_slots,
         )
         self.pool.release([self._P, self._PA])
         self._P = self._PA = None
         return result
 
     # ------------------------------------------------------------------ internals
+
+    @property
+    def buffers_per_slot(self) -> int:
+        """Parameter-sized buffers a slot holds at most: S and R, or S alone when std-free."""
+        return 1 if self._std_free else 2
 
     def _lookup(self, traj_id: int, what: str) -> _Traj:
         if self._P is None:
@@ -387,7 +405,7 @@ class GradientLedger:
 
     def _slot(self, g: _Group) -> _Slot | None:
         if g.slot is None:
-            limit = self.config.max_group_slots
+            limit = self.max_slots
             if limit is not None and self._num_slots_used >= limit:
                 g.waiting_for_slot = True
                 return None
@@ -401,10 +419,11 @@ class GradientLedger:
         assert slot is not None and t.reward is not None
         if slot.num_processed == 0:
             slot.shift = t.reward if self.reward_shift else 0.0
-            slot.S = self.pool.acquire().copy_(h)
+            slot.S = self.pool.acquire_slot()
+            self.pool.slot_write(slot.S, h, first=True)
         else:
             assert slot.S is not None
-            slot.S.add_(h)
+            self.pool.slot_write(slot.S, h)
         d = t.reward - slot.shift
         if d != 0.0:
             if self._std_free:
@@ -413,8 +432,8 @@ class GradientLedger:
                 self._score_sink.add_(h, alpha=-c * d)
             else:
                 if slot.R is None:
-                    slot.R = self.pool.acquire()
-                slot.R.add_(h, alpha=d)
+                    slot.R = self.pool.acquire_slot()
+                self.pool.slot_write(slot.R, h, alpha=d)
         slot.num_processed += 1
 
     def _close_group(self, g: _Group) -> None:
@@ -430,10 +449,10 @@ class GradientLedger:
             if g.keep and slot.num_processed:
                 c, delta = g.stats.coef, g.stats.mean - slot.shift
                 if slot.R is not None:
-                    self._score_sink.add_(slot.R, alpha=-c)
+                    self.pool.fold(self._score_sink, slot.R, alpha=-c)
                 if delta != 0.0:
                     assert slot.S is not None  # num_processed > 0
-                    self._score_sink.add_(slot.S, alpha=c * delta)
+                    self.pool.fold(self._score_sink, slot.S, alpha=c * delta)
             self.pool.release([slot.S, slot.R])
             g.slot = None
             self._num_slots_used -= 1

@@ -66,7 +66,7 @@ class OPDWithRewards:
 
     def __init__(self, backend, segment_model: SegmentModel, teacher: Teacher, objective: RLObjective,
                  ledger_cfg: LedgerConfig | None = None, beta: float = 1.0,
-                 strategy: Strategy = "kv_adjoint") -> None:
+                 strategy: Strategy = "kv_adjoint", max_cached: int | None = None) -> None:
         if objective.loss_agg not in ("token_mean", "seq_mean_token_sum"):
             raise ValueError(f"objective.loss_agg: {objective.loss_agg} cannot be combined with per-turn OPD")
         if objective.dapo_dynamic_sampling or objective.has_reward_free_terms:
@@ -75,7 +75,8 @@ class OPDWithRewards:
         self.ledger = GradientLedger(backend, objective, ledger_cfg)
         self.kl = backend.zeros()
         self.streamer = TurnStreamer(IntoAccumulator(segment_model, backend.live, self.kl), teacher,
-                                     beta=beta, strategy=strategy, aggregation=objective.loss_agg)
+                                     beta=beta, strategy=strategy, aggregation=objective.loss_agg,
+                                     max_cached=max_cached)
 
     def begin_batch(self, groups: Sequence[tuple[int, Sequence[int]]]) -> None:
         self.kl.zero_()

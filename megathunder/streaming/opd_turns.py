@@ -23,6 +23,14 @@ by Z once. The first target of a segment is predicted by the previous segment's 
 the tool output between two turns is empty that target is trained, and its term reaches back
 through the previous segment's graph, which both KV strategies keep until the trajectory ends.
 
+Bounded state. Both K/V strategies keep a trajectory's segment K/V and graphs until it ends, and
+``CachedTeacher`` keeps its teacher K/V: memory grows with the trajectories in flight. With
+``max_cached`` (``objective.max_cached_trajectories``, per learner rank) at most that many
+trajectories hold state at once; one that starts while the limit is reached streams with
+``recompute`` and a stateless teacher view (each turn re-scores the prefix) -- the same G_k by a
+different exact method, so nothing is dropped and the sum is unchanged. A freed place goes to the
+next trajectory that starts.
+
 The streamer is written against two small interfaces, so the same strategies run on the plain
 torch decoder (fp64 exactness tests) and on the Megatron learner (``megathunder.learner.segment_model``):
 ``SegmentModel`` (forward a segment on top of past K/V, token logprobs, backward, divide the
@@ -187,6 +195,37 @@ class CachedTeacher:
     def release(self, traj_id: int) -> None:
         self._state.pop(traj_id, None)
 
+    def uncached(self) -> StatelessTeacher:
+        """The same teacher keeping no state: each call forwards the whole prefix."""
+        return StatelessTeacher(self)
+
+    @property
+    def num_cached(self) -> int:
+        return len(self._state)
+
+
+class StatelessTeacher:
+    """A ``CachedTeacher``'s model scoring without a cache (the streamer's view for trajectories
+    beyond ``max_cached``): every call forwards tokens[:end] from the start."""
+
+    def __init__(self, cached: CachedTeacher) -> None:
+        self.cached = cached
+
+    @torch.no_grad()
+    def score_rows(self, traj_id: int, tokens: torch.Tensor, start: int) -> torch.Tensor:
+        logits, _ = self.cached.model.forward_segment(tokens, None)
+        self.cached.stats["forward_tokens"] += tokens.numel()
+        return logits[start - 1 : tokens.numel() - 1]
+
+    def score(self, traj_id: int, tokens: torch.Tensor, start: int) -> torch.Tensor:
+        return self.cached.model.logprobs(self.score_rows(traj_id, tokens, start), tokens[start:])
+
+    def score_log_softmax(self, traj_id: int, tokens: torch.Tensor, start: int) -> torch.Tensor:
+        return self.cached.model.log_softmax(self.score_rows(traj_id, tokens, start))
+
+    def release(self, traj_id: int) -> None:
+        pass
+
 
 @dataclass
 class _Segment:
@@ -203,12 +242,15 @@ class _Trajectory:
     losses: list[torch.Tensor] = field(default_factory=list)  # forward_early
     segment_lengths: list[int] = field(default_factory=list)
     num_trained: int = 0
+    strategy: Strategy = "kv_adjoint"
+    teacher: Teacher | None = None  # the streamer's teacher, or its stateless view
+    holds_state: bool = True  # counts against max_cached
 
 
 class TurnStreamer:
     def __init__(self, model: TorchDecoder | SegmentModel, teacher: TeacherFn | Teacher, beta: float = 1.0,
                  strategy: Strategy = "kv_adjoint", aggregation: OPDAggregation = "token_mean",
-                 divergence: Divergence = "reverse_kl", jsd_lam: float = 0.5) -> None:
+                 divergence: Divergence = "reverse_kl", jsd_lam: float = 0.5, max_cached: int | None = None) -> None:
         self.model: SegmentModel = TorchSegmentModel(model) if isinstance(model, torch.nn.Module) else model
         if divergence == "gjsd" and not gives_distributions(teacher):
             raise ValueError("divergence gjsd: the teacher must give whole distributions (CachedTeacher)")
@@ -216,15 +258,20 @@ class TurnStreamer:
         self.jsd_lam = jsd_lam
         # cast: not a Teacher, so a TeacherFn (a TypeGuard narrows only where it holds)
         self.teacher: Teacher = teacher if is_teacher(teacher) else FunctionTeacher(cast(TeacherFn, teacher))
+        uncached = getattr(self.teacher, "uncached", None)
+        self._stateless_teacher: Teacher = uncached() if uncached is not None else self.teacher
         self.beta = beta
         self.strategy = strategy
         self.aggregation = aggregation
+        self.max_cached = max_cached
+        self.num_cached = 0  # open trajectories holding state (student K/V and graphs, teacher K/V)
         self._open: dict[int, _Trajectory] = {}
         self._finished_counts: list[int] = []
         self.divergence_sum = 0.0  # sum over trained tokens of the divergence (a metric, detached)
         # Work in token passes (deterministic, unlike time): tokens run forward, and tokens whose
         # activations a backward pass traverses.
-        self.stats = {"forward_tokens": 0, "backward_tokens": 0, "backward_calls": 0}
+        self.stats = {"forward_tokens": 0, "backward_tokens": 0, "backward_calls": 0,
+                      "peak_cached": 0, "uncached_trajectories": 0}
 
     # ------------------------------------------------------------------ events
 
@@ -233,7 +280,15 @@ class TurnStreamer:
             raise ValueError(f"trajectory {traj_id} already open")
         if not prompt:
             raise ValueError(f"trajectory {traj_id}: empty prompt")
-        self._open[traj_id] = _Trajectory(pending=list(prompt))
+        holds = self.max_cached is None or self.num_cached < self.max_cached
+        t = _Trajectory(pending=list(prompt), strategy=self.strategy if holds else "recompute",
+                        teacher=self.teacher if holds else self._stateless_teacher, holds_state=holds)
+        if holds:
+            self.num_cached += 1
+            self.stats["peak_cached"] = max(self.stats["peak_cached"], self.num_cached)
+        else:
+            self.stats["uncached_trajectories"] += 1
+        self._open[traj_id] = t
 
     def on_tool_output(self, traj_id: int, tokens: list[int]) -> None:
         self._open[traj_id].pending.extend(tokens)
@@ -247,13 +302,13 @@ class TurnStreamer:
         start = len(t.tokens) + len(t.pending)  # index of the turn's first token
         t.num_trained += len(turn)
         {"recompute": self._recompute, "kv_adjoint": self._kv_adjoint,
-         "forward_early": self._forward_early}[self.strategy](traj_id, t, segment, start, len(turn))
+         "forward_early": self._forward_early}[t.strategy](traj_id, t, segment, start, len(turn))
         t.tokens.extend(segment)
         t.pending = []
 
     def end_trajectory(self, traj_id: int) -> None:
         t = self._open.pop(traj_id)
-        if self.strategy == "kv_adjoint":
+        if t.strategy == "kv_adjoint":
             for seg in reversed(t.segments):  # the reverse sweep, last segment first
                 outs, grads = [], []
                 for (k, v), (k_leaf, v_leaf) in zip(seg.kv_out, seg.kv_leaf, strict=True):
@@ -265,11 +320,13 @@ class TurnStreamer:
                     self.model.backward(outs, grads)
                     self.stats["backward_calls"] += 1
             self.stats["backward_tokens"] += sum(t.segment_lengths[:-1])  # the last has no adjoint
-        elif self.strategy == "forward_early" and t.losses:
+        elif t.strategy == "forward_early" and t.losses:
             self.model.backward([torch.stack(t.losses).sum()], None)
             self.stats["backward_calls"] += 1
             self.stats["backward_tokens"] += sum(t.segment_lengths)
         self.teacher.release(traj_id)
+        if t.holds_state:
+            self.num_cached -= 1
         self._finished_counts.append(t.num_trained)
 
     @property
@@ -300,8 +357,10 @@ class TurnStreamer:
                    logits_for_targets: torch.Tensor) -> torch.Tensor:
         """sum_t c_t l_t over the turn's targets tokens[start:]; logits_for_targets[i] predicts
         tokens[start + i]."""
+        teacher_of = self._open[traj_id].teacher
+        scorer = teacher_of if teacher_of is not None else self.teacher
         if self.divergence == "gjsd":  # beta * sum_t JSD_lam(teacher || student) at the turn's positions
-            rows_teacher = self.teacher
+            rows_teacher = scorer
             assert gives_distributions(rows_teacher)  # checked in __init__
             student = self.model.log_softmax(logits_for_targets)
             teacher = rows_teacher.score_log_softmax(traj_id, all_tokens, start).to(student)
@@ -310,7 +369,7 @@ class TurnStreamer:
             return self.beta * divergence
         targets = all_tokens[start:]
         logp = self.model.logprobs(logits_for_targets, targets)
-        teacher = self.teacher.score(traj_id, all_tokens, start).to(logp)
+        teacher = scorer.score(traj_id, all_tokens, start).to(logp)
         mask = torch.ones_like(logp, dtype=torch.bool)
         self.divergence_sum += float((logp.detach() - teacher).sum())  # sampled-token reverse KL
         return opd_loss(logp, opd_coefficients(logp, teacher, mask, self.beta))

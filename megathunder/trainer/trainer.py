@@ -230,7 +230,10 @@ class Trainer:
             "learner_busy_s": busy,
             "learner_idle_share": max(0.0, 1.0 - busy / step_s) if step_s > 0 else 0.0,
             "backward_after_last_reward": outcome.backward_after_last_reward,
-            "peak_buffers": outcome.peak_buffers,
+            "peak_buffers": outcome.peak_buffers,  # the ledger's parameter-sized buffers at their peak
+            "peak_buffer_bytes": outcome.peak_device_bytes,  # ... their bytes on the learner's device
+            "peak_buffer_host_bytes": outcome.peak_host_bytes,  # ... in host memory (ledger.slot_placement)
+            "ledger_slots": outcome.max_group_slots,  # K in force (null: unbounded)
             **({} if outcome.divergence is None else {_divergence_key(self.cfg): outcome.divergence}),
             "wall_s": wall,
             "gpu_hours": wall * self.service.world_size / 3600.0,  # learner process-hours on CPU

@@ -152,3 +152,27 @@ def test_opd_dry_run_trains_opd_with_the_teacher_and_an_optional_teacher_pool(tm
     assert 'teacher.server_urls=["http://gpu05:8200","http://gpu06:8200"]' in train
     missing, _ = dry_run(MT_TEACHER_MODEL="")
     assert missing.returncode != 0 and "MT_TEACHER_MODEL" in missing.stderr
+
+
+def test_dry_run_plans_the_layout_and_refuses_one_that_does_not_divide_before_any_server(tmp_path):
+    """The launch runs ``megathunder plan`` after the config check, before any server starts: with
+    the model's config.json at hand (the Qwen2.5 shape fixtures), the shipped OPD layout fits, and
+    Qwen2.5-7B at TP 8 is refused naming its heads."""
+    models = REPO / "tests" / "fixtures" / "models"
+    env = dict(os.environ, MT_DRY_RUN="1", MT_NODELIST="gpu[01-16]", MT_LOG_DIR=str(tmp_path),
+               MT_TEACHER_MODEL=str(models / "Qwen2.5-32B-Instruct"), MT_HOST_MEMORY_GB="2048")
+    env.pop("SLURM_JOB_NODELIST", None)
+    student = f"learner.model.hf_checkpoint={models / 'Qwen2.5-7B-Instruct'}"
+
+    def dry_run(overrides: str):
+        return subprocess.run(["bash", "launch/slurm/opd_128gpu.sh"], env=dict(env, MT_OVERRIDES=overrides), cwd=REPO,
+                              capture_output=True, text=True, timeout=300)
+
+    ok = dry_run(student)
+    assert ok.returncode == 0, ok.stderr
+    assert re.search(r"plan: [\d.]+ GiB per rank; fits", ok.stdout), ok.stdout
+    bad = dry_run(f"{student} learner.parallel.tensor_parallel=8")
+    assert bad.returncode == 1
+    assert ("FAILED: plan: megathunder plan: INFEASIBLE: learner.parallel.tensor_parallel: 8 does not divide "
+            "learner.model.num_attention_heads=28") in bad.stderr, bad.stderr
+    assert "would run" not in bad.stdout  # no server, no rank

@@ -10,6 +10,7 @@ saves the full (gathered) parameters before and after each.
 from __future__ import annotations
 
 import argparse
+import json
 import random
 import sys
 from pathlib import Path
@@ -48,16 +49,24 @@ def make_batch(seed: int, vocab: int):
     return batch, rewards, events
 
 
+def _merge(base: dict, extra: dict) -> dict:
+    out = dict(base)
+    for key, value in extra.items():
+        out[key] = _merge(out.get(key, {}), value) if isinstance(value, dict) else value
+    return out
+
+
 def equivalence(args) -> None:
-    cfg = LearnerConfig.model_validate({
+    cfg = LearnerConfig.model_validate(_merge({
         "parallel": {"tensor_parallel": args.tp, "pipeline_parallel": args.pp},
         "model": {"hf_checkpoint": args.hf},
         "optimizer": {"name": args.optimizer, "lr": args.lr, "clip_grad": 0.0,
                       "use_distributed_optimizer": args.dist_opt},
-    })
+    }, json.loads(args.learner)))  # --learner: sequence parallelism, recompute, core attention
     objective = GRPOObjective.model_validate_json(args.objective)
     pgs = init_distributed(cfg)
-    learner = MegatronLearner.build(cfg, objective, pgs, LedgerConfig(max_group_slots=args.slots))
+    ledger_cfg = LedgerConfig.model_validate({"max_group_slots": args.slots, **json.loads(args.ledger)})
+    learner = MegatronLearner.build(cfg, objective, pgs, ledger_cfg)
     batch, rewards, events = make_batch(args.seed, learner.model_cfg.vocab_size)
     dp, dp_rank = pgs.dims.dp, pgs.dp_rank
     owner = [t.traj_id % dp for t in batch]
@@ -149,13 +158,49 @@ def hf_roundtrip(args) -> None:
     destroy_distributed()
 
 
+def saved_bytes(args) -> None:
+    """What autograd saves for the backward of one trajectory's forward (bytes of the distinct
+    storages that are not parameters), on each rank: ``megathunder.plan``'s activation count is
+    checked against it. Random weights of the --learner model sizes."""
+    cfg = LearnerConfig.model_validate(_merge({
+        "parallel": {"tensor_parallel": args.tp, "pipeline_parallel": args.pp},
+        "optimizer": {"name": "sgd", "use_distributed_optimizer": False},
+    }, json.loads(args.learner)))
+    pgs = init_distributed(cfg)
+    learner = MegatronLearner.build(cfg, GRPOObjective(), pgs, LedgerConfig())
+    from megathunder.learner.backend import padded_length
+    from megathunder.learner.logprobs import vocab_parallel_logprobs
+
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        seen.setdefault(storage.data_ptr(), storage.nbytes())
+        return t
+
+    s = padded_length(args.seq, pgs.dims.seq_multiple)
+    torch.manual_seed(0)
+    tokens = torch.randint(0, learner.model_cfg.vocab_size, (s,))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = learner.ddp(tokens[None], torch.arange(s)[None], attention_mask=None)
+        vocab_parallel_logprobs(out[0], tokens, pgs.tp, False)
+    params = {p.untyped_storage().data_ptr() for p in learner.model.parameters()}
+    total = sum(n for ptr, n in seen.items() if ptr not in params)
+    gathered = [None] * pgs.world_size
+    torch.distributed.all_gather_object(gathered, total)
+    if pgs.rank == 0:
+        Path(args.out).write_text(json.dumps({"saved_bytes": gathered, "seq": s}))
+    destroy_distributed()
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("mode", choices=["equivalence", "checkpoint_save", "checkpoint_resume", "hf_roundtrip"])
+    p.add_argument("mode", choices=["equivalence", "checkpoint_save", "checkpoint_resume", "hf_roundtrip", "saved_bytes"])
+    p.add_argument("--seq", type=int, default=64)
     p.add_argument("--ckpt")
     p.add_argument("--export")
     p.add_argument("--out", required=True)
-    p.add_argument("--hf", required=True)
+    p.add_argument("--hf", default=None)
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--pp", type=int, default=1)
     p.add_argument("--slots", type=int, default=2)
@@ -165,9 +210,11 @@ def main() -> None:
     p.add_argument("--dist-opt", action="store_true")
     p.add_argument("--ckpt-optimizer", default="adam", help="checkpoint_save / checkpoint_resume: adam or sgd")
     p.add_argument("--objective", default="{}")
+    p.add_argument("--learner", default="{}", help="JSON merged into the LearnerConfig (equivalence)")
+    p.add_argument("--ledger", default="{}", help="JSON LedgerConfig fields besides max_group_slots (equivalence)")
     args = p.parse_args()
-    {"equivalence": equivalence, "checkpoint_save": checkpoint_save,
-     "checkpoint_resume": checkpoint_resume, "hf_roundtrip": hf_roundtrip}[args.mode](args)
+    {"equivalence": equivalence, "checkpoint_save": checkpoint_save, "checkpoint_resume": checkpoint_resume,
+     "hf_roundtrip": hf_roundtrip, "saved_bytes": saved_bytes}[args.mode](args)
 
 
 if __name__ == "__main__":

@@ -154,3 +154,57 @@ def test_checkpoint_resume_with_dp2_and_the_distributed_optimizer_is_exact(hf_qw
     assert resumed["num_steps"] == 1
     assert torch.equal(_flat(resumed["loaded"]), _flat(reference["after1"]))
     assert torch.equal(_flat(resumed["after2"]), _flat(reference["after2"]))
+
+
+# Long trajectories: sequence parallelism, activation recompute and the SDPA core attention are
+# memory options, not different functions. Each gives the gradient of the same loss: SP moves the
+# same sums between ranks (reduce-scatter + all-gather instead of all-reduce), recompute runs the
+# same forward twice, SDPA is an online softmax of the same scores; every trajectory under SP is
+# padded at its end (causal: no real position sees the pads). So each equals one process without
+# them up to fp32 reassociation, the same bound as layouts (GRAD_TOL).
+MEMORY_OPTIONS = {
+    "sp": (2, {"parallel": {"sequence_parallel": True}}),
+    "recompute_selective": (2, {"activations": {"recompute": "selective"}}),
+    "recompute_full_uniform": (2, {"activations": {"recompute": "full", "recompute_method": "uniform",
+                                                   "recompute_num_layers": 1}}),
+    "recompute_full_block_sp": (2, {"parallel": {"sequence_parallel": True},
+                                    "activations": {"recompute": "full", "recompute_method": "block",
+                                                    "recompute_num_layers": 1}}),
+    "sdpa": (2, {"precision": {"core_attention": "sdpa"}}),
+    "sdpa_sp_selective_mlp": (2, {"parallel": {"sequence_parallel": True}, "precision": {"core_attention": "sdpa"},
+                                  "activations": {"recompute": "selective",
+                                                  "recompute_modules": ["core_attn", "mlp"]}}),
+}
+
+
+@pytest.mark.parametrize("option", sorted(MEMORY_OPTIONS))
+def test_memory_options_give_the_gradient_of_one_process_without_them(hf_qwen2, tmp_path, single, option):
+    tp, learner = MEMORY_OPTIONS[option]
+    import json
+
+    out = tmp_path / "opt.pt"
+    launch(tp, "equivalence", "--out", str(out), "--hf", str(hf_qwen2), "--optimizer", "sgd", "--tp", str(tp),
+           "--learner", json.dumps(learner))
+    run = torch.load(out)
+    reference = _flat(single["sync_grad"])
+    assert _rel(_flat(run["stream_grad"]), reference) <= GRAD_TOL
+    assert _rel(_flat(run["sync_grad"]), reference) <= GRAD_TOL
+
+
+@pytest.mark.parametrize("ledger", [{"slot_placement": "host"}, {"slot_placement": "host", "slot_dtype": "bfloat16"}],
+                         ids=["host", "host_bf16"])
+def test_host_placed_slots_give_the_update_of_device_slots_on_megatron(hf_qwen2, tmp_path, single, ledger):
+    """On Megatron's gradient buffers, one process: host slots equal device slots bitwise (a CPU
+    learner: one memory, the same kernels); bf16 host slots equal bf16 device slots bitwise."""
+    import json
+
+    runs = {}
+    for placement in ("device", "host"):
+        runs[placement] = tmp_path / f"{placement}.pt"
+        launch(1, "equivalence", "--out", str(runs[placement]), "--hf", str(hf_qwen2), "--optimizer", "sgd",
+               "--ledger", json.dumps({**ledger, "slot_placement": placement}))
+    device, host = torch.load(runs["device"]), torch.load(runs["host"])
+    assert torch.equal(_flat(host["stream_grad"]), _flat(device["stream_grad"]))
+    assert torch.equal(_flat(host["stream"]), _flat(device["stream"]))
+    if "slot_dtype" not in ledger:
+        assert torch.equal(_flat(host["stream_grad"]), _flat(single["stream_grad"]))

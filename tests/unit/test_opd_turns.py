@@ -154,3 +154,47 @@ def test_gjsd_is_the_jensen_shannon_divergence():
     expected = lam * (t.exp() * (t - m.log())).sum(-1) + (1 - lam) * (s.exp() * (s - m.log())).sum(-1)
     torch.testing.assert_close(gjsd_terms(s, t, lam).sum(-1), expected)
     assert torch.all(gjsd_terms(s, s, lam).sum(-1).abs() < 1e-12)
+
+
+@pytest.mark.parametrize("divergence", ["reverse_kl", "gjsd"])
+@pytest.mark.parametrize("limit", [0, 1, 2])
+@pytest.mark.parametrize("strategy", ["kv_adjoint", "forward_early"])
+def test_bounded_state_falls_back_to_recompute_and_stays_exact(strategy, limit, divergence):
+    """``max_cached``: at most ``limit`` trajectories hold student and teacher state at any event;
+    the others recompute with a stateless teacher, and the gradient is still the full-trajectory
+    one. Trajectories start at their first turn (as on the learner), so freed places are reused."""
+    from megathunder.objectives.opd import opd_normaliser
+    from megathunder.streaming.opd_turns import CachedTeacher, TorchSegmentModel, accumulate_full_trajectory_gjsd
+
+    student, teacher = small_model("float64", seed=0), _bigger_teacher()
+    rng = random.Random(11)
+    episodes = [random_episode(rng) for _ in range(6)]
+    full = [flatten(e) for e in episodes]
+    if divergence == "gjsd":
+        with torch.no_grad():
+            items = [(t, m, torch.log_softmax(teacher(t[None])[0, :-1], -1)) for t, m in full]
+        student.zero_grad(set_to_none=True)
+        counts, _ = accumulate_full_trajectory_gjsd(TorchSegmentModel(student), items, beta=1.0, lam=0.5)
+        reference = flat_grad(student) / opd_normaliser(counts, "token_mean")
+    else:
+        reference = opd_reference_gradient(student, full, _teacher_fn(teacher), beta=1.0, aggregation="token_mean")
+    student.zero_grad(set_to_none=True)
+    cached = CachedTeacher(TorchSegmentModel(teacher))
+    streamer = TurnStreamer(student, cached, strategy=strategy, divergence=divergence, max_cached=limit)
+    started = set()
+    for kind, tid, k in opd_helpers.interleaved({tid: len(p) - 1 for tid, p in enumerate(episodes)}, random.Random(3)):
+        if tid not in started:
+            streamer.begin_trajectory(tid, episodes[tid][0][1])
+            started.add(tid)
+        if kind == "part":
+            opd_helpers.feed_parts(streamer, tid, episodes[tid][1 + k])
+        else:
+            streamer.end_trajectory(tid)
+        assert streamer.num_cached <= limit and cached.num_cached <= limit
+        assert sum(len(t.segments) > 0 for t in streamer._open.values()) <= limit  # student K/V + graphs
+    streamer.finish_batch()
+    assert rel_err(flat_grad(student), reference) <= 1e-10
+    assert streamer.stats["peak_cached"] <= limit
+    assert streamer.stats["uncached_trajectories"] > 0  # the bound was hit (a fixed interleaving)
+    if limit == 0:
+        assert streamer.stats["uncached_trajectories"] == len(episodes)

@@ -1,0 +1,1 @@
+"""``megathunder plan``: memory and traffic of a learner layout, predicted before launch."""

@@ -1,0 +1,557 @@
+"""The memory and traffic of a learner layout, predicted from the model's shape and the config.
+
+``plan(cfg, shape, machine)`` returns, for the most loaded learner rank (a GPU, or a CPU process),
+what it holds at its peak, what each rank and each node holds in host memory, and the bytes each
+step moves on each link; ``Plan.problems`` names what does not divide or does not fit. Nothing is built: this is
+arithmetic, run before any server or rank starts (``megathunder plan``, the launch preflight).
+
+Per rank, with P the parameters of the rank's pipeline stage (its TP shard: ``stage_params``), e
+the bytes of ``learner.precision.params_dtype``:
+
+    weights               P e
+    gradients             4 P       DDP's buffers are fp32 (grad_reduce_in_fp32)
+    optimizer             adam: (12 if bf16 else 8) P, sgd: (8 if bf16 else 4) P (fp32 main
+                          params when bf16, moments); / DP with the distributed optimizer
+    ledger (thunder)      P (and P_A) in fp32 + K_eff slots x (2, or 1 std-free) x P x slot bytes,
+                          on the device or in host memory (+ one fp32 staging buffer on each side)
+    activations           the longest allowed trajectory (agent.max_total_tokens), in flight on up
+                          to min(PP - stage, micro-batches per schedule call) micro-batches (1F1B)
+    reference             P e, or in host memory with learner.reference.offload_to_cpu
+    teacher, OPD state    the teacher's P_T e; per kept trajectory its K/V cache and the student's
+                          retained segment graphs (objective.max_cached_trajectories)
+    weight push           one bucket (collective) or the serialised model on rank 0 (rpc)
+
+The first three are Megatron's own accounting (``megatron/training/theoretical_memory_usage.py``:
+18 bytes per parameter for bf16 + Adam, 6 + 12 / DP with the distributed optimizer);
+``tests/unit/test_memory_plan.py`` checks ours against that formula.
+
+Activations are counted tensor by tensor from what autograd saves in each layer of Megatron's
+local spec (RMSNorm, SwiGLU, GQA, no dropout), per token of a trajectory, in units of e unless
+marked; h hidden, F ffn, d head dim, a_t / g_t heads / query groups per TP rank, q = a_t d,
+kv = g_t d, F_t = F / TP, s the sequence, sigma = TP under sequence parallelism else 1:
+
+    2 norms               2 x (2 h / sigma  +  4 bytes / sigma)       input and normalised x, rstd
+    linear inputs         2 h / sigma + q + F_t                      QKV, proj, fc1, fc2
+    rotary                4 d                                         cos / sin of q and k
+    SwiGLU                4 F_t                                       fc1 out, silu, product
+    core attention        megatron: 3 q + a_t s + s bytes            q, K/V repeated per head,
+                                                                      softmax probs, causal mask
+                          sdpa / past_kv / TE: 3 q + 3 kv + 4 a_t bytes - q   q, k, the QKV output
+                                                                      (v is a view of it), out (also
+                                                                      the projection's input), lse
+    recompute selective   core attention -> 2 q + 3 kv (+ q: the projection's input, no longer
+                          shared)                                    its checkpointed inputs
+                          mlp -> h / sigma                           (recompute_modules: mlp)
+    recompute full        a checkpointed chunk of n layers keeps its input, h / sigma (and the
+                          rotary table once, d); the backward recomputes one chunk at a time
+                          (n layers' worth, transient)
+    first stage           8 bytes (token ids); last stage: final norm + output-layer input
+                          (3 h / sigma + 4 bytes / sigma) and the logprob's fp32 tensors
+                          (2 + entropy) x V_t x 4 bytes (+ 13 bytes: logp, target index, mask)
+    q/k norms (Qwen3)     2 q + kv + 4 (a_t + g_t) bytes (+ q + 2 kv unfused: the QKV output)
+
+These coefficients are exact for the local spec: ``tests/unit/test_memory_plan.py`` sums the
+bytes autograd saves (``saved_tensors_hooks``) in a real Megatron model and compares. The peak of a
+backward adds the working set of the step being differentiated; measured on CPU (BENCHMARKS.md,
+"megathunder plan vs measured peaks") it is about one layer's activations and, on the last stage,
+three more copies of the fp32 logits (their gradient, the exp, the output layer's logits), which
+the plan adds (``BACKWARD_LAYERS``, ``LOSS_BACKWARD_COPIES``). Transformer Engine's fused layers
+are counted with the local formula and the fused-attention line: an estimate until a GPU run
+calibrates it (``tools/gpu_check.sh``).
+
+Traffic per rank, ring collectives (a ring all-reduce of B bytes sends 2 (n - 1) / n B per rank):
+TP per trajectory 2 (t - 1) / t x s h e x (4 per layer, 6 with full recompute, +1 on the first and
+last stage); PP per trajectory s h e / sigma each way per stage boundary; CP per trajectory and
+layer 3 (cp - 1) / cp x 2 s kv e (K/V forward, K/V and their gradients backward); the DP gradient
+reduce per step 2 (n - 1) / n x 4 P (all-reduce) or (n - 1) / n x (4 P + e P) (distributed
+optimizer: reduce-scatter of the gradients, all-gather of the parameters); the weight push per
+step the model's inference bytes once (collective broadcast) or once per server (rpc).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from megathunder.config import (
+    Config,
+    ConfigError,
+    DistillObjective,
+    PolicyModelConfig,
+    RLObjective,
+    check_parallel_divides_model,
+)
+from megathunder.config.rollout_config import CollectiveTransfer
+
+GiB = 2**30
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
+BACKWARD_LAYERS = 1.0  # the working set of one layer's backward, in layers of activations
+LOSS_BACKWARD_COPIES = 1.25  # fp32 [s, V/t] tensors live at the loss backward besides the saved ones
+GPU_RUNTIME_GIB = 4.0  # CUDA context, NCCL communicators, allocator slack (an estimate)
+GPU_PROCESS_HOST_GIB = 3.0  # host RSS of one CUDA learner process (torch, megatron; an estimate)
+CONTROLLER_HOST_GIB = 2.0  # rank 0's controller: agent loop, engine client, journal (an estimate)
+RPC_COPIES = 2 + 4 / 3  # rpc push on rank 0: the tensors, their safetensors bytes, base64 text
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The sizes of a dense Llama / Qwen2 / Qwen3 decoder that memory depends on."""
+
+    vocab: int
+    hidden: int
+    ffn: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    tie: bool
+    qkv_bias: bool
+    qk_norm: bool
+
+    @classmethod
+    def of(cls, m: PolicyModelConfig) -> ModelShape:
+        return cls(vocab=m.vocab_size, hidden=m.hidden_size, ffn=m.ffn_hidden_size, layers=m.num_layers,
+                   heads=m.num_attention_heads, kv_heads=m.num_query_groups,
+                   head_dim=m.head_dim or m.hidden_size // m.num_attention_heads, tie=m.tie_word_embeddings,
+                   qkv_bias=m.family == "qwen2", qk_norm=m.family == "qwen3")
+
+    @property
+    def num_params(self) -> int:
+        """The whole model's parameters."""
+        return sum(stage_params(self, 1, 1, 0))
+
+
+def read_model_config(path: str | Path, base: PolicyModelConfig, field_name: str) -> PolicyModelConfig:
+    """Sizes from a Hugging Face ``config.json``: ``path`` is the model directory or that file."""
+    path = Path(path)
+    directory = path.parent if path.name == "config.json" else path
+    if not (directory / "config.json").is_file():
+        raise ConfigError(f"{field_name}: no config.json at {path} (a Hugging Face model directory or its "
+                          "config.json)")
+    from megathunder.learner.model import policy_config_from_hf  # the learner's own reading of it
+
+    try:
+        return policy_config_from_hf(directory, base)
+    except ConfigError as err:
+        raise ConfigError(str(err).replace("learner.model.hf_checkpoint", field_name)) from None
+
+
+def stage_params(shape: ModelShape, tp: int, pp: int, stage: int) -> tuple[int, int, int]:
+    """(transformer layers, embedding + output layer, final norm) parameters of one TP shard of
+    pipeline stage ``stage`` -- the tensors Megatron's GPTModel builds there."""
+    h, d, t = shape.hidden, shape.head_dim, tp
+    qkv_out = (shape.heads + 2 * shape.kv_heads) * d
+    per_layer = (2 * h  # input and pre-MLP RMSNorm (replicated)
+                 + qkv_out * h // t + (qkv_out // t if shape.qkv_bias else 0)
+                 + (2 * d if shape.qk_norm else 0)
+                 + shape.heads * d * h // t  # output projection
+                 + 2 * shape.ffn * h // t + shape.ffn * h // t)  # fc1 (gate, up), fc2
+    layers = per_layer * shape.layers // pp
+    embed = shape.vocab // t * h
+    first, last = stage == 0, stage == pp - 1
+    vocab = 0
+    if first:
+        vocab += embed
+    if last and (not shape.tie or pp > 1):  # untied output layer, or the tied copy on the last stage
+        vocab += embed
+    return layers, vocab, h if last else 0
+
+
+# ---------------------------------------------------------------------- activations
+
+
+@dataclass(frozen=True)
+class ActivationModel:
+    """What one trajectory's forward keeps for its backward on one rank (module docstring)."""
+
+    shape: ModelShape
+    tp: int
+    sp: bool
+    cp: int
+    e: int  # activation bytes
+    attention: str  # "megatron" (unfused), "fused" (sdpa / past_kv / Transformer Engine)
+    recompute: str = "none"
+    recompute_method: str = "uniform"
+    recompute_num_layers: int = 1
+    recompute_modules: tuple[str, ...] = ("core_attn",)
+    entropy: bool = False
+
+    @property
+    def _dims(self) -> tuple[int, float, int, int, float]:
+        t = self.tp
+        sigma = t if self.sp else 1
+        a_t = self.shape.heads // t
+        g_t = max(self.shape.kv_heads // t, 1)
+        return t, sigma, a_t, g_t, self.shape.ffn / t
+
+    def layer_bytes(self, s: float, recompute: bool = True) -> float:
+        """Bytes one transformer layer keeps for a local sequence of ``s`` tokens (this CP rank's
+        share), without full recompute's chunking."""
+        sh, e = self.shape, self.e
+        _, sigma, a_t, g_t, f_t = self._dims
+        h, d = sh.hidden, sh.head_dim
+        q, kv = a_t * d, g_t * d
+        s_keys = s * self.cp  # attention reads every position's keys (other CP ranks' via TE)
+        norms = 2 * (2 * h / sigma * e + 4 / sigma)
+        if sh.qk_norm:  # q and k RMSNorm (Qwen3): q's input (a copy), both normalised, rstd per head; k's
+            # input is a view of the QKV output, which the fused kernel's v keeps anyway, the unfused one not
+            norms += (2 * q + kv + (0 if self.attention != "megatron" else q + 2 * kv)) * e + 4 * (a_t + g_t)
+        linear_in = (2 * h / sigma + q + f_t) * e
+        rotary = 4 * d * e
+        mlp = 4 * f_t * e
+        if self.attention == "megatron":
+            core = 3 * q * e + a_t * s_keys * e + s_keys
+        else:  # the projection's input is the kernel's saved output (the same storage)
+            core = (3 * q + 3 * kv) * e + 4 * a_t
+            linear_in -= q * e
+        if recompute and self.recompute == "selective":
+            if "core_attn" in self.recompute_modules:
+                if self.attention != "megatron":
+                    linear_in += q * e  # the output is recomputed; the projection keeps its own input
+                core = (2 * q + 3 * kv) * e
+            if "mlp" in self.recompute_modules:
+                mlp = 0.0
+                linear_in -= (h / sigma + f_t) * e  # fc1 and fc2 inputs go with the MLP ...
+                linear_in += h / sigma * e  # ... whose checkpoint keeps its input
+        return s * (norms + linear_in + rotary + mlp + core)
+
+    def stage_bytes(self, s: int, layers: int, first: bool, last: bool) -> dict[str, float]:
+        """Stored bytes of one micro-batch of ``s`` tokens (the whole sequence) on a stage, and the
+        backward's working set on top (module docstring)."""
+        sh, e = self.shape, self.e
+        _, sigma, a_t, _, _ = self._dims
+        local = s / self.cp
+        layer = self.layer_bytes(local)
+        layer_full = self.layer_bytes(local, recompute=False)
+        keep = local * sh.hidden / sigma * e
+        probs = local * a_t * (s if self.attention == "megatron" else 0) * e  # one [a_t, s, s] tensor, unfused
+        mask = local * s if self.attention == "megatron" else 0.0
+        grads = 2 * probs  # the gradients of the probabilities and of the scores
+        if self.recompute == "full":
+            n = self.recompute_num_layers
+            freqs = local * sh.head_dim * e  # the rotary table, an input of every checkpoint (one storage)
+            if self.recompute_method == "uniform":
+                stored = layers / n * keep + freqs
+                working = n * layer_full + grads
+            else:
+                stored = n * keep + (layers - n) * layer_full + freqs
+                working = layer_full + grads
+        elif self.recompute == "selective" and "core_attn" in self.recompute_modules and self.attention == "megatron":
+            stored = layers * layer
+            working = layer + probs + mask + grads  # the attention recomputed, then differentiated
+        elif self.recompute == "selective":
+            stored = layers * layer
+            working = layer_full
+        else:
+            stored = layers * layer
+            working = layer - probs - mask + grads if self.attention == "megatron" else BACKWARD_LAYERS * layer
+        if first:
+            stored += 8 * local
+        logits = 0.0
+        if last:
+            vocab_t = sh.vocab / self.tp
+            stored += local * (3 * sh.hidden / sigma * e + 4 / sigma)
+            logits = local * (vocab_t * 4 * (2 + (1 if self.entropy else 0)) + 13)  # + logp, target index, mask
+            working = max(working, local * vocab_t * 4 * LOSS_BACKWARD_COPIES)
+        return {"layers": stored, "logits": logits, "backward": working}
+
+
+# ---------------------------------------------------------------------- the plan
+
+
+@dataclass(frozen=True)
+class Machine:
+    """Where the learner runs: GPUs of ``gpu_memory_gb`` (None: CPU processes, whose memory is the
+    host's), ``ranks_per_node`` learner ranks on nodes of ``host_memory_gb``."""
+
+    gpu_memory_gb: float | None = 80.0
+    ranks_per_node: int = 8
+    host_memory_gb: float = 2048.0
+    world: int | None = None  # learner ranks; None: the config's data_parallel (or 1)
+    process_host_gb: float | None = None  # per-process host baseline (None: the estimate for GPUs, 0 on CPU)
+
+
+@dataclass
+class Line:
+    part: str
+    device: float = 0.0  # bytes on the rank's GPU (on CPU: in the process)
+    host: float = 0.0  # bytes in host memory per rank
+    note: str = ""
+    rank0_only: bool = False  # held by global rank 0 alone (counted once per node)
+
+
+@dataclass
+class Plan:
+    layout: dict
+    lines: list[Line] = field(default_factory=list)
+    node_host: list[Line] = field(default_factory=list)  # per node (rank 0's node: the most)
+    links: dict[str, float] = field(default_factory=dict)  # bytes
+    problems: list[str] = field(default_factory=list)
+    ledger_slots: int | None = None
+    stage: int = 0  # the most loaded pipeline stage
+    rank0: list[Line] = field(default_factory=list)  # what global rank 0 holds alone (stage 0)
+
+    @property
+    def device_total(self) -> float:
+        return sum(line.device for line in self.lines)
+
+    @property
+    def host_rank_total(self) -> float:
+        return sum(line.host for line in self.lines)
+
+    @property
+    def node_host_total(self) -> float:
+        return sum(line.host for line in self.node_host)
+
+    @property
+    def feasible(self) -> bool:
+        return not self.problems
+
+    def to_json(self) -> dict:
+        return {
+            "feasible": self.feasible, "problems": self.problems, "layout": self.layout,
+            "ledger_slots": self.ledger_slots, "stage": self.stage,
+            "device_bytes": round(self.device_total), "host_bytes_per_rank": round(self.host_rank_total),
+            "node_host_bytes": round(self.node_host_total),
+            "device": {line.part: round(line.device) for line in self.lines if line.device},
+            "host": {line.part: round(line.host) for line in self.lines if line.host},
+            "node_host": {line.part: round(line.host) for line in self.node_host},
+            "links": {k: round(v) for k, v in self.links.items()},
+        }
+
+
+def plan(cfg: Config, shape: ModelShape, machine: Machine, teacher: ModelShape | None = None) -> Plan:
+    """The memory of ``cfg``'s learner layout for a model of ``shape`` on ``machine`` (see module)."""
+    par, learner = cfg.learner.parallel, cfg.learner
+    tp, pp, cp = par.tensor_parallel, par.pipeline_parallel, par.context_parallel
+    world = machine.world
+    problems: list[str] = []
+    if world is None:
+        world = tp * pp * cp * (par.data_parallel or 1)
+    if world % (tp * pp * cp):
+        problems.append(f"learner.parallel: world size {world} is not a multiple of tensor_parallel x "
+                        f"pipeline_parallel x context_parallel = {tp} x {pp} x {cp}")
+    dp = max(world // (tp * pp * cp), 1)
+    if par.data_parallel is not None and par.data_parallel != dp and not problems:
+        problems.append(f"learner.parallel.data_parallel: {par.data_parallel}, but world size {world} gives {dp}")
+    layout = {"world": world, "tp": tp, "pp": pp, "cp": cp, "dp": dp, "sp": par.sequence_parallel,
+              "params": shape.num_params}
+    out = Plan(layout=layout, problems=problems)
+    divides = _divides(shape, tp, pp, cp, par.cp_comm_type, "learner.model")
+    if divides is None and teacher is not None:  # the teacher runs in the student's layout
+        divides = _divides(teacher, tp, 1, cp, par.cp_comm_type, "objective.teacher")
+    if divides:
+        out.problems.append(divides)
+        return out
+    e = DTYPE_BYTES[learner.precision.params_dtype]
+    gpu = machine.gpu_memory_gb is not None
+    s = cfg.agent.max_total_tokens
+    s_padded = _pad(s, (tp if par.sequence_parallel else 1) * (2 * cp if cp > 1 else 1))
+    thunder = cfg.schedule.mode == "thunder"
+    obj = cfg.objective
+    rl = obj if isinstance(obj, RLObjective) else None
+    act = ActivationModel(
+        shape=shape, tp=tp, sp=par.sequence_parallel, cp=cp, e=e,
+        attention="megatron" if learner.precision.core_attention == "megatron" and learner.precision.layer_spec == "local"
+        else "fused",
+        recompute=learner.activations.recompute, recompute_method=learner.activations.recompute_method,
+        recompute_num_layers=learner.activations.recompute_num_layers,
+        recompute_modules=tuple(learner.activations.recompute_modules),
+        entropy=rl is not None and rl.entropy_coef > 0)
+    group = cfg.batch.samples_per_prompt
+    per_rank = -(-cfg.batch.num_prompts_per_batch * group // dp)
+    calls = group if thunder else per_rank  # most micro-batches in one schedule call (thunder: a closing group)
+
+    best: tuple[float, int, list[Line]] | None = None
+    rank0: list[Line] = []
+    for stage in range(pp):
+        micro = min(pp - stage, calls)  # 1F1B: stage r holds up to pp - r micro-batches' activations
+        lines = _rank_lines(cfg, shape, act, stage, tp, pp, dp, e, s_padded, micro, gpu, out, teacher)
+        if stage == 0:
+            rank0 = [line for line in lines if line.rank0_only]
+        total = sum(line.device for line in lines)
+        if best is None or total > best[0]:
+            best = (total, stage, lines)
+    assert best is not None
+    _, out.stage, out.lines = best
+    out.rank0 = rank0
+    if gpu:
+        out.lines.append(Line("runtime", device=GPU_RUNTIME_GIB * GiB, note="CUDA context, NCCL, allocator (estimate)"))
+    baseline = machine.process_host_gb
+    if baseline is None:
+        baseline = GPU_PROCESS_HOST_GIB if gpu else 0.0
+    out.lines.append(Line("process", host=baseline * GiB, note="torch, megatron, CUDA host side" if gpu else
+                          "measured separately on CPU"))
+    _node_host(out, machine, gpu)
+    _links(out, cfg, shape, tp, pp, cp, dp, e, s_padded, per_rank)
+    _fit(out, machine, gpu)
+    return out
+
+
+def _pad(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def _divides(shape: ModelShape, tp: int, pp: int, cp: int, cp_comm: str, prefix: str) -> str | None:
+    m = PolicyModelConfig(vocab_size=shape.vocab, hidden_size=shape.hidden, ffn_hidden_size=shape.ffn,
+                          num_layers=shape.layers, num_attention_heads=shape.heads, num_query_groups=shape.kv_heads,
+                          head_dim=shape.head_dim)
+    try:
+        check_parallel_divides_model(m, tp, pp, cp, cp_comm)
+    except ValueError as err:
+        text = str(err).replace("model.", f"{prefix}.")
+        return f"learner.{text}"
+    return None
+
+
+def _rank_lines(cfg: Config, shape: ModelShape, act: ActivationModel, stage: int, tp: int, pp: int, dp: int,
+                e: int, s: int, micro: int, gpu: bool, out: Plan, teacher: ModelShape | None) -> list[Line]:
+    learner, obj = cfg.learner, cfg.objective
+    layers_p, vocab_p, norm_p = stage_params(shape, tp, pp, stage)
+    p = layers_p + vocab_p + norm_p
+    lines = [Line("weights", device=p * e, note=f"{p / 1e6:,.1f}M params x {e} B")]
+    lines.append(Line("gradients", device=p * 4, note="DDP buffers, fp32"))
+    opt = learner.optimizer
+    mixed = e < 4
+    per_param = (12 if mixed else 8) if opt.name == "adam" else (8 if mixed else 4)
+    shard = dp if opt.use_distributed_optimizer else 1
+    lines.append(Line("optimizer", device=p * per_param / shard,
+                      note=f"{opt.name}: {per_param} B/param" + (f" / DP {dp}" if shard > 1 else "")))
+    rl = obj if isinstance(obj, RLObjective) else None
+    if cfg.schedule.mode == "thunder" and rl is not None:
+        lines.extend(_ledger_lines(cfg, rl, p, gpu, out))
+    stored = act.stage_bytes(s, shape.layers // pp, stage == 0, stage == pp - 1)
+    recompute = learner.activations.recompute
+    lines.append(Line("activations", device=micro * stored["layers"] + stored["backward"],
+                      note=f"{s} tokens x {micro} in flight, recompute {recompute}, "
+                           f"{'SP, ' if act.sp else ''}{act.attention} attention"))
+    if stored["logits"]:
+        lines.append(Line("logits", device=micro * stored["logits"], note="fp32 logprob tensors [s, V/tp]"))
+    if rl is not None and rl.kl_coef > 0:
+        offload = learner.reference.offload_to_cpu and gpu
+        lines.append(Line("reference", device=0 if offload else p * e, host=p * e if offload else 0,
+                          note="frozen policy copy" + (", offloaded" if offload else "")))
+    if isinstance(obj, DistillObjective):
+        lines.extend(_distill_lines(cfg, obj, shape, act, tp, e, s, teacher))
+    wt = cfg.rollout.engine.weight_transfer
+    if stage == 0:  # global rank 0 sends the weights
+        if isinstance(wt, CollectiveTransfer):
+            bucket = wt.bucket_mb * 2**20
+            lines.append(Line("weight push", device=bucket if gpu else 0, host=bucket, rank0_only=True,
+                              note=f"rank 0: one {wt.bucket_mb:g} MiB bucket (collective)"))
+        else:
+            model_bytes = shape.num_params * 2
+            lines.append(Line("weight push", host=RPC_COPIES * model_bytes, rank0_only=True,
+                              note="rank 0: the serialised model (rpc)"))
+    return lines
+
+
+def _ledger_lines(cfg: Config, rl: RLObjective, p: int, gpu: bool, out: Plan) -> list[Line]:
+    led = cfg.ledger
+    from megathunder.objectives import coef_known_before_close  # light: no torch at import
+
+    std_free = coef_known_before_close(rl) and not led.hold_groups_until_close
+    per_slot = 1 if std_free else 2
+    grad_bytes = p * 4
+    slot_bytes = p * (2 if led.slot_dtype == "bfloat16" else 4)
+    k = led.max_group_slots
+    if led.slot_budget_gb is not None:
+        fit = int(led.slot_budget_gb * GiB) // (per_slot * slot_bytes)
+        k = fit if k is None else min(k, fit)
+    groups = cfg.batch.num_prompts_per_batch
+    k_eff = groups if k is None else min(k, groups)
+    out.ledger_slots = k
+    accumulators = 1 + (1 if rl.advantage == "batch_std" else 0)
+    lines = [Line("ledger P", device=accumulators * grad_bytes, note="fp32 accumulator" + ("s" if accumulators > 1 else ""))]
+    slots = k_eff * per_slot * slot_bytes
+    where = f"{led.slot_placement}, {'bf16' if led.slot_dtype == 'bfloat16' else 'fp32'}"
+    note = f"K = {k_eff} x {per_slot} buffers ({where})"
+    if led.slot_placement == "host":
+        staging = grad_bytes if k_eff else 0
+        lines.append(Line("ledger slots", device=staging if gpu else 0, host=slots + staging,
+                          note=note + " + fp32 staging"))
+    else:
+        lines.append(Line("ledger slots", device=slots, note=note))
+    return lines
+
+
+def _distill_lines(cfg: Config, obj: DistillObjective, shape: ModelShape, act: ActivationModel, tp: int, e: int,
+                   s: int, teacher: ModelShape | None) -> list[Line]:
+    lines = []
+    t_shape = teacher or shape
+    layers_t, vocab_t, norm_t = stage_params(t_shape, tp, 1, 0)
+    p_t = layers_t + vocab_t + norm_t
+    lines.append(Line("teacher", device=p_t * e, note=f"{p_t / 1e6:,.1f}M params x {e} B (of {t_shape.num_params / 1e9:.2f}B)"))
+    kept = obj.max_cached_trajectories
+    if kept is None:
+        kept = cfg.agent.max_concurrent_episodes
+    kv_t = t_shape.layers * 2 * max(t_shape.kv_heads // tp, 1) * t_shape.head_dim * e
+    lines.append(Line("teacher K/V", device=kept * s * kv_t, note=f"{kept} kept trajectories x {s} tokens"))
+    if obj.strategy != "recompute":
+        student = act.stage_bytes(s, shape.layers, True, True)
+        kv_s = shape.layers * 2 * max(shape.kv_heads // tp, 1) * shape.head_dim * e
+        copies = (cfg.agent.max_turns - 1 + 1) * s * kv_s  # past K/V re-concatenated per turn, and their gradients
+        per_traj = student["layers"] + student["logits"] + copies
+        lines.append(Line("OPD state", device=kept * per_traj,
+                          note=f"{kept} x retained segment graphs ({obj.strategy}); the rest recompute"))
+    lines.append(Line("teacher forward", device=s * shape.vocab / tp * 4 * 2, note="logits of one segment"))
+    return lines
+
+
+def _node_host(out: Plan, machine: Machine, gpu: bool) -> None:
+    """Rank 0's node: every rank's host lines (and on CPU its process memory), rank 0's own once."""
+    shared = [line for line in out.lines if not line.rank0_only]
+    per_rank = sum(line.host for line in shared) + (0 if gpu else sum(line.device for line in shared))
+    ranks = min(machine.ranks_per_node, out.layout["world"])
+    out.node_host = [Line(f"{ranks} ranks", host=ranks * per_rank,
+                          note="host lines of each rank" + ("" if gpu else " + its process memory (CPU ranks)"))]
+    for line in out.rank0:
+        out.node_host.append(Line(line.part, host=line.host + (0 if gpu else line.device), note=line.note))
+    out.node_host.append(Line("controller (rank 0)", host=CONTROLLER_HOST_GIB * GiB, note="estimate"))
+
+
+def _links(out: Plan, cfg: Config, shape: ModelShape, tp: int, pp: int, cp: int, dp: int, e: int, s: int,
+           per_rank: int) -> None:
+    h = shape.hidden
+    layers = shape.layers // pp
+    full = cfg.learner.activations.recompute == "full"
+    sigma = tp if cfg.learner.parallel.sequence_parallel else 1
+    ring = lambda n: 2 * (n - 1) / n if n > 1 else 0.0  # noqa: E731
+    links = out.links
+    links["tp_per_trajectory"] = ring(tp) * s * h * e * (layers * (6 if full else 4) + 2)
+    links["pp_per_trajectory"] = 2 * s * h * e / sigma if pp > 1 else 0.0
+    kv = max(shape.kv_heads // tp, 1) * shape.head_dim
+    links["cp_per_trajectory"] = 3 * (cp - 1) / cp * 2 * s * kv * e * layers if cp > 1 else 0.0
+    p = sum(stage_params(shape, tp, pp, out.stage))
+    reducers = dp * cp
+    if cfg.learner.optimizer.use_distributed_optimizer:
+        links["dp_reduce_per_step"] = ring(reducers) / 2 * (4 * p + e * p)
+    else:
+        links["dp_reduce_per_step"] = ring(reducers) * 4 * p
+    model_bytes = shape.num_params * 2
+    servers = max(len(cfg.rollout.engine.server_urls), cfg.rollout.engine.num_servers)
+    wt = cfg.rollout.engine.weight_transfer
+    links["weight_push_per_step"] = model_bytes * (1 if isinstance(wt, CollectiveTransfer) else servers)
+    links["trajectories_per_rank_per_step"] = per_rank
+    links["tp_per_step_at_max_length"] = links["tp_per_trajectory"] * per_rank
+
+
+def _fit(out: Plan, machine: Machine, gpu: bool) -> None:
+    if gpu:
+        assert machine.gpu_memory_gb is not None
+        budget = machine.gpu_memory_gb * GiB
+        if out.device_total > budget:
+            top = sorted(out.lines, key=lambda line: -line.device)[:3]
+            parts = ", ".join(f"{line.part} {line.device / GiB:.1f} GiB" for line in top)
+            out.problems.append(f"device memory: {out.device_total / GiB:.1f} GiB per GPU (stage {out.stage}) does not "
+                                f"fit {machine.gpu_memory_gb:g} GiB; largest: {parts}")
+    host_budget = machine.host_memory_gb * GiB
+    if out.node_host_total > host_budget:
+        out.problems.append(f"host memory: {out.node_host_total / GiB:.1f} GiB per node does not fit "
+                            f"{machine.host_memory_gb:g} GiB")
+
+
+def fits_within(predicted: float, measured: float, tolerance: float = 0.15) -> bool:
+    """|predicted - measured| <= tolerance x measured."""
+    return math.isfinite(predicted) and abs(predicted - measured) <= tolerance * measured

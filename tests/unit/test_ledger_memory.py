@@ -1,0 +1,158 @@
+"""Ledger memory: bf16 slots within their derived bound, host-placed slots with the same update as
+device slots, and K chosen from a memory budget (docs/exactness.md, section 2.7)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megathunder.config import GRPOObjective, LedgerConfig
+from megathunder.objectives import LossSpec, batch_divisor, group_stats, normaliser, num_loss_tokens
+from megathunder.streaming import GradientLedger, TorchBackend
+from megathunder.streaming import synthetic as syn
+from megathunder.streaming.buffers import slots_within_budget
+from megathunder.streaming.reference import reference_gradient
+from megathunder.trajectory import batch_plan
+from tests.helpers import make_case, rel_err, small_model, streamed_gradient
+
+U_BF16 = 2.0**-8  # unit roundoff of bfloat16 (8-bit significand, round to nearest)
+
+
+def gamma(m: int) -> float:
+    return m * U_BF16 / (1 - m * U_BF16)
+
+
+def bf16_bound(model, batch, rewards, objective, ledger: GradientLedger) -> torch.Tensor:
+    """The elementwise bound of docs/exactness.md 2.7 on |streamed - reference|, from the slot
+    history the ledger logged: for each group with a slot, the trajectories it processed (in
+    order), b_g the first one's reward, m_S / m_R the roundings into S_g / R_g."""
+    backend = TorchBackend(model, objective)
+    h = {}
+    for t in batch:  # h_i = grad loss_i(A = -1): the score gradient a slot receives
+        h[t.traj_id] = next(backend.backward(t, [LossSpec(advantage=-1.0, reward_free=False)])).flat().abs().clone()
+    reward_of = {t.traj_id: r for t, r in zip(batch, rewards, strict=True)}
+    in_slot: dict[int, list[int]] = {}
+    group_of = {t.traj_id: t.group_id for t in batch}
+    for _, kind, ident in ledger.events:
+        if kind.startswith("backward:") and "slot" in kind.split(":")[1].split("+"):
+            in_slot.setdefault(group_of[ident], []).append(ident)
+    std_free = ledger.buffers_per_slot == 1
+    kept = list(batch)
+    z = normaliser([num_loss_tokens(t, objective) for t in kept], objective)
+    stats = {g: group_stats([reward_of[i] for i in members], objective) for g, members in batch_plan(batch)}
+    d = 1.0
+    if objective.advantage == "batch_std":
+        d = batch_divisor([reward_of[t.traj_id] - stats[t.group_id].mean for t in kept], objective)
+    bound = torch.zeros_like(next(iter(h.values())))
+    for g, processed in in_slot.items():
+        b = reward_of[processed[0]]
+        c, delta = stats[g].coef, stats[g].mean - b
+        m_r = sum(1 for i in processed if reward_of[i] != b)
+        if not std_free and m_r:
+            bound += abs(c) * gamma(m_r) * sum(abs(reward_of[i] - b) * h[i] for i in processed)
+        bound += abs(c * delta) * gamma(len(processed)) * sum(h[i] for i in processed)
+    return bound / (d * z)
+
+
+@pytest.mark.parametrize("advantage", ["grpo", "rloo", "batch_std"])
+@pytest.mark.parametrize("seed", range(4))
+def test_bf16_slots_stay_within_the_derived_bound(advantage, seed):
+    """fp64 model and accumulators, bf16 slots: every element of the streamed gradient is within the
+    bound of the fp64 reference (the fp64 reassociation error, ~1e-16, is the slack)."""
+    model = small_model("float64")
+    rng, batch, rewards = make_case(300 + seed, torch.float64, "continuous")
+    objective = GRPOObjective(advantage=advantage, loss_agg="seq_mean_token_sum")
+    reference = reference_gradient(model, batch, rewards, objective)
+    events = syn.random_event_order(rng, len(batch))
+    streamed, result, ledger = streamed_gradient(
+        model, batch, rewards, objective, LedgerConfig(max_group_slots=None, slot_dtype="bfloat16"), events)
+    bound = bf16_bound(model, batch, rewards, objective, ledger)
+    err = (streamed - reference).abs()
+    slack = 1e-12 * reference.abs().max()
+    assert err.max() > 1e3 * slack  # the slots really were bf16
+    assert bool((err <= bound + slack).all()), float(((err - bound) / reference.abs().max()).max())
+    exact, _, _ = streamed_gradient(model, batch, rewards, objective, LedgerConfig(max_group_slots=None), events)
+    assert rel_err(exact, reference) <= 1e-10  # the same events with slots in the gradient's dtype
+    assert result.peak_host_bytes == 0 and result.peak_device_bytes > 0
+
+
+def test_bf16_slots_take_half_the_bytes_of_fp32_slots():
+    model = small_model("float32")
+    rng, batch, rewards = make_case(11, torch.float32, "binary")
+    events = syn.random_event_order(rng, len(batch))
+    objective = GRPOObjective()
+    peak = {}
+    for dtype in ("gradient", "bfloat16"):
+        _, result, ledger = streamed_gradient(model, batch, rewards, objective,
+                                              LedgerConfig(max_group_slots=2, slot_dtype=dtype), events)
+        buffer = ledger.backend.live.nbytes
+        slots = result.peak_buffers - 1  # P is an fp32 accumulator either way
+        peak[dtype] = result.peak_device_bytes
+        assert result.peak_device_bytes == buffer + slots * (buffer if dtype == "gradient" else buffer // 2)
+    assert peak["bfloat16"] < peak["gradient"]
+
+
+@pytest.mark.parametrize("slot_dtype", ["gradient", "bfloat16"])
+@pytest.mark.parametrize("advantage", ["grpo", "dr_grpo", "batch_std"])
+def test_host_placed_slots_give_the_same_update_as_device_slots(slot_dtype, advantage):
+    """On a CPU learner host and device are one memory and the same kernels run: bitwise equal,
+    although host adds run on the pool's thread, overlapped with the next backward."""
+    model = small_model("float32")
+    objective = GRPOObjective(advantage=advantage, kl_coef=0.05, entropy_coef=0.01)
+    for seed in range(3):
+        rng, batch, rewards = make_case(500 + seed, torch.float32, "binary")
+        events = syn.random_event_order(rng, len(batch))
+        grads, results = {}, {}
+        for placement in ("device", "host"):
+            cfg = LedgerConfig(max_group_slots=2, slot_dtype=slot_dtype, slot_placement=placement)
+            grads[placement], results[placement], _ = streamed_gradient(model, batch, rewards, objective, cfg, events)
+        assert torch.equal(grads["host"], grads["device"])
+        assert results["host"].peak_buffers == results["device"].peak_buffers
+        assert results["device"].peak_host_bytes == 0
+        if results["host"].peak_buffers > 1:  # a slot was used: its bytes and one staging buffer on the host
+            assert results["host"].peak_host_bytes > 0
+
+
+def test_k_is_chosen_from_the_slot_budget():
+    model = small_model("float64")
+    objective = GRPOObjective()
+    rng, batch, rewards = make_case(21, torch.float64, "continuous")
+    buffer = TorchBackend(model, objective).live.nbytes
+    events = syn.random_event_order(rng, len(batch))
+    reference = reference_gradient(model, batch, rewards, objective)
+    for fits in (0, 1, 2):
+        budget = (2 * fits + 1.5) * buffer / 2**30  # room for `fits` slots of S and R, not one more
+        cfg = LedgerConfig(max_group_slots=None, slot_budget_gb=budget)
+        streamed, result, _ = streamed_gradient(model, batch, rewards, objective, cfg, events)
+        assert result.max_group_slots == fits
+        assert result.peak_buffers <= 2 * fits + 1
+        assert rel_err(streamed, reference) <= 1e-10
+    # a given K is only ever lowered; std-free slots hold one buffer
+    assert slots_within_budget(1, 10.0, buffer, 2) == 1
+    assert slots_within_budget(None, 3 * buffer / 2**30, buffer, 1) == 3
+    assert slots_within_budget(5, None, buffer, 2) == 5
+
+
+def test_slot_budget_and_placement_are_validated_at_parse_time():
+    from megathunder.config import ConfigError, load_config
+
+    for override, field in (("ledger.slot_budget_gb=-1", "ledger.slot_budget_gb"),
+                            ("ledger.slot_dtype=float16", "ledger.slot_dtype"),
+                            ("ledger.slot_placement=disk", "ledger.slot_placement")):
+        with pytest.raises(ConfigError) as err:
+            load_config(None, [override])
+        assert field in str(err.value)
+
+
+def test_pool_counts_bytes_by_placement():
+    model = small_model("float32")
+    objective = GRPOObjective()
+    ledger = GradientLedger(TorchBackend(model, objective), objective,
+                            LedgerConfig(max_group_slots=1, slot_placement="host"))
+    _, batch, rewards = make_case(3, torch.float32, "binary")
+    ledger.begin_batch(batch_plan(batch))
+    syn.feed_events(ledger, batch, rewards, syn.sample_order_events(len(batch)))
+    result = ledger.close_batch()
+    buffer = ledger.backend.live.nbytes
+    assert result.peak_device_bytes == buffer  # P only: on a CPU learner no device staging is needed
+    assert result.peak_host_bytes == (result.peak_buffers - 1) * buffer + buffer  # slots + host staging

@@ -1,0 +1,180 @@
+"""``megathunder plan``: parameter and optimizer accounting against Megatron's own formula, the
+shipped 128-GPU configs on 80 GB H100s, and layouts refused naming the part that does not divide
+or fit. (Activations: ``tests/distributed/test_memory_plan_activations.py``; the whole per-rank
+prediction against measured peaks: ``megathunder bench memory``, BENCHMARKS.md.)"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from megathunder.config import PolicyModelConfig, load_config
+from megathunder.plan import plan_cmd
+from megathunder.plan.memory_plan import GiB, Machine, ModelShape, plan, read_model_config, stage_params
+from megathunder.streaming.buffers import slots_within_budget
+
+REPO = Path(__file__).resolve().parents[2]
+MODELS = REPO / "tests" / "fixtures" / "models"
+H100 = Machine(gpu_memory_gb=80.0, ranks_per_node=8, host_memory_gb=2048.0, world=96)
+
+
+def qwen(size: str) -> str:
+    return str(MODELS / f"Qwen2.5-{size}-Instruct")
+
+
+def shape_of(size: str) -> ModelShape:
+    return ModelShape.of(read_model_config(qwen(size), PolicyModelConfig(), "learner.model.hf_checkpoint"))
+
+
+def megatron_weight_and_optimizer(h, F, L, a, g, d, V, untied, tp, pp, dp, dist_opt) -> tuple[float, float]:
+    """Megatron-LM's ``compute_weight_and_optimizer_memory`` (megatron/training/theoretical_memory_usage.py,
+    dense, SwiGLU, RMSNorm, no MTP): (parameters of the most loaded shard, its bytes)."""
+    self_attn = 2 * h * h * ((1 + g / a) * (d * a / h))
+    layer = 2 * h * (F * 3 / 2 + 1) + self_attn
+    embedding = h * V
+    block = layer * L + h  # + final layernorm
+    shard = (block / pp + embedding) / tp
+    if untied and pp == 1:
+        shard += embedding / tp
+    per_param = 18 if not dist_opt else 6 + 12 / dp
+    return shard, shard * per_param
+
+
+@pytest.mark.parametrize("layout", [(1, 1, 1, False), (8, 2, 6, True), (4, 1, 24, True), (2, 4, 1, False)])
+def test_parameters_and_optimizer_bytes_match_megatrons_accounting(layout):
+    """Llama-family Qwen2.5-32B shapes (no q/k/v bias, which Megatron's formula leaves out): the
+    most loaded shard's parameters, and weights + gradients + Adam bytes (18 B/param, or 6 + 12/DP
+    with the distributed optimizer), agree with Megatron's formula up to its one approximation:
+    it divides the RMSNorm weights by TP and the final norm by PP, where the model replicates
+    them on every TP rank and keeps the final norm on the last stage (which we count)."""
+    tp, pp, dp, dist_opt = layout
+    m = read_model_config(qwen("32B"), PolicyModelConfig(), "x").model_copy(update={"family": "llama"})
+    shape = ModelShape.of(m)
+    ours = max(sum(stage_params(shape, tp, pp, s)) for s in range(pp))
+    theirs, theirs_bytes = megatron_weight_and_optimizer(m.hidden_size, m.ffn_hidden_size, m.num_layers,
+                                                        m.num_attention_heads, m.num_query_groups, 128,
+                                                        m.vocab_size, True, tp, pp, dp, dist_opt)
+    h = m.hidden_size
+    replicated = m.num_layers // pp * 2 * h * (1 - 1 / tp) + h - h / (pp * tp)
+    assert ours - theirs == pytest.approx(replicated, abs=1e-6)
+    cfg = load_config(None, ["learner.precision.params_dtype=bfloat16", "schedule.mode=sync",
+                             f"learner.parallel.tensor_parallel={tp}", f"learner.parallel.pipeline_parallel={pp}",
+                             f"learner.optimizer.use_distributed_optimizer={str(dist_opt).lower()}",
+                             "learner.model.hf_checkpoint=" + qwen("32B")])
+    result = plan(cfg, shape, Machine(gpu_memory_gb=None, world=tp * pp * dp))
+    lines = {line.part: line.device for line in result.lines}
+    per_param = theirs_bytes / theirs  # Megatron's bytes per parameter: 18, or 6 + 12 / DP
+    stage = sum(stage_params(shape, tp, pp, result.stage))
+    assert (lines["weights"] + lines["gradients"] + lines["optimizer"]) / stage == pytest.approx(per_param, rel=1e-12)
+
+
+def test_published_parameter_counts():
+    counts = {size: shape_of(size).num_params for size in ("7B", "32B", "72B")}
+    assert round(counts["7B"] / 1e9, 2) == 7.62 and round(counts["32B"] / 1e9, 1) == 32.8
+    assert round(counts["72B"] / 1e9, 1) == 72.7
+
+
+def test_shipped_grpo_config_fits_an_80_gb_h100_with_qwen2_5_32b():
+    cfg = load_config(REPO / "launch/slurm/grpo_128gpu.yaml", ["learner.model.hf_checkpoint=" + qwen("32B")])
+    result = plan_cmd.run_plan(cfg, H100)
+    assert result.feasible, result.problems
+    assert result.layout["dp"] == 6 and result.device_total <= 80 * GiB
+    # K from the slot budget: 64 GiB of host memory for fp32 S and R of 2.05B parameters per rank
+    buffer = sum(stage_params(shape_of("32B"), 8, 2, 1)) * 4
+    assert result.ledger_slots == slots_within_budget(None, 64.0, buffer, 2) == 4
+    assert result.node_host_total <= 2048 * GiB
+    # the same layout with the old settings (K = 4 fp32 slots on the device, no SP / recompute at 4k tokens)
+    old = load_config(REPO / "launch/slurm/grpo_128gpu.yaml",
+                      ["learner.model.hf_checkpoint=" + qwen("32B"), "ledger.max_group_slots=4",
+                       "ledger.slot_placement=device", "ledger.slot_budget_gb=null", "agent.max_total_tokens=4096",
+                       "learner.parallel.sequence_parallel=false", "learner.activations.recompute=none"])
+    refused = plan_cmd.run_plan(old, H100)
+    assert not refused.feasible and "ledger slots" in refused.problems[0]
+
+
+def test_shipped_opd_config_fits_with_the_student_at_tp4():
+    cfg = load_config(REPO / "launch/slurm/opd_128gpu.yaml",
+                      ["learner.model.hf_checkpoint=" + qwen("7B"), "objective.teacher.hf_checkpoint=" + qwen("32B")])
+    result = plan_cmd.run_plan(cfg, H100)
+    assert result.feasible, result.problems
+    assert result.layout["tp"] == 4 and result.layout["dp"] == 24
+    parts = {line.part for line in result.lines}
+    assert {"teacher", "teacher K/V", "OPD state"} <= parts
+
+
+def test_qwen2_5_7b_at_tp8_is_refused_naming_the_heads():
+    cfg = load_config(REPO / "launch/slurm/opd_128gpu.yaml",
+                      ["learner.model.hf_checkpoint=" + qwen("7B"), "objective.teacher.hf_checkpoint=" + qwen("32B"),
+                       "learner.parallel.tensor_parallel=8"])
+    result = plan_cmd.run_plan(cfg, H100)
+    assert result.problems == ["learner.parallel.tensor_parallel: 8 does not divide "
+                               "learner.model.num_attention_heads=28"]
+
+
+@pytest.mark.parametrize("overrides,size,world,expected", [
+    (["learner.parallel.tensor_parallel=16"], "72B", 96, "does not divide learner.model.num_query_groups=8"),
+    (["learner.parallel.pipeline_parallel=3"], "7B", 96, "pipeline_parallel: 3 does not divide learner.model.num_layers=28"),
+    (["learner.parallel.tensor_parallel=8", "learner.parallel.pipeline_parallel=2"], "32B", 100,
+     "world size 100 is not a multiple"),
+])
+def test_layouts_that_do_not_divide_are_refused_naming_the_field(overrides, size, world, expected):
+    cfg = load_config(None, ["learner.model.hf_checkpoint=" + qwen(size), *overrides])
+    result = plan_cmd.run_plan(cfg, Machine(world=world))
+    assert not result.feasible and expected in result.problems[0], result.problems
+
+
+def test_a_teacher_the_layout_cannot_shard_is_named():
+    cfg = load_config(REPO / "launch/slurm/opd_128gpu.yaml",
+                      ["learner.model.hf_checkpoint=" + qwen("32B"), "objective.teacher.hf_checkpoint=" + qwen("7B"),
+                       "learner.parallel.tensor_parallel=8"])
+    result = plan_cmd.run_plan(cfg, H100)
+    assert result.problems == ["learner.parallel.tensor_parallel: 8 does not divide "
+                               "objective.teacher.num_attention_heads=28"]
+
+
+def test_memory_options_lower_the_activation_line():
+    base = ["learner.model.hf_checkpoint=" + qwen("32B"), "learner.parallel.tensor_parallel=8",
+            "agent.max_total_tokens=32768", "learner.precision.params_dtype=bfloat16", "schedule.mode=sync"]
+    acts = {}
+    for name, extra in {"none": [], "sdpa": ["learner.precision.core_attention=sdpa"],
+                        "sp_selective": ["learner.precision.core_attention=sdpa", "learner.parallel.sequence_parallel=true",
+                                         "learner.activations.recompute=selective"],
+                        "sp_full": ["learner.precision.core_attention=sdpa", "learner.parallel.sequence_parallel=true",
+                                    "learner.activations.recompute=full"]}.items():
+        result = plan_cmd.run_plan(load_config(None, base + extra), Machine(gpu_memory_gb=80.0, world=8))
+        acts[name] = next(line.device for line in result.lines if line.part == "activations")
+    # the unfused local attention keeps 5 heads x 32k^2 x 2 bytes per layer: ~10 GiB per layer
+    assert acts["none"] > 600 * GiB
+    assert acts["sdpa"] < acts["none"] / 4
+    assert acts["sp_full"] < acts["sp_selective"] < acts["sdpa"]
+
+
+def test_plan_command_prints_a_table_and_a_json_last_line(capsys):
+    status = plan_cmd.main([str(REPO / "launch/slurm/grpo_128gpu.yaml"), "learner.model.hf_checkpoint=" + qwen("32B"),
+                            "--world", "96", "--host-memory-gb", "2048"])
+    out = capsys.readouterr().out.strip().splitlines()
+    assert status == 0
+    assert out[0].startswith("layout: world 96 = tp 8 x pp 2 x cp 1 x dp 6 (sequence parallel)")
+    result = json.loads(out[-1])["plan"]
+    assert result["feasible"] and result["device_bytes"] <= 80 * GiB and result["ledger_slots"] == 4
+    assert set(result["links"]) >= {"tp_per_trajectory", "pp_per_trajectory", "dp_reduce_per_step",
+                                    "weight_push_per_step"}
+    status = plan_cmd.main([str(REPO / "launch/slurm/opd_128gpu.yaml"), "learner.model.hf_checkpoint=" + qwen("7B"),
+                            "objective.teacher.hf_checkpoint=" + qwen("32B"), "learner.parallel.tensor_parallel=8",
+                            "--world", "96"])
+    captured = capsys.readouterr()
+    assert status == 1
+    assert "INFEASIBLE: learner.parallel.tensor_parallel: 8 does not divide learner.model.num_attention_heads=28" \
+        in captured.err
+    assert plan_cmd.main([str(REPO / "launch/slurm/grpo_128gpu.yaml"), "--world", "96"]) == 2  # no config.json
+    assert "learner.model.hf_checkpoint: no config.json at /models/Qwen2.5-32B-Instruct" in capsys.readouterr().err
+
+
+def test_cpu_plan_of_the_quickstart_counts_every_rank_in_the_node():
+    cfg = load_config(REPO / "configs/quickstart.yaml")
+    result = plan_cmd.run_plan(cfg, Machine(gpu_memory_gb=None, ranks_per_node=8, host_memory_gb=24.0, world=2))
+    assert result.feasible
+    ranks = next(line for line in result.node_host if line.part.endswith("ranks"))
+    assert ranks.part == "2 ranks" and ranks.host >= 2 * result.device_total

@@ -118,13 +118,13 @@ def init_distributed(cfg: LearnerConfig) -> ProcessGroups:
     """Validate the layout, start torch.distributed, build Megatron's groups once."""
     rdzv = rendezvous_from_env()  # fails here, before any config work, if mis-launched
     rank, world_size, local_rank = rdzv.rank, rdzv.world_size, rdzv.local_rank
+    if cfg.parallel.context_parallel > 1 and not torch.cuda.is_available():
+        raise ConfigError("learner.parallel.context_parallel: needs CUDA GPUs (Transformer Engine's attention)")
+    if cfg.precision.layer_spec == "transformer_engine" and not torch.cuda.is_available():
+        raise ConfigError("learner.precision.layer_spec: transformer_engine needs CUDA GPUs")
     dims = ParallelDims.build(cfg.parallel, world_size)
     if cfg.model.hf_checkpoint is None:
         dims.check_model(cfg.model)
-    if cfg.precision.layer_spec == "transformer_engine" and not torch.cuda.is_available():
-        raise ConfigError("learner.precision.layer_spec: transformer_engine needs CUDA GPUs")
-    if dims.cp > 1 and not torch.cuda.is_available():
-        raise ConfigError("learner.parallel.context_parallel: needs CUDA GPUs (Transformer Engine's attention)")
 
     cpu_compat.enable()
     backend = cfg.parallel.backend

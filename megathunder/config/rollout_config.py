@@ -116,7 +116,20 @@ class RolloutConfig(Strict):
     ``agent.max_total_tokens``), for the exactness run's decoder too: one place for each limit."""
 
     temperature: float = Field(1.0, gt=0)
+    """The learner trains the policy vLLM samples from: softmax(logits / temperature), its logprobs,
+    entropy, reference-model KL and the zero-staleness probe all at this temperature."""
+    top_p: float = Field(1.0, gt=0, le=1)
+    """Nucleus sampling. The learner's logprobs are of the untruncated softmax, so anything below 1
+    makes sync and thunder off-policy: refused there (async / fully_async correct with ``objective.tis``)."""
+    top_k: int = Field(-1, ge=-1)
+    """Top-k sampling (-1: off); refused under sync and thunder as ``top_p`` is."""
     engine: EngineConfig = EngineConfig()
+
+    @model_validator(mode="after")
+    def _check_top_k(self) -> RolloutConfig:
+        if self.top_k == 0:
+            raise ValueError("top_k: 0 samples nothing; -1 turns top-k sampling off")
+        return self
 
 
 class AgentLoopConfig(Strict):

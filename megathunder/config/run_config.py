@@ -263,6 +263,22 @@ class Config(Strict):
         return self
 
     @model_validator(mode="after")
+    def _check_on_policy_sampling(self) -> Config:
+        """sync and thunder train the distribution sampled: the learner reproduces the temperature,
+        not a truncation of the vocabulary."""
+        if self.schedule.mode in ("sync", "thunder"):
+            r = self.rollout
+            if r.top_p < 1:
+                raise ValueError(f"rollout.top_p: {r.top_p} truncates the sampled distribution, whose logprobs the "
+                                 f"learner does not reproduce; schedule.mode={self.schedule.mode} trains exactly "
+                                 "on-policy: use 1.0 (or async / fully_async with objective.tis)")
+            if r.top_k != -1:
+                raise ValueError(f"rollout.top_k: {r.top_k} truncates the sampled distribution, whose logprobs the "
+                                 f"learner does not reproduce; schedule.mode={self.schedule.mode} trains exactly "
+                                 "on-policy: use -1 (or async / fully_async with objective.tis)")
+        return self
+
+    @model_validator(mode="after")
     def _check_streamable(self) -> Config:
         """Thunder streams one optimizer step per batch; anything else is not exact."""
         obj = self.objective

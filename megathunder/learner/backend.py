@@ -37,11 +37,13 @@ def run_schedule(
     *,
     need_entropy: bool,
     forward_only: bool = False,
+    temperature: float = 1.0,
 ) -> list[dict]:
     """One Megatron forward(-backward) schedule call with one micro-batch per trajectory.
 
-    ``loss_fn(k, logp_T, entropy_T)`` gives micro-batch k's scalar loss on the last stage. Returns,
-    on the last stage, one dict per micro-batch with its detached ``logp`` (and ``entropy``).
+    ``loss_fn(k, logp_T, entropy_T)`` gives micro-batch k's scalar loss on the last stage, the
+    logprobs (and entropy) being those of softmax(logits / ``temperature``). Returns, on the last
+    stage, one dict per micro-batch with its detached ``logp`` (and ``entropy``).
     """
     device = pgs.device
     index = iter(range(len(items)))
@@ -55,7 +57,7 @@ def run_schedule(
         return output, partial(_loss_func, k, labels)
 
     def _loss_func(k, labels, output):
-        logp, entropy = vocab_parallel_logprobs(output[0], labels, pgs.tp, need_entropy)
+        logp, entropy = vocab_parallel_logprobs(output[0], labels, pgs.tp, need_entropy, temperature)
         loss = loss_fn(k, logp, entropy)
         report = {"logp": logp.detach()}
         if entropy is not None:
@@ -84,10 +86,12 @@ def run_schedule(
 class MegatronBackend:
     """``GradientBackend`` over a Megatron ``DistributedDataParallel`` model chunk."""
 
-    def __init__(self, ddp_model: DistributedDataParallel, pgs: ProcessGroups, objective: RLObjective | None) -> None:
+    def __init__(self, ddp_model: DistributedDataParallel, pgs: ProcessGroups, objective: RLObjective | None,
+                 temperature: float = 1.0) -> None:
         self.ddp = ddp_model
         self.pgs = pgs
         self.objective = objective
+        self.temperature = temperature  # the sampling temperature: logprobs of softmax(z / T)
         buffers = list(ddp_model.buffers) + list(getattr(ddp_model, "expert_parallel_buffers", []))
         self.live = GradBuffer([b.grad_data for b in buffers])
         self.num_backward = 0
@@ -110,7 +114,8 @@ class MegatronBackend:
 
             self.ddp.zero_grad_buffer()
             with self.ddp.no_sync():
-                run_schedule(self.ddp, self.pgs, [traj], loss, need_entropy=objective.entropy_coef > 0)
+                run_schedule(self.ddp, self.pgs, [traj], loss, need_entropy=objective.entropy_coef > 0,
+                             temperature=self.temperature)
             self.num_backward += 1
             yield self.live
 
@@ -122,7 +127,7 @@ class MegatronBackend:
             run_schedule(
                 self.ddp, self.pgs, list(trajs),
                 lambda k, logp, ent: trajectory_loss(logp, ent, trajs[k], specs[k], objective),
-                need_entropy=objective.entropy_coef > 0,
+                need_entropy=objective.entropy_coef > 0, temperature=self.temperature,
             )
         self.num_backward += len(trajs)
         return self.live

@@ -245,7 +245,7 @@ def _reward_terms(learner: MegatronLearner, batch: Sequence[Trajectory], advanta
             run_schedule(
                 learner.ddp, learner.pgs, items,
                 lambda k, logp, ent: trajectory_loss(logp, ent, items[k], specs[k], objective),
-                need_entropy=objective.entropy_coef > 0,
+                need_entropy=objective.entropy_coef > 0, temperature=learner.temperature,
             )
     return mine
 
@@ -313,7 +313,7 @@ def opd_streamer(learner: MegatronLearner, teacher: CachedTeacher, into: GradBuf
     DDP's buffers as scratch."""
     opd = _distill(learner)
     learner.ddp.zero_grad_buffer()
-    seg = MegatronSegmentModel(learner.ddp, learner.pgs)
+    seg = MegatronSegmentModel(learner.ddp, learner.pgs, learner.temperature)
     model = seg if into is None else IntoAccumulator(seg, learner.backend.live, into)
     return TurnStreamer(model, teacher, beta=opd.beta, strategy=opd.strategy, aggregation=opd.aggregation,
                         divergence=opd.divergence, jsd_lam=opd.jsd_lam)
@@ -339,7 +339,7 @@ def opd_gradient(learner: MegatronLearner, batch: Sequence[Trajectory], teacher:
         items.append((traj.tokens, traj.loss_mask, score(traj.traj_id, traj.tokens, 1)))
         teacher.release(traj.traj_id)
     learner.ddp.zero_grad_buffer()
-    seg = MegatronSegmentModel(learner.ddp, learner.pgs)
+    seg = MegatronSegmentModel(learner.ddp, learner.pgs, learner.temperature)
     if gjsd:
         counts, divergence = accumulate_full_trajectory_gjsd(seg, items, opd.beta, opd.jsd_lam)
     else:
@@ -449,6 +449,6 @@ def opd_grpo_gradient(learner: MegatronLearner, batch: Sequence[Trajectory], rew
     for traj in (batch[i] for i in mine if batch[i].loss_mask.any()):
         items.append((traj.tokens, traj.loss_mask, teacher.score(traj.traj_id, traj.tokens, 1)))
         teacher.release(traj.traj_id)
-    counts, divergence = accumulate_full_trajectory_opd(MegatronSegmentModel(learner.ddp, learner.pgs), items, opd.beta)
+    counts, divergence = accumulate_full_trajectory_opd(MegatronSegmentModel(learner.ddp, learner.pgs, learner.temperature), items, opd.beta)
     learner.backend.live.div_(z)
     return OPDTotals(z, _opd_totals(learner, counts, divergence, opd.aggregation).divergence_mean)

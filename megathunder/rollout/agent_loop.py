@@ -59,11 +59,13 @@ class AgentLoop:
         verifiers: VerifierPool,
         *,
         temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = -1,
         emit: EventSink | None = None,
     ) -> None:
         self.engine, self.codec, self.task = engine, codec, task
         self.cfg, self.sandbox_cfg, self.verifiers = agent_cfg, sandbox_cfg, verifiers
-        self.temperature = temperature
+        self.temperature, self.top_p, self.top_k = temperature, top_p, top_k
         self.emit = emit or (lambda event: None)
         self.tools: dict[str, Tool] = {t.name: t for t in task.tools}
         self._slots = asyncio.Semaphore(agent_cfg.max_concurrent_episodes)
@@ -163,6 +165,8 @@ class AgentLoop:
             params = SamplingParams(
                 max_new_tokens=min(self.cfg.max_new_tokens_per_turn, room),
                 temperature=self.temperature,
+                top_p=self.top_p,
+                top_k=self.top_k,
                 stop_token_ids=(self.codec.im_end_id,),
                 seed=None if seed is None else (seed * 1009 + index) % 2**63,
             )
@@ -265,8 +269,11 @@ def build_agent_loop(cfg: Config, engine: RolloutEngine, codec: ChatCodec, task:
                      temperature: float | None = None, emit: EventSink | None = None) -> AgentLoop:
     """The agent loop of a run's config: ``task`` (built once per run), the ``agent`` limits, the
     ``sandbox`` and ``verifier`` sections, sampling at ``temperature`` (default
-    ``rollout.temperature``); events go to ``emit``."""
-    return AgentLoop(
-        engine, codec, task, cfg.agent, cfg.sandbox, VerifierPool(cfg.verifier),
-        temperature=cfg.rollout.temperature if temperature is None else temperature, emit=emit,
-    )  # fmt: skip
+    ``rollout.temperature``; ``rollout.top_p`` / ``top_k`` apply unless a temperature is given:
+    evaluation samples its own way); events go to ``emit``."""
+    r = cfg.rollout
+    if temperature is not None:
+        return AgentLoop(engine, codec, task, cfg.agent, cfg.sandbox, VerifierPool(cfg.verifier),
+                         temperature=temperature, emit=emit)
+    return AgentLoop(engine, codec, task, cfg.agent, cfg.sandbox, VerifierPool(cfg.verifier),
+                     temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, emit=emit)

@@ -173,8 +173,8 @@ class Trainer:
         if n == 0:
             return float("nan")
         prompt = self.codec.prompt_ids(self.task.messages(self.instances(0)[0]))
-        out = await self.engine.generate(prompt, SamplingParams(max_new_tokens=n, temperature=1.0, seed=self.version,
-                                                                ignore_eos=True))
+        out = await self.engine.generate(prompt, SamplingParams(max_new_tokens=n, temperature=self.cfg.rollout.temperature,
+                                                                seed=self.version, ignore_eos=True))
         learner_logp = await self.service.call(LearnerEndpoint.score, list(prompt) + list(out.token_ids), len(prompt))
         gap = max_logprob_gap(out.logprobs, learner_logp)
         if out.policy_version != self.version or gap > self.cfg.schedule.probe_tolerance:

@@ -87,14 +87,15 @@ def equivalence(args) -> None:
     destroy_distributed()
 
 
-def _learner(args, objective=None):
+def _learner(args, objective=None, temperature: float = 1.0):
     cfg = LearnerConfig.model_validate({
         "parallel": {"tensor_parallel": args.tp, "pipeline_parallel": args.pp},
         "model": {"hf_checkpoint": args.hf},
         "optimizer": {"name": args.ckpt_optimizer, "lr": 1e-2, "use_distributed_optimizer": args.dist_opt},
     })
     pgs = init_distributed(cfg)
-    return MegatronLearner.build(cfg, objective or GRPOObjective(), pgs, LedgerConfig(max_group_slots=1))
+    return MegatronLearner.build(cfg, objective or GRPOObjective(), pgs, LedgerConfig(max_group_slots=1),
+                                 temperature=temperature)
 
 
 def _streamed_step(learner: MegatronLearner, seed: int) -> None:
@@ -139,8 +140,9 @@ def checkpoint_resume(args) -> None:
 
 
 def hf_roundtrip(args) -> None:
-    """Import the HF checkpoint into this layout, export it again, and record logprobs."""
-    learner = _learner(args)
+    """Import the HF checkpoint into this layout, export it again, and record logprobs (at
+    ``--temperature``)."""
+    learner = _learner(args, temperature=args.temperature)
     learner.export_hf(args.export)
     batch, _, _ = make_batch(3, learner.model_cfg.vocab_size)
     logps = learner.token_logprobs(batch)
@@ -163,6 +165,7 @@ def main() -> None:
     p.add_argument("--optimizer", default="sgd")
     p.add_argument("--lr", type=float, default=1.0)
     p.add_argument("--dist-opt", action="store_true")
+    p.add_argument("--temperature", type=float, default=1.0, help="hf_roundtrip: the sampling temperature")
     p.add_argument("--ckpt-optimizer", default="adam", help="checkpoint_save / checkpoint_resume: adam or sgd")
     p.add_argument("--objective", default="{}")
     args = p.parse_args()

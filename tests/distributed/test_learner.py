@@ -22,8 +22,9 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm()).item()
 
 
-def _assert_logprobs_match_transformers(hf_dir, logprobs) -> None:
-    """The learner's logprobs of the worker's batch vs a transformers fp32 forward of hf_dir."""
+def _assert_logprobs_match_transformers(hf_dir, logprobs, temperature: float = 1.0) -> None:
+    """The learner's logprobs of the worker's batch vs a transformers fp32 forward of hf_dir, at the
+    sampling temperature (softmax(logits / T): what vLLM samples from and reports)."""
     import transformers
 
     from tests.distributed.learner_worker import make_batch
@@ -33,7 +34,7 @@ def _assert_logprobs_match_transformers(hf_dir, logprobs) -> None:
     for traj, logp in zip(batch, logprobs, strict=True):
         with torch.no_grad():
             logits = model(traj.tokens[None]).logits[0, :-1]
-        expected = torch.log_softmax(logits, -1).gather(-1, traj.tokens[1:, None])[:, 0]
+        expected = torch.log_softmax(logits / temperature, -1).gather(-1, traj.tokens[1:, None])[:, 0]
         torch.testing.assert_close(logp, expected, rtol=0, atol=2e-6)
 
 
@@ -97,8 +98,9 @@ def test_tp2_pp2_hf_roundtrip_is_bit_exact_and_logprobs_match_transformers(hf_qw
 def test_other_families_import_and_match_transformers(tmp_path, family, tie):
     hf_dir = make_hf_checkpoint(tmp_path / family, family, tie=tie, seed=1)
     out, export = tmp_path / "rt.pt", tmp_path / "export"
-    launch(2, "hf_roundtrip", "--out", str(out), "--hf", str(hf_dir), "--export", str(export), "--tp", "2")
-    _assert_logprobs_match_transformers(hf_dir, torch.load(out)["logprobs"])
+    launch(2, "hf_roundtrip", "--out", str(out), "--hf", str(hf_dir), "--export", str(export), "--tp", "2",
+           "--temperature", "0.7")
+    _assert_logprobs_match_transformers(hf_dir, torch.load(out)["logprobs"], temperature=0.7)
 
 
 @pytest.mark.parametrize("dist_opt", [[], ["--dist-opt"], ["--ckpt-optimizer", "sgd"]],

@@ -18,6 +18,7 @@ BENCHMARKS = {
     "ledger": "megathunder.bench.ledger_overhead",
     "learner": "megathunder.bench.learner_step",
     "opd": "megathunder.bench.opd_strategies",
+    "probe": "megathunder.bench.probe_noise",
     "episodes": "megathunder.bench.episode_timing",
     "rollout": "megathunder.bench.rollout_engine",
     "schedules": "megathunder.bench.schedule_runs",

@@ -57,7 +57,16 @@ class ScheduleConfig(Strict):
     """Zero-staleness probe after each weight sync: tokens sampled by the engine and scored by the
     learner (0: off)."""
     probe_tolerance: float = Field(1e-3, gt=0)
-    """Largest per-token |logprob gap| the probe accepts before it stops the run."""
+    """The smallest tolerance of the probe: a push is stale when its largest per-token |logprob gap|
+    exceeds max(probe_tolerance, probe_noise_margin * the noise floor) (``megathunder.trainer.probe``)."""
+    probe_calibration_probes: int = Field(3, ge=1)
+    """Probes on the initial weights (the same on both sides) that measure the noise floor."""
+    probe_noise_margin: float = Field(10.0, ge=1)
+    """How many times the noise floor a gap may reach (measured: the largest later gap was 3.2x the
+    floor over 300 probes with a bf16 engine, 2.6x with fp32: BENCHMARKS.md, "probe noise")."""
+    probe_max_noise_floor: float = Field(1.0, gt=0)
+    """A floor above this is not numerics: vLLM and the learner compute different models (a RoPE,
+    vocabulary or layout mismatch); the run stops at its first push."""
 
 
 class SftConfig(Strict):

@@ -16,6 +16,7 @@ from megathunder.config.learner_config import (
     PolicyModelConfig,
     PrecisionConfig,
     ReferenceModelConfig,
+    RopeScalingConfig,
     check_parallel_divides_model,
 )
 from megathunder.config.loader import ConfigError, load_config, parse_overrides
@@ -95,6 +96,7 @@ __all__ = [
     "PrecisionConfig",
     "RLObjective",
     "ReferenceModelConfig",
+    "RopeScalingConfig",
     "RolloutConfig",
     "RpcTransfer",
     "RunConfig",

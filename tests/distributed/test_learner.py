@@ -94,6 +94,35 @@ def test_tp2_pp2_hf_roundtrip_is_bit_exact_and_logprobs_match_transformers(hf_qw
     _assert_logprobs_match_transformers(export, torch.load(out)["logprobs"])
 
 
+ROPE_SCALINGS = {  # short original lengths, so the scaling changes most frequencies of a 64-token test
+    "linear": {"rope_type": "linear", "factor": 2.0},
+    "llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 16},
+    "yarn": {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 16},  # 128 / 16
+    "yarn_attention_factor": {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 16,
+                              "attention_factor": 1.5},
+}
+
+
+@pytest.mark.parametrize("kind", sorted(ROPE_SCALINGS))
+def test_rope_scaling_matches_transformers(tmp_path, kind):
+    """RoPE scaling read from config.json and mapped to Megatron: the learner's logprobs (TP=2) are
+    transformers' (which vLLM follows too); without the mapping they differ by ~1e-1 here."""
+    hf_dir = make_hf_checkpoint(tmp_path / kind, "llama", tie=False, seed=2, rope_scaling=ROPE_SCALINGS[kind])
+    out, export = tmp_path / "rt.pt", tmp_path / "export"
+    launch(2, "hf_roundtrip", "--out", str(out), "--hf", str(hf_dir), "--export", str(export), "--tp", "2")
+    _assert_logprobs_match_transformers(hf_dir, torch.load(out)["logprobs"])
+
+
+def test_unsupported_rope_scaling_is_refused_by_name(tmp_path):
+    from megathunder.config import ConfigError, PolicyModelConfig
+    from megathunder.learner.model import policy_config_from_hf
+
+    hf_dir = make_hf_checkpoint(tmp_path / "dyn", "llama", tie=False, rope_scaling={"rope_type": "dynamic", "factor": 2.0})
+    with pytest.raises(ConfigError, match="rope scaling 'dynamic'.*not supported"):
+        policy_config_from_hf(hf_dir, PolicyModelConfig())
+
+
 @pytest.mark.parametrize("family,tie", [("qwen3", True), ("llama", False)])
 def test_other_families_import_and_match_transformers(tmp_path, family, tie):
     hf_dir = make_hf_checkpoint(tmp_path / family, family, tie=tie, seed=1)

@@ -7,8 +7,9 @@ the learner scores the same tokens.
    seed, the prefix cache reset): an engine that kept its weights samples the same tokens with
    bit-identical logprobs. So if vLLM's tokens and logprobs are exactly the previous push's while
    the learner's logprobs of those tokens changed, the push did not load the new weights -- whatever
-   the numerics, bf16 included. (Requests batched alongside the probe can change vLLM's low bits:
-   that makes the check miss a stale push, never stop a good run.)
+   the numerics, bf16 included. (Requests batched alongside the probe, or a prefix cache that could
+   not be reset because requests are in flight -- fully_async --, can change vLLM's low bits: that
+   makes the check miss a stale push, never stop a good run.)
 2. **vLLM agrees with the learner, up to numerics.** The gap of a push is the largest per-token
    |logprob difference|: other kernels, other summation orders and, with bf16, rounding. Right after
    engine start both sides hold the same weights, and ``schedule.probe_calibration_probes`` probes

@@ -207,7 +207,10 @@ class Trainer:
         prompt = self.codec.prompt_ids(self.task.messages(self.instances(0)[0]))
         params = SamplingParams(max_new_tokens=self.cfg.schedule.probe_tokens, temperature=self.cfg.rollout.temperature,
                                 seed=seed, ignore_eos=True)
-        await self.engine.reset_prefix_cache()  # the same request computes the same way every time
+        try:  # the same request computes the same way every time (a cached prefix would change low bits)
+            await self.engine.reset_prefix_cache()
+        except RuntimeError:  # requests in flight (fully_async): check 1 may then miss a stale push, never stop a good run
+            pass
         out = await self.engine.generate(prompt, params)
         if out.policy_version != self.version:
             raise StaleWeightsError(f"after the weight sync of policy version {self.version}: vLLM sampled with "

@@ -112,6 +112,8 @@ class LearnerOptimizerConfig(Strict):
     adam_beta1: float = Field(0.9, ge=0, lt=1)
     adam_beta2: float = Field(0.999, ge=0, lt=1)
     adam_eps: float = Field(1e-8, gt=0)
+    sgd_momentum: float = Field(0.9, ge=0, lt=1)
+    """SGD's momentum (torch's: buf = momentum * buf + grad); Megatron's default."""
     clip_grad: float = Field(1.0, ge=0)
     """Global grad-norm clip; 0 disables it."""
     use_distributed_optimizer: bool = True

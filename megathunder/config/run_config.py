@@ -303,11 +303,24 @@ class Config(Strict):
                 "objective.num_minibatches_per_batch: thunder needs exactly 1 optimizer step per "
                 f"batch; got {obj.num_minibatches_per_batch}"
             )
-        if obj.entropy_quantile_mask is not None:
+        if obj.ppo_old_logprobs != "learner":
             raise ValueError(
-                "objective.entropy_quantile_mask: a batch-quantile mask depends on every token of "
-                "the batch, so no trajectory's gradient is fixed before the batch closes; it "
-                "cannot be streamed (use schedule.mode=sync)"
+                "objective.ppo_old_logprobs: thunder is exactly on-policy (the ratio is 1 by "
+                f"construction); {obj.ppo_old_logprobs} needs schedule.mode async or fully_async"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _check_off_policy_correction(self) -> Config:
+        """async / fully_async sample with older policies: the gradient needs an importance correction."""
+        obj = self.objective
+        if self.schedule.mode not in ("async", "fully_async") or not isinstance(obj, RLObjective):
+            return self
+        if obj.tis == "none" and obj.ppo_old_logprobs == "learner" and not obj.allow_uncorrected_off_policy:
+            raise ValueError(
+                f"objective.tis: schedule.mode={self.schedule.mode} trains on samples of older policies; "
+                "correct for it with objective.tis (token or sequence) or objective.ppo_old_logprobs=rollout, "
+                "or set objective.allow_uncorrected_off_policy=true"
             )
         return self
 

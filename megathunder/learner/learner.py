@@ -93,7 +93,7 @@ class MegatronLearner:
             OptimizerConfig(
                 optimizer=opt.name, lr=opt.lr, min_lr=opt.min_lr, weight_decay=opt.weight_decay,
                 adam_beta1=opt.adam_beta1, adam_beta2=opt.adam_beta2, adam_eps=opt.adam_eps,
-                clip_grad=opt.clip_grad, use_distributed_optimizer=opt.use_distributed_optimizer,
+                sgd_momentum=opt.sgd_momentum, clip_grad=opt.clip_grad, use_distributed_optimizer=opt.use_distributed_optimizer,
                 bf16=bf16, params_dtype=model.config.params_dtype,
             ),
             [ddp],
@@ -122,15 +122,18 @@ class MegatronLearner:
 
     # ------------------------------------------------------------------ gradients
 
-    def step(self) -> StepResult:
-        """Reduce the gradient in DDP's buffers across data-parallel ranks once, then step."""
+    def step(self, advance_schedule: bool = True) -> StepResult:
+        """Reduce the gradient in DDP's buffers across data-parallel ranks once, then step.
+        ``advance_schedule=False``: a PPO mini-batch's step inside a batch (the learning rate and
+        the step count advance once per batch)."""
         finalize_model_grads([self.ddp], None, pg_collection=self.pgs.collection)
         ok, grad_norm, _ = self.optimizer.step()
         # The optimizer aliased param.grad to main_grad; a later backward would then add each
         # gradient twice (autograd into param.grad, the DDP hook into main_grad).
         self.optimizer.zero_grad(set_to_none=True)
-        self.scheduler.step(increment=1)
-        self.num_steps += 1
+        if advance_schedule:
+            self.scheduler.step(increment=1)
+            self.num_steps += 1
         return StepResult(ok=bool(ok), grad_norm=float(grad_norm or 0.0),
                           lr=self.optimizer.param_groups[0]["lr"])
 

@@ -5,6 +5,8 @@
 MODE equivalence: from the same HF weights, take one optimizer step with the streamed (thunder)
 gradient and, from the same starting point, one with the batch-synchronous gradient; rank 0
 saves the full (gathered) parameters before and after each.
+
+MODE ppo: PPO epochs and mini-batches through the sync path; the HF-named weights before and after.
 """
 
 from __future__ import annotations
@@ -151,9 +153,42 @@ def hf_roundtrip(args) -> None:
     destroy_distributed()
 
 
+def ppo(args) -> None:
+    """PPO epochs / mini-batches through the sync path (``GRPOBatch`` at close, then ``step``);
+    rank 0 saves the full weights in HF names before and after."""
+    from megathunder.learner.batches import GRPOBatch
+
+    cfg = LearnerConfig.model_validate({
+        "parallel": {"tensor_parallel": args.tp, "pipeline_parallel": args.pp},
+        "model": {"hf_checkpoint": args.hf},
+        "optimizer": {"name": "sgd", "lr": args.lr, "sgd_momentum": 0.0, "clip_grad": 0.0,
+                      "use_distributed_optimizer": False},
+    })
+    learner = MegatronLearner.build(cfg, GRPOObjective.model_validate_json(args.objective), init_distributed(cfg),
+                                    LedgerConfig(max_group_slots=args.slots))
+    batch, rewards, _ = make_batch(args.seed, learner.model_cfg.vocab_size)
+
+    def hf_named():
+        full = full_params(learner)
+        return None if full is None else {k: v.clone() for k, v in hf.megatron_to_hf(full, learner.model_cfg).items()}
+
+    before = hf_named()
+    b = GRPOBatch(learner, batch_plan(batch), streamed=False)
+    for t in batch:
+        b.on_finished(t)
+    for t, r in zip(batch, rewards, strict=True):
+        b.on_reward(t.traj_id, r)
+    b.close()
+    result = learner.step()
+    after = hf_named()
+    if learner.pgs.rank == 0:
+        torch.save({"before": before, "after": after, "num_steps": learner.num_steps, "lr": result.lr}, args.out)
+    destroy_distributed()
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("mode", choices=["equivalence", "checkpoint_save", "checkpoint_resume", "hf_roundtrip"])
+    p.add_argument("mode", choices=["equivalence", "checkpoint_save", "checkpoint_resume", "hf_roundtrip", "ppo"])
     p.add_argument("--ckpt")
     p.add_argument("--export")
     p.add_argument("--out", required=True)
@@ -170,7 +205,7 @@ def main() -> None:
     p.add_argument("--objective", default="{}")
     args = p.parse_args()
     {"equivalence": equivalence, "checkpoint_save": checkpoint_save,
-     "checkpoint_resume": checkpoint_resume, "hf_roundtrip": hf_roundtrip}[args.mode](args)
+     "checkpoint_resume": checkpoint_resume, "hf_roundtrip": hf_roundtrip, "ppo": ppo}[args.mode](args)
 
 
 if __name__ == "__main__":

@@ -179,3 +179,54 @@ def test_checkpoint_resume_with_dp2_and_the_distributed_optimizer_is_exact(hf_qw
     assert resumed["num_steps"] == 1
     assert torch.equal(_flat(resumed["loaded"]), _flat(reference["after1"]))
     assert torch.equal(_flat(resumed["after2"]), _flat(reference["after2"]))
+
+
+PPO_TOL = 1e-5
+"""fp32, 4 SGD steps: each step's gradient agrees with transformers' to ~3e-7 (GRAD_TOL bounds one
+step at 2e-6); the parameter change sums four of them plus their propagation through the loss
+curvature. Observed 3.4e-7 (1 process) to 6.9e-7 (TP=2); the bound is GRAD_TOL x 4 steps rounded up.
+It holds only while no ratio lies within fp32 noise of a clip boundary: checked (> 1e-4) below."""
+
+
+@pytest.mark.parametrize("tp", ["1", "2"], ids=["dp2", "tp2"])
+def test_ppo_epochs_and_minibatches_match_the_published_loop(hf_qwen2, tmp_path, tp):
+    """2 epochs x 2 mini-batches with PPO-clip and dual clip on the Megatron learner, 2 ranks as DP=2
+    or TP=2 (the sync path:
+    ``GRPOBatch`` at close, then ``step``) vs the textbook loop of ``tests/unit/test_ppo.py`` on the
+    same weights in transformers, SGD: the parameter changes agree, with clipping active."""
+    import json
+
+    import transformers
+
+    from tests.distributed.learner_worker import make_batch
+    from tests.unit.test_ppo import _published_ppo
+
+    lr, eps_low, eps_high, clip_c = 3.0, 0.05, 0.08, 1.5
+    objective = {"num_ppo_epochs": 2, "num_minibatches_per_batch": 2, "clip_eps_low": eps_low,
+                 "clip_eps_high": eps_high, "clip_ratio_c": clip_c}
+    out = tmp_path / "ppo.pt"
+    launch(2, "ppo", "--out", str(out), "--hf", str(hf_qwen2), "--lr", str(lr), "--tp", tp,
+           "--objective", json.dumps(objective))
+    run = torch.load(out)
+    assert run["num_steps"] == 1  # one batch: the schedule and the step count advance once
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf_qwen2).float()
+
+    class Logits(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = model
+
+        def forward(self, tokens):
+            return self.model(tokens).logits
+
+    batch, rewards, _ = make_batch(0, model.config.vocab_size)
+    stats = _published_ppo(Logits(), batch, rewards, epochs=2, num_mb=2, eps_low=eps_low, eps_high=eps_high,
+                           clip_c=clip_c, old_from_rollout=False, lr=lr)
+    assert max(s[0] for s in stats) > 0.5 and max(s[1] for s in stats) > 0, stats  # clip and dual clip act
+    assert min(s[2] for s in stats) > 1e-4, stats
+    expected = model.state_dict()
+    names = sorted(run["before"])
+    ours = torch.cat([(run["after"][k] - run["before"][k]).reshape(-1).double() for k in names])
+    theirs = torch.cat([(expected[k].double() - run["before"][k].double()).reshape(-1) for k in names])
+    assert _rel(ours, theirs) <= PPO_TOL

@@ -184,8 +184,9 @@ def test_eval_report_compares_two_schedules(base, sync_run, tmp_path):
 
 
 def test_async_schedule_is_one_step_stale(base, tmp_path):
+    # PPO's 2 epochs x 2 mini-batches per batch (4 optimizer steps), then the push and the probe
     train(tmp_path, "schedule.mode=async", "objective.tis=token", "run.num_steps=3", "run.timeline_steps=1",
-          *warm(base))
+          "objective.num_ppo_epochs=2", "objective.num_minibatches_per_batch=2", *warm(base))
     r = rows(tmp_path)
     assert [x["policy_lag_max"] for x in r] == [0, 1, 1]
     assert all(x["probe_gap"] <= 1e-3 for x in r[1:])
@@ -196,7 +197,8 @@ def test_async_schedule_is_one_step_stale(base, tmp_path):
 
 
 def test_fully_async_schedule_bounds_staleness(base, tmp_path):
-    train(tmp_path, "schedule.mode=fully_async", "schedule.max_staleness=1", "objective.tis=token",
+    # the PPO ratio taken against the engine's logprobs (the behaviour policy): clipped, not TIS-weighted
+    train(tmp_path, "schedule.mode=fully_async", "schedule.max_staleness=1", "objective.ppo_old_logprobs=rollout",
           "run.num_steps=3", *warm(base))
     r = rows(tmp_path)
     assert len(r) == 3 and all(x["policy_lag_max"] <= 1 for x in r)

@@ -15,7 +15,6 @@ from megathunder.objectives import (
     keeps_group,
     normaliser,
     sequence_weight,
-    soft_overlong_penalty,
 )
 from megathunder.objectives.importance import tis_weights
 from megathunder.objectives.kl import kl_penalty
@@ -102,9 +101,3 @@ def test_tis_weights():
     seq = tis_weights(learner, rollout, mask, "sequence", cap=5.0)
     torch.testing.assert_close(seq, torch.full((3,), 1.0))
     assert tis_weights(learner, rollout, mask, "none", cap=1.0) is None
-
-
-def test_soft_overlong_penalty():
-    assert soft_overlong_penalty(100, 512, 128) == 0.0
-    assert soft_overlong_penalty(448, 512, 128) == -0.5
-    assert soft_overlong_penalty(600, 512, 128) == -1.0

@@ -35,6 +35,10 @@ class RLObjective(_Kind):
     batch_std: (r - mean_g) / (std over the batch of r - mean_g, + eps)."""
     std_eps: float = Field(1e-6, gt=0)
     std_unbiased: bool = True
+    singleton_group: Literal["zero", "raw_score"] = "zero"
+    """A group of one sample has no baseline. zero: its advantage is 0 (it trains nothing).
+    raw_score: verl's convention, mean 0 and std 1 -- A = r / (1 + std_eps) for grpo, r for
+    dr_grpo and rloo (batch_std: r before the batch scaling)."""
     loss_agg: LossAggregation = "token_mean"
     loss_agg_norm_tokens: int | None = Field(None, gt=0)
     """Constant token count of seq_mean_token_sum_norm (Dr.GRPO): Z = num_sequences * this."""

@@ -135,6 +135,14 @@ class RolloutConfig(Strict):
 class AgentLoopConfig(Strict):
     """Limits of one multi-turn episode, and how many episodes run at once."""
 
+    chat_template: Literal["chatml", "model"] = "chatml"
+    """How a conversation becomes tokens: chatml (written out by hand; the built-in models), or
+    model -- the checkpoint's own chat template, checked at start to be incremental (each turn's
+    tokens appended, what the model generated never re-tokenised; ``megathunder.rollout.chat_template``)."""
+    tool_parser: str = "hermes"
+    """How tool calls are read from a model turn: hermes (``<tool_call>`` JSON blocks; a malformed call
+    is reported back to the model), or the name of one of vLLM's tool parsers (llama3_json,
+    qwen3_xml, mistral, ...) for the model's native format; agent.chat_template=model only."""
     max_turns: int = Field(8, ge=1)
     max_new_tokens_per_turn: int = Field(512, ge=1)
     max_total_tokens: int = Field(4096, ge=2)
@@ -150,6 +158,8 @@ class AgentLoopConfig(Strict):
 
     @model_validator(mode="after")
     def _check(self) -> AgentLoopConfig:
+        if self.tool_parser != "hermes" and self.chat_template == "chatml":
+            raise ValueError(f"tool_parser: {self.tool_parser} needs chat_template=model (chatml's calls are hermes)")
         if self.max_new_tokens_per_turn >= self.max_total_tokens:
             raise ValueError(
                 f"max_new_tokens_per_turn: {self.max_new_tokens_per_turn} leaves no room for the "

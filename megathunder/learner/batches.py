@@ -266,7 +266,7 @@ def _old_logprobs(learner: MegatronLearner, batch: Sequence[Trajectory],
         if missing:
             raise ValueError(f"objective.ppo_old_logprobs: rollout, but trajectories {missing[:5]} carry no "
                              "engine logprobs")
-        return {i: batch[i].rollout_logprobs for i in mine}  # type: ignore[misc]
+        return {i: batch[i].rollout_logprobs for i in mine}
     logps = learner.token_logprobs([batch[i] for i in mine])
     return None if logps is None else dict(zip(mine, logps, strict=True))
 

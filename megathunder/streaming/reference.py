@@ -118,8 +118,9 @@ def reference_ppo_update(
     forward at the batch's start (``ppo_old_logprobs: learner``) or the trajectories' rollout
     logprobs; every mini-batch one padded forward, its loss divided by its own Z, one step.
     Returns the number of optimizer steps."""
-    advantages, _ = batch_advantages(batch, rewards, cfg)
-    kept = [i for i, a in enumerate(advantages) if a is not None]
+    all_advantages, _ = batch_advantages(batch, rewards, cfg)
+    advantages = {i: a for i, a in enumerate(all_advantages) if a is not None}
+    kept = list(advantages)
     if cfg.ppo_old_logprobs == "rollout":
         old = {i: batch[i].rollout_logprobs for i in kept}
     else:

@@ -204,7 +204,7 @@ class Trainer:
         return gap
 
     async def _probe_sample(self, seed: int) -> ProbeSample:
-        prompt = self.codec.prompt_ids(self.task.messages(self.instances(0)[0]))
+        prompt = self.codec.prompt_ids(self.task.messages(self.instances(0)[0]), self.task.tool_schemas())
         params = SamplingParams(max_new_tokens=self.cfg.schedule.probe_tokens, temperature=self.cfg.rollout.temperature,
                                 seed=seed, ignore_eos=True)
         try:  # the same request computes the same way every time (a cached prefix would change low bits)

@@ -19,6 +19,7 @@ BENCHMARKS = {
     "memory": "megathunder.bench.memory_fit",
     "learner": "megathunder.bench.learner_step",
     "opd": "megathunder.bench.opd_strategies",
+    "probe": "megathunder.bench.probe_noise",
     "episodes": "megathunder.bench.episode_timing",
     "rollout": "megathunder.bench.rollout_engine",
     "schedules": "megathunder.bench.schedule_runs",

@@ -13,7 +13,7 @@ import pytest
 from megathunder.config import AgentLoopConfig, LocalSandboxConfig, VerifierConfig
 from megathunder.rollout.agent_loop import AgentLoop
 from megathunder.rollout.episode import Episode, RolloutEvent
-from megathunder.rollout.chat import ChatCodec
+from megathunder.rollout.chat import ChatMLCodec
 from megathunder.models.local_tokenizer import train_local_chatml_tokenizer
 from megathunder.rollout.scripted import ScriptedPolicy
 from megathunder.rollout.verifiers import VerifierPool
@@ -32,8 +32,8 @@ ISOLATIONS = [
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="the local sandbox needs root")
 
 
-def codec() -> ChatCodec:
-    return ChatCodec(train_local_chatml_tokenizer())
+def codec() -> ChatMLCodec:
+    return ChatMLCodec(train_local_chatml_tokenizer())
 
 
 def sandbox_cfg(tmp_path, **kw) -> LocalSandboxConfig:

@@ -36,13 +36,13 @@ def _quantiles(xs: list[float]) -> dict[str, float]:
 async def _run_task(name: str, args, sandbox_cfg: LocalSandboxConfig) -> dict:
     from megathunder.models.local_tokenizer import train_local_chatml_tokenizer
     from megathunder.rollout.agent_loop import AgentLoop
-    from megathunder.rollout.chat import ChatCodec
+    from megathunder.rollout.chat import ChatMLCodec
     from megathunder.rollout.episode import RolloutEvent
     from megathunder.rollout.scripted import ScriptedPolicy
     from megathunder.rollout.tasks import build_task
     from megathunder.rollout.verifiers import VerifierPool
 
-    codec = ChatCodec(train_local_chatml_tokenizer())
+    codec = ChatMLCodec(train_local_chatml_tokenizer())
     task = build_task(TypeAdapter(TaskConfig).validate_python({"name": name}))
     insts = task.instances(args.num_instances, seed=args.seed)
     policy = ScriptedPolicy(

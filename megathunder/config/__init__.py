@@ -17,6 +17,7 @@ from megathunder.config.learner_config import (
     PolicyModelConfig,
     PrecisionConfig,
     ReferenceModelConfig,
+    RopeScalingConfig,
     check_parallel_divides_model,
 )
 from megathunder.config.loader import ConfigError, load_config, parse_overrides
@@ -97,6 +98,7 @@ __all__ = [
     "PrecisionConfig",
     "RLObjective",
     "ReferenceModelConfig",
+    "RopeScalingConfig",
     "RolloutConfig",
     "RpcTransfer",
     "RunConfig",

@@ -36,6 +36,27 @@ class ParallelConfig(Strict):
         return self
 
 
+class RopeScalingConfig(Strict):
+    """RoPE scaling of a Hugging Face model (its config.json's ``rope_scaling`` / ``rope_parameters``),
+    mapped to Megatron: ``linear`` (positions / factor: Megatron's ``seq_len_interpolation_factor``),
+    ``llama3`` (Llama 3.1 / 3.2: low frequencies / factor, a smooth ramp between), ``yarn`` (Megatron's
+    YaRN embedding, with its attention factor). Other kinds (dynamic NTK, longrope) and unknown keys
+    (yarn's mscale / mscale_all_dim) are refused by name when a model is read."""
+
+    kind: Literal["linear", "llama3", "yarn"]
+    factor: float = Field(gt=0)
+    original_max_position_embeddings: int | None = Field(None, ge=1)
+    """llama3 and yarn: the context length the model was trained at before scaling."""
+    low_freq_factor: float = Field(1.0, gt=0)
+    high_freq_factor: float = Field(4.0, gt=0)
+    beta_fast: float = Field(32.0, gt=0)
+    beta_slow: float = Field(1.0, gt=0)
+    attention_factor: float | None = Field(None, gt=0)
+    """yarn: the factor cos and sin are multiplied by; null = 0.1 * ln(factor) + 1."""
+    truncate: bool = True
+    """yarn: round the frequency ramp's bounds to integers (transformers' default)."""
+
+
 class PolicyModelConfig(Strict):
     """A dense decoder of the Llama / Qwen2 / Qwen3 family as Megatron-core GPTModel."""
 
@@ -53,6 +74,7 @@ class PolicyModelConfig(Strict):
     """Per-head size; null = hidden_size / num_attention_heads."""
     max_position_embeddings: int = Field(2048, ge=1)
     rope_theta: float = Field(10000.0, gt=0)
+    rope_scaling: RopeScalingConfig | None = None
     norm_eps: float = Field(1e-6, gt=0)
     tie_word_embeddings: bool = True
 
@@ -127,6 +149,8 @@ class LearnerOptimizerConfig(Strict):
     adam_beta1: float = Field(0.9, ge=0, lt=1)
     adam_beta2: float = Field(0.999, ge=0, lt=1)
     adam_eps: float = Field(1e-8, gt=0)
+    sgd_momentum: float = Field(0.9, ge=0, lt=1)
+    """SGD's momentum (torch's: buf = momentum * buf + grad); Megatron's default."""
     clip_grad: float = Field(1.0, ge=0)
     """Global grad-norm clip; 0 disables it."""
     use_distributed_optimizer: bool = True

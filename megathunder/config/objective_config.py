@@ -35,12 +35,19 @@ class RLObjective(_Kind):
     batch_std: (r - mean_g) / (std over the batch of r - mean_g, + eps)."""
     std_eps: float = Field(1e-6, gt=0)
     std_unbiased: bool = True
+    singleton_group: Literal["zero", "raw_score"] = "zero"
+    """A group of one sample has no baseline. zero: its advantage is 0 (it trains nothing).
+    raw_score: verl's convention, mean 0 and std 1 -- A = r / (1 + std_eps) for grpo, r for
+    dr_grpo and rloo (batch_std: r before the batch scaling)."""
     loss_agg: LossAggregation = "token_mean"
     loss_agg_norm_tokens: int | None = Field(None, gt=0)
     """Constant token count of seq_mean_token_sum_norm (Dr.GRPO): Z = num_sequences * this."""
     policy_loss: Literal["ppo_clip", "gspo", "cispo"] = "ppo_clip"
     clip_eps_low: float = Field(0.2, ge=0)
     clip_eps_high: float = Field(0.28, ge=0)
+    clip_ratio_c: float | None = Field(None, gt=1)
+    """Dual-clip PPO (verl's ``clip_ratio_c``, 3.0 there): for a negative advantage the per-token loss
+    is also bounded by -A * clip_ratio_c, so a huge ratio cannot blow the update up. null: off."""
     kl_coef: float = Field(0.0, ge=0)
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     entropy_coef: float = Field(0.0, ge=0)
@@ -52,15 +59,41 @@ class RLObjective(_Kind):
     overlong_filter: bool = False
     """Mask the loss of truncated trajectories (they still count in their group's statistics)."""
     num_ppo_epochs: int = Field(1, ge=1)
+    """PPO epochs over each batch (sync, async, fully_async; thunder: 1). Each epoch takes the batch's
+    kept trajectories in order, as ``num_minibatches_per_batch`` mini-batches, one optimizer step
+    each; advantages and the old logprobs are fixed once per batch (``megathunder.objectives.ppo``)."""
     num_minibatches_per_batch: int = Field(1, ge=1)
-    entropy_quantile_mask: float | None = Field(None, gt=0, lt=1)
-    """Train only on the top-entropy quantile of the batch's tokens (a batch-quantile mask)."""
+    """Optimizer steps per epoch (verl: batch size / ppo_mini_batch_size); each mini-batch is
+    normalised by its own Z."""
+    ppo_old_logprobs: Literal["learner", "rollout"] = "learner"
+    """The policy the PPO ratio is taken against. learner: the learner's logprobs at the batch's
+    start, recomputed once (verl's old_log_prob; ratio 1 in the first mini-batch, TIS corrects
+    towards the engine's sampling policy). rollout: the engine's logprobs of the sampled tokens, the
+    behaviour policy itself -- under async the clip then bounds the move away from the stale policy
+    that sampled (no TIS on top: the ratio is the importance weight)."""
+    allow_uncorrected_off_policy: bool = False
+    """async / fully_async train on samples of older policies: refused without an importance
+    correction (``tis`` or ``ppo_old_logprobs: rollout``) unless this is set."""
 
     @model_validator(mode="after")
     def _check_norm_tokens(self) -> RLObjective:
         if self.loss_agg == "seq_mean_token_sum_norm" and self.loss_agg_norm_tokens is None:
             raise ValueError("loss_agg_norm_tokens: required when loss_agg is seq_mean_token_sum_norm")
+        if self.ppo_old_logprobs == "rollout" and self.tis != "none":
+            raise ValueError(f"tis: {self.tis} on top of ppo_old_logprobs=rollout would weight twice (the PPO ratio "
+                             "against the engine's logprobs is already the importance weight); use tis: none")
+        if self.clip_ratio_c is not None and self.policy_loss != "ppo_clip":
+            raise ValueError(f"clip_ratio_c: dual clip is a ppo_clip option; policy_loss is {self.policy_loss}")
         return self
+
+    @property
+    def num_updates_per_batch(self) -> int:
+        return self.num_ppo_epochs * self.num_minibatches_per_batch
+
+    @property
+    def needs_old_logprobs(self) -> bool:
+        """The ratio is not 1 everywhere: more than one update per batch, or taken against the engine."""
+        return self.num_updates_per_batch > 1 or self.ppo_old_logprobs == "rollout"
 
     @property
     def has_reward_free_terms(self) -> bool:
@@ -136,6 +169,9 @@ class OPDGRPOObjective(Distillation, RLObjective):
         if self.has_reward_free_terms:
             raise ValueError("kl_coef: KL-to-reference and entropy terms cannot be combined with opd_grpo "
                              "(they would double the per-token regulariser)")
+        if self.needs_old_logprobs:
+            raise ValueError("num_ppo_epochs: opd_grpo trains one update per batch on the student's own samples "
+                             "(num_ppo_epochs, num_minibatches_per_batch: 1; ppo_old_logprobs: learner)")
         return self
 
     @property

@@ -132,12 +132,33 @@ class RolloutConfig(Strict):
     ``agent.max_total_tokens``), for the exactness run's decoder too: one place for each limit."""
 
     temperature: float = Field(1.0, gt=0)
+    """The learner trains the policy vLLM samples from: softmax(logits / temperature), its logprobs,
+    entropy, reference-model KL and the zero-staleness probe all at this temperature."""
+    top_p: float = Field(1.0, gt=0, le=1)
+    """Nucleus sampling. The learner's logprobs are of the untruncated softmax, so anything below 1
+    makes sync and thunder off-policy: refused there (async / fully_async correct with ``objective.tis``)."""
+    top_k: int = Field(-1, ge=-1)
+    """Top-k sampling (-1: off); refused under sync and thunder as ``top_p`` is."""
     engine: EngineConfig = EngineConfig()
+
+    @model_validator(mode="after")
+    def _check_top_k(self) -> RolloutConfig:
+        if self.top_k == 0:
+            raise ValueError("top_k: 0 samples nothing; -1 turns top-k sampling off")
+        return self
 
 
 class AgentLoopConfig(Strict):
     """Limits of one multi-turn episode, and how many episodes run at once."""
 
+    chat_template: Literal["chatml", "model"] = "chatml"
+    """How a conversation becomes tokens: chatml (written out by hand; the built-in models), or
+    model -- the checkpoint's own chat template, checked at start to be incremental (each turn's
+    tokens appended, what the model generated never re-tokenised; ``megathunder.rollout.chat_template``)."""
+    tool_parser: str = "hermes"
+    """How tool calls are read from a model turn: hermes (``<tool_call>`` JSON blocks; a malformed call
+    is reported back to the model), or the name of one of vLLM's tool parsers (llama3_json,
+    qwen3_xml, mistral, ...) for the model's native format; agent.chat_template=model only."""
     max_turns: int = Field(8, ge=1)
     max_new_tokens_per_turn: int = Field(512, ge=1)
     max_total_tokens: int = Field(4096, ge=2)
@@ -153,6 +174,8 @@ class AgentLoopConfig(Strict):
 
     @model_validator(mode="after")
     def _check(self) -> AgentLoopConfig:
+        if self.tool_parser != "hermes" and self.chat_template == "chatml":
+            raise ValueError(f"tool_parser: {self.tool_parser} needs chat_template=model (chatml's calls are hermes)")
         if self.max_new_tokens_per_turn >= self.max_total_tokens:
             raise ValueError(
                 f"max_new_tokens_per_turn: {self.max_new_tokens_per_turn} leaves no room for the "

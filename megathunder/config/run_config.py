@@ -57,7 +57,16 @@ class ScheduleConfig(Strict):
     """Zero-staleness probe after each weight sync: tokens sampled by the engine and scored by the
     learner (0: off)."""
     probe_tolerance: float = Field(1e-3, gt=0)
-    """Largest per-token |logprob gap| the probe accepts before it stops the run."""
+    """The smallest tolerance of the probe: a push is stale when its largest per-token |logprob gap|
+    exceeds max(probe_tolerance, probe_noise_margin * the noise floor) (``megathunder.trainer.probe``)."""
+    probe_calibration_probes: int = Field(3, ge=1)
+    """Probes on the initial weights (the same on both sides) that measure the noise floor."""
+    probe_noise_margin: float = Field(10.0, ge=1)
+    """How many times the noise floor a gap may reach (measured: the largest later gap was 3.2x the
+    floor over 300 probes with a bf16 engine, 2.6x with fp32: BENCHMARKS.md, "probe noise")."""
+    probe_max_noise_floor: float = Field(1.0, gt=0)
+    """A floor above this is not numerics: vLLM and the learner compute different models (a RoPE,
+    vocabulary or layout mismatch); the run stops at its first push."""
 
 
 class SftConfig(Strict):
@@ -270,6 +279,22 @@ class Config(Strict):
         return self
 
     @model_validator(mode="after")
+    def _check_on_policy_sampling(self) -> Config:
+        """sync and thunder train the distribution sampled: the learner reproduces the temperature,
+        not a truncation of the vocabulary."""
+        if self.schedule.mode in ("sync", "thunder"):
+            r = self.rollout
+            if r.top_p < 1:
+                raise ValueError(f"rollout.top_p: {r.top_p} truncates the sampled distribution, whose logprobs the "
+                                 f"learner does not reproduce; schedule.mode={self.schedule.mode} trains exactly "
+                                 "on-policy: use 1.0 (or async / fully_async with objective.tis)")
+            if r.top_k != -1:
+                raise ValueError(f"rollout.top_k: {r.top_k} truncates the sampled distribution, whose logprobs the "
+                                 f"learner does not reproduce; schedule.mode={self.schedule.mode} trains exactly "
+                                 "on-policy: use -1 (or async / fully_async with objective.tis)")
+        return self
+
+    @model_validator(mode="after")
     def _check_streamable(self) -> Config:
         """Thunder streams one optimizer step per batch; anything else is not exact."""
         obj = self.objective
@@ -285,11 +310,24 @@ class Config(Strict):
                 "objective.num_minibatches_per_batch: thunder needs exactly 1 optimizer step per "
                 f"batch; got {obj.num_minibatches_per_batch}"
             )
-        if obj.entropy_quantile_mask is not None:
+        if obj.ppo_old_logprobs != "learner":
             raise ValueError(
-                "objective.entropy_quantile_mask: a batch-quantile mask depends on every token of "
-                "the batch, so no trajectory's gradient is fixed before the batch closes; it "
-                "cannot be streamed (use schedule.mode=sync)"
+                "objective.ppo_old_logprobs: thunder is exactly on-policy (the ratio is 1 by "
+                f"construction); {obj.ppo_old_logprobs} needs schedule.mode async or fully_async"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _check_off_policy_correction(self) -> Config:
+        """async / fully_async sample with older policies: the gradient needs an importance correction."""
+        obj = self.objective
+        if self.schedule.mode not in ("async", "fully_async") or not isinstance(obj, RLObjective):
+            return self
+        if obj.tis == "none" and obj.ppo_old_logprobs == "learner" and not obj.allow_uncorrected_off_policy:
+            raise ValueError(
+                f"objective.tis: schedule.mode={self.schedule.mode} trains on samples of older policies; "
+                "correct for it with objective.tis (token or sequence) or objective.ppo_old_logprobs=rollout, "
+                "or set objective.allow_uncorrected_off_policy=true"
             )
         return self
 

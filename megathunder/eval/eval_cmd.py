@@ -18,7 +18,7 @@ from megathunder.config import Config, load_config
 from megathunder.eval.evaluate import EvalResult, MissingSamplesError, evaluate
 from megathunder.eval.instances import EvalInputError, eval_instances
 from megathunder.rollout import engines
-from megathunder.rollout.chat import ChatCodec
+from megathunder.rollout.chat_template import make_codec
 from megathunder.rollout.tasks import build_task
 from megathunder.rollout.tasks.datasets import DatasetError
 from megathunder.rollout.tasks.split import InstanceDrawError
@@ -85,9 +85,9 @@ def _log_wandb(cfg: Config, result: EvalResult, out_dir: Path) -> str | None:
 
 
 async def _run_engine(cfg: Config, checkpoint: Path, task: Task, instances: Sequence[TaskInstance]) -> EvalResult:
-    from tokenizers import Tokenizer
+    from transformers import AutoTokenizer
 
-    codec = ChatCodec(Tokenizer.from_file(str(checkpoint / "tokenizer.json")))
+    codec = make_codec(AutoTokenizer.from_pretrained(checkpoint), cfg.agent.chat_template, cfg.agent.tool_parser)
     engine = await engines.start_engine(cfg.rollout.engine, checkpoint, log_dir=cfg.run.output_dir)
     try:
         return await evaluate(cfg, engine, codec, task, instances, progress=True)

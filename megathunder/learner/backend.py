@@ -51,11 +51,13 @@ def run_schedule(
     *,
     need_entropy: bool,
     forward_only: bool = False,
+    temperature: float = 1.0,
 ) -> list[dict]:
     """One Megatron forward(-backward) schedule call with one micro-batch per trajectory.
 
-    ``loss_fn(k, logp_T, entropy_T)`` gives micro-batch k's scalar loss on the last stage. Returns,
-    on the last stage, one dict per micro-batch with its detached ``logp`` (and ``entropy``).
+    ``loss_fn(k, logp_T, entropy_T)`` gives micro-batch k's scalar loss on the last stage, the
+    logprobs (and entropy) being those of softmax(logits / ``temperature``). Returns, on the last
+    stage, one dict per micro-batch with its detached ``logp`` (and ``entropy``).
     """
     device = pgs.device
     dims = pgs.dims
@@ -78,7 +80,7 @@ def run_schedule(
         return output, partial(_loss_func, k, labels, num_targets)
 
     def _loss_func(k, labels, num_targets, output):
-        logp, entropy = vocab_parallel_logprobs(output[0], labels, pgs.tp, need_entropy)
+        logp, entropy = vocab_parallel_logprobs(output[0], labels, pgs.tp, need_entropy, temperature)
         if dims.cp > 1:
             logp = gather_sequence(logp, pgs)
             entropy = None if entropy is None else gather_sequence(entropy, pgs)
@@ -155,10 +157,12 @@ def gather_sequence(local: torch.Tensor, pgs: ProcessGroups) -> torch.Tensor:
 class MegatronBackend:
     """``GradientBackend`` over a Megatron ``DistributedDataParallel`` model chunk."""
 
-    def __init__(self, ddp_model: DistributedDataParallel, pgs: ProcessGroups, objective: RLObjective | None) -> None:
+    def __init__(self, ddp_model: DistributedDataParallel, pgs: ProcessGroups, objective: RLObjective | None,
+                 temperature: float = 1.0) -> None:
         self.ddp = ddp_model
         self.pgs = pgs
         self.objective = objective
+        self.temperature = temperature  # the sampling temperature: logprobs of softmax(z / T)
         buffers = list(ddp_model.buffers) + list(getattr(ddp_model, "expert_parallel_buffers", []))
         self.live = GradBuffer([b.grad_data for b in buffers])
         self.num_backward = 0
@@ -181,7 +185,8 @@ class MegatronBackend:
 
             self.ddp.zero_grad_buffer()
             with self.ddp.no_sync():
-                run_schedule(self.ddp, self.pgs, [traj], loss, need_entropy=objective.entropy_coef > 0)
+                run_schedule(self.ddp, self.pgs, [traj], loss, need_entropy=objective.entropy_coef > 0,
+                             temperature=self.temperature)
             self.num_backward += 1
             yield self.live
 
@@ -193,7 +198,7 @@ class MegatronBackend:
             run_schedule(
                 self.ddp, self.pgs, list(trajs),
                 lambda k, logp, ent: trajectory_loss(logp, ent, trajs[k], specs[k], objective),
-                need_entropy=objective.entropy_coef > 0,
+                need_entropy=objective.entropy_coef > 0, temperature=self.temperature,
             )
         self.num_backward += len(trajs)
         return self.live

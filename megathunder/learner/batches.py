@@ -40,8 +40,9 @@ from megathunder.config import ConfigError, DistillObjective, OPDAggregation, RL
 from megathunder.learner.backend import run_schedule
 from megathunder.learner.learner import MegatronLearner
 from megathunder.learner.segment_model import MegatronSegmentModel
-from megathunder.objectives import LossSpec, trajectory_loss
+from megathunder.objectives import LossSpec, normaliser, num_loss_tokens, trajectory_loss
 from megathunder.objectives.opd import opd_normaliser
+from megathunder.objectives.ppo import update_plan
 from megathunder.streaming.buffers import GradBuffer
 from megathunder.streaming.ledger import BatchResult, GradientLedger
 from megathunder.streaming.opd_grpo import IntoAccumulator
@@ -209,9 +210,12 @@ class GRPOBatch(Batch):
         else:
             order = [tid for g, members in self.plan if g not in self.dropped for tid in members]
             owner = [self.owners.owner[t] for t in order]
-            z, mine = grpo_gradient(self.learner, [self.trajs[t] for t in order],
-                                    _kept_rewards(self.rewards, order), owner)
-            self._num_sync_passes = len(mine)
+            trajs, rewards = [self.trajs[t] for t in order], _kept_rewards(self.rewards, order)
+            if _rl(self.learner).needs_old_logprobs:
+                z, self._num_sync_passes = ppo_gradient(self.learner, trajs, rewards, owner)
+            else:
+                z, mine = grpo_gradient(self.learner, trajs, rewards, owner)
+                self._num_sync_passes = len(mine)
             result = BatchResult(normaliser=z, num_kept_groups=len(self.plan) - len(self.dropped),
                                  num_dropped_groups=len(self.dropped), num_kept_trajectories=len(order),
                                  peak_buffers=1)
@@ -231,21 +235,59 @@ def grpo_gradient(learner: MegatronLearner, batch: Sequence[Trajectory], rewards
     return z, mine
 
 
+def ppo_gradient(learner: MegatronLearner, batch: Sequence[Trajectory], rewards: Sequence[float],
+                 owner: Sequence[int] | None = None) -> tuple[float, int]:
+    """PPO epochs and mini-batches (``megathunder.objectives.ppo``): advantages over the whole batch,
+    this rank's old logprobs fixed once, then one optimizer step per mini-batch but the last, whose
+    gradient (divided by its own Z) is left in DDP's buffers for ``step`` -- which advances the
+    learning-rate schedule once for the batch. Returns the batch's Z and this rank's backward passes."""
+    objective = _rl(learner)
+    advantages, z = batch_advantages(batch, rewards, objective)
+    kept = [i for i, a in enumerate(advantages) if a is not None]
+    old = _old_logprobs(learner, batch, [i for i in kept if owner is None or owner[i] == learner.pgs.dp_rank])
+    passes = 0
+    for k, chunk in enumerate(update_plan(kept, objective)):
+        if k:
+            learner.step(advance_schedule=False)
+        learner.ddp.zero_grad_buffer()
+        members = set(chunk)
+        in_chunk = [a if i in members else None for i, a in enumerate(advantages)]
+        passes += len(_reward_terms(learner, batch, in_chunk, owner, old))
+        learner.backend.live.div_(normaliser([num_loss_tokens(batch[i], objective) for i in chunk], objective))
+    return z, passes
+
+
+def _old_logprobs(learner: MegatronLearner, batch: Sequence[Trajectory],
+                  mine: Sequence[int]) -> dict[int, torch.Tensor] | None:
+    """The PPO ratio's denominator for this rank's kept trajectories (``objective.ppo_old_logprobs``),
+    on the last pipeline stage (None elsewhere: only it evaluates the loss)."""
+    if _rl(learner).ppo_old_logprobs == "rollout":
+        missing = [batch[i].traj_id for i in mine if batch[i].rollout_logprobs is None]
+        if missing:
+            raise ValueError(f"objective.ppo_old_logprobs: rollout, but trajectories {missing[:5]} carry no "
+                             "engine logprobs")
+        return {i: batch[i].rollout_logprobs for i in mine}
+    logps = learner.token_logprobs([batch[i] for i in mine])
+    return None if logps is None else dict(zip(mine, logps, strict=True))
+
+
 def _reward_terms(learner: MegatronLearner, batch: Sequence[Trajectory], advantages: Sequence[float | None],
-                  owner: Sequence[int] | None) -> list[int]:
+                  owner: Sequence[int] | None, old: Mapping[int, torch.Tensor] | None = None) -> list[int]:
     """This rank's kept trajectories' unnormalised loss gradients, added to DDP's buffers as the
-    micro-batches of one schedule call; returns their indices."""
+    micro-batches of one schedule call; returns their indices. ``old``: the PPO ratio's old
+    logprobs by batch index (default: the current ones, ratio 1)."""
     objective = _rl(learner)
     mine = [i for i, a in enumerate(advantages)
             if a is not None and (owner is None or owner[i] == learner.pgs.dp_rank)]
     if mine:
         items = [batch[i] for i in mine]
         specs = [LossSpec(advantage=advantages[i], reward_free=objective.has_reward_free_terms) for i in mine]
+        olds = [None if old is None else old[i] for i in mine]
         with learner.ddp.no_sync():
             run_schedule(
                 learner.ddp, learner.pgs, items,
-                lambda k, logp, ent: trajectory_loss(logp, ent, items[k], specs[k], objective),
-                need_entropy=objective.entropy_coef > 0,
+                lambda k, logp, ent: trajectory_loss(logp, ent, items[k], specs[k], objective, old_logp_T=olds[k]),
+                need_entropy=objective.entropy_coef > 0, temperature=learner.temperature,
             )
     return mine
 
@@ -313,7 +355,7 @@ def opd_streamer(learner: MegatronLearner, teacher: CachedTeacher, into: GradBuf
     DDP's buffers as scratch."""
     opd = _distill(learner)
     learner.ddp.zero_grad_buffer()
-    seg = MegatronSegmentModel(learner.ddp, learner.pgs)
+    seg = MegatronSegmentModel(learner.ddp, learner.pgs, learner.temperature)
     model = seg if into is None else IntoAccumulator(seg, learner.backend.live, into)
     return TurnStreamer(model, teacher, beta=opd.beta, strategy=opd.strategy, aggregation=opd.aggregation,
                         divergence=opd.divergence, jsd_lam=opd.jsd_lam, max_cached=opd.max_cached_trajectories)
@@ -339,7 +381,7 @@ def opd_gradient(learner: MegatronLearner, batch: Sequence[Trajectory], teacher:
         items.append((traj.tokens, traj.loss_mask, score(traj.traj_id, traj.tokens, 1)))
         teacher.release(traj.traj_id)
     learner.ddp.zero_grad_buffer()
-    seg = MegatronSegmentModel(learner.ddp, learner.pgs)
+    seg = MegatronSegmentModel(learner.ddp, learner.pgs, learner.temperature)
     if gjsd:
         counts, divergence = accumulate_full_trajectory_gjsd(seg, items, opd.beta, opd.jsd_lam)
     else:
@@ -450,6 +492,6 @@ def opd_grpo_gradient(learner: MegatronLearner, batch: Sequence[Trajectory], rew
     for traj in (batch[i] for i in mine if batch[i].loss_mask.any()):
         items.append((traj.tokens, traj.loss_mask, teacher.score(traj.traj_id, traj.tokens, 1)))
         teacher.release(traj.traj_id)
-    counts, divergence = accumulate_full_trajectory_opd(MegatronSegmentModel(learner.ddp, learner.pgs), items, opd.beta)
+    counts, divergence = accumulate_full_trajectory_opd(MegatronSegmentModel(learner.ddp, learner.pgs, learner.temperature), items, opd.beta)
     learner.backend.live.div_(z)
     return OPDTotals(z, _opd_totals(learner, counts, divergence, opd.aggregation).divergence_mean)

@@ -47,7 +47,7 @@ class MegatronLearner:
                  pgs: ProcessGroups, model: torch.nn.Module, ddp: DistributedDataParallel,
                  optimizer: MegatronOptimizer, scheduler: OptimizerParamScheduler,
                  ledger_cfg: LedgerConfig | None = None, reference: torch.nn.Module | None = None,
-                 hf_dir: Path | None = None) -> None:
+                 hf_dir: Path | None = None, temperature: float = 1.0) -> None:
         self.cfg = cfg
         self.model_cfg = model_cfg
         self.objective = objective
@@ -58,7 +58,8 @@ class MegatronLearner:
         self.scheduler = scheduler
         self.offset = layer_offset(model_cfg, pgs)
         rl = objective if isinstance(objective, RLObjective) else None  # the reward part, if any
-        self.backend = MegatronBackend(ddp, pgs, rl)
+        self.temperature = temperature  # rollout.temperature: the policy trained is softmax(z / T), what vLLM samples
+        self.backend = MegatronBackend(ddp, pgs, rl, temperature)
         self.ledger = GradientLedger(self.backend, rl, ledger_cfg) if rl is not None else None
         self.reference = reference
         self.hf_dir = hf_dir  # the Hugging Face directory the weights came from (tokenizer, config)
@@ -66,9 +67,11 @@ class MegatronLearner:
 
     @classmethod
     def build(cls, cfg: LearnerConfig, objective: ObjectiveConfig, pgs: ProcessGroups,
-              ledger_cfg: LedgerConfig | None = None, hf_dir: str | Path | None = None) -> MegatronLearner:
+              ledger_cfg: LedgerConfig | None = None, hf_dir: str | Path | None = None,
+              temperature: float = 1.0) -> MegatronLearner:
         """The learner of ``cfg`` with weights from ``hf_dir`` (default ``cfg.model.hf_checkpoint``;
-        random weights of ``cfg.model``'s sizes when neither is set)."""
+        random weights of ``cfg.model``'s sizes when neither is set). ``temperature``: the rollout's
+        sampling temperature; every logprob the learner computes is of softmax(logits / T)."""
         hf_dir = Path(hf_dir) if hf_dir is not None else (
             Path(cfg.model.hf_checkpoint) if cfg.model.hf_checkpoint is not None else None)
         model_cfg = resolve_model_config(cfg.model, hf_dir)
@@ -90,7 +93,7 @@ class MegatronLearner:
             OptimizerConfig(
                 optimizer=opt.name, lr=opt.lr, min_lr=opt.min_lr, weight_decay=opt.weight_decay,
                 adam_beta1=opt.adam_beta1, adam_beta2=opt.adam_beta2, adam_eps=opt.adam_eps,
-                clip_grad=opt.clip_grad, use_distributed_optimizer=opt.use_distributed_optimizer,
+                sgd_momentum=opt.sgd_momentum, clip_grad=opt.clip_grad, use_distributed_optimizer=opt.use_distributed_optimizer,
                 bf16=bf16, params_dtype=model.config.params_dtype,
             ),
             [ddp],
@@ -114,19 +117,23 @@ class MegatronLearner:
             reference.requires_grad_(False).eval()
             if cfg.reference.offload_to_cpu and pgs.device.type == "cuda":
                 reference.to("cpu")
-        return cls(cfg, model_cfg, objective, pgs, model, ddp, optimizer, scheduler, ledger_cfg, reference, hf_dir)
+        return cls(cfg, model_cfg, objective, pgs, model, ddp, optimizer, scheduler, ledger_cfg, reference, hf_dir,
+                   temperature)
 
     # ------------------------------------------------------------------ gradients
 
-    def step(self) -> StepResult:
-        """Reduce the gradient in DDP's buffers across data-parallel ranks once, then step."""
+    def step(self, advance_schedule: bool = True) -> StepResult:
+        """Reduce the gradient in DDP's buffers across data-parallel ranks once, then step.
+        ``advance_schedule=False``: a PPO mini-batch's step inside a batch (the learning rate and
+        the step count advance once per batch)."""
         finalize_model_grads([self.ddp], None, pg_collection=self.pgs.collection)
         ok, grad_norm, _ = self.optimizer.step()
         # The optimizer aliased param.grad to main_grad; a later backward would then add each
         # gradient twice (autograd into param.grad, the DDP hook into main_grad).
         self.optimizer.zero_grad(set_to_none=True)
-        self.scheduler.step(increment=1)
-        self.num_steps += 1
+        if advance_schedule:
+            self.scheduler.step(increment=1)
+            self.num_steps += 1
         return StepResult(ok=bool(ok), grad_norm=float(grad_norm or 0.0),
                           lr=self.optimizer.param_groups[0]["lr"])
 
@@ -135,7 +142,8 @@ class MegatronLearner:
     @torch.no_grad()
     def token_logprobs(self, trajs: Sequence[Trajectory], need_entropy: bool = False,
                        use_reference: bool = False) -> list[torch.Tensor] | None:
-        """Per-target logprobs on the last pipeline stage (None on other stages)."""
+        """Per-target logprobs at the sampling temperature on the last pipeline stage (None on other
+        stages); the reference model's too (a KL between the two tempered policies)."""
         if not trajs:
             return []
         if use_reference:
@@ -147,7 +155,7 @@ class MegatronLearner:
         if offloaded:
             model.to(self.pgs.device)
         out = run_schedule(model, self.pgs, list(trajs), lambda k, logp, ent: logp.sum() * 0,
-                           need_entropy=need_entropy, forward_only=True)
+                           need_entropy=need_entropy, forward_only=True, temperature=self.temperature)
         if offloaded:
             model.to("cpu")
         if not self.pgs.is_last_stage:

@@ -14,6 +14,10 @@ backward correct: each rank's partial sum gets exactly the gradient of the repli
 (Using a reduced value inside a rank-local sum -- e.g. p_v = exp(s_v - log S) summed locally and
 then reduced -- would silently drop the other ranks' terms from d/dS.) With one tensor-parallel
 rank no collective runs.
+
+``temperature``: the distribution vLLM samples from at ``rollout.temperature`` is softmax(z / T),
+and its logprobs are what the rollout engine reports (``logprobs_mode: processed_logprobs``); the
+learner's logprobs (and entropy) are of the same distribution, so z is divided by T first.
 """
 
 from __future__ import annotations
@@ -35,10 +39,14 @@ def vocab_parallel_logprobs(
     targets: torch.Tensor,
     group: dist.ProcessGroup | None,
     need_entropy: bool = False,
+    temperature: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """logits_local [..., V/tp] (this rank's vocabulary slice), targets [...] global token ids."""
+    """logits_local [..., V/tp] (this rank's vocabulary slice), targets [...] global token ids;
+    log-probabilities of softmax(logits / temperature)."""
     if logits_local.dtype in (torch.float16, torch.bfloat16):
         logits_local = logits_local.float()
+    if temperature != 1.0:
+        logits_local = logits_local / temperature
     vocab_local = logits_local.shape[-1]
     tp_rank = dist.get_rank(group) if group is not None and dist.get_world_size(group) > 1 else 0
     start = tp_rank * vocab_local

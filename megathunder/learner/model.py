@@ -9,17 +9,31 @@ own core attention, with ours on torch's fused ``scaled_dot_product_attention``
 keys/values (``megathunder.learner.past_kv``). Activation memory: Megatron's sequence parallelism
 and activation recomputation (selective, full) and, on the TE spec, context parallelism, passed
 through ``TransformerConfig``.
+
+RoPE scaling (``PolicyModelConfig.rope_scaling``, read from the checkpoint's config.json) is
+mapped to Megatron's own mechanisms, so the learner's positions are vLLM's and transformers':
+linear = ``seq_len_interpolation_factor``; llama3 = Megatron's Llama 3 frequency scaling, called
+with the checkpoint's low/high frequency factors and original length; yarn = Megatron's YaRN
+embedding (frequencies and attention factor; an explicit factor becomes Megatron's ``mscale``).
+``tests/distributed/test_learner.py`` checks each against transformers.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from megathunder.config import ActivationsConfig, ConfigError, LearnerConfig, PolicyModelConfig, PrecisionConfig
+from megathunder.config import (
+    ActivationsConfig,
+    ConfigError,
+    PolicyModelConfig,
+    PrecisionConfig,
+    RopeScalingConfig,
+)
 from megathunder.learner.parallel import ProcessGroups
 from megathunder.learner.past_kv import with_past_kv_attention
 from megathunder.learner.sdpa_attention import SDPAttention, with_core_attention
@@ -42,6 +56,7 @@ def policy_config_from_hf(hf_dir: str | Path, base: PolicyModelConfig) -> Policy
     if family == "llama" and (hf.get("attention_bias") or hf.get("mlp_bias")):
         raise ConfigError("learner.model.hf_checkpoint: llama with attention/mlp biases is not supported")
     heads = hf["num_attention_heads"]
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
     return base.model_copy(update=dict(
         family=family,
         vocab_size=hf["vocab_size"],
@@ -52,10 +67,29 @@ def policy_config_from_hf(hf_dir: str | Path, base: PolicyModelConfig) -> Policy
         num_query_groups=hf.get("num_key_value_heads") or heads,
         head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
         max_position_embeddings=hf.get("max_position_embeddings", base.max_position_embeddings),
-        rope_theta=float(hf.get("rope_theta") or (hf.get("rope_parameters") or {}).get("rope_theta", 10000.0)),
+        rope_theta=float(hf.get("rope_theta") or rope.get("rope_theta", 10000.0)),
+        rope_scaling=rope_scaling_from_hf(rope, path),
         norm_eps=hf.get("rms_norm_eps", base.norm_eps),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
     ))
+
+
+def rope_scaling_from_hf(rope: dict, path: Path) -> RopeScalingConfig | None:
+    """The ``rope_scaling`` / ``rope_parameters`` of a config.json; a kind Megatron cannot reproduce
+    is refused by name (the learner would rotate positions differently from vLLM)."""
+    kind = rope.get("rope_type") or rope.get("type") or "default"
+    if kind == "default":
+        return None
+    if kind not in ("linear", "llama3", "yarn"):
+        raise ConfigError(f"learner.model.hf_checkpoint: rope scaling {kind!r} in {path} is not supported "
+                          "(linear, llama3 and yarn are)")
+    known = ("factor", "original_max_position_embeddings", "low_freq_factor", "high_freq_factor", "beta_fast",
+             "beta_slow", "attention_factor", "truncate")
+    unknown = sorted(set(rope) - set(known) - {"rope_type", "type", "rope_theta"})
+    if unknown:  # e.g. yarn's mscale / mscale_all_dim (DeepSeek's variant)
+        raise ConfigError(f"learner.model.hf_checkpoint: rope scaling {kind!r} in {path} sets {', '.join(unknown)}, "
+                          "which the learner does not reproduce")
+    return RopeScalingConfig(kind=kind, **{k: rope[k] for k in known if rope.get(k) is not None})
 
 
 def transformer_config(model: PolicyModelConfig, precision: PrecisionConfig, pgs: ProcessGroups,
@@ -85,13 +119,15 @@ def transformer_config(model: PolicyModelConfig, precision: PrecisionConfig, pgs
     elif activations is not None and activations.recompute == "full":
         memory.update(recompute_granularity="full", recompute_method=activations.recompute_method,
                       recompute_num_layers=activations.recompute_num_layers)
-    return TransformerConfig(
+    kv_channels = model.head_dim or model.hidden_size // model.num_attention_heads
+    rope = model.rope_scaling
+    config = TransformerConfig(
         num_layers=model.num_layers,
         hidden_size=model.hidden_size,
         ffn_hidden_size=model.ffn_hidden_size,
         num_attention_heads=model.num_attention_heads,
         num_query_groups=model.num_query_groups,
-        kv_channels=model.head_dim or model.hidden_size // model.num_attention_heads,
+        kv_channels=kv_channels,
         layernorm_epsilon=model.norm_eps,
         normalization="RMSNorm",
         gated_linear_unit=True,
@@ -117,6 +153,18 @@ def transformer_config(model: PolicyModelConfig, precision: PrecisionConfig, pgs
         **fp8,
         **memory,
     )
+    if rope is not None and rope.kind == "yarn":  # read by GPTModel's YaRN embedding (not config fields)
+        config.yarn_rotary_scaling_factor = rope.factor
+        config.yarn_original_max_position_embeddings = (
+            rope.original_max_position_embeddings or model.max_position_embeddings)
+        config.yarn_beta_fast, config.yarn_beta_slow = rope.beta_fast, rope.beta_slow
+        # Megatron's attention factor is 0.1 * mscale * ln(factor) + 1 (mscale_all_dim 0): transformers'
+        # default with mscale 1; a checkpoint's explicit factor m needs mscale = (m - 1) / (0.1 ln(factor))
+        m = rope.attention_factor
+        config.yarn_mscale = (m - 1.0) / (0.1 * math.log(rope.factor)) if m is not None and rope.factor > 1 else 1.0
+        config.yarn_mscale_all_dim = 0.0
+        config.yarn_correction_range_round_to_int = rope.truncate
+    return config
 
 
 def layer_spec(model: PolicyModelConfig, precision: PrecisionConfig, sequence_parallel: bool = False,
@@ -164,6 +212,12 @@ def build_gpt_model(model_cfg: PolicyModelConfig, precision: PrecisionConfig, pg
             raise ConfigError(f"learner.activations.recompute_num_layers: {n} does not divide the {per_stage} layers "
                               "of a pipeline stage (recompute_method=uniform)")
     config = transformer_config(model_cfg, precision, pgs, activations)
+    rope = model_cfg.rope_scaling
+    position: dict = {"position_embedding_type": "rope"}
+    if rope is not None and rope.kind == "linear":
+        position["seq_len_interpolation_factor"] = rope.factor
+    elif rope is not None and rope.kind == "yarn":
+        position["position_embedding_type"] = "yarn"
     model = GPTModel(
         config=config,
         transformer_layer_spec=layer_spec(model_cfg, precision, pgs.dims.sp, model_cfg.num_layers // pgs.dims.pp),
@@ -172,10 +226,15 @@ def build_gpt_model(model_cfg: PolicyModelConfig, precision: PrecisionConfig, pg
         pre_process=pgs.is_first_stage,
         post_process=pgs.is_last_stage,
         share_embeddings_and_output_weights=model_cfg.tie_word_embeddings,
-        position_embedding_type="rope",
         rotary_base=int(model_cfg.rope_theta) if float(model_cfg.rope_theta).is_integer() else model_cfg.rope_theta,
         pg_collection=pgs.collection,
+        **position,
     )
+    if rope is not None and rope.kind == "llama3":  # Megatron's own scaling, with this checkpoint's constants
+        emb = model.rotary_pos_emb  # built unscaled (rope_scaling=False): scale its frequencies once
+        emb.inv_freq = emb._apply_scaling(emb.inv_freq, factor=rope.factor, low_freq_factor=rope.low_freq_factor,
+                                          high_freq_factor=rope.high_freq_factor,
+                                          original_max_position_embeddings=rope.original_max_position_embeddings or 8192)
     return model.to(pgs.device)
 
 

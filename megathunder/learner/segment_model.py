@@ -45,7 +45,7 @@ class MegatronSegmentModel:
 
     kv_seq_dim = 0
 
-    def __init__(self, model: torch.nn.Module, pgs: ProcessGroups) -> None:
+    def __init__(self, model: torch.nn.Module, pgs: ProcessGroups, temperature: float = 1.0) -> None:
         if pgs.dims.pp > 1:
             raise ConfigError("learner.parallel.pipeline_parallel: per-turn segment forwards do not run with "
                               "pipeline parallelism")
@@ -54,6 +54,7 @@ class MegatronSegmentModel:
         has_past_kv = any(isinstance(m, PastKVAttention) for m in gpt.modules())
         self.cache = past_kv_of(gpt) if has_past_kv else None  # recompute needs none
         self.pgs = pgs
+        self.temperature = temperature  # the student's sampling temperature; a teacher scores at 1
         buffers = getattr(model, "buffers", None)
         self.live = GradBuffer([b.grad_data for b in buffers]) if isinstance(buffers, list) else None
 
@@ -73,13 +74,16 @@ class MegatronSegmentModel:
         return logits[0], kv
 
     def logprobs(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return vocab_parallel_logprobs(logits, targets.to(logits.device), self.pgs.tp)[0]
+        return vocab_parallel_logprobs(logits, targets.to(logits.device), self.pgs.tp,
+                                       temperature=self.temperature)[0]
 
     def log_softmax(self, logits: torch.Tensor) -> torch.Tensor:
         """Log-probability rows of this rank's vocabulary slice. The log-partition is a sum over
         every rank whose result feeds rank-local terms, so its reduction is an all-reduce in the
         backward too (an identity backward would drop the other ranks' share of d/dlogZ)."""
         logits = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
+        if self.temperature != 1.0:
+            logits = logits / self.temperature
         group = self.pgs.tp
         shift = logits.detach().amax(dim=-1, keepdim=True)
         if self.pgs.dims.tp > 1:

@@ -10,7 +10,7 @@ from megathunder.objectives.advantages import (
     size_coef,
 )
 from megathunder.objectives.aggregation import normaliser, sequence_weight
-from megathunder.objectives.dapo import effective_loss_mask, soft_overlong_penalty
+from megathunder.objectives.dapo import effective_loss_mask
 from megathunder.objectives.loss import (
     LossSpec,
     num_loss_tokens,
@@ -31,7 +31,6 @@ __all__ = [
     "num_loss_tokens",
     "sequence_weight",
     "size_coef",
-    "soft_overlong_penalty",
     "token_logprobs_and_entropy",
     "trajectory_loss",
 ]

@@ -36,6 +36,8 @@ def group_stats(rewards: Sequence[float], cfg: RLObjective) -> GroupStats:
     size = len(rewards)
     if size == 0:
         raise ValueError("group_stats: empty group")
+    if size == 1 and cfg.singleton_group == "raw_score":  # verl: mean 0, std 1
+        return GroupStats(mean=0.0, std=1.0, coef=1.0 / (1.0 + cfg.std_eps) if cfg.advantage == "grpo" else 1.0)
     shift = rewards[0]
     mean = shift + math.fsum(r - shift for r in rewards) / size
     dof = size - 1 if cfg.std_unbiased else size
@@ -52,8 +54,11 @@ def coef_known_before_close(cfg: RLObjective) -> bool:
 def size_coef(size: int, cfg: RLObjective) -> float:
     """``coef_g`` of the variants whose coefficient depends only on the group size."""
     if cfg.advantage == "rloo":
-        # r_i - mean_{j != i} r_j = G / (G - 1) * (r_i - mean); a lone sample has no baseline.
-        return size / (size - 1) if size > 1 else 0.0
+        # r_i - mean_{j != i} r_j = G / (G - 1) * (r_i - mean); a lone sample has no baseline
+        # (singleton_group: 0, or verl's raw score with mean 0).
+        if size > 1:
+            return size / (size - 1)
+        return 1.0 if cfg.singleton_group == "raw_score" else 0.0
     if cfg.advantage in ("dr_grpo", "batch_std"):
         return 1.0
     raise ValueError(f"advantage {cfg.advantage!r} has a reward-dependent coefficient")

@@ -60,20 +60,21 @@ def trajectory_loss(
     cfg: RLObjective,
     old_logp_T: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    mask = effective_loss_mask(traj, cfg.overlong_filter)
-    if old_logp_T is None:
-        old_logp_T = logp_T.detach()
+    on = logp_T.device  # trajectories live on the host; the logprobs where the model runs
+    mask = effective_loss_mask(traj, cfg.overlong_filter).to(on)
+    old_logp_T = logp_T.detach() if old_logp_T is None else old_logp_T.to(logp_T)
     per_token = torch.zeros_like(logp_T)
     if spec.advantage is not None:
         per_token = policy_surrogate(logp_T, old_logp_T, mask, spec.advantage, cfg)
-        weights = tis_weights(old_logp_T, traj.rollout_logprobs, mask, cfg.tis, cfg.tis_cap)
+        rollout = None if traj.rollout_logprobs is None else traj.rollout_logprobs.to(logp_T)
+        weights = tis_weights(old_logp_T, rollout, mask, cfg.tis, cfg.tis_cap)
         if weights is not None:
             per_token = per_token * weights
     if spec.reward_free:
         if cfg.kl_coef > 0:
             if traj.ref_logprobs is None:
                 raise ValueError(f"trajectory {traj.traj_id}: kl_coef > 0 needs ref_logprobs")
-            per_token = per_token + cfg.kl_coef * kl_penalty(logp_T, traj.ref_logprobs, cfg.kl_estimator)
+            per_token = per_token + cfg.kl_coef * kl_penalty(logp_T, traj.ref_logprobs.to(logp_T), cfg.kl_estimator)
         if cfg.entropy_coef > 0:
             assert entropy_T is not None, "entropy_coef > 0 needs the entropy"
             per_token = per_token - cfg.entropy_coef * entropy_T

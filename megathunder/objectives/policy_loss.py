@@ -1,10 +1,11 @@
-"""Policy-gradient surrogates per token: PPO-clip (with DAPO's clip-higher), GSPO, CISPO.
+"""Policy-gradient surrogates per token: PPO-clip (with DAPO's clip-higher and dual clip), GSPO, CISPO.
 
 All take ``ratio = exp(logp - old_logp)``. With one optimizer step per batch ``old_logp`` equals
 ``logp`` at the point where the gradient is taken, so ratio == 1, no clip is active, and every
 surrogate has the same gradient, ``-A * grad logp``. That is what makes the score gradient linear
 in the advantage, and streaming exact. ``old_logp`` defaults to ``logp.detach()`` (no extra
-forward); passing it explicitly lets tests evaluate the loss away from the evaluation point.
+forward); PPO epochs and mini-batches (``megathunder.objectives.ppo``) pass the batch's old
+logprobs, and the ratio, the clip and the dual clip then act.
 """
 
 from __future__ import annotations
@@ -34,4 +35,7 @@ def policy_surrogate(
         weight = ratio.detach().clamp(max=1.0 + cfg.clip_eps_high)
         return -advantage * weight * logp
     clipped = ratio.clamp(1.0 - cfg.clip_eps_low, 1.0 + cfg.clip_eps_high)
-    return torch.maximum(-advantage * ratio, -advantage * clipped)
+    loss = torch.maximum(-advantage * ratio, -advantage * clipped)
+    if cfg.clip_ratio_c is not None and advantage < 0:  # dual clip: bounded by -A * c
+        loss = torch.minimum(loss, torch.full_like(loss, -advantage * cfg.clip_ratio_c))
+    return loss

@@ -29,7 +29,7 @@ import time
 from collections.abc import Sequence
 
 from megathunder.config import AgentLoopConfig, Config, SandboxConfig
-from megathunder.rollout.chat import IM_END, ChatCodec, ToolCall, ToolCallError, parse_tool_calls
+from megathunder.rollout.chat import ChatCodec, ToolCall, ToolCallError
 from megathunder.rollout.episode import (
     SANDBOX_FAILURE,
     Episode,
@@ -59,11 +59,13 @@ class AgentLoop:
         verifiers: VerifierPool,
         *,
         temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = -1,
         emit: EventSink | None = None,
     ) -> None:
         self.engine, self.codec, self.task = engine, codec, task
         self.cfg, self.sandbox_cfg, self.verifiers = agent_cfg, sandbox_cfg, verifiers
-        self.temperature = temperature
+        self.temperature, self.top_p, self.top_k = temperature, top_p, top_k
         self.emit = emit or (lambda event: None)
         self.tools: dict[str, Tool] = {t.name: t for t in task.tools}
         self._slots = asyncio.Semaphore(agent_cfg.max_concurrent_episodes)
@@ -108,7 +110,7 @@ class AgentLoop:
         self, inst: TaskInstance, *, traj_id: int, group_id: int, seed: int | None = None
     ) -> Episode:
         async with self._slots:
-            prompt = self.codec.prompt_ids(self.task.messages(inst))
+            prompt = self.codec.prompt_ids(self.task.messages(inst), self.task.tool_schemas())
             ep = Episode.from_prompt(traj_id, group_id, inst.instance_id, prompt, time.monotonic())
             sandbox = None
             try:
@@ -163,7 +165,9 @@ class AgentLoop:
             params = SamplingParams(
                 max_new_tokens=min(self.cfg.max_new_tokens_per_turn, room),
                 temperature=self.temperature,
-                stop_token_ids=(self.codec.im_end_id,),
+                top_p=self.top_p,
+                top_k=self.top_k,
+                stop_token_ids=self.codec.stop_token_ids,
                 seed=None if seed is None else (seed * 1009 + index) % 2**63,
             )
             t0 = time.monotonic()
@@ -182,10 +186,10 @@ class AgentLoop:
             )  # fmt: skip
             ep.append(out.token_ids, out.logprobs)
             ep.turns.append(turn)
-            ep.final_text = self.codec.decode(out.token_ids).removesuffix(IM_END)
-            if out.finish_reason == "stop" and out.token_ids[-1:] != [self.codec.im_end_id]:
-                # The engine stopped on <|im_end|> but did not return it: close the turn (masked).
-                ep.append([self.codec.im_end_id], None)
+            ep.final_text = self.codec.turn_text(out.token_ids)
+            if out.finish_reason == "stop" and out.token_ids[-1:] not in [[t] for t in self.codec.stop_token_ids]:
+                # The engine stopped on the end-of-turn token but did not return it: close the turn (masked).
+                ep.append([self.codec.end_of_turn_id], None)
             self._event(
                 "turn_finished", ep, turn_index=index,
                 payload={"start": turn.start, "end": turn.end, "token_ids": list(ep.token_ids[: turn.end]),
@@ -197,7 +201,7 @@ class AgentLoop:
                 ep.truncated = True
                 return "max_tokens"
 
-            calls = parse_tool_calls(ep.final_text)
+            calls = self.codec.parse_tool_calls(ep.final_text)
             if not calls:
                 return "answered"
             limit = self.cfg.max_tool_calls_per_turn
@@ -265,8 +269,11 @@ def build_agent_loop(cfg: Config, engine: RolloutEngine, codec: ChatCodec, task:
                      temperature: float | None = None, emit: EventSink | None = None) -> AgentLoop:
     """The agent loop of a run's config: ``task`` (built once per run), the ``agent`` limits, the
     ``sandbox`` and ``verifier`` sections, sampling at ``temperature`` (default
-    ``rollout.temperature``); events go to ``emit``."""
-    return AgentLoop(
-        engine, codec, task, cfg.agent, cfg.sandbox, VerifierPool(cfg.verifier),
-        temperature=cfg.rollout.temperature if temperature is None else temperature, emit=emit,
-    )  # fmt: skip
+    ``rollout.temperature``; ``rollout.top_p`` / ``top_k`` apply unless a temperature is given:
+    evaluation samples its own way); events go to ``emit``."""
+    r = cfg.rollout
+    if temperature is not None:
+        return AgentLoop(engine, codec, task, cfg.agent, cfg.sandbox, VerifierPool(cfg.verifier),
+                         temperature=temperature, emit=emit)
+    return AgentLoop(engine, codec, task, cfg.agent, cfg.sandbox, VerifierPool(cfg.verifier),
+                     temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, emit=emit)

@@ -1,6 +1,14 @@
-"""ChatML (Qwen-style) chat template on token ids, and Hermes/Qwen tool-call parsing.
+"""Chat codecs: a conversation as token ids, built once and never re-tokenised.
 
-Layout of an episode, every piece appended to one running id list and never re-tokenised:
+``ChatCodec`` is what the agent loop needs from a chat format: the prompt, the tokens that close
+a model turn, the tokens between a turn and the next (tool outputs, then the next generation
+header), and how tool calls are written. Two implementations (``agent.chat_template``):
+
+    chatml   ``ChatMLCodec`` below: ChatML written out by hand, Hermes/Qwen tool calls
+    model    ``megathunder.rollout.chat_template.TemplateCodec``: the model's own chat template
+             (``apply_chat_template``), checked to be incremental at start
+
+ChatML layout of an episode, every piece appended to one running id list:
 
     <|im_start|>system\n{system + tool schemas}<|im_end|>\n<|im_start|>user\n{task}<|im_end|>\n
     <|im_start|>assistant\n                                              <- prompt (masked)
@@ -21,6 +29,7 @@ strings taken literally, so a tool printing ``<|im_end|>`` cannot close the turn
 
 from __future__ import annotations
 
+import abc
 import json
 import re
 from collections.abc import Mapping, Sequence
@@ -47,26 +56,26 @@ class ToolCallError:
     message: str
 
 
-class ChatCodec:
-    """Token-id chat template over a ``tokenizers.Tokenizer`` or a transformers fast tokenizer."""
+class ChatCodec(abc.ABC):
+    """A chat format on token ids over a ``tokenizers.Tokenizer`` or a transformers fast tokenizer."""
 
-    def __init__(self, tokenizer: Any) -> None:
+    end_of_turn_id: int
+    """The token that closes a model turn (appended, masked, when the engine stopped without it)."""
+
+    def __init__(self, tokenizer: Any, specials: Sequence[str]) -> None:
         # transformers' fast tokenizers wrap a ``tokenizers.Tokenizer``; use it directly so both
         # kinds behave the same (no automatic BOS/EOS, special tokens matched in trusted text).
         self._tok = getattr(tokenizer, "backend_tokenizer", tokenizer)
-        self.im_start_id = self._special_id(IM_START)
-        self.im_end_id = self._special_id(IM_END)
-        self._specials = [s for s in SPECIAL_TOKENS if self._tok.token_to_id(s) is not None]
-
-    def _special_id(self, token: str) -> int:
-        token_id = self._tok.token_to_id(token)
-        if token_id is None:
-            raise ValueError(f"tokenizer has no {token!r} token; the ChatML template needs it")
-        return token_id
+        self._specials = sorted({s for s in specials if self._tok.token_to_id(s) is not None}, key=len, reverse=True)
 
     @property
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def stop_token_ids(self) -> tuple[int, ...]:
+        """What ends a model turn when sampled."""
+        return (self.end_of_turn_id,)
 
     def encode_trusted(self, text: str) -> list[int]:
         """Encode text whose special-token strings are meant as special tokens (the template)."""
@@ -88,21 +97,66 @@ class ChatCodec:
     def decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=False)
 
-    def prompt_ids(self, messages: Sequence[Mapping[str, str]]) -> list[int]:
-        """The prompt: every message, then the assistant header the model continues from."""
+    def turn_text(self, ids: Sequence[int]) -> str:
+        """A model turn's text, without the token that closed it."""
+        if ids and ids[-1] in self.stop_token_ids:
+            ids = ids[:-1]
+        return self.decode(ids)
+
+    @property
+    @abc.abstractmethod
+    def generation_header(self) -> str:
+        """The text the assistant's turn starts after (ChatML: ``<|im_start|>assistant\\n``)."""
+
+    @abc.abstractmethod
+    def prompt_ids(self, messages: Sequence[Mapping[str, str]],
+                   tools: Sequence[Mapping[str, Any]] = ()) -> list[int]:
+        """The prompt: every message (the tools' schemas as the format declares them), then the
+        assistant header the model continues from."""
+
+    @abc.abstractmethod
+    def tool_response_ids(self, outputs: Sequence[str]) -> list[int]:
+        """After a model turn (closed by ``end_of_turn_id``): the tool outputs, then the next header."""
+
+    def parse_tool_calls(self, text: str) -> list[ToolCall | ToolCallError]:
+        """The tool calls of a model turn's text (Hermes/Qwen ``<tool_call>`` blocks)."""
+        return parse_tool_calls(text)
+
+
+class ChatMLCodec(ChatCodec):
+    """ChatML written out by hand (module docstring); needs ``<|im_start|>`` and ``<|im_end|>``."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        super().__init__(tokenizer, SPECIAL_TOKENS)
+        self.im_start_id = self._special_id(IM_START)
+        self.im_end_id = self.end_of_turn_id = self._special_id(IM_END)
+
+    def _special_id(self, token: str) -> int:
+        token_id = self._tok.token_to_id(token)
+        if token_id is None:
+            raise ValueError(f"agent.chat_template: the tokenizer has no {token!r} token, which chatml needs; "
+                             "use agent.chat_template=model (the model's own chat template)")
+        return token_id
+
+    def prompt_ids(self, messages: Sequence[Mapping[str, str]],
+                   tools: Sequence[Mapping[str, Any]] = ()) -> list[int]:
         ids: list[int] = []
-        for msg in messages:
+        for k, msg in enumerate(messages):
+            content = msg["content"]
+            if k == 0 and msg["role"] == "system":
+                content = tools_system_prompt(content, tools)
             ids += [self.im_start_id] + self.encode_trusted(f"{msg['role']}\n")
-            ids += (
-                self.encode_literal(msg["content"]) + [self.im_end_id] + self.encode_trusted("\n")
-            )
+            ids += self.encode_literal(content) + [self.im_end_id] + self.encode_trusted("\n")
         return ids + self.assistant_header_ids()
+
+    @property
+    def generation_header(self) -> str:
+        return f"{IM_START}assistant\n"
 
     def assistant_header_ids(self) -> list[int]:
         return [self.im_start_id] + self.encode_trusted("assistant\n")
 
     def tool_response_ids(self, outputs: Sequence[str]) -> list[int]:
-        """After a model turn (which ended in <|im_end|>): the tool outputs, then the next header."""
         ids = self.encode_trusted("\n") + [self.im_start_id] + self.encode_trusted("user\n")
         for k, out in enumerate(outputs):
             sep = "\n" if k else ""

@@ -7,7 +7,8 @@
        accumulated in sample order -- then the accumulated gradient divided by Z once.
 
 With ``micro_batch_size=None`` the whole batch is one padded forward and one backward. Every
-streamed update in this project is tested against this function.
+streamed update in this project is tested against this function; ``reference_ppo_update`` is the
+same for several optimizer steps per batch (PPO epochs and mini-batches).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from megathunder.objectives import (
     token_logprobs_and_entropy,
     trajectory_loss,
 )
+from megathunder.objectives.ppo import update_plan
 from megathunder.trajectory import Trajectory
 
 
@@ -102,3 +104,39 @@ def reference_gradient(
     for p, g in zip(params, saved, strict=True):
         p.grad = g
     return flat.div_(z)
+
+
+def reference_ppo_update(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batch: Sequence[Trajectory],
+    rewards: Sequence[float],
+    cfg: RLObjective,
+) -> int:
+    """PPO epochs and mini-batches on a plain torch model (``megathunder.objectives.ppo``): the
+    reference the Megatron learner's ``ppo_gradient`` is tested against. Old logprobs from one
+    forward at the batch's start (``ppo_old_logprobs: learner``) or the trajectories' rollout
+    logprobs; every mini-batch one padded forward, its loss divided by its own Z, one step.
+    Returns the number of optimizer steps."""
+    all_advantages, _ = batch_advantages(batch, rewards, cfg)
+    advantages = {i: a for i, a in enumerate(all_advantages) if a is not None}
+    kept = list(advantages)
+    if cfg.ppo_old_logprobs == "rollout":
+        old = {i: batch[i].rollout_logprobs for i in kept}
+    else:
+        with torch.no_grad():
+            old = {i: _logprobs(model, batch[i]) for i in kept}
+    plan = update_plan(kept, cfg)
+    for chunk in plan:
+        optimizer.zero_grad(set_to_none=True)
+        if chunk:
+            loss = batch_loss(model, [batch[i] for i in chunk], [advantages[i] for i in chunk], cfg,
+                              old_logps=[old[i] for i in chunk])
+            (loss / normaliser([num_loss_tokens(batch[i], cfg) for i in chunk], cfg)).backward()
+        optimizer.step()
+    return len(plan)
+
+
+def _logprobs(model: nn.Module, traj: Trajectory) -> torch.Tensor:
+    logits = model(traj.tokens[None])[0, :-1]
+    return token_logprobs_and_entropy(logits, traj.tokens[1:], need_entropy=False)[0]

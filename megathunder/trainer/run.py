@@ -35,7 +35,7 @@ from megathunder.learner.endpoint import LearnerEndpoint
 from megathunder.learner.parallel import init_distributed
 from megathunder.learner.service import LearnerService
 from megathunder.learner.teacher import build_teacher
-from megathunder.rollout.chat import ChatCodec
+from megathunder.rollout.chat_template import make_codec
 from megathunder.rollout.engines import start_engine
 from megathunder.rollout.engines.transfer import StageSenders
 from megathunder.rollout.tasks import build_task
@@ -124,7 +124,7 @@ async def _control(cfg: Config, task: Task, out: Path, service: LearnerService[L
     loop, control = asyncio.get_running_loop(), asyncio.current_task()
     assert control is not None
     signals.on_stop_now.append(lambda: loop.call_soon_threadsafe(control.cancel))
-    codec = ChatCodec(AutoTokenizer.from_pretrained(model_dir))
+    codec = make_codec(AutoTokenizer.from_pretrained(model_dir), cfg.agent.chat_template, cfg.agent.tool_parser)
     senders = StageSenders(cfg.learner.parallel.pipeline_parallel,  # each stage joins the weight-transfer groups
                            lambda rdv: service.call(LearnerEndpoint.join_weight_transfer, rdv))
     engine = await start_engine(cfg.rollout.engine, model_dir, log_dir=out / "logs", policy_version=start,

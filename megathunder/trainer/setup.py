@@ -46,7 +46,8 @@ def tiny_model(out_dir: Path, sizes: TinyModelConfig, pgs: ProcessGroups) -> Pat
 
 def build_learner(cfg: Config, pgs: ProcessGroups, model_dir: Path) -> MegatronLearner:
     """The run's learner, from the weights in ``model_dir``."""
-    return MegatronLearner.build(cfg.learner, cfg.objective, pgs, cfg.ledger, hf_dir=model_dir)
+    return MegatronLearner.build(cfg.learner, cfg.objective, pgs, cfg.ledger, hf_dir=model_dir,
+                                 temperature=cfg.rollout.temperature)
 
 
 def teacher_dir(cfg: Config, run_dir: Path) -> Path:

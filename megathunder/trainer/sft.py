@@ -24,6 +24,7 @@ from megathunder.learner.parallel import ProcessGroups
 from megathunder.learner.safetensors_io import has_weights
 from megathunder.rollout.agent_loop import build_agent_loop
 from megathunder.rollout.chat import ChatCodec
+from megathunder.rollout.chat_template import make_codec
 from megathunder.rollout.scripted import ScriptedPolicy
 from megathunder.rollout.tasks.split import is_held_out
 from megathunder.rollout.tasks.task import Task
@@ -69,7 +70,7 @@ def warm_start(cfg: Config, task: Task, pgs: ProcessGroups, source: Path, out_di
     sft = cfg.sft
     learner_cfg = cfg.learner.model_copy(update={"optimizer": sft.optimizer(cfg.learner.optimizer)})
     learner = MegatronLearner.build(learner_cfg, GRPOObjective(), pgs, hf_dir=source)
-    codec = ChatCodec(AutoTokenizer.from_pretrained(source))
+    codec = make_codec(AutoTokenizer.from_pretrained(source), cfg.agent.chat_template, cfg.agent.tool_parser)
     data = asyncio.run(demonstrations(cfg, task, codec, sft.num_steps * sft.batch_size, seed=cfg.run.seed + 7919))
     random.Random(cfg.run.seed).shuffle(data)
     data = data * -(-sft.num_steps * sft.batch_size // len(data))  # held-out instances were left out

@@ -37,18 +37,18 @@ from megathunder.rollout.tasks.task import Task, TaskInstance
 from megathunder.rollout.types import RolloutEngine, SamplingParams, StreamedWeights, WeightSource
 from megathunder.trainer.journal import Journal
 from megathunder.trainer.metrics import MetricsLog
+from megathunder.trainer.probe import (
+    PROBE_SEED,
+    ProbeSample,
+    ProbeTolerance,
+    StaleWeightsError,
+    engine_kept_its_weights,
+    max_logprob_gap,
+)
 from megathunder.trainer.timeline import Timeline
 from megathunder.trajectory import BatchPlan, Trajectory
 
 log = logging.getLogger(__name__)
-
-
-class StaleWeightsError(RuntimeError):
-    """The rollout engine's logprobs do not match the learner's after a weight sync."""
-
-
-def max_logprob_gap(engine_logp: Sequence[float], learner_logp: torch.Tensor) -> float:
-    return float((torch.tensor(list(engine_logp), dtype=torch.float64) - learner_logp.double()).abs().max())
 
 
 @dataclass
@@ -75,6 +75,9 @@ class Trainer:
         self.wall_offset = self.metrics.rows[-1]["wall_s"] if self.metrics.rows else 0.0
         self.last_probe_gap = float("nan")
         self.last_push: dict[str, float] = {}
+        sched = cfg.schedule
+        self.probe_tolerance = ProbeTolerance(sched.probe_tolerance, sched.probe_noise_margin)
+        self._last_probe: ProbeSample | None = None
         self.eval_set: list[TaskInstance] | None = None
         self.bar: tqdm | None = None
         self._streaming = False  # thunder: route the rollout's events to the learner
@@ -174,31 +177,64 @@ class Trainer:
             assert gathered is not None  # gathered on global rank 0, the controller
             weights = gathered
         await self.engine.update_weights(weights, self.version)
-        pushed = time.monotonic()
+        self.last_push = {"push_s": time.monotonic() - start, "push_bytes": stats.get("payload_bytes", float("nan")),
+                          "push_changed_fraction": stats.get("changed_fraction", float("nan"))}
         gap = self.last_probe_gap = await self.probe()
         self.timeline.add_sync(start, time.monotonic(), self.version)
-        self.last_push = {"push_s": pushed - start, "push_bytes": stats.get("payload_bytes", float("nan")),
-                          "push_changed_fraction": stats.get("changed_fraction", float("nan"))}
         return gap
 
     async def probe(self) -> float:
-        """vLLM samples ``schedule.probe_tokens`` tokens; the learner scores them; they must agree."""
-        n = self.cfg.schedule.probe_tokens
-        if n == 0:
+        """Check that vLLM samples from the weights just pushed (``megathunder.trainer.probe``):
+        calibrate the noise floor at engine start; afterwards vLLM must have moved with the learner
+        and agree with it up to the numerics. Returns the push's gap."""
+        sched = self.cfg.schedule
+        if sched.probe_tokens == 0:
             return float("nan")
-        prompt = self.codec.prompt_ids(self.task.messages(self.instances(0)[0]))
-        out = await self.engine.generate(prompt, SamplingParams(max_new_tokens=n, temperature=1.0, seed=self.version,
-                                                                ignore_eos=True))
-        learner_logp = await self.service.call(LearnerEndpoint.score, list(prompt) + list(out.token_ids), len(prompt))
-        gap = max_logprob_gap(out.logprobs, learner_logp)
-        if out.policy_version != self.version or gap > self.cfg.schedule.probe_tolerance:
+        if self.probe_tolerance.floor is None:  # engine start: both sides hold the same weights
+            gaps = [self._gap(await self._probe_sample(seed=1 + k)) for k in range(sched.probe_calibration_probes)]
+            self.probe_tolerance.calibrate(gaps)
+            if max(gaps) > sched.probe_max_noise_floor:
+                raise StaleWeightsError(
+                    f"on the same weights vLLM's logprobs differ from the learner's by {max(gaps):.3e} (> "
+                    f"schedule.probe_max_noise_floor={sched.probe_max_noise_floor:g}): not numerics; the engine "
+                    "and the learner compute different models (RoPE scaling, vocabulary, layout?)")
+        sample, previous = await self._probe_sample(seed=PROBE_SEED), self._last_probe
+        unchanged = self.last_push.get("push_changed_fraction") == 0.0  # no weight moved in the inference dtype
+        if previous is not None and not unchanged and engine_kept_its_weights(previous, sample):
+            moved = float((sample.learner_logprobs - previous.learner_logprobs).abs().max())
             raise StaleWeightsError(
-                f"after the weight sync of policy version {self.version}: vLLM sampled with version "
-                f"{out.policy_version} and its logprobs differ from the learner's by {gap:.3e} (> "
-                f"schedule.probe_tolerance={self.cfg.schedule.probe_tolerance:g}); the engine is not "
-                "sampling from the weights being trained"
-            )
+                f"after the weight sync of policy version {self.version}: vLLM sampled the previous push's probe "
+                f"bit for bit while the learner's logprobs of it moved by {moved:.3e}; the engine is not "
+                "sampling from the weights being trained")
+        self._last_probe = sample
+        gap = self._gap(sample)
+        if gap > self.probe_tolerance.value:
+            raise StaleWeightsError(
+                f"after the weight sync of policy version {self.version}: vLLM's logprobs differ from the "
+                f"learner's by {gap:.3e} (> {self.probe_tolerance.value:.3e} = max(schedule.probe_tolerance, "
+                f"schedule.probe_noise_margin x the noise floor {self.probe_tolerance.floor:.2e})); the engine "
+                "is not sampling from the weights being trained")
+        self.probe_tolerance.accept(gap)
         return gap
+
+    async def _probe_sample(self, seed: int) -> ProbeSample:
+        prompt = self.codec.prompt_ids(self.task.messages(self.instances(0)[0]), self.task.tool_schemas())
+        params = SamplingParams(max_new_tokens=self.cfg.schedule.probe_tokens, temperature=self.cfg.rollout.temperature,
+                                seed=seed, ignore_eos=True)
+        try:  # the same request computes the same way every time (a cached prefix would change low bits)
+            await self.engine.reset_prefix_cache()
+        except RuntimeError:  # requests in flight (fully_async): check 1 may then miss a stale push, never stop a good run
+            pass
+        out = await self.engine.generate(prompt, params)
+        if out.policy_version != self.version:
+            raise StaleWeightsError(f"after the weight sync of policy version {self.version}: vLLM sampled with "
+                                    f"version {out.policy_version}")
+        learner_logp = await self.service.call(LearnerEndpoint.score, list(prompt) + list(out.token_ids), len(prompt))
+        return ProbeSample(tuple(out.token_ids), tuple(out.logprobs), learner_logp)
+
+    @staticmethod
+    def _gap(sample: ProbeSample) -> float:
+        return max_logprob_gap(sample.engine_logprobs, sample.learner_logprobs)
 
     # ------------------------------------------------------------------ records
 
@@ -226,6 +262,7 @@ class Trainer:
             "lr": result.lr,
             "probe_gap": self.last_probe_gap,  # async: the push (and its probe) at this step's start
             **self.last_push,  # the last push: seconds (update_weights), bytes sent, changed fraction
+            "probe_tolerance": self.probe_tolerance.value,
             "step_s": step_s,
             "learner_busy_s": busy,
             "learner_idle_share": max(0.0, 1.0 - busy / step_s) if step_s > 0 else 0.0,

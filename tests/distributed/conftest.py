@@ -33,8 +33,9 @@ def launch(nproc: int, mode: str, *args: str, timeout: int = 600, worker: Path =
         raise AssertionError(f"{mode} with {nproc} ranks failed ({proc.returncode}):\n{tail}")
 
 
-def make_hf_checkpoint(path: Path, family: str, tie: bool, seed: int = 0) -> Path:
-    """A tiny random model of the family, saved by transformers itself."""
+def make_hf_checkpoint(path: Path, family: str, tie: bool, seed: int = 0, rope_scaling: dict | None = None) -> Path:
+    """A tiny random model of the family, saved by transformers itself (``rope_scaling``: its RoPE
+    scaling, as a config.json gives it)."""
     import transformers
 
     classes = {
@@ -47,6 +48,7 @@ def make_hf_checkpoint(path: Path, family: str, tie: bool, seed: int = 0) -> Pat
         vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=128,
         tie_word_embeddings=tie, rms_norm_eps=1e-6, rope_theta=10000.0,
+        **({} if rope_scaling is None else {"rope_scaling": {"rope_theta": 10000.0, **rope_scaling}}),
     )
     torch.manual_seed(seed)
     model = model_cls(config).float()

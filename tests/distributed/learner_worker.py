@@ -5,6 +5,8 @@
 MODE equivalence: from the same HF weights, take one optimizer step with the streamed (thunder)
 gradient and, from the same starting point, one with the batch-synchronous gradient; rank 0
 saves the full (gathered) parameters before and after each.
+
+MODE ppo: PPO epochs and mini-batches through the sync path; the HF-named weights before and after.
 """
 
 from __future__ import annotations
@@ -96,14 +98,15 @@ def equivalence(args) -> None:
     destroy_distributed()
 
 
-def _learner(args, objective=None):
+def _learner(args, objective=None, temperature: float = 1.0):
     cfg = LearnerConfig.model_validate({
         "parallel": {"tensor_parallel": args.tp, "pipeline_parallel": args.pp},
         "model": {"hf_checkpoint": args.hf},
         "optimizer": {"name": args.ckpt_optimizer, "lr": 1e-2, "use_distributed_optimizer": args.dist_opt},
     })
     pgs = init_distributed(cfg)
-    return MegatronLearner.build(cfg, objective or GRPOObjective(), pgs, LedgerConfig(max_group_slots=1))
+    return MegatronLearner.build(cfg, objective or GRPOObjective(), pgs, LedgerConfig(max_group_slots=1),
+                                 temperature=temperature)
 
 
 def _streamed_step(learner: MegatronLearner, seed: int) -> None:
@@ -148,8 +151,9 @@ def checkpoint_resume(args) -> None:
 
 
 def hf_roundtrip(args) -> None:
-    """Import the HF checkpoint into this layout, export it again, and record logprobs."""
-    learner = _learner(args)
+    """Import the HF checkpoint into this layout, export it again, and record logprobs (at
+    ``--temperature``)."""
+    learner = _learner(args, temperature=args.temperature)
     learner.export_hf(args.export)
     batch, _, _ = make_batch(3, learner.model_cfg.vocab_size)
     logps = learner.token_logprobs(batch)
@@ -193,9 +197,43 @@ def saved_bytes(args) -> None:
     destroy_distributed()
 
 
+def ppo(args) -> None:
+    """PPO epochs / mini-batches through the sync path (``GRPOBatch`` at close, then ``step``);
+    rank 0 saves the full weights in HF names before and after."""
+    from megathunder.learner.batches import GRPOBatch
+
+    cfg = LearnerConfig.model_validate({
+        "parallel": {"tensor_parallel": args.tp, "pipeline_parallel": args.pp},
+        "model": {"hf_checkpoint": args.hf},
+        "optimizer": {"name": "sgd", "lr": args.lr, "sgd_momentum": 0.0, "clip_grad": 0.0,
+                      "use_distributed_optimizer": False},
+    })
+    learner = MegatronLearner.build(cfg, GRPOObjective.model_validate_json(args.objective), init_distributed(cfg),
+                                    LedgerConfig(max_group_slots=args.slots))
+    batch, rewards, _ = make_batch(args.seed, learner.model_cfg.vocab_size)
+
+    def hf_named():
+        full = full_params(learner)
+        return None if full is None else {k: v.clone() for k, v in hf.megatron_to_hf(full, learner.model_cfg).items()}
+
+    before = hf_named()
+    b = GRPOBatch(learner, batch_plan(batch), streamed=False)
+    for t in batch:
+        b.on_finished(t)
+    for t, r in zip(batch, rewards, strict=True):
+        b.on_reward(t.traj_id, r)
+    b.close()
+    result = learner.step()
+    after = hf_named()
+    if learner.pgs.rank == 0:
+        torch.save({"before": before, "after": after, "num_steps": learner.num_steps, "lr": result.lr}, args.out)
+    destroy_distributed()
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("mode", choices=["equivalence", "checkpoint_save", "checkpoint_resume", "hf_roundtrip", "saved_bytes"])
+    p.add_argument("mode", choices=["equivalence", "checkpoint_save", "checkpoint_resume", "hf_roundtrip", "saved_bytes",
+                                    "ppo"])
     p.add_argument("--seq", type=int, default=64)
     p.add_argument("--ckpt")
     p.add_argument("--export")
@@ -208,13 +246,14 @@ def main() -> None:
     p.add_argument("--optimizer", default="sgd")
     p.add_argument("--lr", type=float, default=1.0)
     p.add_argument("--dist-opt", action="store_true")
+    p.add_argument("--temperature", type=float, default=1.0, help="hf_roundtrip: the sampling temperature")
     p.add_argument("--ckpt-optimizer", default="adam", help="checkpoint_save / checkpoint_resume: adam or sgd")
     p.add_argument("--objective", default="{}")
     p.add_argument("--learner", default="{}", help="JSON merged into the LearnerConfig (equivalence)")
     p.add_argument("--ledger", default="{}", help="JSON LedgerConfig fields besides max_group_slots (equivalence)")
     args = p.parse_args()
     {"equivalence": equivalence, "checkpoint_save": checkpoint_save, "checkpoint_resume": checkpoint_resume,
-     "hf_roundtrip": hf_roundtrip, "saved_bytes": saved_bytes}[args.mode](args)
+     "hf_roundtrip": hf_roundtrip, "saved_bytes": saved_bytes, "ppo": ppo}[args.mode](args)
 
 
 if __name__ == "__main__":

@@ -22,8 +22,9 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm()).item()
 
 
-def _assert_logprobs_match_transformers(hf_dir, logprobs) -> None:
-    """The learner's logprobs of the worker's batch vs a transformers fp32 forward of hf_dir."""
+def _assert_logprobs_match_transformers(hf_dir, logprobs, temperature: float = 1.0) -> None:
+    """The learner's logprobs of the worker's batch vs a transformers fp32 forward of hf_dir, at the
+    sampling temperature (softmax(logits / T): what vLLM samples from and reports)."""
     import transformers
 
     from tests.distributed.learner_worker import make_batch
@@ -33,7 +34,7 @@ def _assert_logprobs_match_transformers(hf_dir, logprobs) -> None:
     for traj, logp in zip(batch, logprobs, strict=True):
         with torch.no_grad():
             logits = model(traj.tokens[None]).logits[0, :-1]
-        expected = torch.log_softmax(logits, -1).gather(-1, traj.tokens[1:, None])[:, 0]
+        expected = torch.log_softmax(logits / temperature, -1).gather(-1, traj.tokens[1:, None])[:, 0]
         torch.testing.assert_close(logp, expected, rtol=0, atol=2e-6)
 
 
@@ -99,12 +100,42 @@ def test_tp2_pp2_hf_roundtrip_is_bit_exact_and_logprobs_match_transformers(hf_qw
     _assert_logprobs_match_transformers(export, torch.load(out)["logprobs"])
 
 
+ROPE_SCALINGS = {  # short original lengths, so the scaling changes most frequencies of a 64-token test
+    "linear": {"rope_type": "linear", "factor": 2.0},
+    "llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 16},
+    "yarn": {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 16},  # 128 / 16
+    "yarn_attention_factor": {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 16,
+                              "attention_factor": 1.5},
+}
+
+
+@pytest.mark.parametrize("kind", sorted(ROPE_SCALINGS))
+def test_rope_scaling_matches_transformers(tmp_path, kind):
+    """RoPE scaling read from config.json and mapped to Megatron: the learner's logprobs (TP=2) are
+    transformers' (which vLLM follows too); without the mapping they differ by ~1e-1 here."""
+    hf_dir = make_hf_checkpoint(tmp_path / kind, "llama", tie=False, seed=2, rope_scaling=ROPE_SCALINGS[kind])
+    out, export = tmp_path / "rt.pt", tmp_path / "export"
+    launch(2, "hf_roundtrip", "--out", str(out), "--hf", str(hf_dir), "--export", str(export), "--tp", "2")
+    _assert_logprobs_match_transformers(hf_dir, torch.load(out)["logprobs"])
+
+
+def test_unsupported_rope_scaling_is_refused_by_name(tmp_path):
+    from megathunder.config import ConfigError, PolicyModelConfig
+    from megathunder.learner.model import policy_config_from_hf
+
+    hf_dir = make_hf_checkpoint(tmp_path / "dyn", "llama", tie=False, rope_scaling={"rope_type": "dynamic", "factor": 2.0})
+    with pytest.raises(ConfigError, match="rope scaling 'dynamic'.*not supported"):
+        policy_config_from_hf(hf_dir, PolicyModelConfig())
+
+
 @pytest.mark.parametrize("family,tie", [("qwen3", True), ("llama", False)])
 def test_other_families_import_and_match_transformers(tmp_path, family, tie):
     hf_dir = make_hf_checkpoint(tmp_path / family, family, tie=tie, seed=1)
     out, export = tmp_path / "rt.pt", tmp_path / "export"
-    launch(2, "hf_roundtrip", "--out", str(out), "--hf", str(hf_dir), "--export", str(export), "--tp", "2")
-    _assert_logprobs_match_transformers(hf_dir, torch.load(out)["logprobs"])
+    launch(2, "hf_roundtrip", "--out", str(out), "--hf", str(hf_dir), "--export", str(export), "--tp", "2",
+           "--temperature", "0.7")
+    _assert_logprobs_match_transformers(hf_dir, torch.load(out)["logprobs"], temperature=0.7)
 
 
 @pytest.mark.parametrize("dist_opt", [[], ["--dist-opt"], ["--ckpt-optimizer", "sgd"]],
@@ -208,3 +239,54 @@ def test_host_placed_slots_give_the_update_of_device_slots_on_megatron(hf_qwen2,
     assert torch.equal(_flat(host["stream"]), _flat(device["stream"]))
     if "slot_dtype" not in ledger:
         assert torch.equal(_flat(host["stream_grad"]), _flat(single["stream_grad"]))
+
+
+PPO_TOL = 1e-5
+"""fp32, 4 SGD steps: each step's gradient agrees with transformers' to ~3e-7 (GRAD_TOL bounds one
+step at 2e-6); the parameter change sums four of them plus their propagation through the loss
+curvature. Observed 3.4e-7 (1 process) to 6.9e-7 (TP=2); the bound is GRAD_TOL x 4 steps rounded up.
+It holds only while no ratio lies within fp32 noise of a clip boundary: checked (> 1e-4) below."""
+
+
+@pytest.mark.parametrize("tp", ["1", "2"], ids=["dp2", "tp2"])
+def test_ppo_epochs_and_minibatches_match_the_published_loop(hf_qwen2, tmp_path, tp):
+    """2 epochs x 2 mini-batches with PPO-clip and dual clip on the Megatron learner, 2 ranks as DP=2
+    or TP=2 (the sync path:
+    ``GRPOBatch`` at close, then ``step``) vs the textbook loop of ``tests/unit/test_ppo.py`` on the
+    same weights in transformers, SGD: the parameter changes agree, with clipping active."""
+    import json
+
+    import transformers
+
+    from tests.distributed.learner_worker import make_batch
+    from tests.unit.test_ppo import _published_ppo
+
+    lr, eps_low, eps_high, clip_c = 3.0, 0.05, 0.08, 1.5
+    objective = {"num_ppo_epochs": 2, "num_minibatches_per_batch": 2, "clip_eps_low": eps_low,
+                 "clip_eps_high": eps_high, "clip_ratio_c": clip_c}
+    out = tmp_path / "ppo.pt"
+    launch(2, "ppo", "--out", str(out), "--hf", str(hf_qwen2), "--lr", str(lr), "--tp", tp,
+           "--objective", json.dumps(objective))
+    run = torch.load(out)
+    assert run["num_steps"] == 1  # one batch: the schedule and the step count advance once
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf_qwen2).float()
+
+    class Logits(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = model
+
+        def forward(self, tokens):
+            return self.model(tokens).logits
+
+    batch, rewards, _ = make_batch(0, model.config.vocab_size)
+    stats = _published_ppo(Logits(), batch, rewards, epochs=2, num_mb=2, eps_low=eps_low, eps_high=eps_high,
+                           clip_c=clip_c, old_from_rollout=False, lr=lr)
+    assert max(s[0] for s in stats) > 0.5 and max(s[1] for s in stats) > 0, stats  # clip and dual clip act
+    assert min(s[2] for s in stats) > 1e-4, stats
+    expected = model.state_dict()
+    names = sorted(run["before"])
+    ours = torch.cat([(run["after"][k] - run["before"][k]).reshape(-1).double() for k in names])
+    theirs = torch.cat([(expected[k].double() - run["before"][k].double()).reshape(-1) for k in names])
+    assert _rel(ours, theirs) <= PPO_TOL

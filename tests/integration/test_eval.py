@@ -26,7 +26,7 @@ MAX_NEW = 6
 def test_evaluate_on_vllm(tmp_path):
     from tokenizers import Tokenizer
 
-    from megathunder.rollout.chat import ChatCodec
+    from megathunder.rollout.chat import ChatMLCodec
     from megathunder.rollout.engines import start_engine
 
     model_dir = save_tiny_qwen2(tmp_path / "tiny")
@@ -34,7 +34,7 @@ def test_evaluate_on_vllm(tmp_path):
         "eval.k=2", "eval.num_instances=4", f"agent.max_new_tokens_per_turn={MAX_NEW}",
         "rollout.engine.max_model_len=256", "rollout.engine.kv_cache_memory_bytes=67108864",
     ])  # fmt: skip
-    codec = ChatCodec(Tokenizer.from_file(str(model_dir / "tokenizer.json")))
+    codec = ChatMLCodec(Tokenizer.from_file(str(model_dir / "tokenizer.json")))
     task = build_task(cfg.task)
     insts = eval_instances(cfg, task)
 

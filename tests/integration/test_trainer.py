@@ -1,7 +1,7 @@
 """The trainer end to end on the real parts: vLLM (CPU) rollouts, the Megatron learner (gloo).
 
 One short quickstart run (SFT warm start + GRPO thunder) is the base; the other schedules start
-from its warm-started model. Checked: the run's outputs (metrics, journal, timeline, wandb files,
+from its warm-started model; every run samples at temperature 0.8. Checked: the run's outputs (metrics, journal, timeline, wandb files,
 checkpoint, final weights), zero staleness every step (probe) in sync/thunder, lag 1 in async,
 bounded lag in fully_async, replay of the journal through sync and thunder (1 process, TP = 2,
 DP = 2) giving the live run's parameters, and kill + resume reproducing the uninterrupted
@@ -32,6 +32,8 @@ moves by 2 lr, so Adam's parameters differ by more than any gradient does.)"""
 SMALL = [
     "batch.num_prompts_per_batch=4", "batch.samples_per_prompt=4", "agent.max_concurrent_episodes=16",
     "sandbox.num_uids=16", "run.progress=false", *SGD,
+    # sampled at T != 1: the learner must train softmax(z / T) (the probe, at T, stops the run if not)
+    "rollout.temperature=0.8",
     "eval.every_n_steps=1",  # pass@k on the held-out problems after every step (the report's curve)
 ]
 UPDATE_RTOL = 1e-3
@@ -182,8 +184,9 @@ def test_eval_report_compares_two_schedules(base, sync_run, tmp_path):
 
 
 def test_async_schedule_is_one_step_stale(base, tmp_path):
+    # PPO's 2 epochs x 2 mini-batches per batch (4 optimizer steps), then the push and the probe
     train(tmp_path, "schedule.mode=async", "objective.tis=token", "run.num_steps=3", "run.timeline_steps=1",
-          *warm(base))
+          "objective.num_ppo_epochs=2", "objective.num_minibatches_per_batch=2", *warm(base))
     r = rows(tmp_path)
     assert [x["policy_lag_max"] for x in r] == [0, 1, 1]
     assert all(x["probe_gap"] <= 1e-3 for x in r[1:])
@@ -194,7 +197,8 @@ def test_async_schedule_is_one_step_stale(base, tmp_path):
 
 
 def test_fully_async_schedule_bounds_staleness(base, tmp_path):
-    train(tmp_path, "schedule.mode=fully_async", "schedule.max_staleness=1", "objective.tis=token",
+    # the PPO ratio taken against the engine's logprobs (the behaviour policy): clipped, not TIS-weighted
+    train(tmp_path, "schedule.mode=fully_async", "schedule.max_staleness=1", "objective.ppo_old_logprobs=rollout",
           "run.num_steps=3", *warm(base))
     r = rows(tmp_path)
     assert len(r) == 3 and all(x["policy_lag_max"] <= 1 for x in r)

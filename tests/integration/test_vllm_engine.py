@@ -396,7 +396,7 @@ def test_agent_loop_on_the_real_engine_keeps_tokens_and_logprobs_aligned(runner,
 
     from megathunder.config import Config
     from megathunder.rollout.agent_loop import build_agent_loop
-    from megathunder.rollout.chat import ChatCodec
+    from megathunder.rollout.chat import ChatMLCodec
 
     cfg = Config.model_validate({
         "task": {"name": "calculator"},
@@ -408,7 +408,7 @@ def test_agent_loop_on_the_real_engine_keeps_tokens_and_logprobs_aligned(runner,
 
     events = []
     task = build_task(cfg.task)
-    loop = build_agent_loop(cfg, runner.engine, ChatCodec(AutoTokenizer.from_pretrained(model_dir)), task,
+    loop = build_agent_loop(cfg, runner.engine, ChatMLCodec(AutoTokenizer.from_pretrained(model_dir)), task,
                             emit=events.append)
     episodes = runner.run(loop.run_batch(task.instances(4, seed=0), 2, seed=1))
     assert len(episodes) == 8

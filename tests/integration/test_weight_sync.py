@@ -1,6 +1,8 @@
 """Zero staleness: after each optimizer step the learner's weights, streamed stage by stage in the
 inference layout, are pushed into vLLM; the engine's logprobs of fresh samples then equal the
-learner's. One learner process, and a PP=2 learner (two stage senders, two transfer groups)."""
+learner's up to the numerics measured on the initial weights (``megathunder.trainer.probe``), in fp32
+and with a bf16 engine; a step that is not pushed is caught. One learner process, and a PP=2 learner
+(two stage senders, two transfer groups)."""
 
 from __future__ import annotations
 
@@ -24,22 +26,24 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.parametrize("pp", [1, 2], ids=["one_process", "pp2"])
-def test_push_after_step_makes_engine_match_learner(tmp_path, pp):
+@pytest.mark.parametrize("pp,engine_dtype", [(1, "float32"), (1, "bfloat16"), (2, "float32")],
+                         ids=["one_process", "one_process_bf16_engine", "pp2"])
+def test_push_after_step_makes_engine_match_learner(tmp_path, pp, engine_dtype):
     env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_JOB_ID"):
         env.pop(key, None)
     if pp == 1:
         env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
-        cmd = [sys.executable, str(WORKER), str(tmp_path)]
+        cmd = [sys.executable, str(WORKER), str(tmp_path), "1", engine_dtype]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={_free_port()}",
-               "--master-addr=127.0.0.1", str(WORKER), str(tmp_path), "2"]
+               "--master-addr=127.0.0.1", str(WORKER), str(tmp_path), "2", engine_dtype]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = json.loads([line for line in proc.stdout.splitlines() if line.startswith("{")][-1])
-    assert result["gap_initial"] <= 1e-4  # same checkpoint on both sides
+    if engine_dtype == "float32":
+        assert result["gap_initial"] <= 1e-4  # same checkpoint on both sides, fp32 numerics only
     assert result["stale_detected"], "a step without a push must be caught by the probe"
-    assert result["policy_version"] == 1
-    assert result["gap_after_sync"] <= 1e-4
+    assert result["policy_version"] == 1 and not result["kept_after_sync"]
+    assert result["gap_after_sync"] <= result["tolerance"]
     assert result["push"]["num_frames"] > pp  # 50 KiB frames, from every stage

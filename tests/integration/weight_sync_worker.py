@@ -1,6 +1,8 @@
 """A learner (one process, or PP=2 under torchrun) with an in-process vLLM engine on rank 0: push
 weights after a step, probe staleness -- the trainer's wiring (``LearnerService``, the stages'
-senders joining the engine's transfer groups, ``StreamedWeights``) without the agent loop.
+senders joining the engine's transfer groups, ``StreamedWeights``) without the agent loop. The
+probe's noise floor is calibrated on the same weights (fp32 or bf16 engine), a step without a push is
+caught (vLLM repeats the previous probe bit for bit), a push after it is accepted.
 
 Run by tests/integration/test_weight_sync.py in its own process(es) (the learner installs Megatron's
 process groups and the CPU compatibility layer, which must not leak into the test session).
@@ -22,7 +24,7 @@ os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 
 import torch  # noqa: E402
 
-from megathunder.config import EngineConfig, GRPOObjective, LearnerConfig, LedgerConfig  # noqa: E402
+from megathunder.config import EngineConfig, GRPOObjective, LearnerConfig, LedgerConfig, ScheduleConfig  # noqa: E402
 from megathunder.learner.endpoint import LearnerEndpoint  # noqa: E402
 from megathunder.learner.learner import MegatronLearner  # noqa: E402
 from megathunder.learner.parallel import destroy_distributed, init_distributed  # noqa: E402
@@ -32,7 +34,13 @@ from megathunder.rollout.engines import start_engine  # noqa: E402
 from megathunder.rollout.engines.transfer import StageSenders  # noqa: E402
 from megathunder.rollout.types import RolloutEngine, SamplingParams, StreamedWeights  # noqa: E402
 from megathunder.streaming import synthetic as syn  # noqa: E402
-from megathunder.trainer.trainer import StaleWeightsError, max_logprob_gap  # noqa: E402
+from megathunder.trainer.probe import (  # noqa: E402
+    PROBE_SEED,
+    ProbeSample,
+    ProbeTolerance,
+    engine_kept_its_weights,
+    max_logprob_gap,
+)
 from megathunder.trajectory import batch_plan  # noqa: E402
 
 Service = LearnerService[LearnerEndpoint]
@@ -49,22 +57,22 @@ async def push_weights(service: Service, engine: RolloutEngine, policy_version: 
     return stats
 
 
-async def probe_staleness(service: Service, engine: RolloutEngine, prompt: list[int], num_tokens: int,
-                          tolerance: float, seed: int) -> float:
-    """The trainer's probe: the engine samples, the learner scores the same tokens."""
+async def probe(service: Service, engine: RolloutEngine, prompt: list[int], num_tokens: int, seed: int) -> ProbeSample:
+    """The trainer's probe: the engine samples (no cached prefix), the learner scores the same tokens."""
+    await engine.reset_prefix_cache()
     out = await engine.generate(prompt, SamplingParams(max_new_tokens=num_tokens, seed=seed, ignore_eos=True))
     learner_logp = await service.call(LearnerEndpoint.score, prompt + list(out.token_ids), len(prompt))
-    gap = max_logprob_gap(out.logprobs, learner_logp)
-    if gap > tolerance:
-        raise StaleWeightsError(f"rollout engine logprobs differ from the learner's by {gap:.3e} (> {tolerance:.1e}) "
-                                f"at policy version {engine.policy_version}")
-    return gap
+    return ProbeSample(tuple(out.token_ids), tuple(out.logprobs), learner_logp)
 
 
-async def control(workdir: Path, model_dir: Path, service: Service, learner: MegatronLearner) -> dict:
+def gap(sample: ProbeSample) -> float:
+    return max_logprob_gap(sample.engine_logprobs, sample.learner_logprobs)
+
+
+async def control(workdir: Path, model_dir: Path, service: Service, learner: MegatronLearner, engine_dtype: str) -> dict:
     senders = StageSenders(learner.pgs.dims.pp, lambda rdv: service.call(LearnerEndpoint.join_weight_transfer, rdv))
     engine = await start_engine(
-        EngineConfig(deployment="in_process", dtype="float32", max_model_len=512, enforce_eager=True,
+        EngineConfig(deployment="in_process", dtype=engine_dtype, max_model_len=512, enforce_eager=True,
                      gpu_memory_utilization=0.3, kv_cache_memory_bytes=128 * 2**20,
                      weight_transfer={"kind": "collective", "bucket_mb": 0.05}),
         model_dir, log_dir=workdir / "logs", senders=senders,
@@ -72,7 +80,11 @@ async def control(workdir: Path, model_dir: Path, service: Service, learner: Meg
     prompt = list(range(5, 45))
     out: dict = {}
     try:
-        out["gap_initial"] = await probe_staleness(service, engine, prompt, 48, tolerance=1e-4, seed=1)
+        tolerance = ProbeTolerance(minimum=1e-3, margin=ScheduleConfig().probe_noise_margin)  # the trainer's defaults
+        gaps = [gap(await probe(service, engine, prompt, 48, seed)) for seed in range(1, 4)]  # same weights
+        tolerance.calibrate(gaps)
+        out["gap_initial"], out["tolerance"] = max(gaps), tolerance.value
+        before = await probe(service, engine, prompt, 48, PROBE_SEED)
 
         rng = random.Random(0)
         batch = syn.random_batch(rng, [4, 4], learner.model_cfg.vocab_size, 64, torch.float32, empty_prob=0.0)
@@ -85,27 +97,26 @@ async def control(workdir: Path, model_dir: Path, service: Service, learner: Meg
         await service.call(LearnerEndpoint.close)
         await service.call(LearnerEndpoint.step)
 
-        try:  # the engine still holds the old weights: the probe must say so
-            await probe_staleness(service, engine, prompt, 48, tolerance=1e-4, seed=2)
-            out["stale_detected"] = False
-        except StaleWeightsError as err:
-            out["stale_detected"] = True
-            out["stale_message"] = str(err)
+        stale = await probe(service, engine, prompt, 48, PROBE_SEED)  # the engine still holds the old weights
+        out["gap_stale"] = gap(stale)
+        out["stale_detected"] = engine_kept_its_weights(before, stale)
 
         out["push"] = await push_weights(service, engine, policy_version=1)
+        fresh = await probe(service, engine, prompt, 48, PROBE_SEED)
         out["policy_version"] = engine.policy_version
-        out["gap_after_sync"] = await probe_staleness(service, engine, prompt, 48, tolerance=1e-4, seed=3)
+        out["kept_after_sync"] = engine_kept_its_weights(before, fresh)
+        out["gap_after_sync"] = gap(fresh)
     finally:
         await engine.close()
     return out
 
 
-def main(workdir: Path, pp: int) -> None:
+def main(workdir: Path, pp: int, engine_dtype: str) -> None:
     model_dir = workdir / "tiny"
     cfg = LearnerConfig.model_validate({
         "parallel": {"pipeline_parallel": pp},
         "model": {"hf_checkpoint": str(model_dir)},
-        "optimizer": {"name": "sgd", "lr": 20.0, "clip_grad": 0.0, "use_distributed_optimizer": False},
+        "optimizer": {"name": "sgd", "lr": 1.0, "clip_grad": 0.0, "use_distributed_optimizer": False},
     })
     pgs = init_distributed(cfg)
     if pgs.rank == 0:
@@ -118,7 +129,7 @@ def main(workdir: Path, pp: int) -> None:
         service.serve()
     else:
         try:
-            result = asyncio.run(control(workdir, model_dir, service, learner))
+            result = asyncio.run(control(workdir, model_dir, service, learner, engine_dtype))
         finally:
             service.stop()
         print(json.dumps(result))
@@ -126,4 +137,4 @@ def main(workdir: Path, pp: int) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), int(sys.argv[2]) if len(sys.argv) > 2 else 1)
+    main(Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3])

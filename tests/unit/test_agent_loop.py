@@ -54,7 +54,7 @@ def test_swe_episode_end_to_end(tmp_path):
         assert _trained_spans(ep) == [(t.start, t.end) for t in ep.turns]
         for turn, text in zip(ep.turns, script, strict=True):
             assert c.decode(ep.token_ids[turn.start : turn.end]) == text + IM_END
-        assert ep.token_ids[: ep.prompt_len] == c.prompt_ids(task.messages(inst))
+        assert ep.token_ids[: ep.prompt_len] == c.prompt_ids(task.messages(inst), task.tool_schemas())
         # The engine's logprob of each generated token sits on that token's target.
         for t, m in enumerate(ep.loss_mask):
             expected = scripted_logprob(ep.token_ids[t + 1]) if m else 0.0
@@ -336,5 +336,9 @@ def test_escape_attempts_as_tool_calls_become_error_observations(tmp_path):
     assert time.monotonic() - start < 30
     assert not os.path.exists("/etc/megathunder_agent_escape")
     for name, obs in zip(attempts, _observations(ep), strict=True):
+        if name == "infinite loop" and "wall-time limit" in obs:
+            # On a loaded machine the loop can get less than 1 s of CPU in 3 s of wall time: then
+            # the wall limit stops it first (the CPU limit itself: tests/unit/test_sandbox_escape.py, 30 s wall).
+            continue
         assert expected[name] in obs and "[error: " in obs, (name, obs)
     assert ep.stop_reason == "answered" and ep.reward.reward == 1.0

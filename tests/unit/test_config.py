@@ -38,6 +38,12 @@ def test_overrides_are_typed_and_nested():
         (["exactness.model.hidden_size=30", "exactness.model.num_heads=4"], "exactness.model.hidden_size"),
         (["objective.num_ppo_epochs=2"], "objective.num_ppo_epochs"),
         (["objective.num_minibatches_per_batch=4"], "objective.num_minibatches_per_batch"),
+        (["objective.ppo_old_logprobs=rollout"], "objective.ppo_old_logprobs"),
+        (["schedule.mode=async"], "objective.tis"),
+        (["schedule.mode=fully_async"], "objective.tis"),
+        (["schedule.mode=async", "objective.tis=token", "objective.ppo_old_logprobs=rollout"], "objective.tis"),
+        (["objective.policy_loss=gspo", "objective.clip_ratio_c=3"], "objective.clip_ratio_c"),
+        (["objective.clip_ratio_c=1.0"], "objective.clip_ratio_c"),
         (["objective.entropy_quantile_mask=0.2"], "objective.entropy_quantile_mask"),
         (["nonsense.key=1"], "nonsense"),
     ],
@@ -51,6 +57,10 @@ def test_bad_configs_name_the_field(overrides, field):
 def test_non_streamable_settings_are_fine_outside_thunder():
     cfg = load_config(None, ["schedule.mode=sync", "objective.num_ppo_epochs=4"])
     assert cfg.objective.num_ppo_epochs == 4
+    cfg = load_config(None, ["schedule.mode=async", "objective.ppo_old_logprobs=rollout"])
+    assert cfg.objective.needs_old_logprobs
+    cfg = load_config(None, ["schedule.mode=fully_async", "objective.allow_uncorrected_off_policy=true"])
+    assert cfg.objective.tis == "none"
 
 
 def test_malformed_override_and_file(tmp_path):

@@ -48,7 +48,7 @@ def no_engine(monkeypatch):
 
 def test_eval_prints_table_and_writes_json(tmp_path, config, checkpoint, monkeypatch, capsys):
     import megathunder.rollout.engines as engines
-    from megathunder.rollout.chat import ChatCodec
+    from megathunder.rollout.chat import ChatMLCodec
 
     cfg = load_config(config, OVERRIDES)
     insts = eval_instances(cfg, build_task(cfg.task))
@@ -62,7 +62,7 @@ def test_eval_prints_table_and_writes_json(tmp_path, config, checkpoint, monkeyp
 
     async def fake_start(engine_cfg, model_path, log_dir="logs", policy_version=0):
         started.append(model_path)
-        return CannedPolicy(ChatCodec(train_local_chatml_tokenizer()), answers)
+        return CannedPolicy(ChatMLCodec(train_local_chatml_tokenizer()), answers)
 
     monkeypatch.setattr(engines, "start_engine", fake_start)
     out = tmp_path / "res" / "eval.json"
@@ -136,7 +136,7 @@ def test_wandb_offline_when_importable(tmp_path, config, checkpoint, monkeypatch
     import types
 
     import megathunder.rollout.engines as engines
-    from megathunder.rollout.chat import ChatCodec
+    from megathunder.rollout.chat import ChatMLCodec
 
     calls = {}
 
@@ -158,7 +158,7 @@ def test_wandb_offline_when_importable(tmp_path, config, checkpoint, monkeypatch
     insts = eval_instances(cfg, build_task(cfg.task))
 
     async def fake_start(*a, **kw):
-        return CannedPolicy(ChatCodec(train_local_chatml_tokenizer()),
+        return CannedPolicy(ChatMLCodec(train_local_chatml_tokenizer()),
                             {i.prompt: [str(i.answer), "x"] for i in insts})  # fmt: skip
 
     monkeypatch.setattr(engines, "start_engine", fake_start)

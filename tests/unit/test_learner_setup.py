@@ -81,14 +81,16 @@ def test_fp8_settings_reach_megatron_transformer_config():
     assert transformer_config(PolicyModelConfig(), PrecisionConfig(), pgs).fp8 is None
 
 
-def test_vocab_parallel_logprobs_single_rank_match_log_softmax():
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_vocab_parallel_logprobs_single_rank_match_log_softmax(temperature):
+    """At the sampling temperature T the learner's distribution is softmax(z / T), vLLM's."""
     from megathunder.learner.logprobs import vocab_parallel_logprobs
 
     torch.manual_seed(0)
     logits = torch.randn(7, 50, dtype=torch.float64, requires_grad=True)
     targets = torch.randint(0, 50, (7,))
-    logp, entropy = vocab_parallel_logprobs(logits, targets, None, need_entropy=True)
-    ref = torch.log_softmax(logits, -1)
+    logp, entropy = vocab_parallel_logprobs(logits, targets, None, need_entropy=True, temperature=temperature)
+    ref = torch.log_softmax(logits / temperature, -1)
     torch.testing.assert_close(logp, ref.gather(-1, targets[:, None])[:, 0])
     torch.testing.assert_close(entropy, -(ref.exp() * ref).sum(-1))
     g1 = torch.autograd.grad((logp.sum() + entropy.sum()), logits)[0]

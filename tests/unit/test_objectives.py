@@ -15,7 +15,6 @@ from megathunder.objectives import (
     keeps_group,
     normaliser,
     sequence_weight,
-    soft_overlong_penalty,
 )
 from megathunder.objectives.importance import tis_weights
 from megathunder.objectives.kl import kl_penalty
@@ -104,7 +103,16 @@ def test_tis_weights():
     assert tis_weights(learner, rollout, mask, "none", cap=1.0) is None
 
 
-def test_soft_overlong_penalty():
-    assert soft_overlong_penalty(100, 512, 128) == 0.0
-    assert soft_overlong_penalty(448, 512, 128) == -0.5
-    assert soft_overlong_penalty(600, 512, 128) == -1.0
+@pytest.mark.parametrize("advantage,expected", [("grpo", 2.5 / (1 + 1e-6)), ("dr_grpo", 2.5), ("rloo", 2.5)])
+def test_singleton_group_conventions(advantage, expected):
+    """A group of one: 0 by default; verl's raw score (mean 0, std 1) when asked."""
+    zero = GRPOObjective(advantage=advantage)
+    assert advantage_of_lone(2.5, zero) == 0.0
+    verl = GRPOObjective(advantage=advantage, singleton_group="raw_score")
+    assert advantage_of_lone(2.5, verl) == pytest.approx(expected, rel=1e-15)
+
+
+def advantage_of_lone(reward: float, cfg) -> float:
+    from megathunder.objectives import advantage, group_stats
+
+    return advantage(reward, group_stats([reward], cfg))

@@ -35,6 +35,7 @@ def random_objective(rng: random.Random, advantage: str, loss_agg: str) -> GRPOO
         tis=rng.choice(["none", "token", "sequence"]),
         dapo_dynamic_sampling=rng.random() < 0.5,
         overlong_filter=rng.random() < 0.5,
+        singleton_group=rng.choice(["zero", "raw_score"]),
     )
 
 

@@ -15,7 +15,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from megathunder.rollout.chat import tools_system_prompt
 from megathunder.rollout.episode import Episode
 from megathunder.rollout.sandbox import Sandbox
 from megathunder.rollout.tools import Tool
@@ -48,8 +47,11 @@ class Task(abc.ABC):
         """``num`` instances, reproducible from ``seed``."""
 
     def messages(self, inst: TaskInstance) -> list[dict[str, str]]:
-        system = tools_system_prompt(self.system_prompt, [t.schema() for t in self.tools])
-        return [{"role": "system", "content": system}, {"role": "user", "content": inst.prompt}]
+        """The conversation's start; the tools' schemas are the codec's to render (``tool_schemas``)."""
+        return [{"role": "system", "content": self.system_prompt}, {"role": "user", "content": inst.prompt}]
+
+    def tool_schemas(self) -> list[dict[str, Any]]:
+        return [t.schema() for t in self.tools]
 
     async def setup(self, inst: TaskInstance, sandbox: Sandbox | None) -> None:
         if inst.files:

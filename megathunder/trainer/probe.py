@@ -1,0 +1,90 @@
+"""The zero-staleness probe: two checks that vLLM samples from the weights being trained.
+
+After every weight push vLLM samples ``schedule.probe_tokens`` tokens at the run's temperature and
+the learner scores the same tokens.
+
+1. **vLLM moved with the learner.** Every push ends with the same probe request (same prompt, same
+   seed, the prefix cache reset): an engine that kept its weights samples the same tokens with
+   bit-identical logprobs. So if vLLM's tokens and logprobs are exactly the previous push's while
+   the learner's logprobs of those tokens changed, the push did not load the new weights -- whatever
+   the numerics, bf16 included. (Requests batched alongside the probe, or a prefix cache that could
+   not be reset because requests are in flight -- fully_async --, can change vLLM's low bits: that
+   makes the check miss a stale push, never stop a good run.)
+2. **vLLM agrees with the learner, up to numerics.** The gap of a push is the largest per-token
+   |logprob difference|: other kernels, other summation orders and, with bf16, rounding. Right after
+   engine start both sides hold the same weights, and ``schedule.probe_calibration_probes`` probes
+   (different tokens each) give the noise floor f0, the largest gap numerics alone caused. A push
+   fails when
+
+       gap > tau = max(schedule.probe_tolerance, schedule.probe_noise_margin * f0)
+
+   A later probe's gap is the max of its n token errors and f0 the max of the calibration's K * n;
+   with exchangeable errors a later max would exceed f0 with probability up to 1 / (K + 1), so tau
+   needs a margin: ``megathunder bench probe`` measures the ratio gap / f0 over hundreds of probes on
+   the same and on updated weights (BENCHMARKS.md, "probe noise"); the default margin is about three
+   times the largest ratio seen. Once a push has passed both checks its gap is numerics on the new
+   weights, so the floor becomes the largest of f0 and the gaps accepted so far (bf16 rounding grows
+   with the logits' scale as training moves them). This check catches wrong or partly loaded
+   weights; it cannot see a stale push whose update moves the policy by less than tau, which check 1
+   does. The tolerance of every push is reported with its gap (``probe_tolerance`` in metrics.jsonl).
+
+A floor above ``schedule.probe_max_noise_floor`` is not numerics: the engine and the learner compute
+different models (RoPE, vocabulary, layout), and the run stops at its first push.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+PROBE_SEED = 0  # the seed of the probe request every push ends with (check 1)
+
+
+class StaleWeightsError(RuntimeError):
+    """The rollout engine's logprobs do not match the learner's after a weight sync."""
+
+
+def max_logprob_gap(engine_logp: Sequence[float], learner_logp: torch.Tensor) -> float:
+    return float((torch.tensor(list(engine_logp), dtype=torch.float64) - learner_logp.double()).abs().max())
+
+
+@dataclass
+class ProbeTolerance:
+    """``tau = max(minimum, margin * floor)``; the floor is set once, from same-weights probes."""
+
+    minimum: float
+    margin: float
+    floor: float | None = None  # None until calibrated
+
+    def calibrate(self, gaps: Sequence[float]) -> None:
+        if not gaps:
+            raise ValueError("calibration needs at least one probe")
+        self.floor = max(gaps)
+
+    def accept(self, gap: float) -> None:
+        """A push both checks passed: its gap is numerics on the new weights, so the floor follows
+        the weights (bf16 rounding grows with the logits' scale as training moves them)."""
+        self.floor = gap if self.floor is None else max(self.floor, gap)
+
+    @property
+    def value(self) -> float:
+        return self.minimum if self.floor is None else max(self.minimum, self.margin * self.floor)
+
+
+@dataclass(frozen=True)
+class ProbeSample:
+    """One fixed-seed probe: vLLM's tokens and logprobs, and the learner's logprobs of the tokens."""
+
+    tokens: tuple[int, ...]
+    engine_logprobs: tuple[float, ...]
+    learner_logprobs: torch.Tensor
+
+
+def engine_kept_its_weights(previous: ProbeSample | None, current: ProbeSample) -> bool:
+    """vLLM repeated the previous push's probe bit for bit although the learner's logprobs of those
+    tokens moved: it still samples from the weights before the update."""
+    if previous is None or previous.tokens != current.tokens or previous.engine_logprobs != current.engine_logprobs:
+        return False
+    return not torch.equal(previous.learner_logprobs, current.learner_logprobs)

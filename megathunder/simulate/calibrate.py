@@ -42,7 +42,7 @@ from megathunder.simulate.sim_metrics import summary
 from megathunder.simulate.workload import Batch
 
 GRADIENT_CALLS = frozenset({"begin", "finished", "reward", "close"})
-PUSH_CALLS = frozenset({"gather_weights", "score"})  # the learner's calls inside a weight sync
+PUSH_CALLS = frozenset({"send_weights", "gather_weights", "score"})  # the learner's calls inside a weight sync
 MIN_TURNS_PER_BIN = 50  # decode-rate bins: fewer turns than this join the next bin
 PREFILL_FOLDED_TOKENS_PER_S = 1e12  # prefill time is inside the fitted decode rates
 FULLY_ASYNC_IN_FLIGHT_BATCHES = 2  # megathunder.trainer.schedules.run_fully_async's semaphore

@@ -3,7 +3,7 @@
 What calibration uses from ``trace.json`` (written by ``megathunder.trainer.timeline``):
 
 - process 0, thread 0: every learner call as a span named by its kind (``begin``, ``finished``,
-  ``reward``, ``close``, ``step``, ``gather_weights``, ``score``, ...);
+  ``reward``, ``close``, ``step``, ``send_weights``, ``score``, ...);
 - process 0, thread 1: every weight sync (gather + load into vLLM + probe), ``weight sync vN``;
 - process 1: every episode's ``generate+tools`` span (args: step, group, prompt and total tokens)
   followed by its ``verify`` span;

@@ -25,7 +25,7 @@ from megathunder.rollout.episode import Episode  # noqa: E402
 
 COLOURS = {
     "finished": "#4c72b0", "reward": "#55a868", "close": "#8172b2", "step": "#c44e52",
-    "gather_weights": "#dd8452", "score": "#937860", "begin": "#999999", "checkpoint": "#64b5cd",
+    "send_weights": "#dd8452", "gather_weights": "#dd8452", "score": "#937860", "begin": "#999999", "checkpoint": "#64b5cd",
 }  # fmt: skip
 
 

@@ -111,7 +111,9 @@ def test_a_rollout_server_that_cannot_start_fails_the_job_naming_it(slurm_cluste
     assert job.seconds < 60, job.seconds
 
 
-def test_a_learner_that_cannot_form_its_world_fails_the_job_naming_it(slurm_cluster, tmp_path):
+def test_a_layout_that_does_not_divide_the_learner_world_fails_the_job_naming_it(slurm_cluster, tmp_path):
+    """``megathunder plan`` on a learner node refuses it before any server starts (the preflight,
+    which forms the ranks' world, would refuse it next)."""
     env = mt_env(slurm_cluster, tmp_path,
                  MT_OVERRIDES=f"run.output_dir={tmp_path / 'run'} learner.parallel.data_parallel=3")
     job = submit(slurm_cluster, SCRIPT, env, tmp_path / "job.out")
@@ -119,8 +121,9 @@ def test_a_learner_that_cannot_form_its_world_fails_the_job_naming_it(slurm_clus
     print(job.describe())
     assert job.state == "FAILED" and job.exit_code == "1:0", job.describe()
     out = job.output()
-    assert "megathunder launch: FAILED: learner: preflight failed (ranks did not form a world of 2)" in out
-    assert "learner.parallel.data_parallel: 3, but world size 2 = 1 (tp) x 1 (pp) x 2 (dp)" in out
+    assert "megathunder launch: FAILED: plan: " in out
+    assert "learner.parallel.data_parallel: 3, but world size 2" in out
+    assert "healthy" not in out  # no server was waited for
     assert "training: srun" not in out
     assert job.seconds < 60, job.seconds
 

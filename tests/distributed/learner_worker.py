@@ -201,6 +201,7 @@ def ppo(args) -> None:
     """PPO epochs / mini-batches through the sync path (``GRPOBatch`` at close, then ``step``);
     rank 0 saves the full weights in HF names before and after."""
     from megathunder.learner.batches import GRPOBatch
+    from megathunder.learner.push import gather_to_rank0
 
     cfg = LearnerConfig.model_validate({
         "parallel": {"tensor_parallel": args.tp, "pipeline_parallel": args.pp},
@@ -213,8 +214,8 @@ def ppo(args) -> None:
     batch, rewards, _ = make_batch(args.seed, learner.model_cfg.vocab_size)
 
     def hf_named():
-        full = full_params(learner)
-        return None if full is None else {k: v.clone() for k, v in hf.megatron_to_hf(full, learner.model_cfg).items()}
+        full = gather_to_rank0(learner.model, learner.model_cfg, learner.pgs, learner.offset)
+        return None if full is None else dict(full)
 
     before = hf_named()
     b = GRPOBatch(learner, batch_plan(batch), streamed=False)

@@ -110,7 +110,7 @@ def test_quickstart_writes_its_report_and_checks_every_step(base):
     assert summary["steps"] == 3 and summary["schedule"] == "thunder"
     assert (base / "timeline.png").stat().st_size > 10_000
     trace = json.loads((base / "trace.json").read_text())["traceEvents"]
-    assert {"finished", "reward", "close", "step", "gather_weights"} <= {e["name"] for e in trace}
+    assert {"finished", "reward", "close", "step", "send_weights"} <= {e["name"] for e in trace}
     assert (base / "checkpoints" / "latest").read_text().strip() == "step_3"
     assert (base / "final_model" / "model.safetensors").is_file()
     assert list((base / "wandb").glob("offline-run-*")), "wandb offline run missing"

@@ -45,9 +45,11 @@ LONG_TOKENS_MIN, LONG_TOKENS_MAX = 4000, 16000
 is sized from the engine's measured decode speed to take LONG_SECONDS (``Runner.long_tokens``):
 1-4 ms per token on a loaded 2-core machine, but the same machine, quiet, decoded 4000 tokens in
 under 0.4 s. Decoding slows as the context grows, so the measured speed is an upper bound."""
-LONG_LOGPROB_ATOL = 5e-4
+LONG_LOGPROB_ATOL = 2e-3
 """The same for the first LONG_TOKENS_MIN tokens of a long completion (fp32 rounding grows with
-the attention span): measured 2e-5 to 1.7e-4 at 1000 tokens, 4.6e-5 at 4000."""
+the attention span, and vLLM's paged attention sums in another order than transformers'):
+measured 2e-5 to 1.7e-4 at 1000 tokens, 4.6e-5 to 5.05e-4 at 4000 (the last on a clean-clone CI
+run). Still 5x below STALE_MIN_ERROR, what wrong weights give."""
 STALE_MIN_ERROR = 1e-2
 """Errors that show wrong weights or a stale cache (measured: ~19 for the stale prefix cache)."""
 NUM_SERVERS = 2
@@ -360,10 +362,10 @@ def test_update_waits_for_in_flight_requests(runner, hf_model, base_state):
     old_state, old_version = runner.state, runner.engine.policy_version
     new = perturbed(base_state, seed=30)
     [p_long, p_during] = prompts(2, 16, seed=7)
+    long_params = SamplingParams(max_new_tokens=runner.long_tokens(), ignore_eos=True)  # measured outside the scenario's loop
 
     async def scenario():
         engine = runner.engine
-        long_params = SamplingParams(max_new_tokens=runner.long_tokens(), ignore_eos=True)
         long = asyncio.ensure_future(engine.generate(p_long, long_params))
         await runner.wait_decoding(long)
         update = asyncio.ensure_future(engine.update_weights(iter(new.items()), policy_version=old_version + 1))

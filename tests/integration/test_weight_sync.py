@@ -26,18 +26,20 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.parametrize("pp,engine_dtype", [(1, "float32"), (1, "bfloat16"), (2, "float32")],
-                         ids=["one_process", "one_process_bf16_engine", "pp2"])
-def test_push_after_step_makes_engine_match_learner(tmp_path, pp, engine_dtype):
+@pytest.mark.parametrize("pp,engine_dtype,tied", [(1, "float32", "tied"), (1, "bfloat16", "untied"), (2, "float32", "untied")],
+                         ids=["one_process_tied_embeddings", "one_process_bf16_engine", "pp2"])
+def test_push_after_step_makes_engine_match_learner(tmp_path, pp, engine_dtype, tied):
+    """Tied embeddings (SmolLM2, small Llama 3.2 / Qwen2.5): vLLM's output layer shares the
+    embedding's weight but is prepared for its kernels apart from it; a push must reach both."""
     env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_JOB_ID"):
         env.pop(key, None)
     if pp == 1:
         env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
-        cmd = [sys.executable, str(WORKER), str(tmp_path), "1", engine_dtype]
+        cmd = [sys.executable, str(WORKER), str(tmp_path), "1", engine_dtype, tied]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={_free_port()}",
-               "--master-addr=127.0.0.1", str(WORKER), str(tmp_path), "2", engine_dtype]
+               "--master-addr=127.0.0.1", str(WORKER), str(tmp_path), "2", engine_dtype, tied]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = json.loads([line for line in proc.stdout.splitlines() if line.startswith("{")][-1])

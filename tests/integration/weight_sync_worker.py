@@ -111,7 +111,7 @@ async def control(workdir: Path, model_dir: Path, service: Service, learner: Meg
     return out
 
 
-def main(workdir: Path, pp: int, engine_dtype: str) -> None:
+def main(workdir: Path, pp: int, engine_dtype: str, tied: bool) -> None:
     model_dir = workdir / "tiny"
     cfg = LearnerConfig.model_validate({
         "parallel": {"pipeline_parallel": pp},
@@ -120,7 +120,7 @@ def main(workdir: Path, pp: int, engine_dtype: str) -> None:
     })
     pgs = init_distributed(cfg)
     if pgs.rank == 0:
-        save_tiny_qwen2(model_dir, TinyModelSpec(num_layers=2 * pp))
+        save_tiny_qwen2(model_dir, TinyModelSpec(num_layers=2 * pp, tie_word_embeddings=tied))
     if pgs.world_size > 1:
         torch.distributed.barrier()
     learner = MegatronLearner.build(cfg, GRPOObjective(), pgs, LedgerConfig())
@@ -137,4 +137,4 @@ def main(workdir: Path, pp: int, engine_dtype: str) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3])
+    main(Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4] == "tied")

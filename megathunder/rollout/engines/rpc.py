@@ -5,7 +5,7 @@ vLLM workers reload in place with ``reload_weights`` (checkpoint-format names, e
 platform:
 
 - a **path** to a safetensors checkpoint directory the workers can read (same machine or a shared
-  file system): the worker's own ``reload_weights(weights_path=...)``;
+  file system): the worker's own ``reload_weights(weights_path=...)`` (``megathunder_load_path``);
 - **named tensors in memory**: serialised once to safetensors bytes and sent as one string
   argument to ``MegathunderWorkerExtension.megathunder_load_safetensors``
 (``megathunder.rollout.engines.worker_extension``), which turns them
@@ -57,7 +57,7 @@ def weight_load_call(weights: WeightSource) -> WeightLoadCall:
         path = Path(weights)
         if not path.is_dir() or not any(path.glob("*.safetensors")):
             raise FileNotFoundError(f"no *.safetensors checkpoint in directory {path}")
-        return WeightLoadCall("reload_weights", kwargs={"weights_path": str(path.resolve())})
+        return WeightLoadCall("megathunder_load_path", args=(str(path.resolve()),))
     if isinstance(weights, StreamedWeights):
         raise TypeError("StreamedWeights travel over the transfer groups (weight_transfer.kind=collective), not by RPC")
     return WeightLoadCall("megathunder_load_safetensors", args=(encode_tensors(weights),))

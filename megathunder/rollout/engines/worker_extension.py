@@ -39,8 +39,17 @@ class MegathunderWorkerExtension:
     def megathunder_load_safetensors(self, payload_b64: str) -> int:
         """Load the base64 safetensors blob made by ``rpc.encode_tensors``; returns #tensors."""
         tensors = load(base64.b64decode(payload_b64))
-        self.reload_weights(weights_iterator=iter(tensors.items()))  # type: ignore[attr-defined]
+        self._megathunder_reload(weights_iterator=iter(tensors.items()))
         return len(tensors)
+
+    def megathunder_load_path(self, weights_path: str) -> None:
+        """Reload from a checkpoint directory on this worker's file system."""
+        self._megathunder_reload(weights_path=weights_path)
+
+    def _megathunder_reload(self, **source) -> None:
+        """vLLM's in-place reload, then the tied output layer re-prepared (``_refresh_tied_head``)."""
+        self.reload_weights(**source)  # type: ignore[attr-defined]
+        _refresh_tied_head(self.model_runner.get_model())  # type: ignore[attr-defined]
 
     def megathunder_worker_info(self) -> str:
         """This worker's rank among its engine's workers (the groups count them) and its model's
@@ -86,12 +95,12 @@ class MegathunderWorkerExtension:
                     count += 1
                     yield item
 
-            self.reload_weights(weights_iterator=counted())  # type: ignore[attr-defined]
+            self._megathunder_reload(weights_iterator=counted())
             for _ in tensors:  # frames the loader left unread: the senders broadcast every one
                 pass
         else:
             count = len(_update_shadow(groups, shadow, clock))
-            self.reload_weights(weights_iterator=iter(shadow.items()))  # type: ignore[attr-defined]
+            self._megathunder_reload(weights_iterator=iter(shadow.items()))
         return json.dumps({"tensors": count, "total_s": time.perf_counter() - start, "wait_s": clock.seconds})
 
     def megathunder_transfer_close(self) -> None:
@@ -116,6 +125,22 @@ class _WaitClock:
             if item is None:
                 return
             yield item
+
+
+def _refresh_tied_head(model: torch.nn.Module) -> None:
+    """A model with tied embeddings (SmolLM2, Llama 3.2 1B/3B, Qwen2.5 up to 3B) has an output
+    layer whose weight *is* the embedding's, and no tensor of its own in the checkpoint. vLLM
+    prepares each layer for its kernels after loading (on CPU: a oneDNN-packed copy of the
+    weight); a reload updates the shared embedding and re-prepares the embedding layer, but never
+    the output layer, which no loaded tensor names -- so it kept multiplying by the first
+    embedding: logprobs off by ~1 after one push. Re-run its preparation on the reloaded weight."""
+    head = getattr(model, "lm_head", None)
+    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+    if head is None or embed is None or head is embed or getattr(head, "quant_method", None) is None:
+        return
+    if head.weight is not embed.weight and head.weight.data_ptr() != embed.weight.data_ptr():
+        return  # untied: reloaded from its own tensor
+    head.quant_method.process_weights_after_loading(head)
 
 
 def _dense_stream(groups: list[TransferGroup], clock: _WaitClock) -> Iterator[tuple[str, torch.Tensor]]:

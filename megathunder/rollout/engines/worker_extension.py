@@ -134,10 +134,14 @@ def _refresh_tied_head(model: torch.nn.Module) -> None:
     weight); a reload updates the shared embedding and re-prepares the embedding layer, but never
     the output layer, which no loaded tensor names -- so it kept multiplying by the first
     embedding: logprobs off by ~1 after one push. Re-run its preparation on the reloaded weight."""
+    from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+
     head = getattr(model, "lm_head", None)
     embed = getattr(getattr(model, "model", None), "embed_tokens", None)
-    if head is None or embed is None or head is embed or getattr(head, "quant_method", None) is None:
+    if head is None or embed is None or head is embed:
         return
+    if not isinstance(getattr(head, "quant_method", None), UnquantizedEmbeddingMethod):
+        return  # a quantized head's preparation is not idempotent: not re-run
     if head.weight is not embed.weight and head.weight.data_ptr() != embed.weight.data_ptr():
         return  # untied: reloaded from its own tensor
     head.quant_method.process_weights_after_loading(head)

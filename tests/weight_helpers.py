@@ -12,11 +12,13 @@ from megathunder.rollout.engines.worker_extension import MegathunderWorkerExtens
 
 
 class FakeWorker(MegathunderWorkerExtension):
-    """What the extension needs of a vLLM worker: rank, device, model dtype, ``reload_weights``."""
+    """What the extension needs of a vLLM worker: rank, device, model dtype, ``reload_weights``,
+    and a model runner (its model has no tied output layer to re-prepare)."""
 
     def __init__(self, rank: int = 0, dtype: torch.dtype = torch.float32) -> None:
         self.rank, self.device = rank, torch.device("cpu")
         self.vllm_config = types.SimpleNamespace(model_config=types.SimpleNamespace(dtype=dtype))
+        self.model_runner = types.SimpleNamespace(get_model=torch.nn.Module)
         self.loaded: dict[str, torch.Tensor] = {}
         self.fail_on_receive = False
 

@@ -99,7 +99,7 @@ def test_weight_payload_roundtrip_and_errors(tmp_path):
         weight_load_call(tmp_path)
     (tmp_path / "model.safetensors").write_bytes(base64.b64decode(encode_tensors(tensors.items())))
     call = weight_load_call(tmp_path)
-    assert call.method == "reload_weights" and call.kwargs == {"weights_path": str(tmp_path.resolve())}
+    assert call.method == "megathunder_load_path" and call.args == (str(tmp_path.resolve()),)
     with pytest.raises(ValueError):
         encode_tensors([])
 

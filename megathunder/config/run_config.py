@@ -38,7 +38,16 @@ SCHEDULE_MODES: tuple[str, ...] = get_args(ScheduleMode)
 
 class BatchConfig(Strict):
     num_prompts_per_batch: int = Field(8, ge=1)
+    """Groups (prompts) a step trains on: with ``max_refill_groups`` the number of kept groups."""
     samples_per_prompt: int = Field(4, ge=1)
+    max_refill_groups: int = Field(0, ge=0)
+    """DAPO's dynamic sampling, refilled: each group the step drops (all rewards equal under
+    ``objective.dapo_dynamic_sampling``, or a failed trajectory under ``verifier.on_failure:
+    drop_group``) is replaced by a new group on the next training prompt, up to this many per step,
+    so the step trains on ``num_prompts_per_batch`` kept groups unless the budget runs out (verl's
+    ``max_num_gen_batches``). The step's groups are then the first ``num_prompts_per_batch`` kept ones
+    of its prompt sequence, whatever order they finish in; under thunder a replacement streams like
+    the others (zero staleness). 0: dropped groups are not replaced, the step trains on fewer."""
 
 
 class ScheduleConfig(Strict):
@@ -249,6 +258,18 @@ class Config(Strict):
                 raise ValueError("ledger.hold_groups_until_close: must be true with verifier.on_failure="
                                  "drop_group (a failed trajectory's group must still be droppable)")
             self.ledger = self.ledger.model_copy(update={"hold_groups_until_close": True})
+        return self
+
+    @model_validator(mode="after")
+    def _check_refill(self) -> Config:
+        if self.batch.max_refill_groups == 0:
+            return self
+        obj = self.objective
+        drops = isinstance(obj, GRPOObjective) and (obj.dapo_dynamic_sampling or self.verifier.on_failure == "drop_group")
+        if not drops:
+            raise ValueError(f"batch.max_refill_groups: {self.batch.max_refill_groups} refills dropped groups, but "
+                             "this run drops none (objective.kind grpo with objective.dapo_dynamic_sampling or "
+                             "verifier.on_failure: drop_group); use 0")
         return self
 
     @model_validator(mode="after")

@@ -107,6 +107,11 @@ class Batch(abc.ABC):
     def passes(self) -> int:
         """Backward passes this rank has run for the batch so far."""
 
+    def add_group(self, group_id: int, traj_ids: list[int]) -> None:
+        """A group joins the batch after ``begin`` (``batch.max_refill_groups``), placed after the others."""
+        raise ConfigError(f"batch.max_refill_groups: objective.kind={self.learner.objective.kind} has no groups "
+                          "to drop, so none to refill")
+
     def on_turn(self, traj_id: int, tokens: list[int], start: int, end: int) -> None:
         """Turn ``tokens[start:end]`` of a trajectory was generated (``tokens``: the trajectory so far)."""
 
@@ -183,6 +188,14 @@ class GRPOBatch(Batch):
 
     def passes(self) -> int:
         return self.learner.backend.num_backward + self._num_sync_passes
+
+    def add_group(self, group_id: int, traj_ids: list[int]) -> None:
+        if self.streamed:
+            self.ledger.add_group(group_id, traj_ids)  # checks it first: the batch is unchanged if it raises
+        elif group_id in {g for g, _ in self.plan} or set(traj_ids) & set(self.group_of):
+            raise ValueError(f"add_group: group {group_id} or one of its trajectories {traj_ids} is already in the batch")
+        self.plan = [*self.plan, (group_id, list(traj_ids))]
+        self.group_of.update({tid: group_id for tid in traj_ids})
 
     def on_finished(self, traj: Trajectory) -> None:
         n = self.learner.num_loss_tokens(traj)

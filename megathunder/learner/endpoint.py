@@ -58,6 +58,10 @@ class LearnerEndpoint:
         """A new batch: its groups, and whether its gradient streams (thunder) or comes at close."""
         self._batch = new_batch(self.learner, self.teacher, plan, streamed)
 
+    def add_group(self, group_id: int, traj_ids: list[int]) -> None:
+        """One more group joins the open batch (DAPO's refill of a dropped group), before any of its events."""
+        self._current().add_group(group_id, traj_ids)
+
     def turn(self, traj_id: int, tokens: list[int], start: int, end: int) -> None:
         """Turn ``tokens[start:end]`` of a trajectory was generated; its tool call starts now."""
         self._current().on_turn(traj_id, tokens, start, end)

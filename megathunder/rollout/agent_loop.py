@@ -26,7 +26,8 @@ import asyncio
 import logging
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 from megathunder.config import AgentLoopConfig, Config, SandboxConfig
 from megathunder.rollout.chat import ChatCodec, ToolCall, ToolCallError
@@ -46,6 +47,16 @@ from megathunder.rollout.types import Completion, RolloutEngine, SamplingParams
 from megathunder.rollout.verifiers import VerifierPool
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Refill:
+    """How a batch replaces the groups it drops (DAPO's dynamic sampling; ``batch.max_refill_groups``)."""
+
+    max_groups: int  # replacements at most
+    instance: Callable[[int], TaskInstance | None]  # the j-th replacement's prompt (None: no more)
+    dropped: Callable[[Sequence[Episode]], bool]  # a finished group leaves the batch
+    announce: Callable[[int, list[int]], None]  # (group id, trajectory ids), before its episodes start
 
 
 class AgentLoop:
@@ -78,30 +89,57 @@ class AgentLoop:
         )
 
     async def run_batch(
-        self, instances: Sequence[TaskInstance], samples_per_prompt: int, *, seed: int | None = None
+        self, instances: Sequence[TaskInstance], samples_per_prompt: int, *, seed: int | None = None,
+        refill: Refill | None = None,
     ) -> list[Episode]:
         """``samples_per_prompt`` episodes per instance (a group each), all run concurrently.
 
         Trajectory ``g * samples_per_prompt + k`` is sample ``k`` of group ``g``. With ``seed``
-        (vary it per batch), sampling is reproducible; without, the engine draws its own.
+        (vary it per batch), sampling is reproducible; without, the engine draws its own. With
+        ``refill``, each group that finishes dropped is replaced by group ``len(instances) + j`` (the
+        j-th replacement, on ``refill.instance(j)``), announced before its episodes start, up to
+        ``refill.max_groups``. The groups run are then those of the shortest prefix of the prompt
+        sequence with ``len(instances)`` kept groups (or the budget's end), whatever order they
+        finish in: each replacement is caused by one drop among the groups before it. Episodes are
+        returned in trajectory order.
         """
-        jobs = []
+        s = samples_per_prompt
+        groups: dict[asyncio.Future, int] = {}  # each group's gather -> its group id
+        jobs: list[asyncio.Future] = []  # every episode started
+        episodes: list[Episode] = []
+
+        def launch(g: int, inst: TaskInstance) -> None:
+            mine = [asyncio.ensure_future(self.run_episode(inst, traj_id=g * s + k, group_id=g,
+                                                           seed=None if seed is None else seed * 1_000_003 + g * s + k))
+                    for k in range(s)]
+            jobs.extend(mine)
+            groups[asyncio.gather(*mine)] = g
+
         for g, inst in enumerate(instances):
-            for k in range(samples_per_prompt):
-                traj_id = g * samples_per_prompt + k
-                ep_seed = None if seed is None else seed * 1_000_003 + traj_id
-                jobs.append(
-                    asyncio.ensure_future(
-                        self.run_episode(inst, traj_id=traj_id, group_id=g, seed=ep_seed)
-                    )
-                )
+            launch(g, inst)
+        refilled = 0
         try:
-            episodes = list(await asyncio.gather(*jobs))
+            while groups:
+                done, _ = await asyncio.wait(list(groups), return_when=asyncio.FIRST_COMPLETED)
+                for fut in sorted(done, key=groups.__getitem__):
+                    del groups[fut]
+                    members = list(fut.result())  # an episode that raised stops the batch (below)
+                    episodes.extend(members)
+                    if refill is not None and refilled < refill.max_groups and refill.dropped(members):
+                        g = len(instances) + refilled
+                        inst = refill.instance(refilled)
+                        if inst is None:  # the task has no more distinct prompts
+                            refill = None
+                            continue
+                        refilled += 1
+                        refill.announce(g, [g * s + k for k in range(s)])
+                        launch(g, inst)
         except BaseException:  # one episode raised (or we were cancelled): stop the others too
             for job in jobs:
                 job.cancel()
-            await asyncio.gather(*jobs, return_exceptions=True)  # their sandboxes are closed
+            await asyncio.gather(*jobs, *groups, return_exceptions=True)  # their sandboxes are closed
             raise
+        episodes.sort(key=lambda e: e.traj_id)
         if self.task.needs_sandbox and all((e.failure or "").startswith(SANDBOX_FAILURE) for e in episodes):
             raise SandboxError(f"no sandbox of the batch could be set up; the first: {episodes[0].failure}")
         return episodes

@@ -32,7 +32,10 @@ to be kept: two distinct rewards seen, or closed), and its slot buffers are disc
 A failed trajectory (reward ``None``) drops its whole group; with ``hold_groups_until_close``
 nothing of any group reaches P before its last reward (the R-part of std-free variants waits in
 R_g too), so a group can be dropped up to that moment and the update is exactly the
-batch-synchronous update on the groups kept.
+batch-synchronous update on the groups kept. A dropped group may be replaced by a new one
+declared while the batch is open (``add_group``: DAPO's refill): no quantity of the groups already
+in the batch depends on how many groups it has before it closes (Z and d are taken at close), so
+the update is the batch update on the final set of kept groups, in the order they were declared.
 
 Memory: at most K slots (``LedgerConfig.max_group_slots``, lowered to what fits in
 ``slot_budget_gb``), each 2 parameter-sized buffers (1 for std-free variants), plus P (plus P_A for
@@ -179,28 +182,9 @@ class GradientLedger:
         """Declare the batch: ``[(group_id, [traj_id, ...]), ...]`` in sample order."""
         if self._P is not None:
             raise LedgerError("begin_batch: the previous batch is still open")
-        seen: set[int] = set()
-        group_ids: set[int] = set()
-        for gid, members in groups:
-            if gid in group_ids:
-                raise LedgerError(f"begin_batch: group {gid} listed twice")
-            if not members:
-                raise LedgerError(f"begin_batch: group {gid} is empty")
-            group_ids.add(gid)
-            for tid in members:
-                if tid in seen:
-                    raise LedgerError(f"begin_batch: trajectory {tid} listed twice")
-                seen.add(tid)
+        self._check_new_groups("begin_batch", groups, set(), set())
         self._groups, self._trajs, self._order = {}, {}, []
-        for gid, members in groups:
-            undecided = self.objective.dapo_dynamic_sampling or self._hold
-            group = _Group(gid, keep=None if undecided else True)
-            for tid in members:
-                t = _Traj(tid, group)
-                group.members.append(t)
-                self._trajs[tid] = t
-                self._order.append(t)
-            self._groups[gid] = group
+        self._declare(groups)
         self.pool.reset_peak()
         self._P = self.pool.acquire()
         if self.objective.advantage == "batch_std":
@@ -210,6 +194,19 @@ class GradientLedger:
         self._num_slots_used = 0
         self.events = []
         self._log("begin_batch", -1)
+
+    def add_group(self, group_id: int, members: Sequence[int]) -> None:
+        """One more group joins the open batch, after the groups declared so far in sample order
+        (DAPO's refill: a new group replaces one that was dropped; ``batch.max_refill_groups``).
+
+        Exact: nothing declared earlier depends on the batch's size before it closes -- a group's
+        scalars are its own, and Z, the batch divisor and K's slots are taken at close or on demand --
+        so a batch grown this way gives the update of the batch declared with all its groups at once."""
+        if self._P is None:
+            raise LedgerError(f"add_group {group_id}: no batch is open")
+        self._check_new_groups("add_group", [(group_id, members)], set(self._groups), set(self._trajs))
+        self._declare([(group_id, members)])
+        self._log("group_added", group_id)
 
     def on_finished(self, traj: Trajectory) -> None:
         """A trajectory owned by this rank finished generating."""
@@ -307,6 +304,33 @@ class GradientLedger:
         return result
 
     # ------------------------------------------------------------------ internals
+
+    @staticmethod
+    def _check_new_groups(what: str, groups: Sequence[tuple[int, Sequence[int]]], group_ids: set[int],
+                          seen: set[int]) -> None:
+        """Raise before any state changes if ``groups`` repeat a group or trajectory (of the batch so far)."""
+        group_ids, seen = set(group_ids), set(seen)
+        for gid, members in groups:
+            if gid in group_ids:
+                raise LedgerError(f"{what}: group {gid} listed twice")
+            if not members:
+                raise LedgerError(f"{what}: group {gid} is empty")
+            group_ids.add(gid)
+            for tid in members:
+                if tid in seen:
+                    raise LedgerError(f"{what}: trajectory {tid} listed twice")
+                seen.add(tid)
+
+    def _declare(self, groups: Sequence[tuple[int, Sequence[int]]]) -> None:
+        undecided = self.objective.dapo_dynamic_sampling or self._hold
+        for gid, members in groups:
+            group = _Group(gid, keep=None if undecided else True)
+            for tid in members:
+                t = _Traj(tid, group)
+                group.members.append(t)
+                self._trajs[tid] = t
+                self._order.append(t)
+            self._groups[gid] = group
 
     @property
     def buffers_per_slot(self) -> int:

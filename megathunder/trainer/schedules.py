@@ -102,8 +102,8 @@ async def run_fully_async(tr: Trainer, steps: Steps) -> None:
         for step in steps:
             started = time.monotonic()
             batch: list[list[Episode]] = []
-            stale = 0
-            while len(batch) < num_groups:
+            stale = refilled = 0  # refilled: dropped groups taken beyond num_groups (batch.max_refill_groups)
+            while len(batch) - refilled < num_groups:
                 group = await done.get()
                 oldest = min((t.policy_version for e in group for t in e.turns), default=tr.version)
                 if tr.version - oldest > cfg.schedule.max_staleness:
@@ -112,6 +112,8 @@ async def run_fully_async(tr: Trainer, steps: Steps) -> None:
                              cfg.schedule.max_staleness)
                     continue
                 batch.append(group)
+                if refilled < cfg.batch.max_refill_groups and tr.group_dropped(group):
+                    refilled += 1  # the learner drops it: the next finished group takes its place
             episodes = [e for group in batch for e in group]
             outcome = await tr.train_at_end(episodes)
             await tr.finish_step(step, StepRecord(episodes, started, dropped_stale=stale), outcome)

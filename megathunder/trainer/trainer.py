@@ -22,17 +22,18 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from megathunder.config import CollectiveTransfer, Config
+from megathunder.config import CollectiveTransfer, Config, RLObjective
 from megathunder.eval.evaluate import evaluate
 from megathunder.eval.instances import eval_due, eval_instances
 from megathunder.learner.batches import BatchOutcome
 from megathunder.learner.endpoint import LearnerEndpoint
 from megathunder.learner.learner import StepResult
 from megathunder.learner.service import LearnerService
-from megathunder.rollout.agent_loop import build_agent_loop
+from megathunder.objectives import keeps_group
+from megathunder.rollout.agent_loop import Refill, build_agent_loop
 from megathunder.rollout.chat import ChatCodec
 from megathunder.rollout.episode import Episode, RolloutEvent, trained_reward
-from megathunder.rollout.tasks.split import training_instances
+from megathunder.rollout.tasks.split import InstanceDrawError, training_instances
 from megathunder.rollout.tasks.task import Task, TaskInstance
 from megathunder.rollout.types import RolloutEngine, SamplingParams, StreamedWeights, WeightSource
 from megathunder.trainer.journal import Journal
@@ -84,19 +85,48 @@ class Trainer:
 
     # ------------------------------------------------------------------ rollout
 
-    def instances(self, step: int) -> list[TaskInstance]:
-        """Step ``step``'s prompts: distinct, reproducible, never from the evaluation split."""
-        return training_instances(self.cfg, self.task, self.cfg.batch.num_prompts_per_batch,
+    def instances(self, step: int, num: int | None = None) -> list[TaskInstance]:
+        """Step ``step``'s prompts (``num``, default ``batch.num_prompts_per_batch``): distinct,
+        reproducible, never from the evaluation split; a longer draw extends a shorter one."""
+        return training_instances(self.cfg, self.task, num or self.cfg.batch.num_prompts_per_batch,
                                   seed=self.cfg.run.seed * 1_000_003 + step)
 
     async def rollout(self, step: int, stream: bool = False) -> list[Episode]:
-        """One batch of episodes (group g = instance g); ``stream`` routes events to the learner."""
+        """One batch of episodes (group g = instance g), dropped groups replaced when
+        ``batch.max_refill_groups`` says so; ``stream`` routes events to the learner."""
         self._streaming = stream
         try:
             return await self.agent_loop.run_batch(self.instances(step), self.cfg.batch.samples_per_prompt,
-                                                   seed=self.cfg.run.seed * 7919 + step)
+                                                   seed=self.cfg.run.seed * 7919 + step, refill=self._refill(step))
         finally:
             self._streaming = False
+
+    def _refill(self, step: int) -> Refill | None:
+        """DAPO's refill: group N + j on the step's (N + j)-th prompt, announced to a streaming learner."""
+        budget, n = self.cfg.batch.max_refill_groups, self.cfg.batch.num_prompts_per_batch
+        if budget == 0:
+            return None
+
+        def announce(group_id: int, traj_ids: list[int]) -> None:
+            if self._streaming:
+                self.service.submit(LearnerEndpoint.add_group, group_id, traj_ids)
+
+        def instance(j: int) -> TaskInstance | None:
+            try:
+                return self.instances(step, n + j + 1)[-1]
+            except InstanceDrawError as err:
+                log.warning("step %d: no prompt left to replace a dropped group (%s)", step, err)
+                return None
+
+        return Refill(budget, instance, self.group_dropped, announce)
+
+    def group_dropped(self, members: Sequence[Episode]) -> bool:
+        """The learner will drop this finished group: a failed trajectory, or all rewards equal under DAPO."""
+        rewards = [e.trained_reward for e in members]
+        objective = self.cfg.objective
+        if any(r is None for r in rewards):
+            return True
+        return isinstance(objective, RLObjective) and not keeps_group([r for r in rewards if r is not None], objective)
 
     def _on_event(self, event: RolloutEvent) -> None:
         if not self._streaming:

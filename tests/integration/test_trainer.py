@@ -183,6 +183,30 @@ def test_eval_report_compares_two_schedules(base, sync_run, tmp_path):
     assert "thunder" in (tmp_path / "time_to_score.md").read_text()
 
 
+def test_dapo_refill_under_thunder_trains_full_batches_and_replays_exactly(base, tmp_path):
+    """DAPO's dynamic sampling with refill (``batch.max_refill_groups``) under thunder: every dropped
+    group is replaced while the batch streams (``add_group``), so each step trains 4 kept groups; the
+    journal replayed through thunder gives the live parameters bit for bit, through sync the same
+    update within UPDATE_RTOL. (The warm-started model solves most prompts: most groups drop.)"""
+    budget = 16  # 4 + 16 prompts of the task's 23 training ones
+    run = tmp_path / "run"
+    train(run, "objective.dapo_dynamic_sampling=true", f"batch.max_refill_groups={budget}",
+          "run.num_steps=3", "eval.every_n_steps=0", *warm(base))
+    r = rows(run)
+    print([(x["kept_groups"], x["dropped_groups"]) for x in r])
+    for x in r:
+        assert x["kept_groups"] == 4 or x["kept_groups"] + x["dropped_groups"] == 4 + budget, x  # or out of budget
+        assert x["num_episodes"] == 4 * (x["kept_groups"] + x["dropped_groups"])
+    assert sum(x["dropped_groups"] for x in r) > 0, "no group was dropped: the refill was not exercised"
+    assert all(x["policy_lag_max"] == 0 and x["probe_gap"] <= 1e-3 for x in r)
+    start, live = base / "sft_model", run / "final_model"
+    replay(run, tmp_path / "thunder", "thunder")
+    replay(run, tmp_path / "sync", "sync")
+    replayed, trained = weights(tmp_path / "thunder"), weights(live)
+    assert all(torch.equal(replayed[k], trained[k]) for k in trained)
+    assert update_error(start, tmp_path / "sync", live) <= UPDATE_RTOL
+
+
 def test_async_schedule_is_one_step_stale(base, tmp_path):
     # PPO's 2 epochs x 2 mini-batches per batch (4 optimizer steps), then the push and the probe
     train(tmp_path, "schedule.mode=async", "objective.tis=token", "run.num_steps=3", "run.timeline_steps=1",

@@ -45,6 +45,8 @@ def test_overrides_are_typed_and_nested():
         (["objective.policy_loss=gspo", "objective.clip_ratio_c=3"], "objective.clip_ratio_c"),
         (["objective.clip_ratio_c=1.0"], "objective.clip_ratio_c"),
         (["objective.entropy_quantile_mask=0.2"], "objective.entropy_quantile_mask"),
+        (["batch.max_refill_groups=2"], "batch.max_refill_groups"),  # nothing is ever dropped
+        (["batch.max_refill_groups=-1"], "batch.max_refill_groups"),
         (["nonsense.key=1"], "nonsense"),
     ],
 )

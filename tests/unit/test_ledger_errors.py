@@ -104,9 +104,24 @@ def test_events_outside_a_batch_and_bad_plans():
         ledger.begin_batch([(0, [0, 1]), (1, [1])])
     with pytest.raises(LedgerError, match="is empty"):
         ledger.begin_batch([(0, [])])
+    with pytest.raises(LedgerError, match="add_group 1: no batch is open"):
+        ledger.add_group(1, [1])
     ledger.begin_batch([(0, [0])])
     with pytest.raises(LedgerError, match="still open"):
         ledger.begin_batch([(0, [0])])
+
+
+def test_a_group_added_twice_or_overlapping_is_refused_and_changes_nothing(setup):
+    model, objective, batch, rewards, backend, ledger = setup
+    last = batch[-1]
+    with pytest.raises(LedgerError, match=f"add_group: group {last.group_id} listed twice"):
+        ledger.add_group(last.group_id, [10_000])
+    with pytest.raises(LedgerError, match=f"add_group: trajectory {last.traj_id} listed twice"):
+        ledger.add_group(10_000, [10_001, last.traj_id])
+    with pytest.raises(LedgerError, match="add_group: group 10000 is empty"):
+        ledger.add_group(10_000, [])
+    _finish_rest(ledger, batch, rewards)  # the batch is the one declared: the refused calls left no trace
+    _assert_still_exact(model, objective, batch, rewards, backend)
 
 
 def test_finish_in_the_wrong_group(setup):

@@ -161,3 +161,49 @@ def test_group_close_summed_backward_is_exact(model64, case, monkeypatch):
     assert rel_err(backend.live.flat(), reference) <= 1e-10
     if slots == 0 and advantage != "batch_std" and not objective.dapo_dynamic_sampling:
         assert calls, "a K=0 batch with groups of several trajectories uses the summed path"
+
+
+def events_with_added_groups(rng: random.Random, batch, events, first_added: int):
+    """``events`` with an ("add", group) marker for every group >= ``first_added``, at a random point
+    before its first event (as the trainer announces a replacement before its episodes start)."""
+    group_of = {t.traj_id: t.group_id for t in batch}
+    first_event = {}
+    for i, ev in enumerate(events):
+        first_event.setdefault(group_of[ev.traj_id], i)
+    marks = sorted((rng.randint(0, first_event[g]), g) for g in first_event if g >= first_added)
+    out, k = [], 0
+    for i, ev in enumerate(events):
+        while k < len(marks) and marks[k][0] == i:
+            out.append(("add", marks[k][1]))
+            k += 1
+        out.append(ev)
+    return out
+
+
+@pytest.mark.parametrize("case", range(0, len(GRID), 4))
+def test_groups_added_to_an_open_batch_give_the_batch_update(model64, case):
+    """DAPO's refill (``add_group``): groups declared while the batch streams give the update of the
+    batch declared with all of them at once (fp64, 1e-10), for every advantage, aggregation and K."""
+    advantage, loss_agg, slots, reward_kind = GRID[case]
+    rng, batch, rewards = make_case(11000 + case, torch.float64, reward_kind)
+    objective = random_objective(rng, advantage, loss_agg).model_copy(update={"dapo_dynamic_sampling": True})
+    plan = batch_plan(batch)
+    first_added = rng.randint(1, len(plan) - 1)
+    reference = reference_gradient(model64, batch, rewards, objective)
+    from megathunder.streaming import GradientLedger, TorchBackend
+
+    backend = TorchBackend(model64, objective)
+    ledger = GradientLedger(backend, objective, LedgerConfig(max_group_slots=slots))
+    ledger.begin_batch(plan[:first_added])
+    by_id = {t.traj_id: t for t in batch}
+    reward_of = {t.traj_id: r for t, r in zip(batch, rewards, strict=True)}
+    for ev in events_with_added_groups(rng, batch, syn.random_event_order(rng, len(batch)), first_added):
+        if isinstance(ev, tuple):
+            ledger.add_group(ev[1], dict(plan)[ev[1]])
+        elif ev.kind == "reward":
+            ledger.on_reward(ev.traj_id, reward_of[ev.traj_id])
+        else:
+            ledger.on_finished(by_id[ev.traj_id])
+    result = ledger.close_batch()
+    assert result.num_kept_groups + result.num_dropped_groups == len(plan)
+    assert rel_err(backend.live.flat(), reference) <= 1e-10, (objective, slots)

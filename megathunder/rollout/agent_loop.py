@@ -127,13 +127,13 @@ class AgentLoop:
                     episodes.extend(members)
                     if refill is not None and refilled < refill.max_groups and refill.dropped(members):
                         g = len(instances) + refilled
-                        inst = refill.instance(refilled)
-                        if inst is None:  # the task has no more distinct prompts
+                        new = refill.instance(refilled)
+                        if new is None:  # the task has no more distinct prompts
                             refill = None
                             continue
                         refilled += 1
                         refill.announce(g, [g * s + k for k in range(s)])
-                        launch(g, inst)
+                        launch(g, new)
         except BaseException:  # one episode raised (or we were cancelled): stop the others too
             for job in jobs:
                 job.cancel()

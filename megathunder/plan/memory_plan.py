@@ -19,7 +19,9 @@ the bytes of ``learner.precision.params_dtype``:
     reference             P e, or in host memory with learner.reference.offload_to_cpu
     teacher, OPD state    the teacher's P_T e; per kept trajectory its K/V cache and the student's
                           retained segment graphs (objective.max_cached_trajectories)
-    weight push           one bucket (collective) or the serialised model on rank 0 (rpc)
+    weight push           each stage's sender: one bucket + its largest parameter gathered over TP,
+                          in the engine's dtype (+ its shards as last pushed with sparse patches);
+                          rpc: the serialised model on rank 0
 
 The first three are Megatron's own accounting (``megatron/training/theoretical_memory_usage.py``:
 18 bytes per parameter for bf16 + Adam, 6 + 12 / DP with the distributed optimizer);
@@ -435,16 +437,29 @@ def _rank_lines(cfg: Config, shape: ModelShape, act: ActivationModel, stage: int
     if isinstance(obj, DistillObjective):
         lines.extend(_distill_lines(cfg, obj, shape, act, tp, e, s, teacher))
     wt = cfg.rollout.engine.weight_transfer
-    if stage == 0:  # global rank 0 sends the weights
-        if isinstance(wt, CollectiveTransfer):
-            bucket = wt.bucket_mb * 2**20
-            lines.append(Line("weight push", device=bucket if gpu else 0, host=bucket, rank0_only=True,
-                              note=f"rank 0: one {wt.bucket_mb:g} MiB bucket (collective)"))
-        else:
-            model_bytes = shape.num_params * 2
-            lines.append(Line("weight push", host=RPC_COPIES * model_bytes, rank0_only=True,
-                              note="rank 0: the serialised model (rpc)"))
+    if isinstance(wt, CollectiveTransfer):  # every stage's (TP 0, DP 0) rank sends its own tensors
+        engine_e = 4 if cfg.rollout.engine.dtype == "float32" else 2  # auto: the checkpoint's bf16
+        bucket = wt.bucket_mb * 2**20
+        gathered = largest_param(shape, pp, stage) * engine_e
+        previous = p * engine_e if wt.sparse_threshold > 0 else 0  # sparse: shards as last pushed
+        push = bucket + gathered + previous
+        lines.append(Line("weight push", device=push if gpu else 0, host=0 if gpu else push,
+                          note=f"stage sender: one {wt.bucket_mb:g} MiB bucket + one gathered parameter "
+                               f"({gathered / 2**20:,.0f} MiB)" + (" + the pushed shards (sparse)" if previous else "")))
+    elif stage == 0:  # global rank 0 gathers the model and sends it
+        model_bytes = shape.num_params * 2
+        lines.append(Line("weight push", host=RPC_COPIES * model_bytes, rank0_only=True,
+                          note="rank 0: the serialised model (rpc)"))
     return lines
+
+
+def largest_param(shape: ModelShape, pp: int, stage: int) -> int:
+    """Elements of the stage's largest parameter gathered over TP (a push sender holds one): the
+    embedding / output layer where the stage has one, else the fused QKV or gate-up weight."""
+    h = shape.hidden
+    layer = max((shape.heads + 2 * shape.kv_heads) * shape.head_dim * h, 2 * shape.ffn * h, shape.heads * shape.head_dim * h)
+    _, vocab, _ = stage_params(shape, 1, pp, stage)  # the stage's embedding / output layer, unsharded
+    return max(layer, shape.vocab * h if vocab else 0)
 
 
 def _ledger_lines(cfg: Config, rl: RLObjective, p: int, gpu: bool, out: Plan) -> list[Line]:

@@ -138,8 +138,8 @@ def test_a_patch_without_a_copy_to_patch_is_an_error(monkeypatch):
     import megathunder.rollout.engines.worker_extension as ext
 
     frame = Frame("sparse", "float32", 1, (Slot("w", (4,), 0, 1),))
-    monkeypatch.setattr(ext, "read_frames", lambda group: iter([(frame, [torch.zeros(1, dtype=torch.int32),
-                                                                          torch.ones(1)])]))
+    monkeypatch.setattr(ext, "read_frames_ahead", lambda groups: iter([(frame, [torch.zeros(1, dtype=torch.int32),
+                                                                                torch.ones(1)])]))
     with pytest.raises(RuntimeError, match="no dense copy"):
         ext._update_shadow([object()], {}, ext._WaitClock())
 
@@ -199,3 +199,43 @@ def test_a_worker_that_fails_fails_the_push_at_once():
         return time.monotonic() - t0
 
     assert asyncio.run(main()) < 30
+
+
+def test_frames_are_received_one_ahead_of_the_loader_in_order(monkeypatch):
+    """``read_frames_ahead``: every group's frames in order; while the loader holds frame k the
+    thread receives k + 1 and no further (two frames at most); a receive error reaches the loader."""
+    import threading
+
+    import megathunder.rollout.engines.transfer as transfer
+
+    received: list[tuple[int, int]] = []
+    lock = threading.Lock()
+
+    def fake_read_frames(group):
+        for k in range(group):
+            with lock:
+                received.append((group, k))
+            yield (group, k), []
+
+    monkeypatch.setattr(transfer, "read_frames", fake_read_frames)
+    frames = transfer.read_frames_ahead([3, 2])
+    taken = []
+    for item, _ in frames:
+        taken.append(item)
+        deadline = time.monotonic() + 5
+        while len(received) < min(len(taken) + 1, 5) and time.monotonic() < deadline:
+            time.sleep(0.001)  # the thread receives the next frame while this one is "loaded" ...
+        time.sleep(0.01)
+        with lock:
+            assert len(received) <= len(taken) + 1, (received, taken)  # ... and not the one after
+    assert taken == [(3, 0), (3, 1), (3, 2), (2, 0), (2, 1)]
+
+    def failing(group):
+        yield ("ok", 0), []
+        raise RuntimeError("the sender went away")
+
+    monkeypatch.setattr(transfer, "read_frames", failing)
+    frames = transfer.read_frames_ahead([1])
+    assert next(frames)[0] == ("ok", 0)
+    with pytest.raises(RuntimeError, match="the sender went away"):
+        next(frames)

@@ -44,6 +44,8 @@ import asyncio
 import json
 import math
 import os
+import queue
+import threading
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -149,11 +151,15 @@ class TransferGroup:
 
     def broadcast(self, flat: torch.Tensor) -> None:
         """In place: rank 0's ``flat`` into everyone's."""
+        self.broadcast_async(flat).wait()
+
+    def broadcast_async(self, flat: torch.Tensor) -> torch.distributed.Work:
+        """``broadcast``, started: ``flat`` must stay untouched until the returned work's ``wait()``."""
         from torch.distributed import BroadcastOptions
 
         opts = BroadcastOptions()
         opts.rootRank = 0
-        self.pg.broadcast([flat], opts).wait()
+        return self.pg.broadcast([flat], opts)
 
     def close(self) -> None:
         shutdown = getattr(self.pg, "shutdown", None)
@@ -180,14 +186,19 @@ class PushStats:
 
 class FrameWriter:
     """Rank 0 of one group: packs tensors into frames of at most ``bucket_bytes`` and broadcasts
-    each when full. One dense buffer of ``bucket_bytes`` is allocated per push and reused; a tensor
-    larger than a bucket goes as a frame of its own (its own storage, not copied when contiguous).
-    Call :meth:`finish` to end the push (it flushes, then sends the end marker)."""
+    each when full. A frame's payload goes out asynchronously while the next bucket is packed: two
+    dense buffers of ``bucket_bytes`` per push, used in turn (the one on the wire is never written:
+    a frame's header waits for the frame before it, whose payload is then waited for before its
+    buffer is reused). A tensor larger than a bucket goes as a frame of its own (its own storage,
+    not copied when contiguous). Call :meth:`finish` to end the push (it flushes, waits for the
+    last payload, then sends the end marker)."""
 
     def __init__(self, group: TransferGroup, bucket_bytes: int) -> None:
         self.group, self.bucket_bytes = group, bucket_bytes
         self.stats = PushStats()
-        self._buffer: torch.Tensor | None = None
+        self._buffer: torch.Tensor | None = None  # the bucket being packed
+        self._spare: torch.Tensor | None = None  # the last one sent (maybe still on the wire)
+        self._in_flight: list[tuple[torch.distributed.Work, torch.Tensor]] = []  # the last frame's payload
         self._slots: list[Slot] = []
         self._used = 0
         self._sparse: list[tuple[Slot, torch.Tensor, torch.Tensor]] = []
@@ -234,6 +245,9 @@ class FrameWriter:
         frame = Frame("dense", dtype_name(self._buffer.dtype), self._used, tuple(self._slots))
         self._send(frame, [self._buffer[: self._used]])
         self._slots, self._used = [], 0
+        # pack the next bucket while this one is on the wire: into the other buffer, whose frame
+        # ``_send`` has just waited for (after the first frame: a second buffer, allocated by ``add``)
+        self._buffer, self._spare = self._spare, self._buffer
 
     # -- sparse
     def add_sparse(self, name: str, shape: Sequence[int], indices: torch.Tensor, values: torch.Tensor) -> None:
@@ -264,18 +278,26 @@ class FrameWriter:
 
     # -- wire
     def _send(self, frame: Frame, payload: list[torch.Tensor]) -> None:
+        """The header now (it completes once the workers have taken the frame before), then the
+        payload started; the previous frame's payload is waited for first, so one is in flight."""
         header = torch.frombuffer(bytearray(json.dumps(frame.to_json()).encode()), dtype=torch.uint8)
         self.group.broadcast(torch.tensor([header.numel()], dtype=torch.int64, device=self.group.device))
         self.group.broadcast(header.to(self.group.device))
-        for flat in payload:
-            self.group.broadcast(flat)
+        self._wait()
+        self._in_flight = [(self.group.broadcast_async(flat), flat) for flat in payload]
         self.stats.num_frames += 1
         self.stats.payload_bytes += frame.nbytes
+
+    def _wait(self) -> None:
+        for work, _ in self._in_flight:
+            work.wait()
+        self._in_flight = []
 
     def finish(self) -> PushStats:
         self._flush_dense()
         self._flush_sparse()
-        self._buffer = None
+        self._wait()
+        self._buffer = self._spare = None
         self.group.broadcast(torch.zeros(1, dtype=torch.int64, device=self.group.device))
         return self.stats
 
@@ -299,6 +321,60 @@ def read_frames(group: TransferGroup) -> Iterator[tuple[Frame, list[torch.Tensor
         for flat in parts:
             group.broadcast(flat)
         yield frame, parts
+
+
+def read_frames_ahead(groups: Sequence[TransferGroup]) -> Iterator[tuple[Frame, list[torch.Tensor]]]:
+    """Every group's frames in turn (``read_frames``), received on a thread one frame ahead of the
+    consumer: the next bucket crosses the wire while vLLM loads this one. At most two frames are
+    received and not yet given up by the consumer (the one it holds, the one arriving); the thread
+    asks for the next only once the consumer has taken the last. Errors reach the consumer."""
+    handoff: queue.Queue[tuple[str, Any]] = queue.Queue()
+    room = threading.Semaphore(1)
+    stop = threading.Event()
+
+    def receive() -> None:
+        try:
+            for group in groups:
+                for item in read_frames_gated(group, room, stop):
+                    handoff.put(("frame", item))
+                if stop.is_set():
+                    return
+            handoff.put(("end", None))
+        except BaseException as err:  # noqa: BLE001 -- re-raised in the consumer
+            handoff.put(("error", err))
+
+    def read_frames_gated(group: TransferGroup, room: threading.Semaphore, stop: threading.Event):
+        frames = read_frames(group)
+        while True:
+            room.acquire()
+            if stop.is_set():
+                return
+            item = next(frames, None)
+            if item is None:
+                room.release()  # the next group's first frame may come at once
+                return
+            yield item
+
+    thread = threading.Thread(target=receive, name="megathunder-weights-rx", daemon=True)
+    thread.start()
+    finished = False
+    try:
+        while True:
+            kind, item = handoff.get()
+            if kind == "end":
+                finished = True
+                return
+            if kind == "error":
+                finished = True
+                raise item
+            room.release()  # taken: the thread may receive the next frame
+            yield item
+    finally:
+        if finished:
+            thread.join()
+        else:  # the consumer gave up (its own error): the thread stops at its next frame boundary
+            stop.set()
+            room.release()
 
 
 def dense_tensors(frame: Frame, payload: list[torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:

@@ -21,7 +21,7 @@ from megathunder.rollout.engines.transfer import (
     TransferGroup,
     dense_tensors,
     dtype_name,
-    read_frames,
+    read_frames_ahead,
     sparse_patches,
 )
 
@@ -111,13 +111,14 @@ class MegathunderWorkerExtension:
 
 
 class _WaitClock:
-    """Seconds spent blocked in ``read_frames`` (waiting for and receiving broadcasts)."""
+    """Seconds the loader spent waiting for the next frame (``read_frames_ahead`` receives it while
+    the loader works on the last one: this is the wire time the reload did not hide)."""
 
     def __init__(self) -> None:
         self.seconds = 0.0
 
-    def frames(self, group: TransferGroup) -> Iterator[tuple[Frame, list[torch.Tensor]]]:
-        frames = read_frames(group)
+    def frames(self, groups: list[TransferGroup]) -> Iterator[tuple[Frame, list[torch.Tensor]]]:
+        frames = read_frames_ahead(groups)
         while True:
             t0 = time.perf_counter()
             item = next(frames, None)
@@ -148,31 +149,29 @@ def _refresh_tied_head(model: torch.nn.Module) -> None:
 
 
 def _dense_stream(groups: list[TransferGroup], clock: _WaitClock) -> Iterator[tuple[str, torch.Tensor]]:
-    for group in groups:
-        for frame, payload in clock.frames(group):
-            if frame.kind != "dense":
-                raise RuntimeError("a sparse patch arrived but this worker keeps no copy to patch "
-                                   "(weight_transfer.sparse_threshold was 0 when the groups were opened)")
-            yield from dense_tensors(frame, payload)
+    for frame, payload in clock.frames(groups):
+        if frame.kind != "dense":
+            raise RuntimeError("a sparse patch arrived but this worker keeps no copy to patch "
+                               "(weight_transfer.sparse_threshold was 0 when the groups were opened)")
+        yield from dense_tensors(frame, payload)
 
 
 def _update_shadow(groups: list[TransferGroup], shadow: dict[str, torch.Tensor], clock: _WaitClock) -> list[str]:
     """Apply every frame of one push to ``shadow``; the names it touched."""
     names = []
-    for group in groups:
-        for frame, payload in clock.frames(group):
-            if frame.kind == "dense":
-                for name, view in dense_tensors(frame, payload):
-                    if name in shadow and shadow[name].shape == view.shape and shadow[name].dtype == view.dtype:
-                        shadow[name].copy_(view)
-                    else:
-                        shadow[name] = view.clone()
-                    names.append(name)
-                continue
-            for slot, indices, values in sparse_patches(frame, payload):
-                base = shadow.get(slot.name)
-                if base is None or tuple(base.shape) != slot.shape or math.prod(slot.shape) != base.numel():
-                    raise RuntimeError(f"sparse patch for {slot.name}, which this worker has no dense copy of yet")
-                base.view(-1)[indices.to(torch.int64)] = values.to(base.dtype)
-                names.append(slot.name)
+    for frame, payload in clock.frames(groups):
+        if frame.kind == "dense":
+            for name, view in dense_tensors(frame, payload):
+                if name in shadow and shadow[name].shape == view.shape and shadow[name].dtype == view.dtype:
+                    shadow[name].copy_(view)
+                else:
+                    shadow[name] = view.clone()
+                names.append(name)
+            continue
+        for slot, indices, values in sparse_patches(frame, payload):
+            base = shadow.get(slot.name)
+            if base is None or tuple(base.shape) != slot.shape or math.prod(slot.shape) != base.numel():
+                raise RuntimeError(f"sparse patch for {slot.name}, which this worker has no dense copy of yet")
+            base.view(-1)[indices.to(torch.int64)] = values.to(base.dtype)
+            names.append(slot.name)
     return names

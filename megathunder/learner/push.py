@@ -8,7 +8,8 @@
                        into the frame writer's bucket; a full bucket is broadcast to every worker
 
 Senders go in turn (the workers read group 0, then 1, ...), each stage's ranks doing their own
-gathers. Bounds per push: TP rank 0 of a stage holds one gathered parameter and one bucket; its
+gathers. Bounds per push: TP rank 0 of a stage holds one gathered parameter and two buckets (the
+one it packs while the other is on the wire); its
 TP peers a cast copy of one parameter shard; DP replicas nothing. No rank holds its stage, let
 alone the model; ``gather_object`` and the rank-0 copy of the model are gone from this path.
 

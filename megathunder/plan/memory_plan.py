@@ -19,7 +19,7 @@ the bytes of ``learner.precision.params_dtype``:
     reference             P e, or in host memory with learner.reference.offload_to_cpu
     teacher, OPD state    the teacher's P_T e; per kept trajectory its K/V cache and the student's
                           retained segment graphs (objective.max_cached_trajectories)
-    weight push           each stage's sender: one bucket + its largest parameter gathered over TP,
+    weight push           each stage's sender: two buckets + its largest parameter gathered over TP,
                           in the engine's dtype (+ its shards as last pushed with sparse patches);
                           rpc: the serialised model on rank 0
 
@@ -439,12 +439,12 @@ def _rank_lines(cfg: Config, shape: ModelShape, act: ActivationModel, stage: int
     wt = cfg.rollout.engine.weight_transfer
     if isinstance(wt, CollectiveTransfer):  # every stage's (TP 0, DP 0) rank sends its own tensors
         engine_e = 4 if cfg.rollout.engine.dtype == "float32" else 2  # auto: the checkpoint's bf16
-        bucket = wt.bucket_mb * 2**20
+        buckets = 2 * wt.bucket_mb * 2**20  # one packed while the other is on the wire
         gathered = largest_param(shape, pp, stage) * engine_e
         previous = p * engine_e if wt.sparse_threshold > 0 else 0  # sparse: shards as last pushed
-        push = bucket + gathered + previous
+        push = buckets + gathered + previous
         lines.append(Line("weight push", device=push if gpu else 0, host=0 if gpu else push,
-                          note=f"stage sender: one {wt.bucket_mb:g} MiB bucket + one gathered parameter "
+                          note=f"stage sender: two {wt.bucket_mb:g} MiB buckets + one gathered parameter "
                                f"({gathered / 2**20:,.0f} MiB)" + (" + the pushed shards (sparse)" if previous else "")))
     elif stage == 0:  # global rank 0 gathers the model and sends it
         model_bytes = shape.num_params * 2

@@ -95,8 +95,8 @@ def test_shipped_grpo_config_fits_an_80_gb_h100_with_qwen2_5_32b():
 
 
 def test_every_stage_sender_holds_a_bucket_and_its_largest_gathered_parameter():
-    """The streamed push (``megathunder.learner.push``): stage s's (TP 0, DP 0) rank holds one bucket
-    and one parameter gathered over TP in the engine's dtype -- the embedding on stage 0, the output
+    """The streamed push (``megathunder.learner.push``): stage s's (TP 0, DP 0) rank holds two buckets
+    (one packed, one on the wire) and one parameter gathered over TP in the engine's dtype -- the embedding on stage 0, the output
     layer on the last (Qwen2.5-32B, untied: 152064 x 5120 x 2 B = 1.45 GiB on each of its 2 stages)
     -- plus, with sparse patches, its shards as last pushed."""
     shape = shape_of("32B")
@@ -106,7 +106,7 @@ def test_every_stage_sender_holds_a_bucket_and_its_largest_gathered_parameter():
                           [*overrides, f"rollout.engine.weight_transfer.sparse_threshold={sparse}"])
         result = plan(cfg, shape, H100)
         (line,) = [line for line in result.lines if line.part == "weight push"]
-        expected = cfg.rollout.engine.weight_transfer.bucket_mb * 2**20 + shape.vocab * shape.hidden * 2
+        expected = 2 * cfg.rollout.engine.weight_transfer.bucket_mb * 2**20 + shape.vocab * shape.hidden * 2
         if sparse:
             expected += sum(stage_params(shape, 8, 2, result.stage)) * 2
         assert line.device == expected and not line.rank0_only

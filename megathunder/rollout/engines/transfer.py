@@ -23,9 +23,12 @@ Used when ``rollout.engine.weight_transfer.kind`` is ``collective`` (the default
   their prepacked oneDNN form, so there is nothing to patch in place), patches it, and reloads from
   it.
 
-Memory, per push: a sender holds one bucket it packs into (reused) plus the parameter being
-converted; a worker one bucket plus what vLLM's reloader keeps of a layer whose tensors have not
-all arrived -- never a copy of the model (with sparse patches a worker also keeps its copy).
+Pipelined: a sender packs bucket k + 1 while bucket k is on the wire, and a worker receives frame
+k + 1 (on a thread) while vLLM loads frame k, so a push takes about the slowest of the three
+rather than their sum. Memory, per push: a sender holds two buckets (the one it packs, the one on
+the wire) plus the parameter being converted; a worker two frames plus what vLLM's reloader keeps
+of a layer whose tensors have not all arrived -- never a copy of the model (with sparse patches a
+worker also keeps its copy).
 
 The groups: a ``torch.distributed.TCPStore`` served by the engine's process on
 ``weight_transfer.host:port`` (port 0: a free one) and one ``ProcessGroupGloo`` or

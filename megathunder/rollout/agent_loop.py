@@ -40,6 +40,7 @@ from megathunder.rollout.episode import (
     ToolRun,
     Turn,
 )
+from megathunder.rollout.priority import Priorities, Scheduling
 from megathunder.rollout.sandbox import Sandbox, SandboxError, build_sandbox
 from megathunder.rollout.tasks.task import Task, TaskInstance
 from megathunder.rollout.tools import Tool, ToolArgumentError
@@ -73,8 +74,10 @@ class AgentLoop:
         top_p: float = 1.0,
         top_k: int = -1,
         emit: EventSink | None = None,
+        scheduling: Scheduling = "fifo",
     ) -> None:
         self.engine, self.codec, self.task = engine, codec, task
+        self.priorities = Priorities(scheduling)
         self.cfg, self.sandbox_cfg, self.verifiers = agent_cfg, sandbox_cfg, verifiers
         self.temperature, self.top_p, self.top_k = temperature, top_p, top_k
         self.emit = emit or (lambda event: None)
@@ -150,6 +153,7 @@ class AgentLoop:
         async with self._slots:
             prompt = self.codec.prompt_ids(self.task.messages(inst), self.task.tool_schemas())
             ep = Episode.from_prompt(traj_id, group_id, inst.instance_id, prompt, time.monotonic())
+            self.priorities.started(traj_id, group_id)
             sandbox = None
             try:
                 try:
@@ -163,6 +167,7 @@ class AgentLoop:
                 ep.started_at = time.monotonic()  # the wall-time budget starts with the first turn
                 return await self._episode(ep, inst, seed, sandbox)
             finally:
+                self.priorities.finished(traj_id, group_id)  # also when cancelled
                 if sandbox is not None:
                     await sandbox.close()
 
@@ -178,6 +183,7 @@ class AgentLoop:
         """Emit the trajectory's end, score it (unless it failed), emit its reward."""
         traj_id = ep.traj_id
         ep.finished_at = time.monotonic()
+        self.priorities.finished(traj_id, ep.group_id)  # no longer generating: its group is closer to done
         self._event("trajectory_finished", ep, payload={"episode": ep, "failure": ep.failure})
 
         if ep.failure is None:
@@ -207,6 +213,7 @@ class AgentLoop:
                 top_k=self.top_k,
                 stop_token_ids=self.codec.stop_token_ids,
                 seed=None if seed is None else (seed * 1009 + index) % 2**63,
+                priority=self.priorities.of(ep.traj_id, ep.group_id),
             )
             t0 = time.monotonic()
             out: Completion = await asyncio.wait_for(
@@ -310,8 +317,9 @@ def build_agent_loop(cfg: Config, engine: RolloutEngine, codec: ChatCodec, task:
     ``rollout.temperature``; ``rollout.top_p`` / ``top_k`` apply unless a temperature is given:
     evaluation samples its own way); events go to ``emit``."""
     r = cfg.rollout
+    scheduling = r.engine.scheduling
     if temperature is not None:
         return AgentLoop(engine, codec, task, cfg.agent, cfg.sandbox, VerifierPool(cfg.verifier),
-                         temperature=temperature, emit=emit)
+                         temperature=temperature, emit=emit, scheduling=scheduling)
     return AgentLoop(engine, codec, task, cfg.agent, cfg.sandbox, VerifierPool(cfg.verifier),
-                     temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, emit=emit)
+                     temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, emit=emit, scheduling=scheduling)

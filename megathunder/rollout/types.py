@@ -24,6 +24,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     seed: int | None = None
     ignore_eos: bool = False  # benchmarks: generate exactly max_new_tokens
+    priority: int = 0  # lower is served first; non-zero needs rollout.engine.scheduling != fifo
 
 
 FinishReason = Literal["stop", "length", "abort"]

@@ -157,10 +157,11 @@ def test_replay_on_two_ranks_gives_the_same_parameters(base, tmp_path, layout):
 
 @pytest.fixture(scope="module")
 def sync_run(base, tmp_path_factory) -> Path:
-    """Weights pushed by the collective path (gloo broadcast, 1 MiB buckets): the probe checks them."""
+    """Weights pushed by the collective path (gloo broadcast, 1 MiB buckets): the probe checks them.
+    Requests scheduled by trajectory start (vLLM's priority scheduling)."""
     out = tmp_path_factory.mktemp("sync")
     train(out, "schedule.mode=sync", "run.num_steps=2", "rollout.engine.weight_transfer.kind=collective",
-          "rollout.engine.weight_transfer.bucket_mb=1", *warm(base))
+          "rollout.engine.weight_transfer.bucket_mb=1", "rollout.engine.scheduling=trajectory_start", *warm(base))
     return out
 
 
@@ -191,7 +192,7 @@ def test_dapo_refill_under_thunder_trains_full_batches_and_replays_exactly(base,
     budget = 16  # 4 + 16 prompts of the task's 23 training ones
     run = tmp_path / "run"
     train(run, "objective.dapo_dynamic_sampling=true", f"batch.max_refill_groups={budget}",
-          "run.num_steps=3", "eval.every_n_steps=0", *warm(base))
+          "rollout.engine.scheduling=group_aware", "run.num_steps=3", "eval.every_n_steps=0", *warm(base))
     r = rows(run)
     print([(x["kept_groups"], x["dropped_groups"]) for x in r])
     for x in r:

@@ -67,6 +67,8 @@ def _cfg(deployment: str) -> EngineConfig:
         kv_cache_memory_bytes=256 * 2**20,
         num_servers=NUM_SERVERS,
         base_port=18310,
+        # requests carry priorities (vLLM's priority scheduling): every test here runs under it
+        scheduling="group_aware",
         # in-process: pushes of in-memory weights travel by gloo broadcast, in several buckets
         weight_transfer={"kind": "collective", "bucket_mb": TRANSFER_BUCKET_MB} if deployment == "in_process"
         else {"kind": "rpc"},
@@ -238,6 +240,21 @@ def test_seeded_requests_repeat_and_survive_a_full_batch(runner):
     again = runner.generate_many(ps, params)
     assert [c.token_ids for c in first] == [c.token_ids for c in again]
     assert all(len(c.token_ids) == 6 for c in first)
+
+
+def test_priorities_order_requests_without_changing_what_they_sample(runner):
+    """``rollout.engine.scheduling`` != fifo: the engine takes each request's priority (in-process
+    and over HTTP); a seeded request samples the same tokens whatever its priority."""
+    ps = prompts(6, 20, seed=5)
+    base = SamplingParams(max_new_tokens=8, seed=7)
+
+    async def both():
+        return await asyncio.gather(
+            *(runner.engine.generate(p, dataclasses.replace(base, priority=0)) for p in ps),
+            *(runner.engine.generate(p, dataclasses.replace(base, priority=k * 2**32 + k)) for k, p in enumerate(ps)))
+
+    out = runner.run(both())
+    assert [c.token_ids for c in out[:6]] == [c.token_ids for c in out[6:]]
 
 
 def test_cancelled_request_is_aborted(runner):

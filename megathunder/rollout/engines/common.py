@@ -46,6 +46,8 @@ def engine_kwargs(cfg: EngineConfig) -> dict:
         seed=cfg.seed,
         worker_extension_cls=EXTENSION_CLS,
     )
+    if cfg.scheduling != "fifo":  # requests carry priorities (megathunder.rollout.priority)
+        kwargs["scheduling_policy"] = "priority"
     chunked = cfg.enable_chunked_prefill
     if chunked is None and _on_cpu():
         chunked = False

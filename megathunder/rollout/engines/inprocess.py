@@ -98,7 +98,7 @@ class InProcessEngine:
         request_id = f"mt-{next(self._request_ids)}"
         prompt = TokensPrompt(prompt_token_ids=list(prompt_token_ids))
         final = None
-        async for out in self._llm.generate(prompt, vllm_sampling_params(params), request_id):
+        async for out in self._llm.generate(prompt, vllm_sampling_params(params), request_id, priority=params.priority):
             final = out
         if final is None or not final.finished:
             raise RuntimeError(f"request {request_id} ended without a final output")

@@ -337,6 +337,8 @@ class ServerEngine:
                 "detokenize": False,
             },
         }
+        if params.priority:  # a server without priority scheduling refuses any other value than 0
+            body["priority"] = params.priority
         out = await self._post_routed(session_id, "/inference/v1/generate", body)
         choice = out["choices"][0]
         token_ids = choice["token_ids"]

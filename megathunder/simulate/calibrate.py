@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from megathunder.simulate.profile import Dist, Profile
-from megathunder.simulate.run_dir import Episode, RunDir, Turn
+from megathunder.simulate.run_dir import Episode, RunDir, Turn, load_run
 from megathunder.simulate.schedule_model import RUNNERS
 from megathunder.simulate.sim_metrics import summary
 from megathunder.simulate.workload import Batch
@@ -255,3 +255,18 @@ def calibrate(run: RunDir) -> dict:
         },
         "profile": cal.profile,
     }
+
+
+def schedule_estimates(path) -> dict[str, float]:
+    """What this run would have cost under the other zero-staleness schedule: its own workload
+    (each turn's generation, tool and verifier time, each step's learner work, the weight syncs,
+    all as measured: ``fit``) replayed under ``sync`` and under ``thunder`` by the simulator.
+    Returns each schedule's predicted mean step time and thunder's gain over sync; both figures
+    come from the same replay, so the calibration's error cancels in the ratio. (The learner's
+    work is replayed as measured under the run's own schedule: per trajectory under thunder, the
+    batch's under sync.)"""
+    cal = fit(load_run(path))
+    steps = {mode: summary(RUNNERS[mode](cal.profile, cal.batches))["step_s"] for mode in ("sync", "thunder")}
+    return {"sim_sync_step_s": steps["sync"], "sim_thunder_step_s": steps["thunder"],
+            "sim_thunder_speedup": steps["sync"] / steps["thunder"]}
+

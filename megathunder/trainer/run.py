@@ -149,12 +149,12 @@ async def _control(cfg: Config, task: Task, out: Path, service: LearnerService[L
         if steps:
             await service.call(LearnerEndpoint.checkpoint)
         await service.call(LearnerEndpoint.export, str(out / "final_model"))  # a HF directory: eval, serve, distill
+        trainer.timeline.write(out, service.spans, trainer.metrics.rows)  # the trace the summary's estimates replay
         summary = write_summary(out, trainer.metrics.rows)
         if (out / "eval_before.json").is_file():
             before = json.loads((out / "eval_before.json").read_text())
             if "eval/pass@1" in before:
                 summary = {**summary, "eval_pass@1_before_rl": round(before["eval/pass@1"], 4)}
-        trainer.timeline.write(out, service.spans, trainer.metrics.rows)
         print_summary(summary, out)
         return summary
     finally:

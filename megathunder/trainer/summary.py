@@ -3,8 +3,14 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
 from pathlib import Path
+
+from megathunder.config import ConfigError
+from megathunder.simulate.calibrate import schedule_estimates
+
+log = logging.getLogger(__name__)
 
 
 def write_summary(out: Path, rows: list[dict]) -> dict:
@@ -26,12 +32,27 @@ def write_summary(out: Path, rows: list[dict]) -> dict:
         if rows and key in rows[0]:
             summary[f"{key}_first_steps"] = round(mean(key, rows[:k]), 4)
             summary[f"{key}_last_steps"] = round(mean(key, rows[-k:]), 4)
+    if rows and summary["schedule"] in ("sync", "thunder"):
+        summary.update(_what_thunder_bought(out))
     evals = [r for r in rows if "eval/pass@1" in r]
     if evals:
         summary["eval_pass@1_first"] = round(evals[0]["eval/pass@1"], 4)
         summary["eval_pass@1_last"] = round(evals[-1]["eval/pass@1"], 4)
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
+
+
+def _what_thunder_bought(out: Path) -> dict:
+    """This run's own events replayed under sync and thunder by the calibrated simulator
+    (``megathunder.simulate.calibrate.schedule_estimates``): the gain on the user's workload, not
+    ours. Needs the run's trace of every step (``run.timeline_steps`` covering the run); else
+    nothing is reported."""
+    try:
+        est = schedule_estimates(out)
+    except (ConfigError, ValueError, KeyError) as err:
+        log.info("no schedule estimate for %s: %s", out, err)
+        return {}
+    return {key: round(value, 4) for key, value in est.items()}
 
 
 def print_summary(summary: dict, out: Path) -> None:

@@ -108,6 +108,10 @@ def test_quickstart_writes_its_report_and_checks_every_step(base):
     assert all(x["num_episodes"] == 16 and x["kept_groups"] + x["dropped_groups"] == 4 for x in r)
     summary = json.loads((base / "summary.json").read_text())
     assert summary["steps"] == 3 and summary["schedule"] == "thunder"
+    # what thunder bought on this run's own workload: its events replayed under sync and thunder
+    assert summary["sim_sync_step_s"] > 0 and summary["sim_thunder_step_s"] > 0
+    assert summary["sim_thunder_speedup"] == pytest.approx(summary["sim_sync_step_s"] / summary["sim_thunder_step_s"],
+                                                           rel=1e-2)
     assert (base / "timeline.png").stat().st_size > 10_000
     trace = json.loads((base / "trace.json").read_text())["traceEvents"]
     assert {"finished", "reward", "close", "step", "send_weights"} <= {e["name"] for e in trace}

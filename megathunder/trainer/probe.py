@@ -24,7 +24,10 @@ the learner scores the same tokens.
    the same and on updated weights (BENCHMARKS.md, "probe noise"); the default margin is about three
    times the largest ratio seen. Once a push has passed both checks its gap is numerics on the new
    weights, so the floor becomes the largest of f0 and the gaps accepted so far (bf16 rounding grows
-   with the logits' scale as training moves them). This check catches wrong or partly loaded
+   with the logits' scale as training moves them) -- but never more than ``margin * f0``: a floor
+   that followed every accepted gap could grow by the margin at each push, and a slowly worsening
+   engine would raise its own tolerance; so tau <= margin^2 * f0 (a floor that grew 4x over a bf16
+   run was measured: BENCHMARKS.md). This check catches wrong or partly loaded
    weights; it cannot see a stale push whose update moves the policy by less than tau, which check 1
    does. The tolerance of every push is reported with its gap (``probe_tolerance`` in metrics.jsonl).
 
@@ -57,16 +60,21 @@ class ProbeTolerance:
     minimum: float
     margin: float
     floor: float | None = None  # None until calibrated
+    calibrated: float | None = None  # f0: the floor measured on the same weights
 
     def calibrate(self, gaps: Sequence[float]) -> None:
         if not gaps:
             raise ValueError("calibration needs at least one probe")
-        self.floor = max(gaps)
+        self.floor = self.calibrated = max(gaps)
 
     def accept(self, gap: float) -> None:
         """A push both checks passed: its gap is numerics on the new weights, so the floor follows
-        the weights (bf16 rounding grows with the logits' scale as training moves them)."""
-        self.floor = gap if self.floor is None else max(self.floor, gap)
+        the weights (bf16 rounding grows with the logits' scale as training moves them), up to
+        ``margin`` times the calibrated floor."""
+        if self.floor is None or self.calibrated is None:
+            self.floor = gap
+            return
+        self.floor = max(self.floor, min(gap, self.margin * self.calibrated))
 
     @property
     def value(self) -> float:

@@ -117,9 +117,12 @@ class RolloutSpec(_Strict):
     linearly, flat beyond the last point."""
     prefill_tokens_per_s: float = Field(gt=0)
     """Prompt and tool-output tokens are prefilled at this rate (a delay before decoding)."""
-    queue_policy: Literal["fifo", "oldest_first", "most_turns_first"] = "fifo"
-    """Order in which waiting turns get a decoding slot: arrival order (vLLM's default) or the
-    trajectory's start order (vLLM ``--scheduling-policy priority``)."""
+    queue_policy: Literal["fifo", "oldest_first", "most_turns_first", "group_aware"] = "fifo"
+    """Order in which waiting turns get a decoding slot: arrival order (vLLM's default), the
+    trajectory's start order (``oldest_first``: the trainer's ``rollout.engine.scheduling=
+    trajectory_start``), most turns done first, or the group with the fewest members still
+    generating first (``group_aware``, as in the trainer). The non-FIFO ones are vLLM's priority
+    scheduling with the priority ``megathunder.rollout.priority`` gives."""
 
     @model_validator(mode="after")
     def _check(self) -> RolloutSpec:

@@ -10,7 +10,9 @@ the engine; its output is then prefilled (a delay at ``prefill_tokens_per_s``; p
 assumed, so only the new tokens) before the next turn queues for a decoding slot. The queue is
 FIFO over turns (vLLM's default: every turn is a new request), which shares the engines evenly
 and makes most trajectories finish late; ``oldest_first`` (vLLM's priority scheduling with the
-trajectory's start order as priority) lets early trajectories finish early.
+trajectory's start order as priority: ``rollout.engine.scheduling=trajectory_start``) lets early
+trajectories finish early; ``group_aware`` (the same name in the trainer) serves the group with the
+fewest members still generating first, so groups close early.
 
 Weight syncs pause an engine (rate 0) without dropping its sequences: in-flight trajectories
 continue with the new weights afterwards (the fully-async schedules' partial rollouts). No turn
@@ -86,6 +88,9 @@ class RolloutCluster:
         self._data: list[_BatchLists] = []  # per traj: its batch's lists
         self._first: list[int] = []  # per traj: global index of its first turn
         self._local_idx: list[int] = []  # per traj: its index in its batch
+        self._group_key: list[tuple[int, int]] = []  # per traj: (its batch's number, its group)
+        self._running: dict[tuple[int, int], int] = {}  # per group: members still generating
+        self._num_batches = 0
         self.finish_time: list[float] = []
         self.reward_time: list[float] = []
         self._rr = 0
@@ -103,8 +108,13 @@ class RolloutCluster:
                     batch.verifier_latency_s.tolist(),
                     None if batch.decode_s is None else batch.decode_s.tolist())
             self._lists[id(batch)] = data
+        batch_no = self._num_batches
+        self._num_batches += 1
         for i in idx:
             gid = len(self._turn)
+            key = (batch_no, int(batch.group[i]))
+            self._group_key.append(key)
+            self._running[key] = self._running.get(key, 0) + 1
             self._turn.append(int(batch.turn_start[i]))
             self._first.append(int(batch.turn_start[i]))
             self._end.append(int(batch.turn_start[i + 1]))
@@ -238,6 +248,7 @@ class RolloutCluster:
         turn = self._turn[gid]
         if turn + 1 == self._end[gid]:
             self.finish_time[gid] = t
+            self._running[self._group_key[gid]] -= 1
             self._push(t + verifier[self._local_idx[gid]], _REWARD, gid, None)
         else:
             self._turn[gid] = turn + 1
@@ -255,4 +266,6 @@ class RolloutCluster:
             return tick
         if self.policy == "oldest_first":
             return gid
+        if self.policy == "group_aware":  # megathunder.rollout.priority: fewest members running, then start
+            return self._running[self._group_key[gid]] * 1e12 + gid
         return gid - 1e9 * (self._turn[gid] - self._first[gid])

@@ -157,7 +157,7 @@ def test_hung_and_crashing_tools_give_error_observations(tmp_path):
     (ep,), _ = run_scripted(
         task, [inst], tmp_path, scripts={inst.prompt: script}, sandbox={"wall_time_s": 1}
     )
-    assert time.monotonic() - start < 5
+    assert time.monotonic() - start < 60  # cut at 1 s, not the command's 600 s (slack: a loaded machine)
     hung, crashed = _observations(ep)
     assert "[error: command killed: wall-time limit of 1 s exceeded]" in hung
     assert "[error: tool 'boom' crashed: RuntimeError: disk on fire]" == crashed
@@ -235,7 +235,7 @@ def test_episode_wall_time_limit(tmp_path):
     (ep,), events = run_scripted(
         task, [inst], tmp_path, scripts={inst.prompt: script}, agent={"episode_wall_time_s": 1.5}
     )
-    assert ep.stop_reason == "wall_time" and time.monotonic() - start < 4
+    assert ep.stop_reason == "wall_time" and time.monotonic() - start < 12  # cut at 1.5 s, not 10 x 2 s
     assert [e.kind for e in events][-2:] == ["trajectory_finished", "reward"]
 
 
@@ -258,7 +258,7 @@ def test_crashed_and_hung_verifiers_have_defined_outcomes(tmp_path, policy, capl
                 task, insts, tmp_path, scripts={i.prompt: ["ok"] for i in insts},
                 verifier={"timeout_s": 0.5, "on_failure": policy, "failure_reward": -1.0},
             )  # fmt: skip
-        assert time.monotonic() - start < 3
+        assert time.monotonic() - start < 30  # cut at 0.5 s, not the hour the verifier sleeps
         rewards = [e for e in events if e.kind == "reward"]
         assert len(rewards) == 2
         for ev in rewards:

@@ -131,9 +131,9 @@ def test_lifecycle_through_the_limits_wrapper(tmp_path):
 
     read, env, hung, big = asyncio.run(go())
     assert read.ok and read.output == "hello" and env.output.strip() == "1"
-    assert (
-        hung.exit_code == 137 and "SIGKILL" in hung.observation() and hung.duration_s < 3
-    )  # in-container timeout
+    # the in-container timeout cut `sleep 30` (the duration bound only shows it did not run out:
+    # a loaded machine can take seconds to start and reap the stand-in's processes)
+    assert hung.exit_code == 137 and "SIGKILL" in hung.observation() and hung.duration_s < 25
     assert "MemoryError" in big.output and not big.ok  # prlimit --as inside the container
     calls = (tmp_path / "calls.log").read_text().splitlines()
     assert (

@@ -161,7 +161,7 @@ def test_hung_command_hits_wall_time_limit(isolation, tmp_path):
         isolation, tmp_path, "sleep 1000 & sleep 1000", wall_time_s=1
     )
     assert result.timed_out and "wall-time limit of 1 s" in result.observation()
-    assert elapsed < 4 and not leftover
+    assert elapsed < 30 and not leftover  # cut at 1 s, not 1000 s
 
 
 def test_output_flood_is_truncated(isolation, tmp_path):

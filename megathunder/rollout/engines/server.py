@@ -39,7 +39,7 @@ import uuid
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from megathunder.config import EngineConfig
 from megathunder.rollout.engines.auth import MIDDLEWARE, read_api_key
@@ -322,7 +322,7 @@ class ServerEngine:
         self, prompt_token_ids: Sequence[int], params: SamplingParams, *, session_id: Hashable | None = None
     ) -> Completion:
         request_id = next(self._request_ids)
-        body = {
+        body: dict[str, Any] = {
             "request_id": request_id,
             "token_ids": list(prompt_token_ids),
             "sampling_params": {

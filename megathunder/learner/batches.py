@@ -274,7 +274,7 @@ def _old_logprobs(learner: MegatronLearner, batch: Sequence[Trajectory],
 def _reward_terms(learner: MegatronLearner, batch: Sequence[Trajectory], advantages: Sequence[float | None],
                   owner: Sequence[int] | None, old: Mapping[int, torch.Tensor] | None = None) -> list[int]:
     """This rank's kept trajectories' unnormalised loss gradients, added to DDP's buffers as the
-    micro-batches of one schedule call; returns their indices. ``old``: the PPO ratio's old
+    micro-batches of one schedule call (packed, ``learner.pack_tokens``); returns their indices. ``old``: the PPO ratio's old
     logprobs by batch index (default: the current ones, ratio 1)."""
     objective = _rl(learner)
     mine = [i for i, a in enumerate(advantages)
@@ -288,6 +288,7 @@ def _reward_terms(learner: MegatronLearner, batch: Sequence[Trajectory], advanta
                 learner.ddp, learner.pgs, items,
                 lambda k, logp, ent: trajectory_loss(logp, ent, items[k], specs[k], objective, old_logp_T=olds[k]),
                 need_entropy=objective.entropy_coef > 0, temperature=learner.temperature,
+                pack_tokens=learner.cfg.pack_tokens,
             )
     return mine
 

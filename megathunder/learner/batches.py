@@ -225,7 +225,8 @@ class GRPOBatch(Batch):
 def grpo_gradient(learner: MegatronLearner, batch: Sequence[Trajectory], rewards: Sequence[float],
                   owner: Sequence[int] | None = None) -> tuple[float, list[int]]:
     """GRPO's batch-synchronous gradient: every reward known; this rank's kept trajectories (all
-    when ``owner`` is None) as the micro-batches of one schedule call; the unnormalised sum, then
+    when ``owner`` is None) in one schedule call, packed into micro-batches of up to
+    ``learner.pack_tokens`` tokens (``run_schedule``); the unnormalised sum, then
     one division by Z (the functions the ledger and the plain reference use). Returns Z and the
     indices of this rank's trajectories. Then ``step``."""
     advantages, z = batch_advantages(batch, rewards, _rl(learner))

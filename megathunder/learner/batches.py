@@ -124,6 +124,14 @@ class Batch(abc.ABC):
     def close(self) -> BatchOutcome:
         """Every event is in: leave this rank's share of the batch's gradient in DDP's buffers."""
 
+    def hold_work(self) -> None:
+        """More events are queued behind the next one: hold back the backward passes events make
+        due until ``release_work`` (streamed GRPO: ``GradientLedger.hold``), so what is ready
+        then goes in one packed schedule call. Default: nothing is held."""
+
+    def release_work(self) -> None:
+        """The learner is free: run what ``hold_work`` held back."""
+
     def _left_after_last_reward(self) -> int:
         return self.passes() - self._passes_at_last_reward
 
@@ -203,6 +211,14 @@ class GRPOBatch(Batch):
         if self.streamed:
             self.ledger.on_reward(traj_id, reward)
         self.rewards[traj_id] = reward
+
+    def hold_work(self) -> None:
+        if self.streamed:
+            self.ledger.hold()
+
+    def release_work(self) -> None:
+        if self.streamed:
+            self.ledger.release()
 
     def close(self) -> BatchOutcome:
         if self.streamed:
@@ -452,6 +468,14 @@ class OPDGRPOBatch(OPDBatch):
         if self.streamer is not None:
             self.ledger.on_reward(traj_id, reward)
         self.rewards[traj_id] = reward
+
+    def hold_work(self) -> None:
+        if self.streamer is not None:
+            self.ledger.hold()
+
+    def release_work(self) -> None:
+        if self.streamer is not None:
+            self.ledger.release()
 
     def close(self) -> BatchOutcome:
         if self.streamer is not None:

@@ -213,7 +213,7 @@ class GRPOBatch(Batch):
         self.rewards[traj_id] = reward
 
     def hold_work(self) -> None:
-        if self.streamed:
+        if self.streamed and self.ledger.config.pack_ready_work:
             self.ledger.hold()
 
     def release_work(self) -> None:
@@ -470,7 +470,7 @@ class OPDGRPOBatch(OPDBatch):
         self.rewards[traj_id] = reward
 
     def hold_work(self) -> None:
-        if self.streamer is not None:
+        if self.streamer is not None and self.ledger.config.pack_ready_work:
             self.ledger.hold()
 
     def release_work(self) -> None:

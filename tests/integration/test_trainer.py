@@ -89,10 +89,12 @@ def replay(run: Path, out: Path, mode: str, nproc: int = 1, *extra: str) -> dict
 
 @pytest.fixture(scope="module")
 def base(tmp_path_factory) -> Path:
-    """The quickstart, shortened: SFT warm start, then 3 GRPO steps on the thunder schedule."""
+    """The quickstart, shortened: SFT warm start, then 3 GRPO steps on the thunder schedule
+    (without ready-work packing: which events the learner held depends on its timing, which the
+    journal does not record, and the replay below is compared bitwise)."""
     out = tmp_path_factory.mktemp("quickstart")
     train(out, "run.num_steps=3", "sft.num_steps=8", "sft.batch_size=16", "run.wandb=offline",
-          "run.checkpoint_every=0")
+          "run.checkpoint_every=0", "ledger.pack_ready_work=false")
     return out
 
 

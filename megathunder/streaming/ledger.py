@@ -298,13 +298,13 @@ class GradientLedger:
         """All groups closed: normalise once and hand the gradient to the backend."""
         if self._P is None:
             raise LedgerError("close_batch: no batch is open")
-        self.release()
         for g in self._groups.values():
             if not g.closed:
                 raise LedgerError(
                     f"close_batch: group {g.group_id} is still open "
                     f"({g.num_rewards}/{len(g.members)} rewards)"
                 )
+        self.release()
         pending = [t.traj_id for t in self._order if t.data is not None and t.group.keep and not t.score_done]
         assert not pending, f"internal: trajectories {pending} were never processed"
         kept = [t for t in self._order if t.group.keep]

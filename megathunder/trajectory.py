@@ -11,7 +11,7 @@ trajectory ids in sample order.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -74,3 +74,22 @@ def turn_spans(traj: Trajectory) -> list[tuple[int, int]]:
     """[start, end) token positions of the trajectory's model turns: the runs of its loss mask
     (target t is token t + 1; turns are separated by masked tool output or template glue)."""
     return [(a + 1, b + 1) for a, b in mask_spans(traj.loss_mask)]
+
+
+def pack_micro_batches(lengths: Sequence[int], pack_tokens: int) -> list[list[int]]:
+    """Indices of ``lengths`` (each item's padded length) grouped, in order, into micro-batches of
+    at most ``pack_tokens`` tokens each, counting a micro-batch as rows x its longest row (the
+    [b, T_max] tensor it is padded into). Order is preserved: concatenating the groups gives
+    0 .. n - 1. Each group is the longest run from its first item that fits; an item longer than
+    the cap alone is a micro-batch of its own. ``pack_tokens`` 0 (or below any two-row product):
+    one item per micro-batch."""
+    groups: list[list[int]] = []
+    longest = 0
+    for i, n in enumerate(lengths):
+        if groups and (len(groups[-1]) + 1) * max(longest, n) <= pack_tokens:
+            groups[-1].append(i)
+            longest = max(longest, n)
+        else:
+            groups.append([i])
+            longest = n
+    return groups

@@ -40,6 +40,8 @@ def _args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--num-groups", type=int, default=4)
     p.add_argument("--group-size", type=int, default=4)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--pack-tokens", type=int, default=None,
+                   help="learner.pack_tokens (default: the config's; 0: one trajectory per micro-batch)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     p.add_argument("--layer-spec", choices=["local", "transformer_engine"], default="local")
     p.add_argument("--fp8", choices=["e4m3", "hybrid"], default=None)
@@ -92,6 +94,7 @@ def main(argv: Sequence[str]) -> int:
                   "max_position_embeddings": args.seq_len + 1, "tie_word_embeddings": False},
         "precision": {"params_dtype": args.dtype, "layer_spec": args.layer_spec, "fp8": args.fp8},
         "optimizer": {"lr": 1e-6},
+        **({} if args.pack_tokens is None else {"pack_tokens": args.pack_tokens}),
     })
     objective = GRPOObjective(advantage="grpo")
     pgs = init_distributed(cfg)
@@ -146,7 +149,7 @@ def main(argv: Sequence[str]) -> int:
         "layout": {"tp": pgs.dims.tp, "pp": pgs.dims.pp, "dp": pgs.dims.dp},
         "device": torch.cuda.get_device_name() if pgs.device.type == "cuda" else "cpu",
         "dtype": args.dtype, "layer_spec": args.layer_spec, "fp8": args.fp8,
-        "num_params": num_params, "tokens_per_step": tokens,
+        "num_params": num_params, "tokens_per_step": tokens, "pack_tokens": cfg.pack_tokens,
         "step_s": {k: round(v, 4) for k, v in median.items()},
         "ratio_thunder_K0_vs_sync": round(median["thunder_K0"] / median["sync"], 4),
         "ratio_thunder_Kinf_vs_sync": round(median["thunder_Kinf"] / median["sync"], 4),
@@ -162,7 +165,8 @@ def main(argv: Sequence[str]) -> int:
                 result[f"mfu_{mode}"] = round(flops_per_token * tokens / median[mode] / (peak * 1e12 * world), 4)
     if pgs.rank == 0:
         print(f"model {num_params / 1e6:.2f}M params, {len(batch)} trajectories x {args.seq_len} tokens, "
-              f"layout tp={pgs.dims.tp} pp={pgs.dims.pp} dp={pgs.dims.dp}, {result['device']}")
+              f"layout tp={pgs.dims.tp} pp={pgs.dims.pp} dp={pgs.dims.dp}, pack_tokens {cfg.pack_tokens}, "
+              f"{result['device']}")
         for k, v in median.items():
             print(f"  {k:<14} step {v * 1e3:9.1f} ms   {tokens / v:10.0f} tokens/s")
         print(f"  thunder/sync: K=0 {result['ratio_thunder_K0_vs_sync']:.3f}, "

@@ -179,6 +179,16 @@ class LearnerConfig(Strict):
     optimizer: LearnerOptimizerConfig = LearnerOptimizerConfig()
     reference: ReferenceModelConfig = ReferenceModelConfig()
     seed: int = 1234
+    pack_tokens: int = Field(4096, ge=0)
+    """The most tokens of one packed micro-batch: a schedule call over several trajectories (the
+    batch-synchronous gradient, a closing group's summed backward, token logprobs, SFT) groups
+    them, in order, into micro-batches of rows x longest padded length <= pack_tokens, one
+    [rows, length] forward each (``megathunder.learner.backend.run_schedule``); a longer
+    trajectory is a micro-batch alone. 0: one trajectory per micro-batch. Exact either way (the
+    loss of a micro-batch is the sum of its trajectories'); it trades per-micro-batch overhead
+    (one forward and backward's launches, a pipeline stage hand-off) for activation memory, which
+    grows with the tokens of one micro-batch (the local spec's unfused attention also with rows x
+    length^2 scores). Context parallelism: ignored (one trajectory per micro-batch)."""
 
     @model_validator(mode="after")
     def _check(self) -> LearnerConfig:

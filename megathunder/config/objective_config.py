@@ -220,6 +220,13 @@ class LedgerConfig(Strict):
     reward_free_terms: Literal["with_score", "at_finish"] = "with_score"
     """When KL/entropy gradients are computed: in the same forward as the trajectory's score
     gradient (fewest passes), or as soon as the trajectory finishes (earliest)."""
+    pack_ready_work: bool = True
+    """Ready-work packing (thunder): an event that finds more learner calls queued behind it only
+    records what it makes known; the call that finds the queue empty runs every backward pass
+    held back so, closed groups' members of all groups in one packed schedule call
+    (``GradientLedger.hold`` / ``release``). The same update up to fp32 reassociation; which
+    events were held depends on the learner's timing, which the journal does not record, so a
+    replay (``megathunder replay``) reproduces such a run within rounding, bitwise only with false."""
     hold_groups_until_close: bool = False
     """Keep every part of a group's gradient in its slot until all its rewards are in, so a group
     can still be dropped at its last reward (a failed trajectory). Derived: true whenever

@@ -1,4 +1,4 @@
-"""The gradient ledger's backend on Megatron: each trajectory is a micro-batch of Megatron's own
+"""The gradient ledger's backend on Megatron: trajectories are the micro-batches of Megatron's own
 forward-backward schedule (pipeline parallel included), accumulating into DDP's gradient buffers.
 
 The "live" gradient storage the ledger reads is ``DistributedDataParallel.buffers[*].grad_data``
@@ -21,6 +21,24 @@ positions' share, so ``loss_fn`` still sees one whole trajectory -- per-sequence
 aggregation's nu_i, sequence-level TIS) stay what they are -- and every CP rank computes the same
 loss; each rank's backward then covers the paths through its own chunks, and the DP x CP gradient
 reduction in ``step`` sums them into the trajectory's gradient.
+
+Packing (``learner.pack_tokens``). A schedule call over many short trajectories would pay one
+micro-batch's fixed cost (a forward and a backward's launches, a pipeline hand-off) per trajectory
+-- on the quickstart that overhead, not the arithmetic, set the step time. So ``run_schedule``
+groups the trajectories, in order, into micro-batches of at most ``pack_tokens`` tokens, counted
+as rows x longest padded length (``megathunder.trajectory.pack_micro_batches``; a trajectory
+longer than that is a micro-batch alone), each one [rows, T_max] forward, right-padded. It is
+exact for the same reasons padding is, one row at a time: nothing in the model mixes the rows of
+a batch (attention is per row and causal, norms, RoPE and matmuls act per position), every row
+starts at position 0, and each row's pads come after its real positions, their targets cut off
+before the loss. The micro-batch's loss is the sum of its rows' losses, each ``loss_fn(k, ...)``
+given one whole trajectory's logprobs, so per-sequence terms stay exact and the gradient is the
+sum of the trajectories' gradients -- reassociated (a weight gradient's GEMM sums a micro-batch's
+tokens at once), so equal up to fp32 rounding, not bitwise. Under PP the micro-batches' shapes
+vary in both the sequence and the batch dimension; Megatron's ``variable_seq_lengths`` sends each
+hand-off's full shape first, so no row padding is needed. Under SP the padded length is a
+multiple of TP as before (the batch dimension is not split). Under CP the sequence gather is per
+trajectory, so CP falls back to one trajectory per micro-batch.
 """
 
 from __future__ import annotations
@@ -40,7 +58,7 @@ from megathunder.learner.logprobs import vocab_parallel_logprobs
 from megathunder.learner.parallel import ProcessGroups
 from megathunder.objectives import LossSpec, trajectory_loss
 from megathunder.streaming.buffers import GradBuffer
-from megathunder.trajectory import Trajectory
+from megathunder.trajectory import Trajectory, pack_micro_batches
 
 
 def run_schedule(
@@ -52,63 +70,81 @@ def run_schedule(
     need_entropy: bool,
     forward_only: bool = False,
     temperature: float = 1.0,
+    pack_tokens: int = 0,
 ) -> list[dict]:
-    """One Megatron forward(-backward) schedule call with one micro-batch per trajectory.
+    """One Megatron forward(-backward) schedule call over ``items``, several trajectories packed
+    into each micro-batch.
 
-    ``loss_fn(k, logp_T, entropy_T)`` gives micro-batch k's scalar loss on the last stage, the
-    logprobs (and entropy) being those of softmax(logits / ``temperature``). Returns, on the last
-    stage, one dict per micro-batch with its detached ``logp`` (and ``entropy``).
+    The trajectories are grouped in order into micro-batches of at most ``pack_tokens`` tokens
+    (rows x padded length, ``pack_micro_batches``; 0: one trajectory per micro-batch). A
+    micro-batch is one [b, T_max] forward, right-padded; its loss is the sum of its
+    trajectories' losses. ``loss_fn(k, logp_T, entropy_T)`` gives trajectory k's scalar loss on
+    the last stage from its own logprobs (and entropy) of softmax(logits / ``temperature``), so
+    per-sequence terms stay exact. Under context parallelism every micro-batch holds one
+    trajectory (the CP gather is per sequence; ``pack_tokens`` is ignored). Returns, on the last
+    stage, one dict per trajectory (in ``items`` order) with its detached ``logp`` (and
+    ``entropy``); nothing on other stages.
     """
     device = pgs.device
     dims = pgs.dims
-    index = iter(range(len(items)))
+    lengths = [padded_length(t.tokens.numel() - 1, dims.seq_multiple) for t in items]
+    groups = pack_micro_batches(lengths, pack_tokens if dims.cp == 1 else 0)
+    index = iter(groups)
 
     def forward_step(data_iterator, model):
-        k = next(data_iterator)
-        tokens = items[k].tokens.to(device)
-        num_targets = tokens.numel() - 1
-        pad = padded_length(num_targets, dims.seq_multiple) - num_targets
-        inputs, labels = F.pad(tokens[:-1], (0, pad)), F.pad(tokens[1:], (0, pad))
-        positions = torch.arange(inputs.numel(), device=device)
-        if dims.cp > 1:
+        ks = next(data_iterator)
+        width = max(lengths[k] for k in ks)
+        inputs = torch.zeros(len(ks), width, dtype=torch.long, device=device)
+        labels = torch.zeros_like(inputs)
+        for row, k in enumerate(ks):
+            tokens = items[k].tokens.to(device)
+            inputs[row, : tokens.numel() - 1] = tokens[:-1]
+            labels[row, : tokens.numel() - 1] = tokens[1:]
+        positions = torch.arange(width, device=device)[None].expand(len(ks), width)
+        if dims.cp > 1:  # one trajectory per micro-batch (above)
             from megatron.core.utils import get_batch_on_this_cp_rank
 
-            local = get_batch_on_this_cp_rank({"tokens": inputs[None], "labels": labels[None],
-                                               "position_ids": positions[None]}, pgs.cp)
-            inputs, labels, positions = local["tokens"][0], local["labels"][0], local["position_ids"][0]
-        output = model(inputs[None], positions[None], attention_mask=None)
-        return output, partial(_loss_func, k, labels, num_targets)
+            local = get_batch_on_this_cp_rank({"tokens": inputs, "labels": labels, "position_ids": positions}, pgs.cp)
+            inputs, labels, positions = local["tokens"], local["labels"], local["position_ids"]
+        output = model(inputs, positions, attention_mask=None)
+        return output, partial(_loss_func, ks, labels)
 
-    def _loss_func(k, labels, num_targets, output):
-        logp, entropy = vocab_parallel_logprobs(output[0], labels, pgs.tp, need_entropy, temperature)
-        if dims.cp > 1:
-            logp = gather_sequence(logp, pgs)
-            entropy = None if entropy is None else gather_sequence(entropy, pgs)
-        logp = logp[:num_targets]
-        entropy = None if entropy is None else entropy[:num_targets]
-        loss = loss_fn(k, logp, entropy)
-        report = {"logp": logp.detach()}
-        if entropy is not None:
-            report["entropy"] = entropy.detach()
-        return loss, torch.ones((), dtype=torch.int, device=device), report
+    def _loss_func(ks, labels, output):
+        logps, entropies = vocab_parallel_logprobs(output, labels, pgs.tp, need_entropy, temperature)
+        losses, reports = [], []
+        for row, k in enumerate(ks):
+            logp, entropy = logps[row], None if entropies is None else entropies[row]
+            if dims.cp > 1:
+                logp = gather_sequence(logp, pgs)
+                entropy = None if entropy is None else gather_sequence(entropy, pgs)
+            num_targets = items[k].tokens.numel() - 1
+            logp = logp[:num_targets]
+            entropy = None if entropy is None else entropy[:num_targets]
+            losses.append(loss_fn(k, logp, entropy))
+            report = {"logp": logp.detach()}
+            if entropy is not None:
+                report["entropy"] = entropy.detach()
+            reports.append(report)
+        loss = losses[0] if len(losses) == 1 else torch.stack(losses).sum()
+        return loss, torch.ones((), dtype=torch.int, device=device), reports
 
-    seq_length = padded_length(max(t.tokens.numel() - 1 for t in items), dims.seq_multiple)
     extra = {}
     if pgs.dims.pp > 1:
         config = ddp_model.config
-        config.variable_seq_lengths = True  # one micro-batch per trajectory, each its own length
+        config.variable_seq_lengths = True  # every micro-batch its own [T_max, b] (shapes are sent first)
         extra["p2p_communicator"] = P2PCommunicator(pp_group=pgs.pp, config=config)
-    return get_forward_backward_func()(
+    out = get_forward_backward_func()(
         forward_step_func=forward_step,
         data_iterator=index,
         model=[ddp_model],
-        num_microbatches=len(items),
-        seq_length=seq_length,
-        micro_batch_size=1,
+        num_microbatches=len(groups),
+        seq_length=max(lengths),
+        micro_batch_size=max(len(ks) for ks in groups),
         forward_only=forward_only,
         pg_collection=pgs.collection,
         **extra,
     )
+    return [report for reports in out for report in reports]
 
 
 def padded_length(num_targets: int, multiple: int) -> int:
@@ -158,8 +194,9 @@ class MegatronBackend:
     """``GradientBackend`` over a Megatron ``DistributedDataParallel`` model chunk."""
 
     def __init__(self, ddp_model: DistributedDataParallel, pgs: ProcessGroups, objective: RLObjective | None,
-                 temperature: float = 1.0) -> None:
+                 temperature: float = 1.0, pack_tokens: int = 0) -> None:
         self.ddp = ddp_model
+        self.pack_tokens = pack_tokens  # learner.pack_tokens: backward_sum's micro-batches
         self.pgs = pgs
         self.objective = objective
         self.temperature = temperature  # the sampling temperature: logprobs of softmax(z / T)
@@ -191,7 +228,8 @@ class MegatronBackend:
             yield self.live
 
     def backward_sum(self, trajs: Sequence[Trajectory], specs: Sequence[LossSpec]) -> GradBuffer:
-        """Sum of several trajectories' gradients from one schedule call (pipelined under PP)."""
+        """Sum of several trajectories' gradients from one schedule call (pipelined under PP), packed
+        into micro-batches of at most ``learner.pack_tokens`` tokens."""
         objective = self._objective()
         self.ddp.zero_grad_buffer()
         with self.ddp.no_sync():
@@ -199,6 +237,7 @@ class MegatronBackend:
                 self.ddp, self.pgs, list(trajs),
                 lambda k, logp, ent: trajectory_loss(logp, ent, trajs[k], specs[k], objective),
                 need_entropy=objective.entropy_coef > 0, temperature=self.temperature,
+                pack_tokens=self.pack_tokens,
             )
         self.num_backward += len(trajs)
         return self.live

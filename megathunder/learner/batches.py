@@ -129,6 +129,14 @@ class Batch(abc.ABC):
     def close(self) -> BatchOutcome:
         """Every event is in: leave this rank's share of the batch's gradient in DDP's buffers."""
 
+    def hold_work(self) -> None:
+        """More events are queued behind the next one: hold back the backward passes events make
+        due until ``release_work`` (streamed GRPO: ``GradientLedger.hold``), so what is ready
+        then goes in one packed schedule call. Default: nothing is held."""
+
+    def release_work(self) -> None:
+        """The learner is free: run what ``hold_work`` held back."""
+
     def _left_after_last_reward(self) -> int:
         return self.passes() - self._passes_at_last_reward
 
@@ -217,6 +225,14 @@ class GRPOBatch(Batch):
             self.ledger.on_reward(traj_id, reward)
         self.rewards[traj_id] = reward
 
+    def hold_work(self) -> None:
+        if self.streamed and self.ledger.config.pack_ready_work:
+            self.ledger.hold()
+
+    def release_work(self) -> None:
+        if self.streamed:
+            self.ledger.release()
+
     def close(self) -> BatchOutcome:
         if self.streamed:
             result = self.ledger.close_batch()
@@ -238,7 +254,8 @@ class GRPOBatch(Batch):
 def grpo_gradient(learner: MegatronLearner, batch: Sequence[Trajectory], rewards: Sequence[float],
                   owner: Sequence[int] | None = None) -> tuple[float, list[int]]:
     """GRPO's batch-synchronous gradient: every reward known; this rank's kept trajectories (all
-    when ``owner`` is None) as the micro-batches of one schedule call; the unnormalised sum, then
+    when ``owner`` is None) in one schedule call, packed into micro-batches of up to
+    ``learner.pack_tokens`` tokens (``run_schedule``); the unnormalised sum, then
     one division by Z (the functions the ledger and the plain reference use). Returns Z and the
     indices of this rank's trajectories. Then ``step``."""
     advantages, z = batch_advantages(batch, rewards, _rl(learner))
@@ -287,7 +304,7 @@ def _old_logprobs(learner: MegatronLearner, batch: Sequence[Trajectory],
 def _reward_terms(learner: MegatronLearner, batch: Sequence[Trajectory], advantages: Sequence[float | None],
                   owner: Sequence[int] | None, old: Mapping[int, torch.Tensor] | None = None) -> list[int]:
     """This rank's kept trajectories' unnormalised loss gradients, added to DDP's buffers as the
-    micro-batches of one schedule call; returns their indices. ``old``: the PPO ratio's old
+    micro-batches of one schedule call (packed, ``learner.pack_tokens``); returns their indices. ``old``: the PPO ratio's old
     logprobs by batch index (default: the current ones, ratio 1)."""
     objective = _rl(learner)
     mine = [i for i, a in enumerate(advantages)
@@ -301,6 +318,7 @@ def _reward_terms(learner: MegatronLearner, batch: Sequence[Trajectory], advanta
                 learner.ddp, learner.pgs, items,
                 lambda k, logp, ent: trajectory_loss(logp, ent, items[k], specs[k], objective, old_logp_T=olds[k]),
                 need_entropy=objective.entropy_coef > 0, temperature=learner.temperature,
+                pack_tokens=learner.cfg.pack_tokens,
             )
     return mine
 
@@ -463,6 +481,14 @@ class OPDGRPOBatch(OPDBatch):
         if self.streamer is not None:
             self.ledger.on_reward(traj_id, reward)
         self.rewards[traj_id] = reward
+
+    def hold_work(self) -> None:
+        if self.streamer is not None and self.ledger.config.pack_ready_work:
+            self.ledger.hold()
+
+    def release_work(self) -> None:
+        if self.streamer is not None:
+            self.ledger.release()
 
     def close(self) -> BatchOutcome:
         if self.streamer is not None:

@@ -16,6 +16,9 @@ learner rank, the owner of the trajectory doing its backward passes)::
       LearnerEndpoint.reward      batch.on_reward(traj_id, r)
         GradientLedger.on_reward  backend.backward -> run_schedule -> trajectory_loss    (its gradient)
                                   group complete: slot folded into P with the group's advantages
+                                  (more calls queued behind it: the work is held, and the call
+                                  that finds the queue empty runs it -- LearnerEndpoint.ready_work,
+                                  GradientLedger.release: closed groups' members in one packed call)
     run_thunder                   service.call(LearnerEndpoint.close)
       LearnerEndpoint.close       batch.close() -> ledger.close_batch(): P / Z into DDP's buffers
     Trainer.finish_step           service.call(LearnerEndpoint.step)
@@ -50,6 +53,7 @@ class LearnerEndpoint:
     def __init__(self, learner: MegatronLearner, checkpoint_dir: Path, teacher: CachedTeacher | None = None) -> None:
         self.learner, self.checkpoint_dir, self.teacher = learner, checkpoint_dir, teacher
         self._batch: Batch | None = None
+        self.more_queued = False  # set by the service before each call: more calls wait behind it
         self.sender = StageSender(learner.model, learner.model_cfg, learner.pgs, learner.offset)
 
     # ------------------------------------------------------------------ a batch's events
@@ -67,11 +71,25 @@ class LearnerEndpoint:
         self._current().on_turn(traj_id, tokens, start, end)
 
     def finished(self, traj: Trajectory) -> None:
-        self._current().on_finished(traj)
+        self._batch_for_event().on_finished(traj)
 
     def reward(self, traj_id: int, reward: float | None) -> None:
         """``None``: the trajectory failed and its group leaves the batch."""
-        self._current().on_reward(traj_id, reward)
+        self._batch_for_event().on_reward(traj_id, reward)
+
+    def ready_work(self) -> None:
+        """The service's hook after a call with nothing queued behind it: the learner is free, so
+        it runs everything the calls before held back (``Batch.release_work``)."""
+        if self._batch is not None:
+            self._batch.release_work()
+
+    def _batch_for_event(self) -> Batch:
+        """The current batch, told to hold its backward work when more calls are queued: a run of
+        queued events is bookkept first, and its work goes in packed calls at ``ready_work``."""
+        batch = self._current()
+        if self.more_queued:
+            batch.hold_work()
+        return batch
 
     def close(self) -> BatchOutcome:
         outcome = self._current().close()

@@ -59,7 +59,7 @@ class MegatronLearner:
         self.offset = layer_offset(model_cfg, pgs)
         rl = objective if isinstance(objective, RLObjective) else None  # the reward part, if any
         self.temperature = temperature  # rollout.temperature: the policy trained is softmax(z / T), what vLLM samples
-        self.backend = MegatronBackend(ddp, pgs, rl, temperature)
+        self.backend = MegatronBackend(ddp, pgs, rl, temperature, cfg.pack_tokens)
         self.ledger = GradientLedger(self.backend, rl, ledger_cfg) if rl is not None else None
         self.reference = reference
         self.hf_dir = hf_dir  # the Hugging Face directory the weights came from (tokenizer, config)
@@ -155,7 +155,8 @@ class MegatronLearner:
         if offloaded:
             model.to(self.pgs.device)
         out = run_schedule(model, self.pgs, list(trajs), lambda k, logp, ent: logp.sum() * 0,
-                           need_entropy=need_entropy, forward_only=True, temperature=self.temperature)
+                           need_entropy=need_entropy, forward_only=True, temperature=self.temperature,
+                           pack_tokens=self.cfg.pack_tokens)
         if offloaded:
             model.to("cpu")
         if not self.pgs.is_last_stage:

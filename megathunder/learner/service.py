@@ -16,6 +16,13 @@ weight gather) then line up on all ranks by construction.
 
 Each call is timed; the spans feed the run's timeline.
 
+Ready work. Rank 0 tells every rank, with each call, whether more calls were already queued behind
+it when it started (``more_queued``, set on the endpoint before the call). An endpoint with a
+``ready_work`` method has it run after each call that had none queued behind it: the learner is
+about to be free, so work that the queued calls held back (``LearnerEndpoint``: backward passes
+of a run of events) runs then, packed. The flag travels with the call, so all ranks hold and
+release at the same calls.
+
 Failure: every rank writes a heartbeat to the job's store each second. When a collective fails on
 rank 0 (gloo notices a dead peer within a second), it names the ranks whose heartbeat stopped and
 raises ``LearnerRankLost``; the run ends at once, and the last checkpoint (written atomically)
@@ -110,6 +117,7 @@ class LearnerService(Generic[E]):
         self._heartbeat = _Heartbeat(self.rank, self.world_size) if self.world_size > 1 else None
         self._lock = threading.Lock()
         self._queued: set[concurrent.futures.Future] = set()
+        self._num_submitted = self._num_started = 0  # calls, for ``more_queued``
 
     # ------------------------------------------------------------------ controller (rank 0)
 
@@ -118,6 +126,8 @@ class LearnerService(Generic[E]):
         name = method.__name__
         if getattr(type(self.endpoint), name, None) is not method:
             raise TypeError(f"{method!r} is not a method of {type(self.endpoint).__name__}")
+        with self._lock:
+            self._num_submitted += 1
         future = self._pool.submit(self._run, name, args, kwargs)
         with self._lock:
             self._queued.add(future)
@@ -159,11 +169,14 @@ class LearnerService(Generic[E]):
         return box[0]
 
     def _run(self, method: str, args: tuple, kwargs: dict[str, Any]) -> Any:
+        with self._lock:
+            self._num_started += 1
+            more = self._num_submitted > self._num_started  # calls queued behind this one
         if self.world_size == 1:
-            return self._execute(method, args, kwargs)
+            return self._execute(method, args, kwargs, more)
         try:
-            self._broadcast((method, args, kwargs))
-            return None if method == _STOP else self._execute(method, args, kwargs)
+            self._broadcast((method, args, kwargs, more))
+            return None if method == _STOP else self._execute(method, args, kwargs, more)
         except RuntimeError as err:  # gloo: a peer closed its connection or timed out
             silent = self._beats.silent_ranks()
             if not silent:
@@ -174,10 +187,16 @@ class LearnerService(Generic[E]):
                 f"resumes from its last checkpoint when restarted ({str(err).splitlines()[0][:200]})"
             ) from err
 
-    def _execute(self, method: str, args: tuple, kwargs: dict[str, Any]) -> Any:
+    def _execute(self, method: str, args: tuple, kwargs: dict[str, Any], more_queued: bool = False) -> Any:
         start = time.monotonic()
+        ready_work = getattr(self.endpoint, "ready_work", None)
         try:
-            return getattr(self.endpoint, method)(*args, **kwargs)
+            if ready_work is not None:
+                self.endpoint.more_queued = more_queued  # type: ignore[attr-defined]
+            result = getattr(self.endpoint, method)(*args, **kwargs)
+            if ready_work is not None and not more_queued:
+                ready_work()
+            return result
         finally:
             with self._lock:
                 self.spans.append(Span(method, start, time.monotonic(), self.step_index))
@@ -188,7 +207,7 @@ class LearnerService(Generic[E]):
         """Run rank 0's calls until it stops the service."""
         while True:
             try:
-                method, args, kwargs = self._broadcast(None)
+                method, args, kwargs, more = self._broadcast(None)
             except RuntimeError as err:
                 raise LearnerRankLost(
                     f"learner rank {self.rank}: lost the controller (rank 0): {str(err).splitlines()[0][:200]}"
@@ -196,7 +215,7 @@ class LearnerService(Generic[E]):
             if method == _STOP:
                 self._beats.stop()
                 return
-            self._execute(method, args, kwargs)
+            self._execute(method, args, kwargs, more)
 
     def forget_spans_before(self, step: int) -> None:
         """Drop the spans of optimizer steps before ``step`` (the timeline keeps a window)."""

@@ -15,7 +15,10 @@ the bytes of ``learner.precision.params_dtype``:
     ledger (thunder)      P (and P_A) in fp32 + K_eff slots x (2, or 1 std-free) x P x slot bytes,
                           on the device or in host memory (+ one fp32 staging buffer on each side)
     activations           the longest allowed trajectory (agent.max_total_tokens), in flight on up
-                          to min(PP - stage, micro-batches per schedule call) micro-batches (1F1B)
+                          to min(PP - stage, micro-batches per schedule call) micro-batches (1F1B),
+                          each packing up to r = max(1, learner.pack_tokens // s) trajectories
+                          (rows x length <= pack_tokens; CP: r = 1), at most the call's trajectories
+                          in all; the backward's working set is one micro-batch's r rows
     reference             P e, or in host memory with learner.reference.offload_to_cpu
     teacher, OPD state    the teacher's P_T e; per kept trajectory its K/V cache and the student's
                           retained segment graphs (objective.max_cached_trajectories)
@@ -363,13 +366,16 @@ def plan(cfg: Config, shape: ModelShape, machine: Machine, teacher: ModelShape |
         entropy=rl is not None and rl.entropy_coef > 0)
     group = cfg.batch.samples_per_prompt
     per_rank = -(-cfg.batch.num_prompts_per_batch * group // dp)
-    calls = group if thunder else per_rank  # most micro-batches in one schedule call (thunder: a closing group)
+    # most trajectories in one schedule call: the batch's (sync), or what one release of held ready
+    # work sends (thunder: the members of every group closed meanwhile, up to the rank's batch)
+    calls = per_rank
+    rows = min(max(1, learner.pack_tokens // s_padded) if cp == 1 else 1, calls)  # trajectories per micro-batch
 
     best: tuple[float, int, list[Line]] | None = None
     rank0: list[Line] = []
     for stage in range(pp):
-        micro = min(pp - stage, calls)  # 1F1B: stage r holds up to pp - r micro-batches' activations
-        lines = _rank_lines(cfg, shape, act, stage, tp, pp, dp, e, s_padded, micro, gpu, out, teacher)
+        micro = min((pp - stage) * rows, calls)  # 1F1B: stage r holds up to pp - r micro-batches' activations
+        lines = _rank_lines(cfg, shape, act, stage, tp, pp, dp, e, s_padded, micro, gpu, out, teacher, rows)
         if stage == 0:
             rank0 = [line for line in lines if line.rank0_only]
         total = sum(line.device for line in lines)
@@ -408,7 +414,9 @@ def _divides(shape: ModelShape, tp: int, pp: int, cp: int, cp_comm: str, prefix:
 
 
 def _rank_lines(cfg: Config, shape: ModelShape, act: ActivationModel, stage: int, tp: int, pp: int, dp: int,
-                e: int, s: int, micro: int, gpu: bool, out: Plan, teacher: ModelShape | None) -> list[Line]:
+                e: int, s: int, micro: int, gpu: bool, out: Plan, teacher: ModelShape | None,
+                rows: int = 1) -> list[Line]:
+    """``micro``: trajectories whose activations are in flight at once; ``rows``: of one micro-batch."""
     learner, obj = cfg.learner, cfg.objective
     layers_p, vocab_p, norm_p = stage_params(shape, tp, pp, stage)
     p = layers_p + vocab_p + norm_p
@@ -425,8 +433,9 @@ def _rank_lines(cfg: Config, shape: ModelShape, act: ActivationModel, stage: int
         lines.extend(_ledger_lines(cfg, rl, p, gpu, out))
     stored = act.stage_bytes(s, shape.layers // pp, stage == 0, stage == pp - 1)
     recompute = learner.activations.recompute
-    lines.append(Line("activations", device=micro * stored["layers"] + stored["backward"],
-                      note=f"{s} tokens x {micro} in flight, recompute {recompute}, "
+    lines.append(Line("activations", device=micro * stored["layers"] + rows * stored["backward"],
+                      note=f"{s} tokens x {micro} in flight{f' ({rows} per micro-batch)' if rows > 1 else ''}, "
+                           f"recompute {recompute}, "
                            f"{'SP, ' if act.sp else ''}{act.attention} attention"))
     if stored["logits"]:
         lines.append(Line("logits", device=micro * stored["logits"], note="fp32 logprob tensors [s, V/tp]"))

@@ -175,6 +175,7 @@ class GradientLedger:
         self._num_slots_used = 0
         self.max_slots = self.config.max_group_slots  # K in force; the budget is applied in begin_batch
         self.events: list[tuple[float, str, int]] = []  # (time, kind, id) for timelines
+        self._held: list[_Traj] | None = None  # work held back for one packed call (``hold``)
 
     # ------------------------------------------------------------------ events
 
@@ -267,6 +268,29 @@ class GradientLedger:
         else:
             self._advance(t)
 
+    def hold(self) -> None:
+        """Hold back the backward passes that events make due, until ``release``: more events are
+        queued behind this one, so the learner takes what is ready then in as few schedule calls
+        as possible (ready-work packing). Exact for the same reason any event order is: an event
+        only records what is known; each held trajectory's work runs at ``release`` with
+        everything known by then (its group may have closed meanwhile: it goes direct instead of
+        into a slot, as a trajectory that found no slot would)."""
+        if self._P is None:
+            raise LedgerError("hold: no batch is open")
+        if self._held is None:
+            self._held = []
+
+    def release(self) -> None:
+        """Run the held work: every held direct-mode trajectory (its group closed and kept), of
+        whatever group, in one ``backward_sum`` (packed, pipelined); then the rest (slot writes,
+        reward-free terms) one trajectory at a time, in the order they were held."""
+        held, self._held = self._held, None
+        if not held:
+            return
+        held = list({id(t): t for t in held}.values())
+        self._direct_sum([t for t in held if t.group.closed])
+        self._advance_all(held)
+
     def close_batch(self) -> BatchResult:
         """All groups closed: normalise once and hand the gradient to the backend."""
         if self._P is None:
@@ -277,6 +301,7 @@ class GradientLedger:
                     f"close_batch: group {g.group_id} is still open "
                     f"({g.num_rewards}/{len(g.members)} rewards)"
                 )
+        self.release()
         pending = [t.traj_id for t in self._order if t.data is not None and t.group.keep and not t.score_done]
         assert not pending, f"internal: trajectories {pending} were never processed"
         kept = [t for t in self._order if t.group.keep]
@@ -368,27 +393,39 @@ class GradientLedger:
         With a backend that can sum several trajectories in one pass (``backward_sum``: one
         schedule call, so a pipeline-parallel learner pipelines them), every direct-mode
         trajectory of the group goes in one call; otherwise one at a time in sample order
-        (the order the bitwise oracle relies on).
+        (the order the bitwise oracle relies on). Held (``hold``): all of it waits for ``release``.
         """
+        if self._held is not None:
+            self._held.extend(g.members)
+            return
+        self._direct_sum(g.members)
+        self._advance_all(g.members)
+
+    def _direct_sum(self, members: Sequence[_Traj]) -> None:
+        """The direct-mode trajectories among ``members`` (group closed and kept, score not yet
+        in), q_i fused, in one ``backward_sum`` when the backend has it and there are several."""
         backward_sum = getattr(self.backend, "backward_sum", None)
         batchable = [
-            m for m in g.members
-            if backward_sum is not None and g.keep and self._PA is None
+            m for m in members
+            if backward_sum is not None and m.group.keep and m.group.closed and self._PA is None
             and m.data is not None and not m.score_done
         ]
         if backward_sum is not None and len(batchable) > 1:
             specs = []
             for m in batchable:
                 fuse = self._has_reward_free and not m.reward_free_done
-                specs.append(LossSpec(advantage=advantage(m.known_reward, g.closed_stats), reward_free=fuse))
+                specs.append(LossSpec(advantage=advantage(m.known_reward, m.group.closed_stats), reward_free=fuse))
             self._accumulator.add_(backward_sum([m.data for m in batchable], specs))
             for m in batchable:
                 m.score_done = m.reward_free_done = True
-            self._log("backward:direct-sum", g.group_id)
-        self._advance_all(g.members)
+            self._log("backward:direct-sum", batchable[0].group.group_id)
 
     def _advance(self, t: _Traj) -> None:
-        """Run every part of t's gradient whose coefficient is now known, in one forward."""
+        """Run every part of t's gradient whose coefficient is now known, in one forward (held:
+        later, at ``release``)."""
+        if self._held is not None:
+            self._held.append(t)
+            return
         g = t.group
         if t.data is None or t.num_loss_tokens is None:
             return

@@ -6,7 +6,9 @@
        each micro-batch's unnormalised loss ``sum_i loss_i(A_i, keep)`` backpropagated and
        accumulated in sample order -- then the accumulated gradient divided by Z once.
 
-With ``micro_batch_size=None`` the whole batch is one padded forward and one backward. Every
+With ``micro_batch_size=None`` the whole batch is one padded forward and one backward;
+``pack_tokens`` groups the micro-batches as the Megatron learner's ``learner.pack_tokens`` does
+(``trajectory.pack_micro_batches``). Every
 streamed update in this project is tested against this function; ``reference_ppo_update`` is the
 same for several optimizer steps per batch (PPO epochs and mini-batches).
 """
@@ -31,7 +33,7 @@ from megathunder.objectives import (
     trajectory_loss,
 )
 from megathunder.objectives.ppo import update_plan
-from megathunder.trajectory import Trajectory
+from megathunder.trajectory import Trajectory, pack_micro_batches
 
 
 def batch_advantages(
@@ -86,17 +88,22 @@ def reference_gradient(
     rewards: Sequence[float],
     cfg: RLObjective,
     micro_batch_size: int | None = None,
+    pack_tokens: int | None = None,
 ) -> torch.Tensor:
-    """The flat gradient (parameters in ``model.parameters()`` order) of the batch loss."""
+    """The flat gradient (parameters in ``model.parameters()`` order) of the batch loss, its
+    micro-batches of ``micro_batch_size`` trajectories or, with ``pack_tokens``, packed by tokens."""
     params = [p for p in model.parameters() if p.requires_grad]
     saved = [p.grad for p in params]  # e.g. a TorchBackend's views; restored below
     for p in params:
         p.grad = None
     advantages, z = batch_advantages(batch, rewards, cfg)
     kept = [(i, a) for i, a in enumerate(advantages) if a is not None]
-    step = micro_batch_size or max(len(kept), 1)
-    for start in range(0, len(kept), step):
-        chunk = kept[start : start + step]
+    if pack_tokens is not None:
+        chunks = [[kept[j] for j in g] for g in pack_micro_batches([batch[i].num_targets for i, _ in kept], pack_tokens)]
+    else:
+        step = micro_batch_size or max(len(kept), 1)
+        chunks = [kept[start : start + step] for start in range(0, len(kept), step)]
+    for chunk in chunks:
         loss = batch_loss(model, [batch[i] for i, _ in chunk], [a for _, a in chunk], cfg)
         loss.backward()
     grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]

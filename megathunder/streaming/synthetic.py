@@ -123,17 +123,30 @@ def feed_events(
     events: Sequence[Event],
     owner: Callable[[Trajectory], bool] | None = None,
     num_loss_tokens: Callable[[Trajectory], int] | None = None,
+    queued: Sequence[bool] | None = None,
 ) -> None:
     """Deliver ``events`` to a gradient ledger. With ``owner``, trajectories it rejects finish as
-    another data-parallel rank's (their loss-token count from ``num_loss_tokens``)."""
+    another data-parallel rank's (their loss-token count from ``num_loss_tokens``). ``queued[k]``:
+    more events were queued behind event k, as the learner service reports it -- the ledger holds
+    its work before the event and releases it after one with nothing queued (``LearnerEndpoint``)."""
     by_id = {t.traj_id: t for t in batch}
     reward_of = {t.traj_id: r for t, r in zip(batch, rewards, strict=True)}
-    for ev in events:
-        traj = by_id[ev.traj_id]
-        if ev.kind == "reward":
-            ledger.on_reward(ev.traj_id, reward_of[ev.traj_id])
-        elif owner is None or owner(traj):
-            ledger.on_finished(traj)
-        else:
-            assert num_loss_tokens is not None, "feed_events: owner needs num_loss_tokens"
-            ledger.on_remote_finished(ev.traj_id, num_loss_tokens(traj))
+    for k, ev in enumerate(events):
+        more = queued is not None and queued[k]
+        if more:
+            ledger.hold()
+        _deliver(ledger, by_id, reward_of, ev, owner, num_loss_tokens)
+        if not more:
+            ledger.release()
+
+
+def _deliver(ledger: GradientLedger, by_id: dict[int, Trajectory], reward_of: dict[int, float], ev: Event,
+             owner: Callable[[Trajectory], bool] | None, num_loss_tokens: Callable[[Trajectory], int] | None) -> None:
+    traj = by_id[ev.traj_id]
+    if ev.kind == "reward":
+        ledger.on_reward(ev.traj_id, reward_of[ev.traj_id])
+    elif owner is None or owner(traj):
+        ledger.on_finished(traj)
+    else:
+        assert num_loss_tokens is not None, "feed_events: owner needs num_loss_tokens"
+        ledger.on_remote_finished(ev.traj_id, num_loss_tokens(traj))

@@ -54,7 +54,7 @@ def sft_step(learner: MegatronLearner, batch: list[Trajectory]) -> float:
             return -(logp * mine[k].loss_mask.to(logp.device)).sum() / num_tokens
 
         with learner.ddp.no_sync():
-            out = run_schedule(learner.ddp, pgs, mine, loss, need_entropy=False)
+            out = run_schedule(learner.ddp, pgs, mine, loss, need_entropy=False, pack_tokens=learner.cfg.pack_tokens)
         if pgs.is_last_stage:
             total = -sum(float((o["logp"].cpu() * t.loss_mask).sum()) for o, t in zip(out, mine))
     learner.step()

@@ -7,6 +7,9 @@ gradient and, from the same starting point, one with the batch-synchronous gradi
 saves the full (gathered) parameters before and after each.
 
 MODE ppo: PPO epochs and mini-batches through the sync path; the HF-named weights before and after.
+
+MODE packing: the batch-synchronous gradient, the ledger's summed backward and token logprobs with
+one trajectory per micro-batch and packed (``learner.pack_tokens``); no optimizer step.
 """
 
 from __future__ import annotations
@@ -93,6 +96,50 @@ def equivalence(args) -> None:
     out["sync"] = full_params(learner)
     if not args.dist_opt:
         out["sync_grad"] = full_params(learner, "main_grad")
+    if pgs.rank == 0:
+        torch.save(out, args.out)
+    destroy_distributed()
+
+
+def packing(args) -> None:
+    """Each path unpacked (pack_tokens 0) and packed (``--pack``), from the same weights; the
+    gradients DP-reduced (``finalize_model_grads``, no step), gathered on rank 0."""
+    from megatron.core.distributed import finalize_model_grads
+
+    from megathunder.learner.parallel import from_last_stage
+    from megathunder.objectives import LossSpec
+    from megathunder.streaming.reference import batch_advantages
+    from megathunder.trajectory import pack_micro_batches
+
+    cfg = LearnerConfig.model_validate(_merge({
+        "parallel": {"tensor_parallel": args.tp, "pipeline_parallel": args.pp},
+        "model": {"hf_checkpoint": args.hf},
+        "optimizer": {"name": "sgd", "lr": 1.0, "clip_grad": 0.0, "use_distributed_optimizer": False},
+    }, json.loads(args.learner)))
+    objective = GRPOObjective.model_validate_json(args.objective)
+    pgs = init_distributed(cfg)
+    learner = MegatronLearner.build(cfg, objective, pgs, LedgerConfig(max_group_slots=0))
+    batch, rewards, _ = make_batch(args.seed, learner.model_cfg.vocab_size)
+    owner = [t.traj_id % pgs.dims.dp for t in batch]
+    mine = [t for t, o in zip(batch, owner, strict=True) if o == pgs.dp_rank]
+    advantages, _ = batch_advantages(batch, rewards, objective)
+    specs = [LossSpec(advantage=advantages[t.traj_id], reward_free=objective.has_reward_free_terms) for t in mine]
+
+    def reduced():
+        finalize_model_grads([learner.ddp], None, pg_collection=pgs.collection)  # the DP sum, as ``step``
+        return full_params(learner, "main_grad")
+
+    out: dict = {"groups": pack_micro_batches([t.tokens.numel() - 1 for t in mine], args.pack)}
+    for name, pack in (("unpacked", 0), ("packed", args.pack)):
+        learner.cfg.pack_tokens = learner.backend.pack_tokens = pack
+        if objective.kl_coef > 0:
+            learner.fill_ref_logprobs(batch)
+        out[f"{name}_logp"] = from_last_stage(pgs, learner.token_logprobs(batch))
+        out[f"{name}_ref"] = [t.ref_logprobs for t in batch]
+        grpo_gradient(learner, batch, rewards, owner)
+        out[f"{name}_sync_grad"] = reduced()
+        learner.backend.backward_sum(mine, specs)
+        out[f"{name}_sum_grad"] = reduced()
     if pgs.rank == 0:
         torch.save(out, args.out)
     destroy_distributed()
@@ -234,7 +281,7 @@ def ppo(args) -> None:
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("mode", choices=["equivalence", "checkpoint_save", "checkpoint_resume", "hf_roundtrip", "saved_bytes",
-                                    "ppo"])
+                                    "ppo", "packing"])
     p.add_argument("--seq", type=int, default=64)
     p.add_argument("--ckpt")
     p.add_argument("--export")
@@ -250,11 +297,13 @@ def main() -> None:
     p.add_argument("--temperature", type=float, default=1.0, help="hf_roundtrip: the sampling temperature")
     p.add_argument("--ckpt-optimizer", default="adam", help="checkpoint_save / checkpoint_resume: adam or sgd")
     p.add_argument("--objective", default="{}")
+    p.add_argument("--pack", type=int, default=64, help="packing: learner.pack_tokens of the packed run")
     p.add_argument("--learner", default="{}", help="JSON merged into the LearnerConfig (equivalence)")
     p.add_argument("--ledger", default="{}", help="JSON LedgerConfig fields besides max_group_slots (equivalence)")
     args = p.parse_args()
     {"equivalence": equivalence, "checkpoint_save": checkpoint_save, "checkpoint_resume": checkpoint_resume,
-     "hf_roundtrip": hf_roundtrip, "saved_bytes": saved_bytes, "ppo": ppo}[args.mode](args)
+     "hf_roundtrip": hf_roundtrip, "saved_bytes": saved_bytes, "ppo": ppo,
+     "packing": packing}[args.mode](args)
 
 
 if __name__ == "__main__":

@@ -196,3 +196,18 @@ def test_cpu_plan_of_the_quickstart_counts_every_rank_in_the_node():
     assert result.feasible
     ranks = next(line for line in result.node_host if line.part.endswith("ranks"))
     assert ranks.part == "2 ranks" and ranks.host >= 2 * result.device_total
+
+
+def test_packing_counts_the_rows_of_one_micro_batch():
+    """``learner.pack_tokens``: a micro-batch holds up to pack_tokens // s trajectories of the longest
+    length s, and never more than a schedule call's: the activation line grows by that many rows."""
+    base = ["learner.model.hf_checkpoint=" + qwen("7B"), "agent.max_total_tokens=512", "agent.max_new_tokens_per_turn=256", "schedule.mode=sync",
+            "batch.num_prompts_per_batch=2", "batch.samples_per_prompt=2"]  # 4 trajectories on the rank
+    acts = {}
+    for pack in (0, 512, 1024, 4096):
+        result = plan_cmd.run_plan(load_config(None, [*base, f"learner.pack_tokens={pack}"]),
+                                   Machine(gpu_memory_gb=80.0, world=1))
+        acts[pack] = next(line.device for line in result.lines if line.part == "activations")
+    assert acts[0] == acts[512]  # one row of 512 tokens either way
+    assert acts[1024] == pytest.approx(2 * acts[0])
+    assert acts[4096] == pytest.approx(4 * acts[0])  # 8 rows would fit; the call has 4 trajectories

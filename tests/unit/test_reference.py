@@ -92,3 +92,5 @@ def test_micro_batching_does_not_change_the_reference():
     full = reference_gradient(model, batch, rewards, objective)
     for mbs in (1, 3):
         assert rel_err(reference_gradient(model, batch, rewards, objective, micro_batch_size=mbs), full) <= 1e-12
+    for pack in (0, 20, 60):  # learner.pack_tokens' grouping: rows x longest <= pack
+        assert rel_err(reference_gradient(model, batch, rewards, objective, pack_tokens=pack), full) <= 1e-12

@@ -185,7 +185,7 @@ def test_groups_added_to_an_open_batch_give_the_batch_update(model64, case):
     """DAPO's refill (``add_group``): groups declared while the batch streams give the update of the
     batch declared with all of them at once (fp64, 1e-10), for every advantage, aggregation and K."""
     advantage, loss_agg, slots, reward_kind = GRID[case]
-    rng, batch, rewards = make_case(11000 + case, torch.float64, reward_kind)
+    rng, batch, rewards = make_case(13000 + case, torch.float64, reward_kind)
     objective = random_objective(rng, advantage, loss_agg).model_copy(update={"dapo_dynamic_sampling": True})
     plan = batch_plan(batch)
     first_added = rng.randint(1, len(plan) - 1)
@@ -207,3 +207,47 @@ def test_groups_added_to_an_open_batch_give_the_batch_update(model64, case):
     result = ledger.close_batch()
     assert result.num_kept_groups + result.num_dropped_groups == len(plan)
     assert rel_err(backend.live.flat(), reference) <= 1e-10, (objective, slots)
+
+
+@pytest.mark.parametrize("case", range(0, len(GRID), 4))
+def test_held_work_released_packed_is_exact(model64, case):
+    """Ready-work packing (``GradientLedger.hold`` / ``release``): events queued behind others are
+    bookkept first and their backward passes run when the queue empties (closed groups' members in
+    one ``backward_sum``, across groups), at random queue states: the reference's gradient."""
+    advantage, loss_agg, slots, reward_kind = GRID[case]
+    rng, batch, rewards = make_case(11000 + case, torch.float64, reward_kind)
+    objective = random_objective(rng, advantage, loss_agg)
+    ledger_cfg = LedgerConfig(max_group_slots=slots, reward_free_terms=rng.choice(["with_score", "at_finish"]))
+    reference = reference_gradient(model64, batch, rewards, objective)
+    events = syn.random_event_order(rng, len(batch))
+    queued = [rng.random() < 0.7 for _ in events]
+    queued[-1] = rng.random() < 0.5  # close_batch releases whatever is still held
+    backend = summing_backend(model64, objective)
+    from megathunder.streaming.ledger import GradientLedger
+
+    ledger = GradientLedger(backend, objective, ledger_cfg)
+    ledger.begin_batch(batch_plan(batch))
+    syn.feed_events(ledger, batch, rewards, events, queued=queued)
+    ledger.close_batch()
+    assert rel_err(backend.live.flat(), reference) <= 1e-10, (objective, ledger_cfg)
+
+
+def test_a_queued_run_of_events_is_one_summed_backward(model64):
+    """Every event queued behind another (all finishes, then all rewards, K unbounded): no slot
+    write, no per-trajectory pass -- the whole batch in one ``backward_sum`` when the queue empties."""
+    from megathunder.streaming.ledger import GradientLedger
+
+    objective = GRPOObjective(advantage="grpo", kl_coef=0.05, entropy_coef=0.01)
+    _, batch, rewards = make_case(12000, torch.float64, "continuous")
+    reference = reference_gradient(model64, batch, rewards, objective)
+    backend = summing_backend(model64, objective)
+    calls = []
+    original = backend.backward_sum
+    backend.backward_sum = lambda trajs, specs: calls.append(len(trajs)) or original(trajs, specs)
+    ledger = GradientLedger(backend, objective, LedgerConfig(max_group_slots=None))
+    ledger.begin_batch(batch_plan(batch))
+    events = [syn.Event("finished", t.traj_id) for t in batch] + [syn.Event("reward", t.traj_id) for t in batch]
+    syn.feed_events(ledger, batch, rewards, events, queued=[True] * (len(events) - 1) + [False])
+    ledger.close_batch()
+    assert calls == [len(batch)] and backend.num_backward == 0
+    assert rel_err(backend.live.flat(), reference) <= 1e-10

@@ -12,6 +12,7 @@ import json
 import math
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 from safetensors.torch import load
@@ -143,9 +144,9 @@ def _cpu_moe_kernels_reset(model: torch.nn.Module) -> Iterator[None]:
     a layer the reload did not process gets its kernel back."""
     from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
 
-    kept = []
+    kept: list[tuple[Any, Any]] = []  # (the layer's quant method, its MoE kernel)
     for module in model.modules():
-        method = getattr(module, "quant_method", None)
+        method: Any = getattr(module, "quant_method", None)
         kernel = getattr(method, "moe_kernel", None)
         if kernel is not None and isinstance(getattr(kernel, "fused_experts", None), CPUUnquantizedExperts):
             kept.append((method, kernel))

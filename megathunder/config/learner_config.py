@@ -261,7 +261,8 @@ class LearnerConfig(Strict):
         tp, pp, m = self.parallel.tensor_parallel, self.parallel.pipeline_parallel, self.model
         if m.hf_checkpoint is None:  # sizes known now; an HF checkpoint is checked when read
             check_parallel_divides_model(m, tp, pp, self.parallel.context_parallel, self.parallel.cp_comm_type)
-            check_experts_divide_model(m, self.parallel)
+            if m.is_moe:  # a dense learner.model may be a stand-in for run.init_model (checked by the root)
+                check_experts_divide_model(m, self.parallel)
         spec, attention = self.precision.layer_spec, self.precision.core_attention
         if self.parallel.context_parallel > 1:
             if spec != "transformer_engine":

@@ -65,12 +65,15 @@ class ParallelDims:
         load-balanced chunks), their product with both."""
         return (self.tp if self.sp else 1) * (2 * self.cp if self.cp > 1 else 1)
 
-    def check_model(self, model: PolicyModelConfig) -> None:
+    def check_model(self, model: PolicyModelConfig, experts: bool = True) -> None:
+        """``experts=False``: the dense model may be a stand-in (the run's model comes from a
+        checkpoint or the tiny model), so the expert layout is checked when the real one is built."""
         try:
             check_parallel_divides_model(model, self.tp, self.pp, self.cp, self.cp_comm_type)
-            check_experts_divide_model(model, ParallelConfig(
-                tensor_parallel=self.tp, pipeline_parallel=self.pp, sequence_parallel=self.sp,
-                expert_parallel=self.ep, expert_tensor_parallel=self.etp))
+            if experts:
+                check_experts_divide_model(model, ParallelConfig(
+                    tensor_parallel=self.tp, pipeline_parallel=self.pp, sequence_parallel=self.sp,
+                    expert_parallel=self.ep, expert_tensor_parallel=self.etp))
         except ValueError as err:
             raise ConfigError(f"learner.{err}") from None
 
@@ -147,7 +150,7 @@ def init_distributed(cfg: LearnerConfig) -> ProcessGroups:
         raise ConfigError("learner.precision.layer_spec: transformer_engine needs CUDA GPUs")
     dims = ParallelDims.build(cfg.parallel, world_size)
     if cfg.model.hf_checkpoint is None:
-        dims.check_model(cfg.model)
+        dims.check_model(cfg.model, experts=cfg.model.is_moe)
 
     cpu_compat.enable()
     backend = cfg.parallel.backend

@@ -6,12 +6,14 @@ model's MoE fields, and layouts the learner does not reproduce are refused by na
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
 from megathunder.config import ConfigError, PolicyModelConfig, load_config
 from megathunder.learner.model import policy_config_from_hf
 
+QUICKSTART_MOE = Path(__file__).resolve().parents[2] / "configs" / "quickstart_moe.yaml"
 MOE = ["learner.model.family=qwen3_moe", "learner.model.num_experts=4", "learner.model.moe_ffn_hidden_size=32"]
 
 
@@ -66,3 +68,14 @@ def test_qwen3_moe_config_json_is_read(tmp_path, experts_key):
 def test_mixed_dense_and_sparse_layers_are_refused(tmp_path):
     with pytest.raises(ConfigError, match="mixes dense and sparse layers"):
         policy_config_from_hf(_config_json(tmp_path, num_experts=8, mlp_only_layers=[0]), PolicyModelConfig())
+
+
+def test_the_tiny_moe_quickstart_takes_expert_parallelism():
+    cfg = load_config(QUICKSTART_MOE, ["learner.parallel.tensor_parallel=2",
+                                                       "learner.parallel.sequence_parallel=true",
+                                                       "learner.parallel.expert_parallel=2"])
+    assert cfg.run.tiny_model.num_experts == 4
+    with pytest.raises(ConfigError, match="learner.parallel.expert_parallel: 2 does not divide run.tiny_model.num_experts=5"):
+        load_config(QUICKSTART_MOE, ["run.tiny_model.num_experts=5", "learner.parallel.tensor_parallel=2",
+                                                     "learner.parallel.sequence_parallel=true",
+                                                     "learner.parallel.expert_parallel=2"])

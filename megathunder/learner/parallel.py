@@ -39,7 +39,11 @@ class ParallelDims:
     sp: bool = False  # sequence parallelism over the TP ranks
     cp_comm_type: str = "p2p"
     ep: int = 1  # expert parallelism (MoE), inside the TP group: ep x etp = tp
-    etp: int = 1  # expert-tensor parallelism (MoE)
+    etp: int = 0  # expert-tensor parallelism (MoE); 0: tp / ep
+
+    def __post_init__(self) -> None:
+        if not self.etp:
+            object.__setattr__(self, "etp", self.tp // self.ep)
 
     @classmethod
     def build(cls, cfg: ParallelConfig, world_size: int) -> ParallelDims:

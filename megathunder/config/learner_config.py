@@ -10,6 +10,9 @@ from pydantic import Field, model_validator
 from megathunder.config.base import Strict
 
 
+MOE_FAMILIES = ("qwen3_moe", "mixtral")
+
+
 class ParallelConfig(Strict):
     """Megatron parallel layout. world size = tensor x pipeline x context x data (data inferred if
     null)."""
@@ -83,9 +86,10 @@ class RopeScalingConfig(Strict):
 class PolicyModelConfig(Strict):
     """A decoder of the Llama / Qwen2 / Qwen3 / Qwen3-MoE family as Megatron-core GPTModel."""
 
-    family: Literal["llama", "qwen2", "qwen3", "qwen3_moe"] = "qwen2"
+    family: Literal["llama", "qwen2", "qwen3", "qwen3_moe", "mixtral"] = "qwen2"
     """llama: no biases; qwen2: q/k/v biases; qwen3: q/k RMSNorm, no biases; qwen3_moe: Qwen3's
-    attention with a mixture of experts in every layer (``num_experts`` set)."""
+    attention with a mixture of experts in every layer (``num_experts`` set); mixtral: Llama's
+    attention with a mixture of experts in every layer (top-k renormalised)."""
     hf_checkpoint: str | None = None
     """A Hugging Face model directory on disk; its config.json replaces the sizes below."""
     vocab_size: int = Field(256, ge=2)
@@ -102,7 +106,8 @@ class PolicyModelConfig(Strict):
     norm_eps: float = Field(1e-6, gt=0)
     tie_word_embeddings: bool = True
     num_experts: int | None = Field(None, ge=2)
-    """MoE (family qwen3_moe): routed experts per layer (HF ``num_experts``); null: a dense MLP."""
+    """MoE (family qwen3_moe or mixtral): routed experts per layer (HF ``num_experts`` /
+    ``num_local_experts``); null: a dense MLP."""
     moe_router_topk: int = Field(2, ge=1)
     """MoE: experts per token (HF ``num_experts_per_tok``)."""
     moe_ffn_hidden_size: int | None = Field(None, ge=1)
@@ -125,9 +130,9 @@ class PolicyModelConfig(Strict):
 
     @model_validator(mode="after")
     def _check(self) -> PolicyModelConfig:
-        if (self.family == "qwen3_moe") != (self.num_experts is not None):
-            raise ValueError(f"num_experts: {self.num_experts} with family={self.family} (qwen3_moe and only it "
-                             "has experts)")
+        if (self.family in MOE_FAMILIES) != (self.num_experts is not None):
+            raise ValueError(f"num_experts: {self.num_experts} with family={self.family} (the MoE families "
+                             f"{', '.join(MOE_FAMILIES)}, and only they, have experts)")
         if self.num_experts is not None and self.moe_router_topk > self.num_experts:
             raise ValueError(f"moe_router_topk: {self.moe_router_topk} exceeds num_experts={self.num_experts}")
         if self.num_attention_heads % self.num_query_groups:

@@ -27,6 +27,9 @@ Qwen3-MoE layers (Megatron's MoE layer on the local spec: router + SequentialMLP
                                                decoder.layers.i.mlp.experts.local_experts.e.linear_fc2.weight
         input dim sharded over the expert-tensor-parallel ranks
 
+Mixtral names the same tensors ``model.layers.i.block_sparse_moe.gate.weight`` and
+``...block_sparse_moe.experts.e.{w1,w3,w2}.weight`` (gate, up, down).
+
 Expert indices are global in the canonical names, as layer indices are: expert-parallel rank ``r``
 holds experts ``[r * E/ep, (r+1) * E/ep)`` as its ``local_experts.0 ..``, so it reads only those
 experts' tensors (and only its expert-tensor slice of each). Because the expert grid refines the
@@ -172,15 +175,17 @@ def hf_layout(key: str, m: PolicyModelConfig) -> list[tuple[str, tuple[int, ...]
     }
     if rest == "mlp.linear_fc1.weight":
         return [(p + "mlp.gate_proj.weight", (f, h)), (p + "mlp.up_proj.weight", (f, h))]
+    block, (gate, up, down) = ("block_sparse_moe", ("w1", "w3", "w2")) if m.family == "mixtral" else (
+        "mlp", ("gate_proj", "up_proj", "down_proj"))
     if rest == "mlp.router.weight":
         assert m.num_experts is not None
-        return [(p + "mlp.gate.weight", (m.num_experts, h))]
+        return [(p + f"{block}.gate.weight", (m.num_experts, h))]
     e = expert_index(key)
     if e is not None:
-        fe, q = m.expert_ffn_hidden_size, f"{p}mlp.experts.{e}."
+        fe, q = m.expert_ffn_hidden_size, f"{p}{block}.experts.{e}."
         if rest.endswith("linear_fc1.weight"):
-            return [(q + "gate_proj.weight", (fe, h)), (q + "up_proj.weight", (fe, h))]
-        return [(q + "down_proj.weight", (h, fe))]
+            return [(q + f"{gate}.weight", (fe, h)), (q + f"{up}.weight", (fe, h))]
+        return [(q + f"{down}.weight", (h, fe))]
     name, shape = simple[rest]
     return [(p + name, shape)]
 
@@ -470,18 +475,21 @@ def shard_file_name(pp: int, pp_rank: int) -> str:
 
 def hf_config_dict(m: PolicyModelConfig, dtype: str) -> dict:
     arch = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-            "qwen3_moe": "Qwen3MoeForCausalLM"}[m.family]
-    moe = {} if m.num_experts is None else {
-        "num_experts": m.num_experts, "num_experts_per_tok": m.moe_router_topk,
-        "moe_intermediate_size": m.expert_ffn_hidden_size, "norm_topk_prob": m.moe_norm_topk_prob,
-        "decoder_sparse_step": 1, "mlp_only_layers": [],
-    }
+            "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM"}[m.family]
+    moe: dict = {}
+    if m.family == "qwen3_moe":
+        moe = {"num_experts": m.num_experts, "num_experts_per_tok": m.moe_router_topk,
+               "moe_intermediate_size": m.expert_ffn_hidden_size, "norm_topk_prob": m.moe_norm_topk_prob,
+               "decoder_sparse_step": 1, "mlp_only_layers": []}
+    elif m.family == "mixtral":  # its intermediate_size is the experts' width
+        moe = {"num_local_experts": m.num_experts, "num_experts_per_tok": m.moe_router_topk,
+               "sliding_window": None}
     return {**moe,
         "architectures": [arch],
         "model_type": m.family,
         "vocab_size": m.vocab_size,
         "hidden_size": m.hidden_size,
-        "intermediate_size": m.ffn_hidden_size,
+        "intermediate_size": m.expert_ffn_hidden_size if m.family == "mixtral" else m.ffn_hidden_size,
         "num_hidden_layers": m.num_layers,
         "num_attention_heads": m.num_attention_heads,
         "num_key_value_heads": m.num_query_groups,

@@ -54,19 +54,22 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def policy_config_from_hf(hf_dir: str | Path, base: PolicyModelConfig) -> PolicyModelConfig:
-    """Sizes from a Hugging Face ``config.json`` (model_type llama, qwen2, qwen3 or qwen3_moe)."""
+    """Sizes from a Hugging Face ``config.json`` (model_type llama, qwen2, qwen3, qwen3_moe or mixtral)."""
     path = Path(hf_dir) / "config.json"
     if not path.is_file():
         raise ConfigError(f"learner.model.hf_checkpoint: no config.json in {hf_dir}")
     hf = json.loads(path.read_text())
     family = hf.get("model_type")
-    if family not in ("llama", "qwen2", "qwen3", "qwen3_moe"):
+    if family not in ("llama", "qwen2", "qwen3", "qwen3_moe", "mixtral"):
         raise ConfigError(
             f"learner.model.hf_checkpoint: model_type {family!r} in {path} is not one of llama, qwen2, qwen3, "
-            "qwen3_moe"
+            "qwen3_moe, mixtral"
         )
-    if family == "llama" and (hf.get("attention_bias") or hf.get("mlp_bias")):
-        raise ConfigError("learner.model.hf_checkpoint: llama with attention/mlp biases is not supported")
+    if family in ("llama", "mixtral") and (hf.get("attention_bias") or hf.get("mlp_bias")):
+        raise ConfigError(f"learner.model.hf_checkpoint: {family} with attention/mlp biases is not supported")
+    if family == "mixtral" and hf.get("sliding_window") is not None:
+        raise ConfigError(f"learner.model.hf_checkpoint: {path} sets sliding_window, which the learner's attention "
+                          "does not reproduce")
     heads = hf["num_attention_heads"]
     rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
     return base.model_copy(update=dict(
@@ -88,9 +91,16 @@ def policy_config_from_hf(hf_dir: str | Path, base: PolicyModelConfig) -> Policy
 
 
 def moe_sizes_from_hf(hf: dict, path: Path) -> dict:
-    """The MoE fields of a Qwen3-MoE ``config.json`` (nothing for a dense family). Layouts Megatron's
-    uniform MoE block does not reproduce are refused by name: dense layers among sparse ones
-    (``mlp_only_layers``, ``decoder_sparse_step`` > 1)."""
+    """The MoE fields of a Qwen3-MoE or Mixtral ``config.json`` (nothing for a dense family). Layouts
+    Megatron's uniform MoE block does not reproduce are refused by name: dense layers among sparse
+    ones (``mlp_only_layers``, ``decoder_sparse_step`` > 1), router jitter."""
+    if hf.get("model_type") == "mixtral":  # every layer sparse, top-k always renormalised
+        if hf.get("router_jitter_noise"):
+            raise ConfigError(f"learner.model.hf_checkpoint: {path} sets router_jitter_noise (random routing), "
+                              "which an exact learner cannot reproduce")
+        return dict(num_experts=hf["num_local_experts"], moe_router_topk=hf["num_experts_per_tok"],
+                    moe_ffn_hidden_size=hf["intermediate_size"], moe_norm_topk_prob=True,
+                    moe_shared_expert_intermediate_size=None)
     if hf.get("model_type") != "qwen3_moe":
         return {"num_experts": None}
     if hf.get("mlp_only_layers") or hf.get("decoder_sparse_step", 1) != 1:

@@ -79,3 +79,16 @@ def test_the_tiny_moe_quickstart_takes_expert_parallelism():
         load_config(QUICKSTART_MOE, ["run.tiny_model.num_experts=5", "learner.parallel.tensor_parallel=2",
                                                      "learner.parallel.sequence_parallel=true",
                                                      "learner.parallel.expert_parallel=2"])
+
+
+def test_mixtral_config_json_is_read_and_jitter_refused(tmp_path):
+    config = {"model_type": "mixtral", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 48,
+              "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
+              "num_local_experts": 8, "num_experts_per_tok": 2, "sliding_window": None}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    m = policy_config_from_hf(tmp_path, PolicyModelConfig())
+    assert (m.family, m.num_experts, m.moe_router_topk, m.expert_ffn_hidden_size, m.moe_norm_topk_prob) == (
+        "mixtral", 8, 2, 48, True)
+    (tmp_path / "config.json").write_text(json.dumps({**config, "router_jitter_noise": 0.1}))
+    with pytest.raises(ConfigError, match="router_jitter_noise"):
+        policy_config_from_hf(tmp_path, PolicyModelConfig())

@@ -8,6 +8,11 @@ resident memory before the model exists (``baseline``), the model chunk's bytes 
 largest HF tensor, and the kernel's peak resident set during the load (VmHWM, reset just before
 it), reported as ``peak - baseline`` against ``shard + largest tensor``. Prints a table, then one
 JSON object as the last line.
+
+``--num-experts N`` builds a Qwen3-MoE instead (every layer N experts of width
+``--moe-ffn-hidden-size``), loaded at TP x PP with ``--expert-parallel`` (and sequence parallelism
+under TP): each rank reads only its E / EP experts of its stage, so its shard -- and its peak --
+shrink with EP.
 """
 
 from __future__ import annotations
@@ -29,7 +34,9 @@ def build_checkpoint(out: Path, args: argparse.Namespace) -> Path:
 
     spec = TinyModelSpec(hidden_size=args.hidden_size, intermediate_size=args.ffn_hidden_size,
                          num_layers=args.num_layers, num_heads=args.num_heads, num_kv_heads=args.num_kv_heads,
-                         model_vocab_size=args.vocab_size, init_std=0.02, tie_word_embeddings=args.tie)
+                         model_vocab_size=args.vocab_size, init_std=0.02, tie_word_embeddings=args.tie,
+                         num_experts=args.num_experts, num_experts_per_tok=min(2, max(args.num_experts, 1)),
+                         moe_intermediate_size=args.moe_ffn_hidden_size)
     return save_tiny_qwen2(out, spec)
 
 
@@ -45,7 +52,8 @@ def _rank(args: argparse.Namespace) -> None:
     from megathunder.learner.parallel import destroy_distributed, init_distributed
     from megathunder.learner.safetensors_io import CheckpointReader
 
-    cfg = LearnerConfig.model_validate({"parallel": {"tensor_parallel": args.tp, "pipeline_parallel": args.pp},
+    moe = {"expert_parallel": args.expert_parallel, "sequence_parallel": args.tp > 1} if args.num_experts else {}
+    cfg = LearnerConfig.model_validate({"parallel": {"tensor_parallel": args.tp, "pipeline_parallel": args.pp, **moe},
                                         "model": {"hf_checkpoint": args.hf}})
     pgs = init_distributed(cfg)
     model_cfg = resolve_model_config(cfg.model, args.hf)
@@ -84,7 +92,8 @@ def _launch(args: argparse.Namespace, hf_dir: Path, reader: str, result_dir: Pat
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={args.tp * args.pp}",
            f"--master-port={_free_port()}", "--master-addr=127.0.0.1", "-m", "megathunder.bench.weight_load",
            "--rank-worker", "--hf", str(hf_dir), "--tp", str(args.tp), "--pp", str(args.pp),
-           "--reader", reader, "--result-dir", str(result_dir)]
+           "--reader", reader, "--result-dir", str(result_dir), "--num-experts", str(args.num_experts),
+           "--expert-parallel", str(args.expert_parallel)]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.timeout_s)
     if proc.returncode != 0:
@@ -101,6 +110,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--num-kv-heads", type=int, default=8)
     parser.add_argument("--vocab-size", type=int, default=32768)
     parser.add_argument("--tie", action="store_true", help="tied input/output embeddings")
+    parser.add_argument("--num-experts", type=int, default=0, help="> 0: a Qwen3-MoE with this many experts a layer")
+    parser.add_argument("--moe-ffn-hidden-size", type=int, default=512, help="MoE: each expert's width")
+    parser.add_argument("--expert-parallel", type=int, default=1, help="MoE: experts split over this many TP ranks")
     parser.add_argument("--tp", type=int, default=2)
     parser.add_argument("--pp", type=int, default=2)
     parser.add_argument("--readers", default="lazy,full", help="comma-separated: lazy (ours), full (whole checkpoint)")
@@ -138,6 +150,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                            "max_peak_above_baseline_mib": round(max(r["peak"] - r["baseline"] for r in ranks) / mib, 1),
                            "max_load_s": round(max(r["load_s"] for r in ranks), 2)}
     print(json.dumps({"model_mib": round(model_bytes / mib, 1), "tp": args.tp, "pp": args.pp,
+                      "num_experts": args.num_experts, "ep": args.expert_parallel,
                       "shard_mib": round(max(r["shard"] for rs in results.values() for r in rs) / mib, 1),
                       "largest_tensor_mib": round(max(r["largest_tensor"] for rs in results.values() for r in rs) / mib, 1),
                       "readers": summary}))

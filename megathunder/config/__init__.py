@@ -13,11 +13,13 @@ from megathunder.config.learner_config import (
     ActivationsConfig,
     LearnerConfig,
     LearnerOptimizerConfig,
+    MoEConfig,
     ParallelConfig,
     PolicyModelConfig,
     PrecisionConfig,
     ReferenceModelConfig,
     RopeScalingConfig,
+    check_experts_divide_model,
     check_parallel_divides_model,
 )
 from megathunder.config.loader import ConfigError, load_config, parse_overrides
@@ -95,6 +97,8 @@ __all__ = [
     "ObjectiveConfig",
     "ParallelConfig",
     "PolicyModelConfig",
+    "MoEConfig",
+    "check_experts_divide_model",
     "PrecisionConfig",
     "RLObjective",
     "ReferenceModelConfig",

@@ -10,6 +10,9 @@ from pydantic import Field, model_validator
 from megathunder.config.base import Strict
 
 
+MOE_FAMILIES = ("qwen3_moe", "mixtral")
+
+
 class ParallelConfig(Strict):
     """Megatron parallel layout. world size = tensor x pipeline x context x data (data inferred if
     null)."""
@@ -28,12 +31,35 @@ class ParallelConfig(Strict):
     """How context-parallel ranks exchange keys and values (Transformer Engine)."""
     backend: Literal["auto", "gloo", "nccl"] = "auto"
     """auto: nccl with CUDA, gloo without."""
+    expert_parallel: int = Field(1, ge=1)
+    """MoE models: the routed experts of each layer are split over this many ranks (Megatron's
+    expert parallelism; each rank holds num_experts / expert_parallel whole experts and tokens are
+    dispatched to them). The expert layout refines the tensor-parallel group: expert_parallel x
+    expert_tensor_parallel = tensor_parallel, so the ranks that exchange tokens are ranks that run
+    the same trajectory at the same time (the ledger's per-trajectory backwards need no lockstep
+    between data-parallel ranks); under tensor parallelism MoE needs sequence_parallel (Megatron's
+    rule for training)."""
+    expert_tensor_parallel: int | None = Field(None, ge=1)
+    """MoE models: each expert's matrices split over this many ranks (Megatron's expert-tensor
+    parallelism, like a dense MLP under TP); null = tensor_parallel / expert_parallel."""
 
     @model_validator(mode="after")
     def _check(self) -> ParallelConfig:
         if self.sequence_parallel and self.tensor_parallel == 1:
             raise ValueError("sequence_parallel: needs tensor_parallel > 1 (it splits the sequence over the TP ranks)")
+        tp, ep = self.tensor_parallel, self.expert_parallel
+        if tp % ep:
+            raise ValueError(f"expert_parallel: {ep} does not divide tensor_parallel={tp} (experts are split over "
+                             "ranks of one tensor-parallel group, which run the same trajectory)")
+        if self.expert_tensor_parallel is not None and self.expert_tensor_parallel * ep != tp:
+            raise ValueError(f"expert_tensor_parallel: {self.expert_tensor_parallel} x expert_parallel={ep} must "
+                             f"equal tensor_parallel={tp}")
         return self
+
+    @property
+    def expert_tensor_parallel_size(self) -> int:
+        """expert_tensor_parallel, or tensor_parallel / expert_parallel when null."""
+        return self.expert_tensor_parallel or self.tensor_parallel // self.expert_parallel
 
 
 class RopeScalingConfig(Strict):
@@ -58,10 +84,12 @@ class RopeScalingConfig(Strict):
 
 
 class PolicyModelConfig(Strict):
-    """A dense decoder of the Llama / Qwen2 / Qwen3 family as Megatron-core GPTModel."""
+    """A decoder of the Llama / Qwen2 / Qwen3 / Qwen3-MoE family as Megatron-core GPTModel."""
 
-    family: Literal["llama", "qwen2", "qwen3"] = "qwen2"
-    """llama: no biases; qwen2: q/k/v biases; qwen3: q/k RMSNorm, no biases."""
+    family: Literal["llama", "qwen2", "qwen3", "qwen3_moe", "mixtral"] = "qwen2"
+    """llama: no biases; qwen2: q/k/v biases; qwen3: q/k RMSNorm, no biases; qwen3_moe: Qwen3's
+    attention with a mixture of experts in every layer (``num_experts`` set); mixtral: Llama's
+    attention with a mixture of experts in every layer (top-k renormalised)."""
     hf_checkpoint: str | None = None
     """A Hugging Face model directory on disk; its config.json replaces the sizes below."""
     vocab_size: int = Field(256, ge=2)
@@ -77,9 +105,36 @@ class PolicyModelConfig(Strict):
     rope_scaling: RopeScalingConfig | None = None
     norm_eps: float = Field(1e-6, gt=0)
     tie_word_embeddings: bool = True
+    num_experts: int | None = Field(None, ge=2)
+    """MoE (family qwen3_moe or mixtral): routed experts per layer (HF ``num_experts`` /
+    ``num_local_experts``); null: a dense MLP."""
+    moe_router_topk: int = Field(2, ge=1)
+    """MoE: experts per token (HF ``num_experts_per_tok``)."""
+    moe_ffn_hidden_size: int | None = Field(None, ge=1)
+    """MoE: each expert's SwiGLU width (HF ``moe_intermediate_size``); null = ffn_hidden_size."""
+    moe_norm_topk_prob: bool = True
+    """MoE: the router's weights are softmax over the top-k logits, i.e. the top-k probabilities
+    renormalised to sum to 1 (HF ``norm_topk_prob: true``, Megatron's default top-k-then-softmax);
+    false: the top-k entries of the softmax over all experts (Megatron's ``moe_router_pre_softmax``)."""
+    moe_shared_expert_intermediate_size: int | None = Field(None, ge=1)
+    """MoE: width of a shared expert every token also goes through (Megatron's shared experts);
+    null: none (Qwen3-MoE has none; no HF checkpoint mapping is provided for one yet)."""
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts is not None
+
+    @property
+    def expert_ffn_hidden_size(self) -> int:
+        return self.moe_ffn_hidden_size or self.ffn_hidden_size
 
     @model_validator(mode="after")
     def _check(self) -> PolicyModelConfig:
+        if (self.family in MOE_FAMILIES) != (self.num_experts is not None):
+            raise ValueError(f"num_experts: {self.num_experts} with family={self.family} (the MoE families "
+                             f"{', '.join(MOE_FAMILIES)}, and only they, have experts)")
+        if self.num_experts is not None and self.moe_router_topk > self.num_experts:
+            raise ValueError(f"moe_router_topk: {self.moe_router_topk} exceeds num_experts={self.num_experts}")
         if self.num_attention_heads % self.num_query_groups:
             raise ValueError(
                 f"num_query_groups: {self.num_query_groups} does not divide "
@@ -171,6 +226,31 @@ class ReferenceModelConfig(Strict):
     """Keep its weights in host memory between uses (GPU only; a no-op on CPU)."""
 
 
+class MoEConfig(Strict):
+    """How a mixture-of-experts student is trained (Megatron's MoE layers; the model's shape is
+    ``learner.model``'s, read from config.json). Router losses default to off, so the RL gradient
+    is exactly the policy loss's."""
+
+    load_balancing_type: Literal["none", "aux_loss", "seq_aux_loss", "global_aux_loss"] = "none"
+    """Megatron's ``moe_router_load_balancing_type``: none, or the auxiliary load-balancing loss
+    over each micro-batch's tokens / each sequence / the global batch."""
+    aux_loss_coeff: float = Field(0.0, ge=0)
+    """Weight of the load-balancing loss (Megatron's ``moe_aux_loss_coeff``)."""
+    z_loss_coeff: float = Field(0.0, ge=0)
+    """Weight of the router z-loss (Megatron's ``moe_z_loss_coeff``)."""
+    grouped_gemm: bool = False
+    """Megatron's grouped GEMM experts (``moe_grouped_gemm``; CUDA only): false runs the local
+    spec's SequentialMLP, one matmul per expert."""
+    token_dispatcher: Literal["allgather", "alltoall"] = "allgather"
+    """How tokens reach their experts (``moe_token_dispatcher_type``); alltoall needs CUDA streams."""
+
+    @model_validator(mode="after")
+    def _check(self) -> MoEConfig:
+        if self.aux_loss_coeff > 0 and self.load_balancing_type == "none":
+            raise ValueError("aux_loss_coeff: > 0 needs a load_balancing_type (aux_loss, seq_aux_loss, global_aux_loss)")
+        return self
+
+
 class LearnerConfig(Strict):
     parallel: ParallelConfig = ParallelConfig()
     model: PolicyModelConfig = PolicyModelConfig()
@@ -178,6 +258,7 @@ class LearnerConfig(Strict):
     activations: ActivationsConfig = ActivationsConfig()
     optimizer: LearnerOptimizerConfig = LearnerOptimizerConfig()
     reference: ReferenceModelConfig = ReferenceModelConfig()
+    moe: MoEConfig = MoEConfig()
     seed: int = 1234
     pack_tokens: int = Field(4096, ge=0)
     """The most tokens of one packed micro-batch: a schedule call over several trajectories (the
@@ -195,6 +276,8 @@ class LearnerConfig(Strict):
         tp, pp, m = self.parallel.tensor_parallel, self.parallel.pipeline_parallel, self.model
         if m.hf_checkpoint is None:  # sizes known now; an HF checkpoint is checked when read
             check_parallel_divides_model(m, tp, pp, self.parallel.context_parallel, self.parallel.cp_comm_type)
+            if m.is_moe:  # a dense learner.model may be a stand-in for run.init_model (checked by the root)
+                check_experts_divide_model(m, self.parallel)
         spec, attention = self.precision.layer_spec, self.precision.core_attention
         if self.parallel.context_parallel > 1:
             if spec != "transformer_engine":
@@ -236,3 +319,22 @@ def check_parallel_divides_model(m: PolicyModelConfig, tp: int, pp: int, cp: int
             if count % (tp * cp):
                 raise ValueError(f"parallel.context_parallel: tensor_parallel x context_parallel = {tp} x {cp} "
                                  f"does not divide model.{name}={count} (cp_comm_type={cp_comm_type})")
+
+
+def check_experts_divide_model(m: PolicyModelConfig, parallel: ParallelConfig) -> None:
+    """Raise ValueError naming the field when the expert layout cannot shard this model's experts
+    (or is set for a dense model)."""
+    ep, etp = parallel.expert_parallel, parallel.expert_tensor_parallel_size
+    if m.num_experts is None:
+        if ep > 1:
+            raise ValueError(f"parallel.expert_parallel: {ep} for a dense model (model.num_experts is null)")
+        return
+    if m.num_experts % ep:
+        raise ValueError(f"parallel.expert_parallel: {ep} does not divide model.num_experts={m.num_experts}")
+    if m.expert_ffn_hidden_size % etp:
+        raise ValueError(f"parallel.expert_tensor_parallel: {etp} does not divide "
+                         f"model.moe_ffn_hidden_size={m.expert_ffn_hidden_size}")
+    if parallel.tensor_parallel > 1 and not parallel.sequence_parallel:
+        raise ValueError(f"parallel.sequence_parallel: a mixture of experts under tensor_parallel="
+                         f"{parallel.tensor_parallel} needs sequence parallelism (Megatron's MoE layer refuses to "
+                         "train without it)")

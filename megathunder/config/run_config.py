@@ -10,7 +10,7 @@ from typing import Literal, get_args
 from pydantic import Field, field_validator, model_validator
 
 from megathunder.config.base import Strict, default_tag
-from megathunder.config.learner_config import LearnerConfig, LearnerOptimizerConfig
+from megathunder.config.learner_config import LearnerConfig, LearnerOptimizerConfig, check_experts_divide_model
 from megathunder.config.objective_config import (
     DistillObjective,
     GRPOObjective,
@@ -127,17 +127,27 @@ class EvalConfig(Strict):
 
 
 class TinyModelConfig(Strict):
-    """Sizes of the locally built tiny Qwen2 (``run.init_model: tiny``; the tokenizer is always
-    the same). vLLM's CPU attention needs hidden_size / num_heads = 32."""
+    """Sizes of the locally built tiny Qwen2, or Qwen3-MoE with ``num_experts`` > 0
+    (``run.init_model: tiny``; the tokenizer is always the same). vLLM's CPU attention needs
+    hidden_size / num_heads = 32."""
 
     hidden_size: int = Field(128, ge=32)
     intermediate_size: int = Field(256, ge=1)
     num_layers: int = Field(2, ge=1)
     num_heads: int = Field(4, ge=1)
     num_kv_heads: int = Field(2, ge=1)
+    num_experts: int = Field(0, ge=0)
+    """0: a dense Qwen2; > 1: a Qwen3-MoE with this many routed experts in every layer."""
+    num_experts_per_tok: int = Field(2, ge=1)
+    """MoE: experts per token (top-k)."""
+    moe_intermediate_size: int = Field(64, ge=1)
+    """MoE: each expert's SwiGLU width."""
 
     @model_validator(mode="after")
     def _check(self) -> TinyModelConfig:
+        if self.num_experts == 1 or (self.num_experts and self.num_experts_per_tok > self.num_experts):
+            raise ValueError(f"num_experts: {self.num_experts} with num_experts_per_tok={self.num_experts_per_tok} "
+                             "(0 for a dense model, else at least 2 and at least the top-k)")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_kv_heads: {self.num_kv_heads} does not divide num_heads={self.num_heads}")
         if self.hidden_size % self.num_heads:
@@ -297,6 +307,27 @@ class Config(Strict):
         if isinstance(obj, OPDGRPOObjective) and self.verifier.on_failure == "drop_group":
             raise ValueError("verifier.on_failure: drop_group cannot be combined with opd_grpo (a dropped "
                              "group's KL terms are already streamed); use zero_reward")
+        return self
+
+    @model_validator(mode="after")
+    def _check_experts(self) -> Config:
+        """The expert layout against the model the run builds, where it is known before any file is
+        read: the tiny model (``run.init_model: tiny``) or ``learner.model``'s own sizes."""
+        m = self.learner.model
+        if m.hf_checkpoint is not None or m.is_moe:
+            return self  # read from config.json when built / checked by the learner section
+        if self.run.init_model != "tiny":
+            return self  # a checkpoint directory: checked when read
+        t = self.run.tiny_model
+        tiny = m if not t.num_experts else m.model_copy(update=dict(
+            family="qwen3_moe", num_experts=t.num_experts, moe_router_topk=t.num_experts_per_tok,
+            moe_ffn_hidden_size=t.moe_intermediate_size))
+        try:
+            check_experts_divide_model(tiny, self.learner.parallel)
+        except ValueError as err:
+            raise ValueError(f"learner.{err}".replace("model.num_experts is null", "run.tiny_model.num_experts is 0")
+                             .replace("model.num_experts", "run.tiny_model.num_experts")
+                             .replace("model.moe_ffn_hidden_size", "run.tiny_model.moe_intermediate_size")) from None
         return self
 
     @model_validator(mode="after")

@@ -17,6 +17,26 @@ spec fuses the two norms into the following linear layers):
     model.norm.weight                          decoder.final_layernorm.weight
     lm_head.weight (untied)                    output_layer.weight                   vocab-sharded
 
+Qwen3-MoE layers (Megatron's MoE layer on the local spec: router + SequentialMLP experts):
+
+    model.layers.i.mlp.gate.weight             decoder.layers.i.mlp.router.weight    replicated
+    model.layers.i.mlp.experts.e.{gate,up}_proj.weight
+                                               decoder.layers.i.mlp.experts.local_experts.e.linear_fc1.weight
+        [gate; up] as a dense MLP's, sharded over the expert-tensor-parallel ranks
+    model.layers.i.mlp.experts.e.down_proj.weight
+                                               decoder.layers.i.mlp.experts.local_experts.e.linear_fc2.weight
+        input dim sharded over the expert-tensor-parallel ranks
+
+Mixtral names the same tensors ``model.layers.i.block_sparse_moe.gate.weight`` and
+``...block_sparse_moe.experts.e.{w1,w3,w2}.weight`` (gate, up, down).
+
+Expert indices are global in the canonical names, as layer indices are: expert-parallel rank ``r``
+holds experts ``[r * E/ep, (r+1) * E/ep)`` as its ``local_experts.0 ..``, so it reads only those
+experts' tensors (and only its expert-tensor slice of each). Because the expert grid refines the
+tensor-parallel group (ep x etp = tp, ``megathunder.config.ParallelConfig``), every shard of every
+expert of a stage lies on one TP group: out, each expert parameter is gathered onto TP rank 0 from
+the ranks that hold it (:func:`gather_param`), like a dense one.
+
 Every TP shard is a contiguous range of the HF tensors it comes from: query groups
 ``[r * G/tp, (r+1) * G/tp)`` are rows of q, k and v; rows ``[r * F/tp, (r+1) * F/tp)`` of gate and
 of up; a row range of the vocabulary; a column range of o_proj / down_proj. So
@@ -67,6 +87,34 @@ def _biases(m: PolicyModelConfig) -> tuple[str, ...]:
     return ("weight", "bias") if m.family == "qwen2" else ("weight",)
 
 
+_EXPERTS = ".mlp.experts.local_experts."
+
+
+def expert_index(key: str) -> int | None:
+    """The expert of a canonical key (``...mlp.experts.local_experts.e...``), None for the rest."""
+    if _EXPERTS not in key:
+        return None
+    return int(key.split(_EXPERTS, 1)[1].split(".", 1)[0])
+
+
+def experts_per_rank(m: PolicyModelConfig, ep: int) -> int:
+    assert m.num_experts is not None
+    return m.num_experts // ep
+
+
+def _is_local(key: str, m: PolicyModelConfig, pgs: ProcessGroups) -> bool:
+    """Whether this rank holds (a slice of) parameter ``key``: every non-expert key of its stage,
+    and the experts of its expert-parallel rank."""
+    e = expert_index(key)
+    return e is None or e // experts_per_rank(m, pgs.dims.ep) == pgs.ep_rank
+
+
+def _shard_split(key: str, pgs: ProcessGroups) -> tuple[int, int]:
+    """(how many shards, this rank's index) of parameter ``key``: the TP group for dense
+    parameters, the expert-tensor-parallel ranks for experts."""
+    return (pgs.dims.etp, pgs.etp_rank) if expert_index(key) is not None else (pgs.dims.tp, pgs.tp_rank)
+
+
 # ---------------------------------------------------------------------------- layout by config
 
 
@@ -84,10 +132,16 @@ def megatron_keys(m: PolicyModelConfig, pp: int, pp_rank: int) -> list[str]:
         p = f"decoder.layers.{i}."
         keys.append(p + "input_layernorm.weight")
         keys += [p + f"self_attention.linear_qkv.{s}" for s in _biases(m)]
-        if m.family == "qwen3":
+        if m.family in ("qwen3", "qwen3_moe"):
             keys += [p + "self_attention.q_layernorm.weight", p + "self_attention.k_layernorm.weight"]
-        keys += [p + "self_attention.linear_proj.weight", p + "pre_mlp_layernorm.weight",
-                 p + "mlp.linear_fc1.weight", p + "mlp.linear_fc2.weight"]
+        keys += [p + "self_attention.linear_proj.weight", p + "pre_mlp_layernorm.weight"]
+        if m.num_experts is None:
+            keys += [p + "mlp.linear_fc1.weight", p + "mlp.linear_fc2.weight"]
+        else:
+            keys.append(p + "mlp.router.weight")
+            for e in range(m.num_experts):
+                keys += [p + f"mlp.experts.local_experts.{e}.linear_fc1.weight",
+                         p + f"mlp.experts.local_experts.{e}.linear_fc2.weight"]
     if pp_rank == pp - 1:
         keys.append("decoder.final_layernorm.weight")
         if not m.tie_word_embeddings:
@@ -121,6 +175,17 @@ def hf_layout(key: str, m: PolicyModelConfig) -> list[tuple[str, tuple[int, ...]
     }
     if rest == "mlp.linear_fc1.weight":
         return [(p + "mlp.gate_proj.weight", (f, h)), (p + "mlp.up_proj.weight", (f, h))]
+    block, (gate, up, down) = ("block_sparse_moe", ("w1", "w3", "w2")) if m.family == "mixtral" else (
+        "mlp", ("gate_proj", "up_proj", "down_proj"))
+    if rest == "mlp.router.weight":
+        assert m.num_experts is not None
+        return [(p + f"{block}.gate.weight", (m.num_experts, h))]
+    e = expert_index(key)
+    if e is not None:
+        fe, q = m.expert_ffn_hidden_size, f"{p}{block}.experts.{e}."
+        if rest.endswith("linear_fc1.weight"):
+            return [(q + f"{gate}.weight", (fe, h)), (q + f"{up}.weight", (fe, h))]
+        return [(q + f"{down}.weight", (h, fe))]
     name, shape = simple[rest]
     return [(p + name, shape)]
 
@@ -256,11 +321,20 @@ def read_shard(src: TensorSource, key: str, m: PolicyModelConfig, tp: int, tp_ra
     return src.rows(name, tp_rank * r, (tp_rank + 1) * r)
 
 
-def _local_to_global(name: str, offset: int) -> str:
+def _local_to_global(name: str, offset: int, expert_offset: int = 0) -> str:
     if name.startswith("decoder.layers."):
         idx, rest = name[len("decoder.layers."):].split(".", 1)
-        return f"decoder.layers.{int(idx) + offset}.{rest}"
+        name = f"decoder.layers.{int(idx) + offset}.{rest}"
+    e = expert_index(name)
+    if e is not None and expert_offset:
+        head, tail = name.split(_EXPERTS, 1)
+        name = f"{head}{_EXPERTS}{e + expert_offset}.{tail.split('.', 1)[1]}"
     return name
+
+
+def _expert_offset(m: PolicyModelConfig, pgs: ProcessGroups) -> int:
+    """Global index of this rank's first local expert."""
+    return 0 if m.num_experts is None else pgs.ep_rank * experts_per_rank(m, pgs.dims.ep)
 
 
 def _canonical(name: str) -> str:
@@ -277,14 +351,21 @@ def _trainable_items(model: torch.nn.Module):
         yield name, param
 
 
-def stage_params(model: torch.nn.Module, m: PolicyModelConfig, offset: int) -> dict[str, torch.Tensor]:
-    """Global canonical key -> this stage's parameter (the tied last-stage output layer included)."""
-    return {_local_to_global(_canonical(name), offset): param for name, param in _trainable_items(model)}
+def stage_params(model: torch.nn.Module, m: PolicyModelConfig, offset: int,
+                 expert_offset: int = 0) -> dict[str, torch.Tensor]:
+    """Global canonical key -> this rank's parameter of the stage (the tied last-stage output layer
+    included; ``expert_offset``: the global index of the rank's first local expert)."""
+    return {_local_to_global(_canonical(name), offset, expert_offset): param for name, param in _trainable_items(model)}
+
+
+def rank_params(model: torch.nn.Module, m: PolicyModelConfig, pgs: ProcessGroups, offset: int) -> dict[str, torch.Tensor]:
+    """``stage_params`` with this rank's experts under their global indices."""
+    return stage_params(model, m, offset, _expert_offset(m, pgs))
 
 
 def _checked_params(model: torch.nn.Module, m: PolicyModelConfig, pgs: ProcessGroups, offset: int) -> dict[str, torch.Tensor]:
-    params = stage_params(model, m, offset)
-    keys = megatron_keys(m, pgs.dims.pp, pgs.pp_rank)
+    params = rank_params(model, m, pgs, offset)
+    keys = [k for k in megatron_keys(m, pgs.dims.pp, pgs.pp_rank) if _is_local(k, m, pgs)]
     extra = set(params) - set(keys) - {"output_layer.weight"}
     missing = set(keys) - set(params)
     if extra or missing:
@@ -303,7 +384,7 @@ def load_hf(model: torch.nn.Module, hf_dir: str | Path, m: PolicyModelConfig, pg
     src = src if src is not None else CheckpointReader(hf_dir)
     with torch.no_grad():
         for key, param in _checked_params(model, m, pgs, offset).items():
-            value = read_shard(src, key, m, pgs.dims.tp, pgs.tp_rank)  # tied output: the embedding's rows
+            value = read_shard(src, key, m, *_shard_split(key, pgs))  # tied output: the embedding's rows
             if value.shape != param.shape:
                 raise ValueError(f"{key}: checkpoint shard {tuple(value.shape)} vs parameter {tuple(param.shape)}")
             param.copy_(value)
@@ -322,16 +403,54 @@ def stage_hf_tensors(model: torch.nn.Module, m: PolicyModelConfig, pgs: ProcessG
     if pgs.dp_rank != 0:
         return
     params = _checked_params(model, m, pgs, offset)
+    dtype = dtype or next(iter(params.values())).dtype
     for key in megatron_keys(m, pgs.dims.pp, pgs.pp_rank):
-        local = params[key].detach()
-        if pgs.dims.tp > 1 and _tp_rule(key) is not None:
-            stacked = gather_shards(local, pgs, dtype)
-        else:
-            stacked = (local if dtype is None else local.to(dtype))[None]
+        param = params.get(key)  # None: an expert of another expert-parallel rank
+        stacked = gather_param(key, None if param is None else param.detach(), m, pgs, dtype)
         if pgs.tp_rank == 0:
             assert stacked is not None
             yield from hf_views(key, stacked, m)
-        del stacked, local
+        del stacked
+
+
+def gather_param(key: str, local: torch.Tensor | None, m: PolicyModelConfig, pgs: ProcessGroups,
+                 dtype: torch.dtype) -> torch.Tensor | None:
+    """Parameter ``key``'s shards (``local``: this rank's, None where it holds none) stacked as
+    ``[n, *shard]`` and cast to ``dtype`` on TP rank 0 (None on other TP ranks; a replicated
+    parameter is TP rank 0's own, n = 1). An expert's shards come from the TP ranks that hold it:
+    expert-tensor slices e = 0 .. etp - 1 of its expert-parallel rank (``ProcessGroups.expert_tp_rank``),
+    point to point as :func:`gather_shards` does."""
+    e = expert_index(key)
+    if e is None:
+        if pgs.dims.tp > 1 and _tp_rule(key) is not None:
+            assert local is not None
+            return gather_shards(local, pgs, dtype)
+        return None if pgs.tp_rank != 0 or local is None else local.to(dtype)[None]
+    owner, n = e // experts_per_rank(m, pgs.dims.ep), pgs.dims.etp
+    holders = [pgs.expert_tp_rank(owner, s) for s in range(n)]
+    if pgs.tp_rank != 0:
+        if pgs.tp_rank in holders:
+            assert local is not None
+            dist.send(local.to(dtype).contiguous(), dst=dist.get_global_rank(pgs.tp, 0), group=pgs.tp)
+        return None
+    if holders == [0]:
+        assert local is not None
+        return local.to(dtype)[None]
+    stacked = torch.empty((n, *_expert_shard_shape(key, m, n)), dtype=dtype, device=pgs.device)
+    works = [dist.irecv(stacked[s], src=dist.get_global_rank(pgs.tp, r), group=pgs.tp)
+             for s, r in enumerate(holders) if r != 0]
+    if 0 in holders:
+        assert local is not None
+        stacked[holders.index(0)].copy_(local)
+    for work in works:
+        work.wait()
+    return stacked
+
+
+def _expert_shard_shape(key: str, m: PolicyModelConfig, n: int) -> tuple[int, ...]:
+    """One of ``n`` expert-tensor-parallel shards of expert parameter ``key``."""
+    fe, h = m.expert_ffn_hidden_size, m.hidden_size
+    return (2 * fe // n, h) if key.endswith("linear_fc1.weight") else (h, fe // n)
 
 
 def gather_shards(local: torch.Tensor, pgs: ProcessGroups, dtype: torch.dtype | None = None) -> torch.Tensor | None:
@@ -355,13 +474,22 @@ def shard_file_name(pp: int, pp_rank: int) -> str:
 
 
 def hf_config_dict(m: PolicyModelConfig, dtype: str) -> dict:
-    arch = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[m.family]
-    return {
+    arch = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+            "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM"}[m.family]
+    moe: dict = {}
+    if m.family == "qwen3_moe":
+        moe = {"num_experts": m.num_experts, "num_experts_per_tok": m.moe_router_topk,
+               "moe_intermediate_size": m.expert_ffn_hidden_size, "norm_topk_prob": m.moe_norm_topk_prob,
+               "decoder_sparse_step": 1, "mlp_only_layers": []}
+    elif m.family == "mixtral":  # its intermediate_size is the experts' width
+        moe = {"num_local_experts": m.num_experts, "num_experts_per_tok": m.moe_router_topk,
+               "sliding_window": None}
+    return {**moe,
         "architectures": [arch],
         "model_type": m.family,
         "vocab_size": m.vocab_size,
         "hidden_size": m.hidden_size,
-        "intermediate_size": m.ffn_hidden_size,
+        "intermediate_size": m.expert_ffn_hidden_size if m.family == "mixtral" else m.ffn_hidden_size,
         "num_hidden_layers": m.num_layers,
         "num_attention_heads": m.num_attention_heads,
         "num_key_value_heads": m.num_query_groups,
@@ -439,11 +567,15 @@ def gather_full_state(
     all-reduce they hold the full reduced gradient on every rank).
     """
     stage: dict[str, torch.Tensor] = {}
+
+    def value(param: torch.Tensor) -> torch.Tensor:
+        return param.detach() if source == "param" else param.main_grad.detach()
+
     for name, param in _trainable_items(model):
         canon = _canonical(name)
-        if canon == "output_layer.weight" and m.tie_word_embeddings:
+        if (canon == "output_layer.weight" and m.tie_word_embeddings) or expert_index(canon) is not None:
             continue
-        local = param.detach() if source == "param" else param.main_grad.detach()
+        local = value(param)
         if pgs.dims.tp > 1 and _tp_rule(canon) is not None:
             parts = [torch.empty_like(local) for _ in range(pgs.dims.tp)]
             dist.all_gather(parts, local.contiguous(), group=pgs.tp)
@@ -451,6 +583,15 @@ def gather_full_state(
         else:
             full = local
         stage[_local_to_global(canon, offset)] = full.cpu().clone()
+    if m.num_experts is not None and pgs.dp_rank == 0:  # experts: onto TP rank 0 from their holders
+        mine = {k: value(p) for k, p in rank_params(model, m, pgs, offset).items() if expert_index(k) is not None}
+        dtype = next(iter(mine.values())).dtype
+        for key in megatron_keys(m, pgs.dims.pp, pgs.pp_rank):
+            if expert_index(key) is None:
+                continue
+            stacked = gather_param(key, mine.get(key), m, pgs, dtype)
+            if stacked is not None:
+                stage[key] = unshard(key, list(stacked)).cpu().clone()
     if pgs.dims.pp == 1:
         return stage if pgs.rank == 0 else None
     gathered: list[dict | None] = [None] * pgs.dims.pp
@@ -472,9 +613,9 @@ def load_full_state(
     with torch.no_grad():
         for name, param in _trainable_items(model):
             canon = _canonical(name)
-            key = _local_to_global(canon, offset)
+            key = _local_to_global(canon, offset, _expert_offset(m, pgs))
             if canon == "output_layer.weight" and m.tie_word_embeddings:
                 key = "embedding.word_embeddings.weight"  # last stage's copy of the tied embedding
             if key not in full:
                 raise KeyError(f"checkpoint has no tensor for {key} (parameter {name})")
-            param.copy_(shard(key, full[key], pgs.dims.tp, pgs.tp_rank).to(param.dtype))
+            param.copy_(shard(key, full[key], *_shard_split(key, pgs)).to(param.dtype))

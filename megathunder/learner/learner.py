@@ -25,7 +25,7 @@ from megatron.core.distributed import (
 from megatron.core.optimizer import MegatronOptimizer, OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-from megathunder.config import LearnerConfig, LedgerConfig, ObjectiveConfig, PolicyModelConfig, RLObjective
+from megathunder.config import ConfigError, LearnerConfig, LedgerConfig, ObjectiveConfig, PolicyModelConfig, RLObjective
 from megathunder.learner import hf
 from megathunder.learner.backend import MegatronBackend, run_schedule
 from megathunder.learner.model import build_gpt_model, layer_offset, resolve_model_config
@@ -75,7 +75,11 @@ class MegatronLearner:
         hf_dir = Path(hf_dir) if hf_dir is not None else (
             Path(cfg.model.hf_checkpoint) if cfg.model.hf_checkpoint is not None else None)
         model_cfg = resolve_model_config(cfg.model, hf_dir)
-        model = build_gpt_model(model_cfg, cfg.precision, pgs, cfg.activations)
+        if model_cfg.is_moe and (cfg.moe.aux_loss_coeff > 0 or cfg.moe.z_loss_coeff > 0):
+            raise ConfigError("learner.moe.aux_loss_coeff / z_loss_coeff: router losses are not yet carried by the "
+                              "gradient ledger (each trajectory's backward would scale them by its loss "
+                              "coefficients); keep them 0 so the RL gradient is exactly the policy's")
+        model = build_gpt_model(model_cfg, cfg.precision, pgs, cfg.activations, cfg.moe)
         offset = layer_offset(model_cfg, pgs)
         if hf_dir is not None:
             hf.load_hf(model, hf_dir, model_cfg, pgs, offset)  # this rank's slices only
@@ -112,7 +116,7 @@ class MegatronLearner:
         )
         reference = None
         if isinstance(objective, RLObjective) and objective.kl_coef > 0:  # a frozen copy of the initial policy
-            reference = build_gpt_model(model_cfg, cfg.precision, pgs)
+            reference = build_gpt_model(model_cfg, cfg.precision, pgs, moe=cfg.moe)
             reference.load_state_dict(model.state_dict(), strict=False)
             reference.requires_grad_(False).eval()
             if cfg.reference.offload_to_cpu and pgs.device.type == "cuda":

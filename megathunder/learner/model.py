@@ -1,7 +1,17 @@
-"""The policy as megatron-core ``GPTModel``: dense Llama / Qwen2 / Qwen3 decoders.
+"""The policy as megatron-core ``GPTModel``: Llama / Qwen2 / Qwen3 decoders and Qwen3-MoE.
 
-All three families are RMSNorm + SwiGLU + RoPE + grouped-query attention; they differ in
-biases (Qwen2 has q/k/v biases), q/k RMSNorm (Qwen3) and tied embeddings (small Qwen models).
+All four families are RMSNorm + SwiGLU + RoPE + grouped-query attention; they differ in
+biases (Qwen2 has q/k/v biases), q/k RMSNorm (Qwen3, Qwen3-MoE) and tied embeddings (small Qwen
+models). Qwen3-MoE replaces every layer's MLP with Megatron's ``MoELayer`` (the local spec's
+``get_gpt_layer_local_spec(num_experts=...)``: ``TopKRouter`` + ``SequentialMLP`` experts + the
+all-gather token dispatcher), the same function as transformers' sparse block: transformers takes
+softmax over all experts, the top k, and (``norm_topk_prob``) divides by their sum; Megatron's
+default takes the top k logits and a softmax over them, which is the same number
+(exp(l_i) / sum_{j in top k} exp(l_j)) -- and with ``norm_topk_prob: false`` Megatron's
+``moe_router_pre_softmax`` is transformers' order exactly. The router runs in fp32 as transformers'
+does. The top-k choice itself is discrete: a token whose k-th and (k+1)-th router logits are within
+rounding of each other may be routed differently by two summation orders (layouts, engines), so
+the tests use models whose gaps are far from rounding (``megathunder.models.tiny_hf``).
 The layer spec is Megatron's ``local`` spec (CPU and GPU) or Transformer Engine's (GPU; required
 for FP8, whose format and recipe are passed to TE through ``TransformerConfig``), either with its
 own core attention, with ours on torch's fused ``scaled_dot_product_attention``
@@ -30,6 +40,7 @@ import torch.nn.functional as F
 from megathunder.config import (
     ActivationsConfig,
     ConfigError,
+    MoEConfig,
     PolicyModelConfig,
     PrecisionConfig,
     RopeScalingConfig,
@@ -43,21 +54,26 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def policy_config_from_hf(hf_dir: str | Path, base: PolicyModelConfig) -> PolicyModelConfig:
-    """Sizes from a Hugging Face ``config.json`` (model_type llama, qwen2 or qwen3)."""
+    """Sizes from a Hugging Face ``config.json`` (model_type llama, qwen2, qwen3, qwen3_moe or mixtral)."""
     path = Path(hf_dir) / "config.json"
     if not path.is_file():
         raise ConfigError(f"learner.model.hf_checkpoint: no config.json in {hf_dir}")
     hf = json.loads(path.read_text())
     family = hf.get("model_type")
-    if family not in ("llama", "qwen2", "qwen3"):
+    if family not in ("llama", "qwen2", "qwen3", "qwen3_moe", "mixtral"):
         raise ConfigError(
-            f"learner.model.hf_checkpoint: model_type {family!r} in {path} is not one of llama, qwen2, qwen3"
+            f"learner.model.hf_checkpoint: model_type {family!r} in {path} is not one of llama, qwen2, qwen3, "
+            "qwen3_moe, mixtral"
         )
-    if family == "llama" and (hf.get("attention_bias") or hf.get("mlp_bias")):
-        raise ConfigError("learner.model.hf_checkpoint: llama with attention/mlp biases is not supported")
+    if family in ("llama", "mixtral") and (hf.get("attention_bias") or hf.get("mlp_bias")):
+        raise ConfigError(f"learner.model.hf_checkpoint: {family} with attention/mlp biases is not supported")
+    if family == "mixtral" and hf.get("sliding_window") is not None:
+        raise ConfigError(f"learner.model.hf_checkpoint: {path} sets sliding_window, which the learner's attention "
+                          "does not reproduce")
     heads = hf["num_attention_heads"]
     rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
     return base.model_copy(update=dict(
+        **moe_sizes_from_hf(hf, path),
         family=family,
         vocab_size=hf["vocab_size"],
         hidden_size=hf["hidden_size"],
@@ -72,6 +88,30 @@ def policy_config_from_hf(hf_dir: str | Path, base: PolicyModelConfig) -> Policy
         norm_eps=hf.get("rms_norm_eps", base.norm_eps),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
     ))
+
+
+def moe_sizes_from_hf(hf: dict, path: Path) -> dict:
+    """The MoE fields of a Qwen3-MoE or Mixtral ``config.json`` (nothing for a dense family). Layouts
+    Megatron's uniform MoE block does not reproduce are refused by name: dense layers among sparse
+    ones (``mlp_only_layers``, ``decoder_sparse_step`` > 1), router jitter."""
+    if hf.get("model_type") == "mixtral":  # every layer sparse, top-k always renormalised
+        if hf.get("router_jitter_noise"):
+            raise ConfigError(f"learner.model.hf_checkpoint: {path} sets router_jitter_noise (random routing), "
+                              "which an exact learner cannot reproduce")
+        return dict(num_experts=hf["num_local_experts"], moe_router_topk=hf["num_experts_per_tok"],
+                    moe_ffn_hidden_size=hf["intermediate_size"], moe_norm_topk_prob=True,
+                    moe_shared_expert_intermediate_size=None)
+    if hf.get("model_type") != "qwen3_moe":
+        return {"num_experts": None}
+    if hf.get("mlp_only_layers") or hf.get("decoder_sparse_step", 1) != 1:
+        raise ConfigError(f"learner.model.hf_checkpoint: {path} mixes dense and sparse layers (mlp_only_layers / "
+                          "decoder_sparse_step), which the learner does not reproduce")
+    experts = hf.get("num_experts") or hf.get("num_local_experts")
+    if not experts:
+        raise ConfigError(f"learner.model.hf_checkpoint: {path} names no num_experts")
+    return dict(num_experts=experts, moe_router_topk=hf["num_experts_per_tok"],
+                moe_ffn_hidden_size=hf["moe_intermediate_size"], moe_norm_topk_prob=bool(hf.get("norm_topk_prob")),
+                moe_shared_expert_intermediate_size=None)
 
 
 def rope_scaling_from_hf(rope: dict, path: Path) -> RopeScalingConfig | None:
@@ -92,10 +132,38 @@ def rope_scaling_from_hf(rope: dict, path: Path) -> RopeScalingConfig | None:
     return RopeScalingConfig(kind=kind, **{k: rope[k] for k in known if rope.get(k) is not None})
 
 
+def moe_fields(model: PolicyModelConfig, moe: MoEConfig, pgs: ProcessGroups) -> dict:
+    """``TransformerConfig``'s MoE fields for this model (empty for a dense one)."""
+    if model.num_experts is None:
+        return {}
+    on_gpu = pgs.device.type == "cuda"
+    if moe.grouped_gemm and not on_gpu:
+        raise ConfigError("learner.moe.grouped_gemm: needs CUDA (grouped GEMM kernels); false runs SequentialMLP")
+    if moe.token_dispatcher == "alltoall" and not on_gpu:
+        raise ConfigError("learner.moe.token_dispatcher: alltoall needs CUDA streams; allgather runs on CPU")
+    return dict(
+        num_moe_experts=model.num_experts,
+        moe_router_topk=model.moe_router_topk,
+        moe_ffn_hidden_size=model.expert_ffn_hidden_size,
+        moe_router_pre_softmax=not model.moe_norm_topk_prob,
+        moe_router_score_function="softmax",
+        moe_router_dtype="fp32",  # transformers' router softmax is fp32
+        moe_shared_expert_intermediate_size=model.moe_shared_expert_intermediate_size,
+        moe_router_load_balancing_type=moe.load_balancing_type,
+        moe_aux_loss_coeff=moe.aux_loss_coeff,
+        moe_z_loss_coeff=moe.z_loss_coeff or None,
+        moe_grouped_gemm=moe.grouped_gemm,
+        moe_token_dispatcher_type=moe.token_dispatcher,
+        expert_model_parallel_size=pgs.dims.ep,
+        expert_tensor_parallel_size=pgs.dims.etp,
+    )
+
+
 def transformer_config(model: PolicyModelConfig, precision: PrecisionConfig, pgs: ProcessGroups,
-                       activations: ActivationsConfig | None = None):
+                       activations: ActivationsConfig | None = None, moe: MoEConfig | None = None):
     """Megatron's ``TransformerConfig`` of this model, layout and precision; ``activations``: the
-    recompute settings (none for forward-only models: the reference, the teacher)."""
+    recompute settings (none for forward-only models: the reference, the teacher); ``moe``: how
+    a mixture of experts is trained (default ``MoEConfig()``: no router losses)."""
     from megatron.core.transformer import TransformerConfig
 
     dtype = DTYPES[precision.params_dtype]
@@ -134,7 +202,7 @@ def transformer_config(model: PolicyModelConfig, precision: PrecisionConfig, pgs
         activation_func=F.silu,
         add_bias_linear=False,
         add_qkv_bias=model.family == "qwen2",
-        qk_layernorm=model.family == "qwen3",
+        qk_layernorm=model.family in ("qwen3", "qwen3_moe"),
         hidden_dropout=0.0,
         attention_dropout=0.0,
         params_dtype=dtype,
@@ -152,6 +220,7 @@ def transformer_config(model: PolicyModelConfig, precision: PrecisionConfig, pgs
         calculate_per_token_loss=True,  # DP reduction sums the ranks' partial gradients
         **fp8,
         **memory,
+        **moe_fields(model, moe or MoEConfig(), pgs),
     )
     if rope is not None and rope.kind == "yarn":  # read by GPTModel's YaRN embedding (not config fields)
         config.yarn_rotary_scaling_factor = rope.factor
@@ -168,20 +237,25 @@ def transformer_config(model: PolicyModelConfig, precision: PrecisionConfig, pgs
 
 
 def layer_spec(model: PolicyModelConfig, precision: PrecisionConfig, sequence_parallel: bool = False,
-               num_layers: int | None = None):
+               num_layers: int | None = None, grouped_gemm: bool = False):
     """The GPT layer spec: local or Transformer Engine, with Megatron's core attention or ours
     (``sdpa``: torch's fused kernels; ``past_kv``: also attends to a cache of past keys/values
     with autograd, for per-turn OPD). The local spec under sequence parallelism becomes a block
     spec of ``num_layers`` layers with SP-aware norms (``megathunder.learner.sp_norm``)."""
-    qk_norm = model.family == "qwen3"
+    qk_norm = model.family in ("qwen3", "qwen3_moe")
+    experts = model.num_experts
+    if experts is not None:
+        _megatron_moe_without_te()
     if precision.layer_spec == "transformer_engine":
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
-        spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_norm)
+        spec = get_gpt_layer_with_transformer_engine_spec(num_experts=experts, moe_grouped_gemm=grouped_gemm,
+                                                          qk_layernorm=qk_norm)
     else:
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-        spec = get_gpt_layer_local_spec(qk_layernorm=qk_norm, normalization="RMSNorm")
+        spec = get_gpt_layer_local_spec(num_experts=experts, moe_grouped_gemm=grouped_gemm, qk_layernorm=qk_norm,
+                                        normalization="RMSNorm")
     if precision.core_attention == "past_kv":
         spec = with_past_kv_attention(spec)
     elif precision.core_attention == "sdpa":
@@ -192,13 +266,23 @@ def layer_spec(model: PolicyModelConfig, precision: PrecisionConfig, sequence_pa
     return spec
 
 
+def _megatron_moe_without_te() -> None:
+    """megatron-core 0.16's router gating reads ``te_general_gemm``, which its module defines only
+    when Transformer Engine imports (a NameError otherwise): without TE it is None, and the router
+    takes its own torch matmul branch."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
 def resolve_model_config(model: PolicyModelConfig, hf_dir: str | Path | None) -> PolicyModelConfig:
     """The model's sizes: ``hf_dir``'s config.json when given, else ``model``'s own."""
     return model if hf_dir is None else policy_config_from_hf(hf_dir, model)
 
 
 def build_gpt_model(model_cfg: PolicyModelConfig, precision: PrecisionConfig, pgs: ProcessGroups,
-                    activations: ActivationsConfig | None = None):
+                    activations: ActivationsConfig | None = None, moe: MoEConfig | None = None):
     """The GPTModel chunk of this pipeline stage (weights randomly initialised)."""
     from megatron.core.models.gpt import GPTModel
 
@@ -211,7 +295,7 @@ def build_gpt_model(model_cfg: PolicyModelConfig, precision: PrecisionConfig, pg
         if activations.recompute_method == "uniform" and per_stage % n:
             raise ConfigError(f"learner.activations.recompute_num_layers: {n} does not divide the {per_stage} layers "
                               "of a pipeline stage (recompute_method=uniform)")
-    config = transformer_config(model_cfg, precision, pgs, activations)
+    config = transformer_config(model_cfg, precision, pgs, activations, moe)
     rope = model_cfg.rope_scaling
     position: dict = {"position_embedding_type": "rope"}
     if rope is not None and rope.kind == "linear":
@@ -220,7 +304,8 @@ def build_gpt_model(model_cfg: PolicyModelConfig, precision: PrecisionConfig, pg
         position["position_embedding_type"] = "yarn"
     model = GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(model_cfg, precision, pgs.dims.sp, model_cfg.num_layers // pgs.dims.pp),
+        transformer_layer_spec=layer_spec(model_cfg, precision, pgs.dims.sp, model_cfg.num_layers // pgs.dims.pp,
+                                          grouped_gemm=moe is not None and moe.grouped_gemm),
         vocab_size=model_cfg.vocab_size,
         max_sequence_length=model_cfg.max_position_embeddings,
         pre_process=pgs.is_first_stage,

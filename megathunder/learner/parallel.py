@@ -21,6 +21,7 @@ from megathunder.config import (
     LearnerConfig,
     ParallelConfig,
     PolicyModelConfig,
+    check_experts_divide_model,
     check_parallel_divides_model,
 )
 from megathunder.learner import cpu_compat, rendezvous
@@ -37,6 +38,12 @@ class ParallelDims:
     cp: int = 1
     sp: bool = False  # sequence parallelism over the TP ranks
     cp_comm_type: str = "p2p"
+    ep: int = 1  # expert parallelism (MoE), inside the TP group: ep x etp = tp
+    etp: int = 0  # expert-tensor parallelism (MoE); 0: tp / ep
+
+    def __post_init__(self) -> None:
+        if not self.etp:
+            object.__setattr__(self, "etp", self.tp // self.ep)
 
     @classmethod
     def build(cls, cfg: ParallelConfig, world_size: int) -> ParallelDims:
@@ -52,7 +59,8 @@ class ParallelDims:
                 f"learner.parallel.data_parallel: {cfg.data_parallel}, but world size {world_size} "
                 f"= {tp} (tp) x {pp} (pp){cp_part} x {dp} (dp)"
             )
-        return cls(tp, pp, dp, cp, cfg.sequence_parallel, cfg.cp_comm_type)
+        return cls(tp, pp, dp, cp, cfg.sequence_parallel, cfg.cp_comm_type, cfg.expert_parallel,
+                   cfg.expert_tensor_parallel_size)
 
     @property
     def seq_multiple(self) -> int:
@@ -61,9 +69,15 @@ class ParallelDims:
         load-balanced chunks), their product with both."""
         return (self.tp if self.sp else 1) * (2 * self.cp if self.cp > 1 else 1)
 
-    def check_model(self, model: PolicyModelConfig) -> None:
+    def check_model(self, model: PolicyModelConfig, experts: bool = True) -> None:
+        """``experts=False``: the dense model may be a stand-in (the run's model comes from a
+        checkpoint or the tiny model), so the expert layout is checked when the real one is built."""
         try:
             check_parallel_divides_model(model, self.tp, self.pp, self.cp, self.cp_comm_type)
+            if experts:
+                check_experts_divide_model(model, ParallelConfig(
+                    tensor_parallel=self.tp, pipeline_parallel=self.pp, sequence_parallel=self.sp,
+                    expert_parallel=self.ep, expert_tensor_parallel=self.etp))
         except ValueError as err:
             raise ConfigError(f"learner.{err}") from None
 
@@ -100,6 +114,22 @@ class ProcessGroups:
         return dist.get_rank(self.collection.cp) if self.dims.cp > 1 else 0
 
     @property
+    def ep_rank(self) -> int:
+        """This rank's expert-parallel rank: it holds experts [ep_rank * E / ep, (ep_rank + 1) * E / ep)."""
+        return dist.get_rank(self.collection.ep) if self.dims.ep > 1 else 0
+
+    @property
+    def etp_rank(self) -> int:
+        """This rank's expert-tensor-parallel rank (its slice of each of its experts)."""
+        return dist.get_rank(self.collection.expt_tp) if self.dims.etp > 1 else 0
+
+    def expert_tp_rank(self, ep_rank: int, etp_rank: int) -> int:
+        """The TP rank (in this rank's TP group) holding slice ``etp_rank`` of expert-parallel rank
+        ``ep_rank``'s experts: Megatron orders the expert grid etp-fastest, then ep, inside the TP
+        group when ep x etp = tp (checked in ``init_distributed``)."""
+        return etp_rank + self.dims.etp * ep_rank
+
+    @property
     def is_first_stage(self) -> bool:
         return self.pp_rank == 0
 
@@ -124,7 +154,7 @@ def init_distributed(cfg: LearnerConfig) -> ProcessGroups:
         raise ConfigError("learner.precision.layer_spec: transformer_engine needs CUDA GPUs")
     dims = ParallelDims.build(cfg.parallel, world_size)
     if cfg.model.hf_checkpoint is None:
-        dims.check_model(cfg.model)
+        dims.check_model(cfg.model, experts=cfg.model.is_moe)
 
     cpu_compat.enable()
     backend = cfg.parallel.backend
@@ -151,11 +181,13 @@ def init_distributed(cfg: LearnerConfig) -> ProcessGroups:
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(dims.tp, dims.pp, context_parallel_size=dims.cp)
+        parallel_state.initialize_model_parallel(dims.tp, dims.pp, context_parallel_size=dims.cp,
+                                                 expert_model_parallel_size=dims.ep,
+                                                 expert_tensor_parallel_size=dims.etp)
     torch.manual_seed(cfg.seed)
     model_parallel_cuda_manual_seed(cfg.seed)
     collection = ProcessGroupCollection.use_mpu_process_groups()
-    return ProcessGroups(
+    pgs = ProcessGroups(
         dims=dims,
         rank=rank,
         world_size=world_size,
@@ -165,6 +197,10 @@ def init_distributed(cfg: LearnerConfig) -> ProcessGroups:
         collection=collection,
         device=device,
     )
+    if pgs.expert_tp_rank(pgs.ep_rank, pgs.etp_rank) != pgs.tp_rank:  # the HF import / export relies on it
+        raise RuntimeError(f"rank {rank}: expert grid (ep {pgs.ep_rank}, etp {pgs.etp_rank}) is not at TP rank "
+                           f"{pgs.tp_rank} as expected")
+    return pgs
 
 
 def destroy_distributed() -> None:

@@ -87,20 +87,21 @@ class StageSender:
         return _reduce(stats, pgs.device)
 
     def _send_sparse(self, writer: FrameWriter | None, dtype: torch.dtype, threshold: float) -> None:
-        pgs, m, tp = self.pgs, self.model_cfg, self.pgs.dims.tp
-        params = hf.stage_params(self.model, m, self.offset)
+        pgs, m = self.pgs, self.model_cfg
+        params = hf.rank_params(self.model, m, pgs, self.offset)
         first = self.previous is None
         previous = self.previous = {} if self.previous is None else self.previous
         for key in hf.megatron_keys(m, pgs.dims.pp, pgs.pp_rank):
-            cur = params[key].detach().to(dtype)
-            if cur.data_ptr() == params[key].data_ptr():
-                cur = cur.clone()  # the parameter itself: keep what was pushed, not a live alias
-            changed = None if first else (_bits(cur) != _bits(previous[key])).to(torch.uint8)
-            stacked, mask = cur[None], None if changed is None else changed[None]
-            if tp > 1 and hf._tp_rule(key) is not None:
-                stacked = hf.gather_shards(cur, pgs)
-                mask = None if changed is None else hf.gather_shards(changed, pgs)
-            previous[key] = cur
+            param = params.get(key)  # None: an expert of another expert-parallel rank
+            cur = changed = None
+            if param is not None:
+                cur = param.detach().to(dtype)
+                if cur.data_ptr() == param.data_ptr():
+                    cur = cur.clone()  # the parameter itself: keep what was pushed, not a live alias
+                changed = None if first else (_bits(cur) != _bits(previous[key])).to(torch.uint8)
+                previous[key] = cur
+            stacked = hf.gather_param(key, cur, m, pgs, dtype)
+            mask = None if first else hf.gather_param(key, changed, m, pgs, torch.uint8)
             if writer is None:
                 continue
             assert stacked is not None

@@ -1,10 +1,14 @@
-"""A tiny random Qwen2 model and a locally trained tokenizer, saved with ``transformers``.
+"""A tiny random Qwen2 (or Qwen3-MoE) model and a locally trained tokenizer, saved with ``transformers``.
 
 Nothing here downloads anything: the tokenizer is a byte-level BPE trained with ``tokenizers`` on
 a corpus generated in this module, and the model is a randomly initialised ``Qwen2ForCausalLM``.
 The directory it writes is a regular Hugging Face checkpoint (``config.json``,
 ``model.safetensors``, ``tokenizer.json``, ``tokenizer_config.json`` with a chat template), so
 vLLM, transformers and the learner's HF import load it exactly as they load a real Qwen2.
+With ``TinyModelSpec.num_experts > 0`` the model is a ``Qwen3MoeForCausalLM`` instead (q/k RMSNorm,
+every layer a sparse MoE block: a softmax top-k router, ``norm_topk_prob``, no shared expert), saved
+with one tensor per expert (``mlp.experts.{e}.{gate,up,down}_proj.weight``) as Qwen3-30B-A3B's
+checkpoint is: the mixture-of-experts student of the tests and the MoE quickstart.
 
 The chat template follows Qwen2.5's layout: ``<|im_start|>role\\n...<|im_end|>`` turns, tools
 listed in the system turn inside ``<tools></tools>``, and Hermes-style tool calls
@@ -98,6 +102,14 @@ class TinyModelSpec:
     """Larger than HF's 0.02 so that outputs depend visibly on context (logits far from flat):
     tests comparing engines need distributions that differ when the KV cache is wrong."""
     seed: int = 0
+    num_experts: int = 0
+    """0: a dense Qwen2; > 0: a Qwen3-MoE with this many routed experts per layer."""
+    num_experts_per_tok: int = 2
+    """MoE: experts each token is routed to (top-k)."""
+    moe_intermediate_size: int = 64
+    """MoE: each expert's SwiGLU width."""
+    norm_topk_prob: bool = True
+    """MoE: renormalise the top-k routing probabilities to sum to 1 (Qwen3-30B-A3B does)."""
 
 
 def _corpus(rng: random.Random, num_lines: int = 3000) -> Iterator[str]:
@@ -146,10 +158,12 @@ def build_tokenizer(vocab_size: int = 512, seed: int = 0):
 
 def build_model(spec: TinyModelSpec, vocab_size: int, eos_token_id: int, pad_token_id: int):
     """A randomly initialised fp32 Qwen2ForCausalLM (q/k/v biases as in Qwen2; untied embeddings
-    unless the spec ties them)."""
+    unless the spec ties them), or a Qwen3MoeForCausalLM when ``spec.num_experts > 0``."""
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
+    if spec.num_experts > 0:
+        return build_moe_model(spec, vocab_size, eos_token_id, pad_token_id)
     config = Qwen2Config(
         vocab_size=vocab_size,
         hidden_size=spec.hidden_size,
@@ -171,6 +185,49 @@ def build_model(spec: TinyModelSpec, vocab_size: int, eos_token_id: int, pad_tok
         for name, param in model.named_parameters():
             if name.endswith(".bias"):
                 param.normal_(0.0, spec.init_std)
+    return model.eval()
+
+
+def build_moe_model(spec: TinyModelSpec, vocab_size: int, eos_token_id: int, pad_token_id: int):
+    """A randomly initialised fp32 Qwen3MoeForCausalLM of the spec's sizes (every layer sparse).
+
+    The router's weights are drawn like every other matrix (std ``init_std``; transformers starts
+    them at zero), so tokens really are routed to different experts and no two experts' router
+    logits tie (ties would make the top-k choice depend on summation order)."""
+    import torch
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    if not 0 < spec.num_experts_per_tok <= spec.num_experts:
+        raise ValueError(f"num_experts_per_tok {spec.num_experts_per_tok} must be in 1..num_experts={spec.num_experts}")
+    config = Qwen3MoeConfig(
+        vocab_size=vocab_size,
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        moe_intermediate_size=spec.moe_intermediate_size,
+        num_experts=spec.num_experts,
+        num_experts_per_tok=spec.num_experts_per_tok,
+        norm_topk_prob=spec.norm_topk_prob,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        num_hidden_layers=spec.num_layers,
+        num_attention_heads=spec.num_heads,
+        num_key_value_heads=spec.num_kv_heads,
+        head_dim=spec.hidden_size // spec.num_heads,
+        max_position_embeddings=spec.max_position_embeddings,
+        initializer_range=spec.init_std,
+        tie_word_embeddings=spec.tie_word_embeddings,
+        bos_token_id=pad_token_id,
+        eos_token_id=eos_token_id,
+        pad_token_id=pad_token_id,
+        torch_dtype="float32",
+    )
+    torch.manual_seed(spec.seed)
+    model = Qwen3MoeForCausalLM(config).to(torch.float32)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.mlp.gate.weight.normal_(0.0, spec.init_std)
+            layer.mlp.experts.gate_up_proj.normal_(0.0, spec.init_std)
+            layer.mlp.experts.down_proj.normal_(0.0, spec.init_std)
     return model.eval()
 
 
@@ -205,8 +262,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--hidden-size", type=int, default=TinyModelSpec.hidden_size)
     parser.add_argument("--num-layers", type=int, default=TinyModelSpec.num_layers)
     parser.add_argument("--seed", type=int, default=TinyModelSpec.seed)
+    parser.add_argument("--num-experts", type=int, default=0, help="> 0: a Qwen3-MoE with this many experts")
+    parser.add_argument("--num-experts-per-tok", type=int, default=TinyModelSpec.num_experts_per_tok)
     args = parser.parse_args(argv)
-    spec = TinyModelSpec(hidden_size=args.hidden_size, num_layers=args.num_layers, seed=args.seed)
+    spec = TinyModelSpec(hidden_size=args.hidden_size, num_layers=args.num_layers, seed=args.seed,
+                         num_experts=args.num_experts, num_experts_per_tok=args.num_experts_per_tok)
     print(save_tiny_qwen2(args.out_dir, spec))
     return 0
 

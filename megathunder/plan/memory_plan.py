@@ -8,6 +8,12 @@ arithmetic, run before any server or rank starts (``megathunder plan``, the laun
 Per rank, with P the parameters of the rank's pipeline stage (its TP shard: ``stage_params``), e
 the bytes of ``learner.precision.params_dtype``:
 
+(Mixture of experts: a MoE layer's MLP is its router, E x h, replicated, and its experts; a rank
+holds E / EP whole experts, each's three matrices split over the ETP ranks: E / EP x 3 F_e h / ETP,
+plus a shared expert's 3 F_s h / TP. P counts exactly that, so every line below covers experts;
+``layout.expert_params_per_rank`` reports their part, ``links.weight_push_expert_bytes_per_step``
+the experts' share of each push, which moves every expert once.)
+
     weights               P e
     gradients             4 P       DDP's buffers are fp32 (grad_reduce_in_fp32)
     optimizer             adam: (12 if bf16 else 8) P, sgd: (8 if bf16 else 4) P (fp32 main
@@ -83,8 +89,10 @@ from megathunder.config import (
     Config,
     ConfigError,
     DistillObjective,
+    ParallelConfig,
     PolicyModelConfig,
     RLObjective,
+    check_experts_divide_model,
     check_parallel_divides_model,
 )
 from megathunder.config.rollout_config import CollectiveTransfer
@@ -101,7 +109,8 @@ RPC_COPIES = 2 + 4 / 3  # rpc push on rank 0: the tensors, their safetensors byt
 
 @dataclass(frozen=True)
 class ModelShape:
-    """The sizes of a dense Llama / Qwen2 / Qwen3 decoder that memory depends on."""
+    """The sizes of a Llama / Qwen2 / Qwen3 / Qwen3-MoE decoder that memory depends on (``experts``
+0: a dense MLP)."""
 
     vocab: int
     hidden: int
@@ -113,18 +122,37 @@ class ModelShape:
     tie: bool
     qkv_bias: bool
     qk_norm: bool
+    experts: int = 0  # routed experts per layer (0: dense)
+    topk: int = 0  # experts per token
+    expert_ffn: int = 0  # each expert's SwiGLU width
+    shared_ffn: int = 0  # a shared expert's width (0: none)
 
     @classmethod
     def of(cls, m: PolicyModelConfig) -> ModelShape:
         return cls(vocab=m.vocab_size, hidden=m.hidden_size, ffn=m.ffn_hidden_size, layers=m.num_layers,
                    heads=m.num_attention_heads, kv_heads=m.num_query_groups,
                    head_dim=m.head_dim or m.hidden_size // m.num_attention_heads, tie=m.tie_word_embeddings,
-                   qkv_bias=m.family == "qwen2", qk_norm=m.family == "qwen3")
+                   qkv_bias=m.family == "qwen2", qk_norm=m.family in ("qwen3", "qwen3_moe"),
+                   experts=m.num_experts or 0, topk=m.moe_router_topk if m.num_experts else 0,
+                   expert_ffn=m.expert_ffn_hidden_size if m.num_experts else 0,
+                   shared_ffn=m.moe_shared_expert_intermediate_size or 0)
 
     @property
     def num_params(self) -> int:
         """The whole model's parameters."""
         return sum(stage_params(self, 1, 1, 0))
+
+    @property
+    def expert_params(self) -> int:
+        """The whole model's routed-expert parameters."""
+        return expert_stage_params(self, 1, 1, 1)
+
+    @property
+    def active_params(self) -> int:
+        """Parameters one token goes through: all but the experts it is not routed to."""
+        if not self.experts:
+            return self.num_params
+        return self.num_params - self.expert_params * (self.experts - self.topk) // self.experts
 
 
 def read_model_config(path: str | Path, base: PolicyModelConfig, field_name: str) -> PolicyModelConfig:
@@ -142,17 +170,23 @@ def read_model_config(path: str | Path, base: PolicyModelConfig, field_name: str
         raise ConfigError(str(err).replace("learner.model.hf_checkpoint", field_name)) from None
 
 
-def stage_params(shape: ModelShape, tp: int, pp: int, stage: int) -> tuple[int, int, int]:
+def stage_params(shape: ModelShape, tp: int, pp: int, stage: int, ep: int = 1,
+                 etp: int | None = None) -> tuple[int, int, int]:
     """(transformer layers, embedding + output layer, final norm) parameters of one TP shard of
-    pipeline stage ``stage`` -- the tensors Megatron's GPTModel builds there."""
+    pipeline stage ``stage`` -- the tensors Megatron's GPTModel builds there (a MoE layer's: its
+    router and this rank's E / ``ep`` experts, each split over ``etp`` = TP / EP ranks by default)."""
     h, d, t = shape.hidden, shape.head_dim, tp
     qkv_out = (shape.heads + 2 * shape.kv_heads) * d
+    if shape.experts:
+        mlp = shape.experts * h + 3 * shape.shared_ffn * h // t  # router (replicated), shared expert
+    else:
+        mlp = 2 * shape.ffn * h // t + shape.ffn * h // t  # fc1 (gate, up), fc2
     per_layer = (2 * h  # input and pre-MLP RMSNorm (replicated)
                  + qkv_out * h // t + (qkv_out // t if shape.qkv_bias else 0)
                  + (2 * d if shape.qk_norm else 0)
                  + shape.heads * d * h // t  # output projection
-                 + 2 * shape.ffn * h // t + shape.ffn * h // t)  # fc1 (gate, up), fc2
-    layers = per_layer * shape.layers // pp
+                 + mlp)
+    layers = per_layer * shape.layers // pp + expert_stage_params(shape, pp, ep, etp or max(tp // ep, 1))
     embed = shape.vocab // t * h
     first, last = stage == 0, stage == pp - 1
     vocab = 0
@@ -161,6 +195,14 @@ def stage_params(shape: ModelShape, tp: int, pp: int, stage: int) -> tuple[int, 
     if last and (not shape.tie or pp > 1):  # untied output layer, or the tied copy on the last stage
         vocab += embed
     return layers, vocab, h if last else 0
+
+
+def expert_stage_params(shape: ModelShape, pp: int, ep: int, etp: int) -> int:
+    """Routed-expert parameters one rank of a pipeline stage holds: E / ``ep`` experts of its
+    layers, each's gate, up and down matrices split over ``etp`` ranks."""
+    if not shape.experts:
+        return 0
+    return shape.layers // pp * shape.experts // ep * 3 * shape.expert_ffn * shape.hidden // etp
 
 
 # ---------------------------------------------------------------------- activations
@@ -181,6 +223,8 @@ class ActivationModel:
     recompute_num_layers: int = 1
     recompute_modules: tuple[str, ...] = ("core_attn",)
     entropy: bool = False
+    ep: int = 1  # MoE: expert parallelism
+    etp: int = 1  # MoE: expert-tensor parallelism
 
     @property
     def _dims(self) -> tuple[int, float, int, int, float]:
@@ -205,6 +249,8 @@ class ActivationModel:
         linear_in = (2 * h / sigma + q + f_t) * e
         rotary = 4 * d * e
         mlp = 4 * f_t * e
+        if sh.experts:
+            linear_in, mlp = self._moe_mlp(h, q, sigma)
         if self.attention == "megatron":
             core = 3 * q * e + a_t * s_keys * e + s_keys
         else:  # the projection's input is the kernel's saved output (the same storage)
@@ -220,6 +266,23 @@ class ActivationModel:
                 linear_in -= (h / sigma + f_t) * e  # fc1 and fc2 inputs go with the MLP ...
                 linear_in += h / sigma * e  # ... whose checkpoint keeps its input
         return s * (norms + linear_in + rotary + mlp + core)
+
+    def _moe_mlp(self, h: int, q: int, sigma: float) -> tuple[float, float]:
+        """(linear inputs, MLP) per token of a MoE layer -- an estimate assuming balanced routing
+        (the real count depends on how many tokens each rank's experts receive). The router keeps
+        its input (the pre-MLP norm's output, h / sigma) and its fp32 logits and scores
+        (2 E x 4 bytes / sigma); each of a token's k assignments, on the rank of its expert (k / EP
+        per token on each rank: the all-gather dispatcher gathers the TP group's tokens), keeps the
+        permuted input h, the SwiGLU tensors 4 F_e / ETP and fc2's input F_e / ETP, the expert's
+        output before its routing weight (h) and the weight (4 bytes); a shared expert is a dense
+        SwiGLU of F_s / TP."""
+        sh, e = self.shape, self.e
+        per_rank = sh.topk / self.ep
+        fe_t = sh.expert_ffn / self.etp
+        fs_t = sh.shared_ffn / self.tp
+        linear_in = (2 * h / sigma + q) * e + per_rank * (h + fe_t) * e + (fs_t * e if fs_t else 0.0)
+        mlp = 2 * sh.experts * 4 / sigma + per_rank * (4 * fe_t * e + h * e + 4) + 4 * fs_t * e
+        return linear_in, mlp
 
     def stage_bytes(self, s: int, layers: int, first: bool, last: bool) -> dict[str, float]:
         """Stored bytes of one micro-batch of ``s`` tokens (the whole sequence) on a stage, and the
@@ -330,6 +393,7 @@ def plan(cfg: Config, shape: ModelShape, machine: Machine, teacher: ModelShape |
     """The memory of ``cfg``'s learner layout for a model of ``shape`` on ``machine`` (see module)."""
     par, learner = cfg.learner.parallel, cfg.learner
     tp, pp, cp = par.tensor_parallel, par.pipeline_parallel, par.context_parallel
+    ep, etp = par.expert_parallel, par.expert_tensor_parallel_size
     world = machine.world
     problems: list[str] = []
     if world is None:
@@ -342,8 +406,12 @@ def plan(cfg: Config, shape: ModelShape, machine: Machine, teacher: ModelShape |
         problems.append(f"learner.parallel.data_parallel: {par.data_parallel}, but world size {world} gives {dp}")
     layout = {"world": world, "tp": tp, "pp": pp, "cp": cp, "dp": dp, "sp": par.sequence_parallel,
               "params": shape.num_params}
+    if shape.experts:
+        layout.update(ep=ep, etp=etp, experts=shape.experts, topk=shape.topk, active_params=shape.active_params,
+                      expert_params=shape.expert_params,
+                      expert_params_per_rank=max(expert_stage_params(shape, pp, ep, etp) for _ in range(pp)))
     out = Plan(layout=layout, problems=problems)
-    divides = _divides(shape, tp, pp, cp, par.cp_comm_type, "learner.model")
+    divides = _divides(shape, tp, pp, cp, par.cp_comm_type, "learner.model") or _experts_divide(shape, par)
     if divides is None and teacher is not None:  # the teacher runs in the student's layout
         divides = _divides(teacher, tp, 1, cp, par.cp_comm_type, "objective.teacher")
     if divides:
@@ -363,7 +431,7 @@ def plan(cfg: Config, shape: ModelShape, machine: Machine, teacher: ModelShape |
         recompute=learner.activations.recompute, recompute_method=learner.activations.recompute_method,
         recompute_num_layers=learner.activations.recompute_num_layers,
         recompute_modules=tuple(learner.activations.recompute_modules),
-        entropy=rl is not None and rl.entropy_coef > 0)
+        entropy=rl is not None and rl.entropy_coef > 0, ep=ep, etp=etp)
     group = cfg.batch.samples_per_prompt
     per_rank = -(-cfg.batch.num_prompts_per_batch * group // dp)
     # most trajectories in one schedule call: the batch's (sync), or what one release of held ready
@@ -413,14 +481,30 @@ def _divides(shape: ModelShape, tp: int, pp: int, cp: int, cp_comm: str, prefix:
     return None
 
 
+def _experts_divide(shape: ModelShape, par: ParallelConfig) -> str | None:
+    """The expert layout against the model's experts (config.json is read after the config parsed)."""
+    m = PolicyModelConfig(family="qwen3_moe" if shape.experts else "qwen2", num_experts=shape.experts or None,
+                          moe_router_topk=shape.topk or 2, moe_ffn_hidden_size=shape.expert_ffn or None,
+                          num_attention_heads=shape.heads, num_query_groups=shape.kv_heads, head_dim=shape.head_dim)
+    try:
+        check_experts_divide_model(m, par)
+    except ValueError as err:
+        return f"learner.{err}"
+    return None
+
+
 def _rank_lines(cfg: Config, shape: ModelShape, act: ActivationModel, stage: int, tp: int, pp: int, dp: int,
                 e: int, s: int, micro: int, gpu: bool, out: Plan, teacher: ModelShape | None,
                 rows: int = 1) -> list[Line]:
     """``micro``: trajectories whose activations are in flight at once; ``rows``: of one micro-batch."""
     learner, obj = cfg.learner, cfg.objective
-    layers_p, vocab_p, norm_p = stage_params(shape, tp, pp, stage)
+    par = learner.parallel
+    layers_p, vocab_p, norm_p = stage_params(shape, tp, pp, stage, par.expert_parallel, par.expert_tensor_parallel_size)
     p = layers_p + vocab_p + norm_p
-    lines = [Line("weights", device=p * e, note=f"{p / 1e6:,.1f}M params x {e} B")]
+    experts = expert_stage_params(shape, pp, par.expert_parallel, par.expert_tensor_parallel_size)
+    lines = [Line("weights", device=p * e, note=f"{p / 1e6:,.1f}M params x {e} B" + (
+        f" ({experts / 1e6:,.1f}M of them experts: {shape.experts // par.expert_parallel} of {shape.experts} per rank)"
+        if experts else ""))]
     lines.append(Line("gradients", device=p * 4, note="DDP buffers, fp32"))
     opt = learner.optimizer
     mixed = e < 4
@@ -547,8 +631,9 @@ def _links(out: Plan, cfg: Config, shape: ModelShape, tp: int, pp: int, cp: int,
     links["pp_per_trajectory"] = 2 * s * h * e / sigma if pp > 1 else 0.0
     kv = max(shape.kv_heads // tp, 1) * shape.head_dim
     links["cp_per_trajectory"] = 3 * (cp - 1) / cp * 2 * s * kv * e * layers if cp > 1 else 0.0
-    p = sum(stage_params(shape, tp, pp, out.stage))
-    reducers = dp * cp
+    par = cfg.learner.parallel
+    p = sum(stage_params(shape, tp, pp, out.stage, par.expert_parallel, par.expert_tensor_parallel_size))
+    reducers = dp * cp  # experts: the expert-data-parallel group, DP x CP ranks too (EP x ETP = TP)
     if cfg.learner.optimizer.use_distributed_optimizer:
         links["dp_reduce_per_step"] = ring(reducers) / 2 * (4 * p + e * p)
     else:
@@ -557,6 +642,9 @@ def _links(out: Plan, cfg: Config, shape: ModelShape, tp: int, pp: int, cp: int,
     servers = max(len(cfg.rollout.engine.server_urls), cfg.rollout.engine.num_servers)
     wt = cfg.rollout.engine.weight_transfer
     links["weight_push_per_step"] = model_bytes * (1 if isinstance(wt, CollectiveTransfer) else servers)
+    if shape.experts:  # every expert moves on every push: the bulk of a MoE model's bytes
+        links["weight_push_expert_bytes_per_step"] = (shape.expert_params * 2
+                                                      * (1 if isinstance(wt, CollectiveTransfer) else servers))
     links["trajectories_per_rank_per_step"] = per_rank
     links["tp_per_step_at_max_length"] = links["tp_per_trajectory"] * per_rank
 

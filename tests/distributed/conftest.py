@@ -42,9 +42,18 @@ def make_hf_checkpoint(path: Path, family: str, tie: bool, seed: int = 0, rope_s
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
         "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
         "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
+        "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
     }
     config_cls, model_cls = classes[family]
+    moe: dict = {}
+    if family == "qwen3_moe":
+        moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, norm_topk_prob=True,
+                   decoder_sparse_step=1, mlp_only_layers=[])
+    elif family == "mixtral":  # its intermediate_size (64 below) is each expert's width
+        moe = dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=None)
     config = config_cls(
+        **moe,
         vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=128,
         tie_word_embeddings=tie, rms_norm_eps=1e-6, rope_theta=10000.0,
@@ -57,6 +66,12 @@ def make_hf_checkpoint(path: Path, family: str, tie: bool, seed: int = 0, rope_s
             for layer in model.model.layers:
                 for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                     proj.bias.normal_(std=0.1)
+    if family in ("qwen3_moe", "mixtral"):  # routers far from ties, experts distinct (ROUTER_GAP in test_moe.py)
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.mlp.gate.weight.normal_(std=1.0)
+                layer.mlp.experts.gate_up_proj.normal_(std=0.2)
+                layer.mlp.experts.down_proj.normal_(std=0.2)
     model.save_pretrained(path)
     return path
 
@@ -64,3 +79,15 @@ def make_hf_checkpoint(path: Path, family: str, tie: bool, seed: int = 0, rope_s
 @pytest.fixture(scope="session")
 def hf_qwen2(tmp_path_factory) -> Path:
     return make_hf_checkpoint(tmp_path_factory.mktemp("hf") / "qwen2", "qwen2", tie=True)
+
+
+@pytest.fixture(scope="session")
+def hf_qwen3_moe(tmp_path_factory) -> Path:
+    """A tiny Qwen3-MoE (4 experts, top-2, norm_topk_prob) saved by transformers, one tensor per expert."""
+    return make_hf_checkpoint(tmp_path_factory.mktemp("hf") / "qwen3_moe", "qwen3_moe", tie=False, seed=3)
+
+
+@pytest.fixture(scope="session")
+def hf_mixtral(tmp_path_factory) -> Path:
+    """A tiny Mixtral (4 experts of width 64, top-2) saved by transformers (block_sparse_moe.experts.e.w1/w2/w3)."""
+    return make_hf_checkpoint(tmp_path_factory.mktemp("hf") / "mixtral", "mixtral", tie=False, seed=6)

@@ -85,12 +85,14 @@ def equivalence(args) -> None:
                     num_loss_tokens=learner.num_loss_tokens)
     result = ledger.close_batch()
     learner.step()
-    out = {"before": before, "stream": full_params(learner), "peak_buffers": result.peak_buffers}
+    out = {"before": before, "stream": full_params(learner), "peak_buffers": result.peak_buffers,
+           "expert_buffers": _expert_buffers_in_ledger(learner)}
     if not args.dist_opt:  # all-reduced: every rank's buffers hold the full gradient
         out["stream_grad"] = full_params(learner, "main_grad")
 
     restore(learner, before)
-    learner.optimizer.optimizer.state.clear()  # fresh Adam moments for the second path
+    for inner in getattr(learner.optimizer, "chained_optimizers", [learner.optimizer]):  # MoE: dense + experts
+        inner.optimizer.state.clear()  # fresh Adam moments for the second path
     grpo_gradient(learner, batch, rewards, owner)
     learner.step()
     out["sync"] = full_params(learner)
@@ -145,12 +147,20 @@ def packing(args) -> None:
     destroy_distributed()
 
 
+def _expert_buffers_in_ledger(learner: MegatronLearner) -> tuple[int, bool]:
+    """How many expert-parallel gradient buffers DDP made, and whether the ledger's live gradient
+    holds every one of them (MoE under expert parallelism)."""
+    expert = list(getattr(learner.ddp, "expert_parallel_buffers", None) or [])
+    live = learner.backend.live.tensors
+    return len(expert), all(any(t is b.grad_data for t in live) for b in expert)
+
+
 def _learner(args, objective=None, temperature: float = 1.0):
-    cfg = LearnerConfig.model_validate({
+    cfg = LearnerConfig.model_validate(_merge({
         "parallel": {"tensor_parallel": args.tp, "pipeline_parallel": args.pp},
         "model": {"hf_checkpoint": args.hf},
         "optimizer": {"name": args.ckpt_optimizer, "lr": 1e-2, "use_distributed_optimizer": args.dist_opt},
-    })
+    }, json.loads(args.learner)))
     pgs = init_distributed(cfg)
     return MegatronLearner.build(cfg, objective or GRPOObjective(), pgs, LedgerConfig(max_group_slots=1),
                                  temperature=temperature)
@@ -298,7 +308,8 @@ def main() -> None:
     p.add_argument("--ckpt-optimizer", default="adam", help="checkpoint_save / checkpoint_resume: adam or sgd")
     p.add_argument("--objective", default="{}")
     p.add_argument("--pack", type=int, default=64, help="packing: learner.pack_tokens of the packed run")
-    p.add_argument("--learner", default="{}", help="JSON merged into the LearnerConfig (equivalence)")
+    p.add_argument("--learner", default="{}", help="JSON merged into the LearnerConfig (equivalence, hf_roundtrip, "
+                   "checkpoints)")
     p.add_argument("--ledger", default="{}", help="JSON LedgerConfig fields besides max_group_slots (equivalence)")
     args = p.parse_args()
     {"equivalence": equivalence, "checkpoint_save": checkpoint_save, "checkpoint_resume": checkpoint_resume,

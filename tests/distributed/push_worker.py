@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import random
 import sys
 from pathlib import Path
@@ -77,9 +78,10 @@ def main() -> None:
     p.add_argument("--bucket-kb", type=float, default=4.0)
     p.add_argument("--sparse", type=float, default=0.0)
     p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--parallel", default="{}", help="JSON: more of learner.parallel (MoE: sequence / expert parallel)")
     args = p.parse_args()
     cfg = LearnerConfig.model_validate({
-        "parallel": {"tensor_parallel": args.tp, "pipeline_parallel": args.pp},
+        "parallel": {"tensor_parallel": args.tp, "pipeline_parallel": args.pp, **json.loads(args.parallel)},
         "model": {"hf_checkpoint": args.hf},
         "optimizer": {"name": "adam", "lr": args.lr, "clip_grad": 0.0, "use_distributed_optimizer": False},
     })

@@ -35,3 +35,16 @@ def test_tp2_pp2_push_equals_the_export_bit_for_bit(hf_qwen2, tmp_path, dtype, s
         assert all(0 < s["changed_fraction"] < 0.5 for s in later)
     else:
         assert all(s["payload_bytes"] == s["dense_bytes"] for s in later)
+
+
+def test_moe_tp2_pp2_ep2_push_equals_the_export_bit_for_bit(hf_qwen3_moe, tmp_path):
+    """A Qwen3-MoE at TP=2 x PP=2 with expert parallelism 2: every expert reaches the workers in HF
+    names from the rank that holds it, bit-identical to the export, dense then sparse (bf16)."""
+    out = tmp_path / "push.pt"
+    launch(4, "push", "--out", str(out), "--hf", str(hf_qwen3_moe), "--dtype", "bfloat16", "--sparse", "0.5",
+           "--lr", "1e-5", "--parallel", '{"sequence_parallel": true, "expert_parallel": 2}', *WORKER_ARGS,
+           worker=WORKER, mode_arg=False)
+    pushes = torch.load(out)["pushes"]
+    for push in pushes:
+        assert push["names_equal"] == [True, True] and push["bit_exact"] == [True, True], push
+    assert any(s["num_sparse_tensors"] > 0 for s in (p["stats"] for p in pushes[1:]))

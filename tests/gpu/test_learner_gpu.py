@@ -19,7 +19,12 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 BF16_TOL = 2e-2  # relative; bf16 forward/backward, fp32 accumulation, reassociated sums
 
 
-def _run(layer_spec: str, fp8: str | None) -> tuple[float, float]:
+DENSE = {"vocab_size": 1024, "hidden_size": 512, "ffn_hidden_size": 2048, "num_layers": 4,
+         "num_attention_heads": 8, "num_query_groups": 4, "tie_word_embeddings": False}
+MOE = {**DENSE, "family": "qwen3_moe", "num_experts": 8, "moe_router_topk": 2, "moe_ffn_hidden_size": 512}
+
+
+def _run(layer_spec: str, fp8: str | None, model: dict = DENSE) -> tuple[float, float]:
     from megathunder.streaming import synthetic as syn
     from megathunder.trajectory import batch_plan
     from megathunder.config import GRPOObjective, LearnerConfig, LedgerConfig
@@ -29,8 +34,7 @@ def _run(layer_spec: str, fp8: str | None) -> tuple[float, float]:
 
     os.environ.setdefault("MASTER_PORT", "29555")
     cfg = LearnerConfig.model_validate({
-        "model": {"vocab_size": 1024, "hidden_size": 512, "ffn_hidden_size": 2048, "num_layers": 4,
-                  "num_attention_heads": 8, "num_query_groups": 4, "tie_word_embeddings": False},
+        "model": model,
         "precision": {"params_dtype": "bfloat16", "layer_spec": layer_spec, "fp8": fp8},
     })
     objective = GRPOObjective(kl_coef=0.0, entropy_coef=0.001)
@@ -55,6 +59,14 @@ def _run(layer_spec: str, fp8: str | None) -> tuple[float, float]:
 @pytest.mark.gpu
 def test_streamed_equals_sync_bf16_local_spec():
     err, norm = _run("local", None)
+    assert norm > 0 and err <= BF16_TOL, err
+
+
+@pytest.mark.gpu
+def test_streamed_equals_sync_bf16_moe_local_spec():
+    """Megatron's MoE layers on CUDA (8 experts, top-2, SequentialMLP, all-gather dispatcher; EP 1
+    on one device): the same per-trajectory forward in both paths, so the same routing."""
+    err, norm = _run("local", None, MOE)
     assert norm > 0 and err <= BF16_TOL, err
 
 

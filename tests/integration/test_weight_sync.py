@@ -26,20 +26,31 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.parametrize("pp,engine_dtype,tied", [(1, "float32", "tied"), (1, "bfloat16", "untied"), (2, "float32", "untied")],
-                         ids=["one_process_tied_embeddings", "one_process_bf16_engine", "pp2"])
-def test_push_after_step_makes_engine_match_learner(tmp_path, pp, engine_dtype, tied):
+MOE_TP2_EP2 = {"tensor_parallel": 2, "sequence_parallel": True, "expert_parallel": 2}
+
+
+@pytest.mark.parametrize("pp,engine_dtype,tied,moe", [
+    (1, "float32", "tied", None), (1, "bfloat16", "untied", None), (2, "float32", "untied", None),
+    (1, "float32", "untied", {}), (1, "float32", "untied", MOE_TP2_EP2)],
+    ids=["one_process_tied_embeddings", "one_process_bf16_engine", "pp2", "moe_one_process", "moe_tp2_ep2"])
+def test_push_after_step_makes_engine_match_learner(tmp_path, pp, engine_dtype, tied, moe):
     """Tied embeddings (SmolLM2, small Llama 3.2 / Qwen2.5): vLLM's output layer shares the
-    embedding's weight but is prepared for its kernels apart from it; a push must reach both."""
+    embedding's weight but is prepared for its kernels apart from it; a push must reach both.
+    A Qwen3-MoE (4 experts, top-2): one tensor per expert in HF names, from one process and from a
+    TP=2 x EP=2 learner (each expert from the rank that holds it) into vLLM's fused CPU experts,
+    which must be prepacked again after every reload (``worker_extension._cpu_moe_kernels_reset``;
+    without it the gap after a push was ~15)."""
     env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_JOB_ID"):
         env.pop(key, None)
-    if pp == 1:
+    extra = [] if moe is None else ["4", json.dumps(moe)]
+    ranks = pp * (moe or {}).get("tensor_parallel", 1)
+    if ranks == 1:
         env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
-        cmd = [sys.executable, str(WORKER), str(tmp_path), "1", engine_dtype, tied]
+        cmd = [sys.executable, str(WORKER), str(tmp_path), "1", engine_dtype, tied, *extra]
     else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={_free_port()}",
-               "--master-addr=127.0.0.1", str(WORKER), str(tmp_path), "2", engine_dtype, tied]
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={ranks}", f"--master-port={_free_port()}",
+               "--master-addr=127.0.0.1", str(WORKER), str(tmp_path), str(pp), engine_dtype, tied, *extra]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = json.loads([line for line in proc.stdout.splitlines() if line.startswith("{")][-1])

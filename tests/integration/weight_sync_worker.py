@@ -111,16 +111,18 @@ async def control(workdir: Path, model_dir: Path, service: Service, learner: Meg
     return out
 
 
-def main(workdir: Path, pp: int, engine_dtype: str, tied: bool) -> None:
+def main(workdir: Path, pp: int, engine_dtype: str, tied: bool, experts: int = 0, parallel: dict | None = None) -> None:
+    """``experts`` > 0: a tiny Qwen3-MoE with that many experts; ``parallel``: more of the learner's
+    layout (e.g. TP=2 with SP and expert parallelism)."""
     model_dir = workdir / "tiny"
     cfg = LearnerConfig.model_validate({
-        "parallel": {"pipeline_parallel": pp},
+        "parallel": {"pipeline_parallel": pp, **(parallel or {})},
         "model": {"hf_checkpoint": str(model_dir)},
         "optimizer": {"name": "sgd", "lr": 1.0, "clip_grad": 0.0, "use_distributed_optimizer": False},
     })
     pgs = init_distributed(cfg)
     if pgs.rank == 0:
-        save_tiny_qwen2(model_dir, TinyModelSpec(num_layers=2 * pp, tie_word_embeddings=tied))
+        save_tiny_qwen2(model_dir, TinyModelSpec(num_layers=2 * pp, tie_word_embeddings=tied, num_experts=experts))
     if pgs.world_size > 1:
         torch.distributed.barrier()
     learner = MegatronLearner.build(cfg, GRPOObjective(), pgs, LedgerConfig())
@@ -137,4 +139,5 @@ def main(workdir: Path, pp: int, engine_dtype: str, tied: bool) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4] == "tied")
+    main(Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4] == "tied",
+         int(sys.argv[5]) if len(sys.argv) > 5 else 0, json.loads(sys.argv[6]) if len(sys.argv) > 6 else None)

@@ -89,3 +89,42 @@ def test_streaming_writer_rejects_a_tensor_out_of_order(tmp_path):
         w.write("b", torch.zeros(3))
     with pytest.raises(ValueError, match="never written"):
         w.close()
+
+
+def _moe_model(family: str = "qwen3_moe") -> PolicyModelConfig:
+    return PolicyModelConfig(family=family, vocab_size=64, hidden_size=32, ffn_hidden_size=48, num_layers=2,
+                             num_attention_heads=8, num_query_groups=4, head_dim=8, tie_word_embeddings=False,
+                             num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=16)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("tp,etp", [(1, 1), (2, 1), (2, 2), (4, 2), (4, 4)])
+def test_moe_shards_read_per_rank_stack_back_to_the_hf_tensors(tp, etp, family):
+    """Qwen3-MoE and Mixtral: dense parameters split over TP, each expert's over the expert-tensor
+    ranks (gate/up rows, down columns), the router replicated; stacked, the HF tensors, one per expert."""
+    m = _moe_model(family)
+    tensors = _random_hf(m)
+    if family == "mixtral":
+        assert "model.layers.1.block_sparse_moe.experts.3.w2.weight" in tensors
+    else:
+        assert "model.layers.1.mlp.experts.3.down_proj.weight" in tensors and "model.layers.0.mlp.gate.weight" in tensors
+    src = hf.InMemorySource(tensors)
+    seen = set()
+    for stage in range(2):
+        for key in hf.megatron_keys(m, 2, stage):
+            n = etp if hf.expert_index(key) is not None else tp
+            shards = [hf.read_shard(src, key, m, n, r) for r in range(n)]
+            stacked = torch.stack(shards) if hf._tp_rule(key) is not None else shards[0][None]
+            for name, shape, view in hf.hf_views(key, stacked, m):
+                assert torch.equal(view.reshape(shape), tensors[name]), name
+                seen.add(name)
+    assert seen == set(tensors)
+    qk_norms = 2 if family == "qwen3_moe" else 0
+    assert len(tensors) == 2 + 1 + 2 * (6 + qk_norms + 1 + 4 * 3)  # embed, norm, lm_head; per layer: + router + experts
+
+
+def test_moe_expert_names_map_local_to_global_indices():
+    assert hf.expert_index("decoder.layers.3.mlp.experts.local_experts.5.linear_fc2.weight") == 5
+    assert hf.expert_index("decoder.layers.3.mlp.router.weight") is None
+    assert (hf._local_to_global("decoder.layers.0.mlp.experts.local_experts.1.linear_fc1.weight", 2, 4)
+            == "decoder.layers.2.mlp.experts.local_experts.5.linear_fc1.weight")

@@ -211,3 +211,49 @@ def test_packing_counts_the_rows_of_one_micro_batch():
     assert acts[0] == acts[512]  # one row of 512 tokens either way
     assert acts[1024] == pytest.approx(2 * acts[0])
     assert acts[4096] == pytest.approx(4 * acts[0])  # 8 rows would fit; the call has 4 trajectories
+
+
+MOE = str(MODELS / "Qwen3-30B-A3B")
+
+
+def test_qwen3_30b_a3b_counts_experts_per_rank_and_per_push():
+    """The published Qwen3-30B-A3B shape (48 layers, 128 experts of width 768, top-8): 30.5B
+    parameters (30.53B), 3.35B active (the model card's "3.3B"), 28.99B of them experts (95%). At
+    TP 4 x EP 4 (SP) x PP 4 a rank holds 32 experts of each of its 12 layers whole (ETP 1) and a
+    quarter of the rest; every push moves every expert once. (TP 4 x EP 4 on 8 GPUs does not fit
+    under thunder: 7.7B parameters a rank -- expert parallelism inside the TP group divides the
+    experts by at most the KV heads, 4.)"""
+    shape = ModelShape.of(read_model_config(MOE, PolicyModelConfig(), "learner.model.hf_checkpoint"))
+    assert round(shape.num_params / 1e9, 2) == 30.53 and round(shape.active_params / 1e9, 2) == 3.35
+    expert = 48 * 128 * 3 * 768 * 2048
+    assert shape.expert_params == expert and round(expert / shape.num_params, 3) == 0.950
+    cfg = load_config(None, ["learner.model.hf_checkpoint=" + MOE, "learner.precision.params_dtype=bfloat16",
+                             "learner.parallel.tensor_parallel=4", "learner.parallel.sequence_parallel=true",
+                             "learner.parallel.expert_parallel=4", "learner.parallel.pipeline_parallel=4",
+                             "learner.optimizer.use_distributed_optimizer=true",
+                             "learner.activations.recompute=full", "agent.max_total_tokens=8192",
+                             "ledger.slot_placement=host", "ledger.slot_budget_gb=64", "ledger.max_group_slots=null"])
+    result = plan_cmd.run_plan(cfg, Machine(gpu_memory_gb=80.0, ranks_per_node=8, world=32))
+    assert result.feasible, result.problems
+    assert result.layout["expert_params_per_rank"] == expert // 16
+    dense_shard = sum(stage_params(ModelShape.of(PolicyModelConfig(  # the same model with a 4-wide dense MLP
+        family="qwen3", vocab_size=151936, hidden_size=2048, ffn_hidden_size=4, num_layers=48,
+        num_attention_heads=32, num_query_groups=4, head_dim=128, tie_word_embeddings=False)), 4, 4, result.stage))
+    dense_mlp = 12 * 3 * 4 * 2048 // 4
+    router = 12 * 128 * 2048
+    weights = {line.part: line.device for line in result.lines}["weights"]
+    assert weights == (dense_shard - dense_mlp + router + expert // 16) * 2
+    assert result.links["weight_push_expert_bytes_per_step"] == expert * 2
+    assert round(result.links["weight_push_expert_bytes_per_step"] / result.links["weight_push_per_step"], 3) == 0.950
+
+
+@pytest.mark.parametrize("overrides,expected", [
+    ([f"learner.model.hf_checkpoint={MOE}", "learner.parallel.tensor_parallel=4", "learner.parallel.expert_parallel=4"],
+     "learner.parallel.sequence_parallel: a mixture of experts under tensor_parallel=4 needs sequence parallelism"),
+    (["learner.model.hf_checkpoint=" + qwen("7B"), "learner.parallel.tensor_parallel=2",
+      "learner.parallel.sequence_parallel=true", "learner.parallel.expert_parallel=2"],
+     "learner.parallel.expert_parallel: 2 for a dense model"),
+])
+def test_expert_layouts_the_model_does_not_allow_are_refused(overrides, expected):
+    result = plan_cmd.run_plan(load_config(None, overrides), Machine(world=8))
+    assert not result.feasible and result.problems[0].startswith(expected), result.problems

@@ -79,3 +79,35 @@ def test_chat_template_with_tools(checkpoint):
     assert text.endswith("<|im_start|>assistant\n")
     plain = tok.apply_chat_template(messages[1:2], tokenize=False, add_generation_prompt=False)
     assert plain == "<|im_start|>user\nWhat is 2 + 3?<|im_end|>\n"
+
+
+def test_tiny_moe_checkpoint_is_a_qwen3_moe_with_one_tensor_per_expert(tmp_path):
+    """``num_experts > 0``: a Qwen3-MoE saved as the published checkpoints are (one tensor per
+    expert), loading back into transformers unchanged; the router really routes (random weights,
+    several experts chosen over a sequence) and no top-k choice is near a tie."""
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    from megathunder.models.tiny_hf import TinyModelSpec
+
+    spec = TinyModelSpec(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, hidden_size=64,
+                         num_heads=2, num_kv_heads=1)
+    path = save_tiny_qwen2(tmp_path / "moe", spec)
+    config = json.loads((path / "config.json").read_text())
+    assert config["model_type"] == "qwen3_moe" and config["norm_topk_prob"] is True
+    with safe_open(str(path / "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+    for e in range(4):
+        for proj in ("gate_proj", "up_proj", "down_proj"):
+            assert f"model.layers.0.mlp.experts.{e}.{proj}.weight" in names
+    assert "model.layers.1.mlp.gate.weight" in names
+    model = AutoModelForCausalLM.from_pretrained(path)
+    routed = []
+    model.model.layers[0].mlp.gate.register_forward_hook(lambda m, i, o: routed.append(o))
+    with torch.no_grad():
+        logits = model(torch.arange(1, 33)[None]).logits
+    assert torch.isfinite(logits).all()
+    router_logits, _, chosen = routed[0]
+    assert len(chosen.unique()) == 4
+    top = router_logits.sort(dim=-1, descending=True).values
+    assert (top[:, 1] - top[:, 2]).abs().min() > 1e-4  # the 2nd and 3rd choices are far from a tie

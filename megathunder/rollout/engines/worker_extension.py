@@ -7,10 +7,12 @@ Imported by the vLLM worker processes, by name (``EXTENSION_CLS`` in ``common.py
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import math
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 from safetensors.torch import load
@@ -47,9 +49,12 @@ class MegathunderWorkerExtension:
         self._megathunder_reload(weights_path=weights_path)
 
     def _megathunder_reload(self, **source) -> None:
-        """vLLM's in-place reload, then the tied output layer re-prepared (``_refresh_tied_head``)."""
-        self.reload_weights(**source)  # type: ignore[attr-defined]
-        _refresh_tied_head(self.model_runner.get_model())  # type: ignore[attr-defined]
+        """vLLM's in-place reload, then the tied output layer re-prepared (``_refresh_tied_head``);
+        CPU MoE layers are reloaded through vLLM's first-load path (``_cpu_moe_kernels_reset``)."""
+        model = self.model_runner.get_model()  # type: ignore[attr-defined]
+        with _cpu_moe_kernels_reset(model):
+            self.reload_weights(**source)  # type: ignore[attr-defined]
+        _refresh_tied_head(model)
 
     def megathunder_worker_info(self) -> str:
         """This worker's rank among its engine's workers (the groups count them) and its model's
@@ -126,6 +131,33 @@ class _WaitClock:
             if item is None:
                 return
             yield item
+
+
+@contextlib.contextmanager
+def _cpu_moe_kernels_reset(model: torch.nn.Module) -> Iterator[None]:
+    """vLLM's CPU experts keep their weights prepacked for their grouped GEMM: on the first load
+    ``process_weights_after_loading`` converts the checkpoint layout, builds the MoE kernel and
+    prepacks (``CPUUnquantizedExperts.process_weights_after_loading``). On a reload it sees the
+    kernel already built, takes the "weight update" branch, which copies the new weights into the
+    kernel's storage *unpacked* and never prepacks them: after one push every expert multiplied by
+    scrambled weights (a tiny Qwen3-MoE: logprobs off by ~15 after a push, 7.7e-6 before it).
+    Dropping the built kernel for the reload makes vLLM take its first-load path, which prepacks;
+    a layer the reload did not process gets its kernel back."""
+    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+
+    kept: list[tuple[Any, Any]] = []  # (the layer's quant method, its MoE kernel)
+    for module in model.modules():
+        method: Any = getattr(module, "quant_method", None)
+        kernel = getattr(method, "moe_kernel", None)
+        if kernel is not None and isinstance(getattr(kernel, "fused_experts", None), CPUUnquantizedExperts):
+            kept.append((method, kernel))
+            method.moe_kernel = None
+    try:
+        yield
+    finally:
+        for method, kernel in kept:
+            if method.moe_kernel is None:
+                method.moe_kernel = kernel
 
 
 def _refresh_tied_head(model: torch.nn.Module) -> None:

@@ -1,0 +1,139 @@
+"""Mixture-of-experts students on the Megatron learner (CPU, gloo): a Qwen3-MoE checkpoint in and out
+bit for bit, its logprobs against transformers, and the streamed (thunder) gradient against the batch
+gradient under expert parallelism, expert-tensor parallelism, PP and DP, against one process.
+
+Routing is discrete: a token whose k-th and (k+1)-th router logits are within rounding of each other
+could be sent to different experts by two summation orders (layouts), which is an O(1) change of that
+token's output rather than a rounding difference. The fixture's routers are drawn wide (std 1.0), and
+``test_routers_are_far_from_ties`` checks on the very trajectories the other tests use that every
+top-k boundary is at least ``ROUTER_GAP`` away -- more than 1000x the fp32 rounding of those logits
+(|logit| <= ~20, hidden size 32: ~20 * 32 * 6e-8 ~ 4e-5 worst case) -- so every layout routes every
+token alike and the comparisons below are of rounding only.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from tests.distributed.conftest import launch
+
+ROUTER_GAP = 1e-2  # measured minimum on these trajectories: 3.9e-2 (Qwen3-MoE), 1.6e-2 (Mixtral)
+
+MOE_GRAD_TOL = 5e-6
+"""fp32, relative to the gradient's norm. One process: streamed vs sync 6.7e-7; every layout vs one
+process at most 1.2e-6 (TP=2 with SP and expert-tensor parallelism), almost all of it in the
+embedding's gradient, which sums every layer's reassociation (SP's reduce-scatters, the experts'
+all-gather and reduce-scatter of tokens). That is 2-4x the dense model's (2.5e-7 .. 1e-6): the wide
+routers, which keep routing away from ties, also scale the softmax Jacobian. The bound is 4x the largest
+observation; a single token routed differently moves the gradient by ~1e-2 (orders above)."""
+
+LOGPROB_ATOL = 2e-6  # as the dense tests: measured 4.8e-7 .. 9.5e-7 for the MoE
+
+EP2 = {"parallel": {"tensor_parallel": 2, "sequence_parallel": True, "expert_parallel": 2}}
+ETP2 = {"parallel": {"tensor_parallel": 2, "sequence_parallel": True, "expert_tensor_parallel": 2}}
+LAYOUTS = {  # name: (ranks, learner config, expert-parallel buffers expected)
+    "ep2": (2, EP2, True),
+    "etp2": (2, ETP2, False),
+    "pp2": (2, {"parallel": {"pipeline_parallel": 2}}, False),
+    "dp2": (2, {}, False),
+    "tp2_ep2_dp2": (4, EP2, True),
+}
+
+
+def _flat(d: dict[str, torch.Tensor]) -> torch.Tensor:
+    return torch.cat([d[k].reshape(-1).double() for k in sorted(d)])
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).norm() / b.norm()).item()
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_routers_are_far_from_ties(request, family):
+    import transformers
+
+    from tests.distributed.learner_worker import make_batch
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(request.getfixturevalue(f"hf_{family}")).float()
+    logits: list[torch.Tensor] = []
+    for layer in model.model.layers:
+        layer.mlp.gate.register_forward_hook(lambda mod, inp, out: logits.append(out[0]))
+    k = model.config.num_experts_per_tok
+    for seed in (0, 3):  # the equivalence batch and the logprob batch
+        batch, _, _ = make_batch(seed, model.config.vocab_size)
+        with torch.no_grad():
+            for traj in batch:
+                model(traj.tokens[None])
+    top = torch.cat(logits).sort(dim=-1, descending=True).values
+    gap = (top[:, k - 1] - top[:, k]).min().item()
+    assert gap > ROUTER_GAP, gap
+    assert top.abs().max() < 40  # the rounding estimate above assumes logits of this size
+
+
+def test_mixtral_imports_exports_bit_exact_and_matches_transformers_at_tp2_ep2(hf_mixtral, tmp_path):
+    """A second MoE family: Mixtral's block_sparse_moe.gate / experts.e.{w1,w3,w2} are the same
+    router and experts under other names (top-k always renormalised, no q/k norms)."""
+    from megathunder.learner.safetensors_io import load_dir
+    from tests.distributed.test_learner import _assert_logprobs_match_transformers
+
+    export, out = tmp_path / "export", tmp_path / "rt.pt"
+    launch(2, "hf_roundtrip", "--out", str(out), "--hf", str(hf_mixtral), "--export", str(export),
+           "--learner", json.dumps(EP2))
+    original, exported = load_dir(hf_mixtral), load_dir(export)
+    assert sorted(original) == sorted(exported) and "model.layers.1.block_sparse_moe.experts.3.w2.weight" in exported
+    assert all(torch.equal(original[k], exported[k]) for k in original)
+    _assert_logprobs_match_transformers(export, torch.load(out)["logprobs"])
+
+
+@pytest.mark.parametrize("ranks,learner", [(1, {}), (4, {"parallel": {
+    "tensor_parallel": 2, "pipeline_parallel": 2, "sequence_parallel": True, "expert_parallel": 2}})],
+    ids=["one_process", "tp2_pp2_ep2"])
+def test_moe_hf_roundtrip_is_bit_exact_and_logprobs_match_transformers(hf_qwen3_moe, tmp_path, ranks, learner):
+    """Each rank reads only its experts (and its slices); the export gathers every expert of a stage
+    onto its TP rank 0 and writes one tensor per expert, as the checkpoint had them."""
+    from megathunder.learner.safetensors_io import load_dir
+    from tests.distributed.test_learner import _assert_logprobs_match_transformers
+
+    export, out = tmp_path / "export", tmp_path / "rt.pt"
+    launch(ranks, "hf_roundtrip", "--out", str(out), "--hf", str(hf_qwen3_moe), "--export", str(export),
+           "--learner", json.dumps(learner))
+    original, exported = load_dir(hf_qwen3_moe), load_dir(export)
+    assert sorted(original) == sorted(exported)
+    assert "model.layers.1.mlp.experts.3.down_proj.weight" in exported
+    assert all(torch.equal(original[k], exported[k]) for k in original)
+    config = json.loads((export / "config.json").read_text())
+    assert config["model_type"] == "qwen3_moe"  # copied from the source (transformers names it num_local_experts)
+    _assert_logprobs_match_transformers(export, torch.load(out)["logprobs"])
+
+
+@pytest.fixture(scope="module")
+def moe_single(hf_qwen3_moe, tmp_path_factory):
+    out = tmp_path_factory.mktemp("moe") / "single.pt"
+    launch(1, "equivalence", "--out", str(out), "--hf", str(hf_qwen3_moe), "--optimizer", "sgd")
+    return torch.load(out)
+
+
+def test_moe_one_process_streamed_equals_sync(moe_single):
+    assert _rel(_flat(moe_single["stream_grad"]), _flat(moe_single["sync_grad"])) <= MOE_GRAD_TOL
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_moe_layout_streamed_and_sync_equal_one_process(hf_qwen3_moe, tmp_path, moe_single, layout):
+    """Expert parallelism (experts split over the TP ranks, which run the same trajectory), expert-tensor
+    parallelism, PP, DP, and EP with DP (experts' gradients in DDP's expert-parallel buffers, reduced
+    over the expert-data-parallel ranks): the streamed and the batch gradients are one process's."""
+    ranks, learner, expert_buffers = LAYOUTS[layout]
+    out = tmp_path / "eq.pt"
+    launch(ranks, "equivalence", "--out", str(out), "--hf", str(hf_qwen3_moe), "--optimizer", "sgd",
+           "--learner", json.dumps(learner))
+    run = torch.load(out)
+    count, in_ledger = run["expert_buffers"]
+    assert (count > 0) == expert_buffers and in_ledger  # the ledger streams into the expert buffers too
+    assert torch.equal(_flat(run["before"]), _flat(moe_single["before"]))  # same import, every layout
+    reference = _flat(moe_single["sync_grad"])
+    assert _rel(_flat(run["stream_grad"]), reference) <= MOE_GRAD_TOL
+    assert _rel(_flat(run["sync_grad"]), reference) <= MOE_GRAD_TOL
+    assert _rel(_flat(run["stream"]), _flat(moe_single["sync"])) <= MOE_GRAD_TOL

@@ -1,0 +1,56 @@
+"""A mixture-of-experts student end to end: the MoE quickstart (``configs/quickstart_moe.yaml``: a
+tiny Qwen3-MoE, 4 experts, top-2) shortened to an SFT warm start and 3 GRPO steps on the thunder
+schedule, with vLLM's CPU fused experts rolling out and Megatron's MoE layers learning. Checked:
+zero staleness after every push (the probe: vLLM samples from the learner's experts), and the
+journal replayed through thunder (bit for bit) and sync, in one process and at TP = 2 x EP = 2
+(experts split over the two ranks), giving the live run's parameters."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.integration.test_trainer import ENV, ROOT, SMALL, UPDATE_RTOL, replay, rows, update_error, weights
+
+EP2 = ["learner.parallel.tensor_parallel=2", "learner.parallel.sequence_parallel=true",
+       "learner.parallel.expert_parallel=2"]
+
+
+@pytest.fixture(scope="module")
+def moe_run(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("quickstart_moe")
+    cmd = [sys.executable, "-m", "megathunder.cli", "train", str(ROOT / "configs/quickstart_moe.yaml"),
+           f"run.output_dir={out}", *SMALL, "eval.every_n_steps=0", "run.num_steps=3", "sft.num_steps=8",
+           "sft.batch_size=16", "run.wandb=disabled", "run.checkpoint_every=0",
+           "ledger.pack_ready_work=false"]  # held work depends on timing the journal does not record: bitwise replay
+    proc = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=900, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return out
+
+
+def test_moe_quickstart_pushes_experts_and_probes_clean(moe_run):
+    r = rows(moe_run)
+    assert [x["step"] for x in r] == [0, 1, 2]
+    assert all(x["policy_lag_max"] == 0 for x in r)
+    assert all(0 <= x["probe_gap"] <= 1e-3 for x in r)  # measured 4.3e-6: vLLM holds the learner's experts
+    assert "model.layers.1.mlp.experts.3.down_proj.weight" in weights(moe_run / "final_model")
+
+
+def test_moe_replay_through_thunder_and_sync_gives_the_live_parameters(moe_run, tmp_path):
+    start, live = moe_run / "sft_model", moe_run / "final_model"
+    replay(moe_run, tmp_path / "thunder", "thunder")
+    replay(moe_run, tmp_path / "sync", "sync")
+    a, b = weights(tmp_path / "thunder"), weights(live)
+    assert all(torch.equal(a[k], b[k]) for k in b)  # the journal's event order: the same sums
+    assert update_error(start, tmp_path / "sync", live) <= UPDATE_RTOL  # measured 8.5e-6
+
+
+def test_moe_replay_with_expert_parallelism_gives_the_live_parameters(moe_run, tmp_path):
+    start, live = moe_run / "sft_model", moe_run / "final_model"
+    for mode in ("thunder", "sync"):
+        replay(moe_run, tmp_path / mode, mode, 2, *EP2)
+        assert update_error(start, tmp_path / mode, live) <= UPDATE_RTOL, mode  # measured 8.8e-6 / 9.4e-6

@@ -164,7 +164,19 @@ def build_model(spec: TinyModelSpec, vocab_size: int, eos_token_id: int, pad_tok
 
     if spec.num_experts > 0:
         return build_moe_model(spec, vocab_size, eos_token_id, pad_token_id)
-    config = Qwen2Config(
+    config = Qwen2Config(**_shared_config(spec, vocab_size, eos_token_id, pad_token_id))
+    torch.manual_seed(spec.seed)
+    model = Qwen2ForCausalLM(config).to(torch.float32)
+    with torch.no_grad():  # HF zero-initialises biases; random ones exercise the bias mapping
+        for name, param in model.named_parameters():
+            if name.endswith(".bias"):
+                param.normal_(0.0, spec.init_std)
+    return model.eval()
+
+
+def _shared_config(spec: TinyModelSpec, vocab_size: int, eos_token_id: int, pad_token_id: int) -> dict:
+    """The config fields the dense and the MoE tiny models share."""
+    return dict(
         vocab_size=vocab_size,
         hidden_size=spec.hidden_size,
         intermediate_size=spec.intermediate_size,
@@ -179,13 +191,6 @@ def build_model(spec: TinyModelSpec, vocab_size: int, eos_token_id: int, pad_tok
         pad_token_id=pad_token_id,
         torch_dtype="float32",
     )
-    torch.manual_seed(spec.seed)
-    model = Qwen2ForCausalLM(config).to(torch.float32)
-    with torch.no_grad():  # HF zero-initialises biases; random ones exercise the bias mapping
-        for name, param in model.named_parameters():
-            if name.endswith(".bias"):
-                param.normal_(0.0, spec.init_std)
-    return model.eval()
 
 
 def build_moe_model(spec: TinyModelSpec, vocab_size: int, eos_token_id: int, pad_token_id: int):
@@ -200,26 +205,14 @@ def build_moe_model(spec: TinyModelSpec, vocab_size: int, eos_token_id: int, pad
     if not 0 < spec.num_experts_per_tok <= spec.num_experts:
         raise ValueError(f"num_experts_per_tok {spec.num_experts_per_tok} must be in 1..num_experts={spec.num_experts}")
     config = Qwen3MoeConfig(
-        vocab_size=vocab_size,
-        hidden_size=spec.hidden_size,
-        intermediate_size=spec.intermediate_size,
+        **_shared_config(spec, vocab_size, eos_token_id, pad_token_id),
         moe_intermediate_size=spec.moe_intermediate_size,
         num_experts=spec.num_experts,
         num_experts_per_tok=spec.num_experts_per_tok,
         norm_topk_prob=spec.norm_topk_prob,
         decoder_sparse_step=1,
         mlp_only_layers=[],
-        num_hidden_layers=spec.num_layers,
-        num_attention_heads=spec.num_heads,
-        num_key_value_heads=spec.num_kv_heads,
         head_dim=spec.hidden_size // spec.num_heads,
-        max_position_embeddings=spec.max_position_embeddings,
-        initializer_range=spec.init_std,
-        tie_word_embeddings=spec.tie_word_embeddings,
-        bos_token_id=pad_token_id,
-        eos_token_id=eos_token_id,
-        pad_token_id=pad_token_id,
-        torch_dtype="float32",
     )
     torch.manual_seed(spec.seed)
     model = Qwen3MoeForCausalLM(config).to(torch.float32)

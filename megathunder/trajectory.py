@@ -29,6 +29,9 @@ class Trajectory:
     rollout_logprobs: torch.Tensor | None = None  # [L-1] logprobs reported by the rollout engine
     ref_logprobs: torch.Tensor | None = None  # [L-1] logprobs of the frozen reference model
     truncated: bool = False  # generation hit the length limit (DAPO overlong filtering)
+    routed_experts: torch.Tensor | None = None
+    """[L-1, num_layers, top_k] int16: the experts the rollout engine's MoE layers routed each
+    input position (tokens[:-1]) to, for routing replay (``learner.moe.routing_replay``)."""
 
     def __post_init__(self) -> None:
         num_targets = self.tokens.numel() - 1
@@ -41,6 +44,10 @@ class Trajectory:
                     f"trajectory {self.traj_id}: {name} has shape {tuple(value.shape)}, "
                     f"expected ({num_targets},) (one entry per target token)"
                 )
+        if self.routed_experts is not None and (self.routed_experts.dim() != 3
+                                                or self.routed_experts.shape[0] != num_targets):
+            raise ValueError(f"trajectory {self.traj_id}: routed_experts has shape "
+                             f"{tuple(self.routed_experts.shape)}, expected ({num_targets}, layers, top_k)")
         if self.loss_mask.dtype != torch.bool:
             raise ValueError(f"trajectory {self.traj_id}: loss_mask must be bool")
 

@@ -243,6 +243,12 @@ class MoEConfig(Strict):
     spec's SequentialMLP, one matmul per expert."""
     token_dispatcher: Literal["allgather", "alltoall"] = "allgather"
     """How tokens reach their experts (``moe_token_dispatcher_type``); alltoall needs CUDA streams."""
+    routing_replay: bool = False
+    """Routing replay ("R3"): the rollout engine records the experts it routed every token to
+    (``rollout.engine.record_routing``, set by this) and the learner's routers use exactly those
+    for the trajectory's forward and backward (Megatron's ``RouterReplay``), so the gradient is
+    the one of the experts that produced the sample even where the two stacks' rounding would
+    break a near-tie differently (``megathunder.learner.routing_replay``)."""
 
     @model_validator(mode="after")
     def _check(self) -> MoEConfig:
@@ -274,6 +280,15 @@ class LearnerConfig(Strict):
     @model_validator(mode="after")
     def _check(self) -> LearnerConfig:
         tp, pp, m = self.parallel.tensor_parallel, self.parallel.pipeline_parallel, self.model
+        if self.moe.routing_replay:
+            if self.parallel.context_parallel > 1:
+                raise ValueError("moe.routing_replay: context_parallel > 1 is not supported (the replayed rows "
+                                 "follow the sequence and SP layouts only); use 1")
+            act = self.activations
+            if act.recompute == "full" or (act.recompute == "selective" and "mlp" in act.recompute_modules):
+                raise ValueError("moe.routing_replay: activations.recompute would run the routers again in the "
+                                 "backward, after the micro-batch's replayed experts are gone; recompute "
+                                 "core_attn / layernorm only")
         if m.hf_checkpoint is None:  # sizes known now; an HF checkpoint is checked when read
             check_parallel_divides_model(m, tp, pp, self.parallel.context_parallel, self.parallel.cp_comm_type)
             if m.is_moe:  # a dense learner.model may be a stand-in for run.init_model (checked by the root)

@@ -271,6 +271,25 @@ class Config(Strict):
         return self
 
     @model_validator(mode="after")
+    def _derive_routing(self) -> Config:
+        """Routing replay: the engine records what the learner replays."""
+        if not self.learner.moe.routing_replay:
+            return self
+        if self.schedule.mode not in ("sync", "thunder"):
+            raise ValueError(f"learner.moe.routing_replay: needs schedule.mode sync or thunder (under "
+                             f"{self.schedule.mode} a weight push between an episode's turns would clear the "
+                             "engine's record of its earlier turns)")
+        if isinstance(self.objective, DistillObjective):
+            raise ValueError(f"learner.moe.routing_replay: objective.kind={self.objective.kind} forwards turns "
+                             "outside the replayed schedule; use grpo")
+        if self.rollout.engine.deployment != "in_process":
+            raise ValueError("learner.moe.routing_replay: needs rollout.engine.deployment=in_process (the "
+                             "routing recorder lives in the in-process engine's workers)")
+        engine = self.rollout.engine.model_copy(update={"record_routing": True})
+        self.rollout = self.rollout.model_copy(update={"engine": engine})
+        return self
+
+    @model_validator(mode="after")
     def _check_refill(self) -> Config:
         if self.batch.max_refill_groups == 0:
             return self

@@ -39,6 +39,10 @@ vary in both the sequence and the batch dimension; Megatron's ``variable_seq_len
 hand-off's full shape first, so no row padding is needed. Under SP the padded length is a
 multiple of TP as before (the batch dimension is not split). Under CP the sequence gather is per
 trajectory, so CP falls back to one trajectory per micro-batch.
+
+Routing replay (``learner.moe.routing_replay``). When the model replays and the trajectories carry
+the engine's routed experts, each micro-batch's rows are handed to the routers just before its
+forward (``megathunder.learner.routing_replay``).
 """
 
 from __future__ import annotations
@@ -56,6 +60,7 @@ from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 from megathunder.config import RLObjective
 from megathunder.learner.logprobs import vocab_parallel_logprobs
 from megathunder.learner.parallel import ProcessGroups
+from megathunder.learner.routing_replay import schedule_replay
 from megathunder.objectives import LossSpec, trajectory_loss
 from megathunder.streaming.buffers import GradBuffer
 from megathunder.trajectory import Trajectory, pack_micro_batches
@@ -90,10 +95,13 @@ def run_schedule(
     lengths = [padded_length(t.tokens.numel() - 1, dims.seq_multiple) for t in items]
     groups = pack_micro_batches(lengths, pack_tokens if dims.cp == 1 else 0)
     index = iter(groups)
+    replay = schedule_replay(ddp_model, items, pgs)  # learner.moe.routing_replay
 
     def forward_step(data_iterator, model):
         ks = next(data_iterator)
         width = max(lengths[k] for k in ks)
+        if replay is not None:
+            replay.set(ks, width)
         inputs = torch.zeros(len(ks), width, dtype=torch.long, device=device)
         labels = torch.zeros_like(inputs)
         for row, k in enumerate(ks):
@@ -133,17 +141,21 @@ def run_schedule(
         config = ddp_model.config
         config.variable_seq_lengths = True  # every micro-batch its own [T_max, b] (shapes are sent first)
         extra["p2p_communicator"] = P2PCommunicator(pp_group=pgs.pp, config=config)
-    out = get_forward_backward_func()(
-        forward_step_func=forward_step,
-        data_iterator=index,
-        model=[ddp_model],
-        num_microbatches=len(groups),
-        seq_length=max(lengths),
-        micro_batch_size=max(len(ks) for ks in groups),
-        forward_only=forward_only,
-        pg_collection=pgs.collection,
-        **extra,
-    )
+    try:
+        out = get_forward_backward_func()(
+            forward_step_func=forward_step,
+            data_iterator=index,
+            model=[ddp_model],
+            num_microbatches=len(groups),
+            seq_length=max(lengths),
+            micro_batch_size=max(len(ks) for ks in groups),
+            forward_only=forward_only,
+            pg_collection=pgs.collection,
+            **extra,
+        )
+    finally:
+        if replay is not None:
+            replay.close()
     return [report for reports in out for report in reports]
 
 

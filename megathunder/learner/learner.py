@@ -116,7 +116,8 @@ class MegatronLearner:
         )
         reference = None
         if isinstance(objective, RLObjective) and objective.kl_coef > 0:  # a frozen copy of the initial policy
-            reference = build_gpt_model(model_cfg, cfg.precision, pgs, moe=cfg.moe)
+            # the reference routes by itself: the engine's routing is the current policy's, not its own
+            reference = build_gpt_model(model_cfg, cfg.precision, pgs, moe=cfg.moe.model_copy(update={"routing_replay": False}))
             reference.load_state_dict(model.state_dict(), strict=False)
             reference.requires_grad_(False).eval()
             if cfg.reference.offload_to_cpu and pgs.device.type == "cuda":

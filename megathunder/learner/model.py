@@ -156,6 +156,7 @@ def moe_fields(model: PolicyModelConfig, moe: MoEConfig, pgs: ProcessGroups) -> 
         moe_token_dispatcher_type=moe.token_dispatcher,
         expert_model_parallel_size=pgs.dims.ep,
         expert_tensor_parallel_size=pgs.dims.etp,
+        moe_enable_routing_replay=moe.routing_replay,  # each router gets a RouterReplay (routing_replay.py)
     )
 
 

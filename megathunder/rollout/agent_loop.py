@@ -28,6 +28,7 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import cast
 
 from megathunder.config import AgentLoopConfig, Config, SandboxConfig
 from megathunder.rollout.chat import ChatCodec, ToolCall, ToolCallError
@@ -44,7 +45,7 @@ from megathunder.rollout.priority import Priorities, Scheduling
 from megathunder.rollout.sandbox import Sandbox, SandboxError, build_sandbox
 from megathunder.rollout.tasks.task import Task, TaskInstance
 from megathunder.rollout.tools import Tool, ToolArgumentError
-from megathunder.rollout.types import Completion, RolloutEngine, SamplingParams
+from megathunder.rollout.types import Completion, RolloutEngine, RoutingSource, SamplingParams
 from megathunder.rollout.verifiers import VerifierPool
 
 log = logging.getLogger(__name__)
@@ -75,8 +76,10 @@ class AgentLoop:
         top_k: int = -1,
         emit: EventSink | None = None,
         scheduling: Scheduling = "fifo",
+        routing: RoutingSource | None = None,
     ) -> None:
         self.engine, self.codec, self.task = engine, codec, task
+        self.routing = routing  # routing replay: where each finished episode's routed experts are read
         self.priorities = Priorities(scheduling)
         self.cfg, self.sandbox_cfg, self.verifiers = agent_cfg, sandbox_cfg, verifiers
         self.temperature, self.top_p, self.top_k = temperature, top_p, top_k
@@ -182,6 +185,8 @@ class AgentLoop:
     async def _finish(self, ep: Episode, inst, sandbox: Sandbox | None) -> Episode:
         """Emit the trajectory's end, score it (unless it failed), emit its reward."""
         traj_id = ep.traj_id
+        if self.routing is not None and ep.failure is None:  # before any weight push can clear the record
+            ep.routed_experts = await self.routing.routed_experts(ep.token_ids)
         ep.finished_at = time.monotonic()
         self.priorities.finished(traj_id, ep.group_id)  # no longer generating: its group is closer to done
         self._event("trajectory_finished", ep, payload={"episode": ep, "failure": ep.failure})
@@ -321,5 +326,7 @@ def build_agent_loop(cfg: Config, engine: RolloutEngine, codec: ChatCodec, task:
     if temperature is not None:
         return AgentLoop(engine, codec, task, cfg.agent, cfg.sandbox, VerifierPool(cfg.verifier),
                          temperature=temperature, emit=emit, scheduling=scheduling)
+    routing = cast(RoutingSource, engine) if r.engine.record_routing else None
     return AgentLoop(engine, codec, task, cfg.agent, cfg.sandbox, VerifierPool(cfg.verifier),
-                     temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, emit=emit, scheduling=scheduling)
+                     temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, emit=emit, scheduling=scheduling,
+                     routing=routing)

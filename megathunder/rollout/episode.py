@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
+import numpy as np
 import torch
 
 from megathunder.rollout.types import FinishReason
@@ -76,6 +77,9 @@ class Episode:
     queue, which ``reward.duration_s`` (the verifier's own run) leaves out."""
     reward: RewardOutcome | None = None
     final_text: str = ""  # the last model turn, decoded
+    routed_experts: np.ndarray | None = None
+    """[len(token_ids) - 1, layers, top_k]: the engine's experts for each input position (routing
+    replay; ``rollout.engine.record_routing``), fetched when the episode's last turn is done."""
     failure: str | None = None
     """What failed ("nonfinite_logprob: ...", "engine_protocol: ...", "verifier_error: ...",
     "verifier_timeout: ..."), None when nothing did. What the trainer does about it is
@@ -115,6 +119,7 @@ class Episode:
             loss_mask=torch.tensor(self.loss_mask, dtype=torch.bool),
             rollout_logprobs=torch.tensor(self.rollout_logprobs, dtype=torch.float32),
             truncated=self.truncated,
+            routed_experts=None if self.routed_experts is None else torch.from_numpy(self.routed_experts),
         )
 
     @classmethod

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, Protocol, Union
 
 if TYPE_CHECKING:
+    import numpy as np
     import torch
 
 
@@ -84,3 +85,11 @@ class RolloutEngine(Protocol):
     async def reset_prefix_cache(self) -> None: ...
 
     async def close(self) -> None: ...
+
+
+class RoutingSource(Protocol):
+    """An engine that records its MoE routing (``EngineConfig.record_routing``; in-process)."""
+
+    async def routed_experts(self, token_ids: Sequence[int]) -> np.ndarray:
+        """[len - 1, layers, top_k] expert ids of each input position of ``token_ids``."""
+        ...

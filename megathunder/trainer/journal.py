@@ -17,6 +17,7 @@ versions) and ``step`` (the step's metrics, written after its optimizer step).
 
 from __future__ import annotations
 
+import base64
 import json
 import logging
 import os
@@ -26,6 +27,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from megathunder.trajectory import Trajectory, mask_spans
@@ -79,7 +81,7 @@ class Journal:
             "tokens": traj.tokens.tolist(), "loss_mask": mask_spans(traj.loss_mask),
             "rollout_logprobs": traj.rollout_logprobs.tolist()
             if traj.rollout_logprobs is not None else None,
-            "truncated": traj.truncated, **fields,
+            "truncated": traj.truncated, **_routing_fields(traj), **fields,
         })  # fmt: skip
 
     def end_step(self, step: int, metrics: dict) -> None:
@@ -88,6 +90,22 @@ class Journal:
 
     def close(self) -> None:
         self._f.close()
+
+
+def _routing_fields(traj: Trajectory) -> dict:
+    """Routing replay's experts per input position, as base64 int16 and its shape (replaying the
+    journal replays them too); nothing when the trajectory has none."""
+    if traj.routed_experts is None:
+        return {}
+    rows = traj.routed_experts.to(torch.int16).contiguous()
+    return {"routed_experts": base64.b64encode(rows.numpy().tobytes()).decode(), "routed_shape": list(rows.shape)}
+
+
+def _routing(rec: dict) -> torch.Tensor | None:
+    if "routed_experts" not in rec:
+        return None
+    rows = np.frombuffer(base64.b64decode(rec["routed_experts"]), dtype=np.int16).reshape(rec["routed_shape"])
+    return torch.from_numpy(rows.copy())
 
 
 def _mask(spans: list[list[int]], n: int) -> torch.Tensor:
@@ -113,7 +131,7 @@ def to_entry(rec: dict) -> JournalEntry:
     traj = Trajectory(
         traj_id=rec["traj_id"], group_id=rec["group_id"], tokens=tokens, loss_mask=_mask(rec["loss_mask"], n),
         rollout_logprobs=None if logp is None else torch.tensor(logp, dtype=torch.float32),
-        truncated=rec["truncated"],
+        truncated=rec["truncated"], routed_experts=_routing(rec),
     )
     return JournalEntry(traj, rec["reward"], rec["t_finished"], rec["t_reward"], rec.get("policy_versions", []))
 

@@ -15,6 +15,7 @@ one trajectory per micro-batch and packed (``learner.pack_tokens``); no optimize
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import random
 import sys
@@ -31,7 +32,7 @@ from megathunder.config import GRPOObjective, LearnerConfig, LedgerConfig  # noq
 from megathunder.learner import hf  # noqa: E402
 from megathunder.learner.batches import grpo_gradient  # noqa: E402
 from megathunder.learner.learner import MegatronLearner  # noqa: E402
-from megathunder.learner.parallel import destroy_distributed, init_distributed  # noqa: E402
+from megathunder.learner.parallel import destroy_distributed, from_last_stage, init_distributed  # noqa: E402
 
 
 def full_params(learner: MegatronLearner, source: str = "param") -> dict[str, torch.Tensor] | None:
@@ -73,6 +74,9 @@ def equivalence(args) -> None:
     ledger_cfg = LedgerConfig.model_validate({"max_group_slots": args.slots, **json.loads(args.ledger)})
     learner = MegatronLearner.build(cfg, objective, pgs, ledger_cfg)
     batch, rewards, events = make_batch(args.seed, learner.model_cfg.vocab_size)
+    if args.routing:  # routing replay: every trajectory's experts from the file (routing_record)
+        routed = torch.load(args.routing)["shifted"]
+        batch = [dataclasses.replace(t, routed_experts=r) for t, r in zip(batch, routed, strict=True)]
     dp, dp_rank = pgs.dims.dp, pgs.dp_rank
     owner = [t.traj_id % dp for t in batch]
     if objective.kl_coef > 0:
@@ -87,6 +91,9 @@ def equivalence(args) -> None:
     learner.step()
     out = {"before": before, "stream": full_params(learner), "peak_buffers": result.peak_buffers,
            "expert_buffers": _expert_buffers_in_ledger(learner)}
+    if args.routing:
+        restore(learner, before)
+        out["logp"] = from_last_stage(pgs, learner.token_logprobs(batch))
     if not args.dist_opt:  # all-reduced: every rank's buffers hold the full gradient
         out["stream_grad"] = full_params(learner, "main_grad")
 
@@ -100,6 +107,40 @@ def equivalence(args) -> None:
         out["sync_grad"] = full_params(learner, "main_grad")
     if pgs.rank == 0:
         torch.save(out, args.out)
+    destroy_distributed()
+
+
+def routing_record(args) -> None:
+    """Routing replay, one process: the learner's own routing of every trajectory (Megatron's
+    RouterReplay in RECORD mode, one trajectory per forward), the logprobs without replay, replaying
+    its own routing, and replaying a shifted routing (expert e -> e + 1 mod E in every slot: a
+    different, valid choice for every token); saves the routings and the logprobs."""
+    from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+    from megathunder.learner.routing_replay import replay_routers
+
+    cfg = LearnerConfig.model_validate(_merge({"model": {"hf_checkpoint": args.hf}}, json.loads(args.learner)))
+    pgs = init_distributed(cfg)
+    learner = MegatronLearner.build(cfg, GRPOObjective(), pgs, LedgerConfig(max_group_slots=1))
+    batch, _, _ = make_batch(args.seed, learner.model_cfg.vocab_size)
+    routers = replay_routers(learner.ddp)
+    own = []
+    for traj in batch:
+        for _, replay in routers:
+            replay.set_router_replay_action(RouterReplayAction.RECORD)
+        learner.token_logprobs([traj])
+        layers = [replay.get_recorded_indices()[: traj.num_targets] for _, replay in sorted(routers, key=lambda r: r[0])]
+        own.append(torch.stack(layers, dim=1).to(torch.int16))
+        for _, replay in routers:
+            replay.clear_indices()
+            replay.clear_router_replay_action()
+    experts = learner.model_cfg.num_experts
+    shifted = [((r.long() + 1) % experts).to(torch.int16) for r in own]
+    out = {"own": own, "shifted": shifted, "plain": learner.token_logprobs(batch),
+           "replay_own": learner.token_logprobs([dataclasses.replace(t, routed_experts=r) for t, r in zip(batch, own)]),
+           "replay_shifted": learner.token_logprobs(
+               [dataclasses.replace(t, routed_experts=r) for t, r in zip(batch, shifted)])}
+    torch.save(out, args.out)
     destroy_distributed()
 
 
@@ -291,7 +332,7 @@ def ppo(args) -> None:
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("mode", choices=["equivalence", "checkpoint_save", "checkpoint_resume", "hf_roundtrip", "saved_bytes",
-                                    "ppo", "packing"])
+                                    "ppo", "packing", "routing_record"])
     p.add_argument("--seq", type=int, default=64)
     p.add_argument("--ckpt")
     p.add_argument("--export")
@@ -310,11 +351,13 @@ def main() -> None:
     p.add_argument("--pack", type=int, default=64, help="packing: learner.pack_tokens of the packed run")
     p.add_argument("--learner", default="{}", help="JSON merged into the LearnerConfig (equivalence, hf_roundtrip, "
                    "checkpoints)")
+    p.add_argument("--routing", default=None, help="equivalence: replay the 'shifted' routing of this "
+                   "routing_record file")
     p.add_argument("--ledger", default="{}", help="JSON LedgerConfig fields besides max_group_slots (equivalence)")
     args = p.parse_args()
     {"equivalence": equivalence, "checkpoint_save": checkpoint_save, "checkpoint_resume": checkpoint_resume,
      "hf_roundtrip": hf_roundtrip, "saved_bytes": saved_bytes, "ppo": ppo,
-     "packing": packing}[args.mode](args)
+     "packing": packing, "routing_record": routing_record}[args.mode](args)
 
 
 if __name__ == "__main__":

@@ -137,3 +137,64 @@ def test_moe_layout_streamed_and_sync_equal_one_process(hf_qwen3_moe, tmp_path, 
     assert _rel(_flat(run["stream_grad"]), reference) <= MOE_GRAD_TOL
     assert _rel(_flat(run["sync_grad"]), reference) <= MOE_GRAD_TOL
     assert _rel(_flat(run["stream"]), _flat(moe_single["sync"])) <= MOE_GRAD_TOL
+
+
+REPLAY = {"moe": {"routing_replay": True}}
+
+
+@pytest.fixture(scope="module")
+def routing_record(hf_qwen3_moe, tmp_path_factory):
+    out = tmp_path_factory.mktemp("replay") / "record.pt"
+    launch(1, "routing_record", "--out", str(out), "--hf", str(hf_qwen3_moe), "--learner", json.dumps(REPLAY))
+    return out
+
+
+def test_replaying_the_learners_own_routing_changes_nothing_and_another_routing_does(routing_record):
+    """Megatron's RouterReplay, fed the experts the learner's routers pick themselves, gives the same
+    logprobs bit for bit (it gathers the router's scores at the given ids, which are the top-k values);
+    fed a different valid choice for every token it gives other logprobs: the ids are what is used."""
+    rec = torch.load(routing_record)
+    for plain, own in zip(rec["plain"], rec["replay_own"], strict=True):
+        assert torch.equal(plain, own)
+    assert max((p - s).abs().max().item() for p, s in zip(rec["plain"], rec["replay_shifted"])) > 1e-2
+    assert all(r.shape[1:] == (2, 2) and int(r.min()) >= 0 for r in rec["own"])  # [T-1, layers, top_k]
+
+
+@pytest.fixture(scope="module")
+def replay_single(hf_qwen3_moe, routing_record, tmp_path_factory):
+    out = tmp_path_factory.mktemp("replay") / "single.pt"
+    launch(1, "equivalence", "--out", str(out), "--hf", str(hf_qwen3_moe), "--optimizer", "sgd",
+           "--routing", str(routing_record), "--learner", json.dumps(REPLAY))
+    return torch.load(out)
+
+
+def test_replayed_streamed_gradient_equals_the_batch_gradient(replay_single, routing_record):
+    assert _rel(_flat(replay_single["stream_grad"]), _flat(replay_single["sync_grad"])) <= MOE_GRAD_TOL
+    rec = torch.load(routing_record)
+    for a, b in zip(replay_single["logp"], rec["replay_shifted"], strict=True):
+        assert torch.equal(a, b)
+
+
+def test_replay_under_tp2_pp2_ep2_equals_one_process(hf_qwen3_moe, tmp_path, replay_single, routing_record):
+    """The replayed ids follow the layouts: under SP each TP rank replays its own slice of the sequence
+    (rows s * b + j of its [s / TP, b] hidden states), under PP each stage its own layers (by Megatron's
+    global layer number) -- the logprobs and both gradients are one process's, with the shifted routing
+    every token takes (which no layout would pick by itself)."""
+    out = tmp_path / "eq.pt"
+    learner = _merge_json(REPLAY, {"parallel": {"tensor_parallel": 2, "pipeline_parallel": 2,
+                                                "sequence_parallel": True, "expert_parallel": 2}})
+    launch(4, "equivalence", "--out", str(out), "--hf", str(hf_qwen3_moe), "--optimizer", "sgd",
+           "--routing", str(routing_record), "--learner", json.dumps(learner))
+    run = torch.load(out)
+    reference = _flat(replay_single["sync_grad"])
+    assert _rel(_flat(run["stream_grad"]), reference) <= MOE_GRAD_TOL
+    assert _rel(_flat(run["sync_grad"]), reference) <= MOE_GRAD_TOL
+    for a, b in zip(run["logp"], replay_single["logp"], strict=True):
+        assert torch.allclose(a, b, atol=LOGPROB_ATOL, rtol=0)
+
+
+def _merge_json(a: dict, b: dict) -> dict:
+    out = dict(a)
+    for key, value in b.items():
+        out[key] = _merge_json(out.get(key, {}), value) if isinstance(value, dict) else value
+    return out

@@ -13,6 +13,8 @@ import itertools
 from collections.abc import Hashable, Sequence
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from megathunder import console
 from megathunder.config import EngineConfig
 from megathunder.rollout.engines.common import engine_kwargs, finish_reason, single_version
@@ -72,6 +74,8 @@ class InProcessEngine:
         # no local holds the AsyncLLM: vLLM keeps this frame alive, and close() must free it
         await engine._llm.update_weight_version(str(policy_version))
         try:
+            if cfg.record_routing:
+                await engine._llm.collective_rpc("megathunder_routing_start")
             engine.transfer = await open_transfer(cfg, [engine._rpc], senders)
         except BaseException:
             await engine.close()
@@ -144,6 +148,13 @@ class InProcessEngine:
                 entries = final.prompt_logprobs[start:]
                 return [e[t].logprob for e, t in zip(entries, token_ids[start:], strict=True)], cached
         raise AssertionError("unreachable")
+
+    async def routed_experts(self, token_ids: Sequence[int]) -> np.ndarray:
+        """The experts the engine's MoE layers routed each input position of ``token_ids`` to
+        (``routing.py``; needs ``record_routing``): [len - 1, layers, top_k] int16, -1 where the
+        engine never computed that position under the current weights."""
+        shape, raw = (await self._llm.collective_rpc("megathunder_routing_lookup", args=(list(token_ids),)))[0]
+        return np.frombuffer(raw, dtype=np.int16).reshape(shape)
 
     async def update_weights(self, weights: WeightSource, policy_version: int) -> None:
         """Drain in-flight requests, load, reset the prefix cache, stamp the version, resume.

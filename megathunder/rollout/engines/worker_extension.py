@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from safetensors.torch import load
 
+from megathunder.rollout.engines import routing
 from megathunder.rollout.engines.transfer import (
     Frame,
     Rendezvous,
@@ -37,6 +38,7 @@ class MegathunderWorkerExtension:
     megathunder_groups: list[TransferGroup] | None  # one per sender, set by megathunder_transfer_join
     megathunder_rdv: Rendezvous | None
     megathunder_shadow: dict[str, torch.Tensor] | None  # sparse patches: the weights in checkpoint layout
+    megathunder_routing: routing.RoutingRecorder | None = None  # routing replay: the experts each token went to
 
     def megathunder_load_safetensors(self, payload_b64: str) -> int:
         """Load the base64 safetensors blob made by ``rpc.encode_tensors``; returns #tensors."""
@@ -55,6 +57,22 @@ class MegathunderWorkerExtension:
         with _cpu_moe_kernels_reset(model):
             self.reload_weights(**source)  # type: ignore[attr-defined]
         _refresh_tied_head(model)
+        if self.megathunder_routing is not None:
+            self.megathunder_routing.clear()  # the old weights' routing describes no future sample
+
+    def megathunder_routing_start(self) -> int:
+        """Record the experts every MoE layer routes each token to (``routing.py``); returns the
+        number of layers recorded."""
+        self.megathunder_routing = routing.install(self)
+        return self.megathunder_routing.num_layers
+
+    def megathunder_routing_lookup(self, token_ids: list[int]) -> tuple[list[int], bytes]:
+        """The recorded routed experts of the inputs of ``token_ids``: their shape [len - 1,
+        layers, top_k] and int16 raw bytes (``routing.MISSING`` where never computed)."""
+        if self.megathunder_routing is None:
+            raise RuntimeError("routing lookup before megathunder_routing_start")
+        rows = self.megathunder_routing.lookup(token_ids)
+        return list(rows.shape), rows.tobytes()
 
     def megathunder_worker_info(self) -> str:
         """This worker's rank among its engine's workers (the groups count them) and its model's

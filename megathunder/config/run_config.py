@@ -285,8 +285,9 @@ class Config(Strict):
         if self.rollout.engine.deployment != "in_process":
             raise ValueError("learner.moe.routing_replay: needs rollout.engine.deployment=in_process (the "
                              "routing recorder lives in the in-process engine's workers)")
-        engine = self.rollout.engine.model_copy(update={"record_routing": True})
-        self.rollout = self.rollout.model_copy(update={"engine": engine})
+        if not self.rollout.engine.record_routing:  # (assignment validates again: set once)
+            engine = self.rollout.engine.model_copy(update={"record_routing": True})
+            self.rollout = self.rollout.model_copy(update={"engine": engine})
         return self
 
     @model_validator(mode="after")

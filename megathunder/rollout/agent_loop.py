@@ -28,7 +28,6 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import cast
 
 from megathunder.config import AgentLoopConfig, Config, SandboxConfig
 from megathunder.rollout.chat import ChatCodec, ToolCall, ToolCallError
@@ -316,17 +315,18 @@ def _remaining(deadline: float) -> float:
 
 
 def build_agent_loop(cfg: Config, engine: RolloutEngine, codec: ChatCodec, task: Task, *,
-                     temperature: float | None = None, emit: EventSink | None = None) -> AgentLoop:
+                     temperature: float | None = None, emit: EventSink | None = None,
+                     routing: RoutingSource | None = None) -> AgentLoop:
     """The agent loop of a run's config: ``task`` (built once per run), the ``agent`` limits, the
     ``sandbox`` and ``verifier`` sections, sampling at ``temperature`` (default
     ``rollout.temperature``; ``rollout.top_p`` / ``top_k`` apply unless a temperature is given:
-    evaluation samples its own way); events go to ``emit``."""
+    evaluation samples its own way); events go to ``emit``; each finished episode's routed experts
+    are read from ``routing`` (routing replay: the engine, when it records them)."""
     r = cfg.rollout
     scheduling = r.engine.scheduling
     if temperature is not None:
         return AgentLoop(engine, codec, task, cfg.agent, cfg.sandbox, VerifierPool(cfg.verifier),
                          temperature=temperature, emit=emit, scheduling=scheduling)
-    routing = cast(RoutingSource, engine) if r.engine.record_routing else None
     return AgentLoop(engine, codec, task, cfg.agent, cfg.sandbox, VerifierPool(cfg.verifier),
                      temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, emit=emit, scheduling=scheduling,
                      routing=routing)

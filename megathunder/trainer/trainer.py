@@ -17,6 +17,7 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import cast
 from pathlib import Path
 
 import torch
@@ -35,7 +36,7 @@ from megathunder.rollout.chat import ChatCodec
 from megathunder.rollout.episode import Episode, RolloutEvent, trained_reward
 from megathunder.rollout.tasks.split import InstanceDrawError, training_instances
 from megathunder.rollout.tasks.task import Task, TaskInstance
-from megathunder.rollout.types import RolloutEngine, SamplingParams, StreamedWeights, WeightSource
+from megathunder.rollout.types import RolloutEngine, RoutingSource, SamplingParams, StreamedWeights, WeightSource
 from megathunder.trainer.journal import Journal
 from megathunder.trainer.metrics import MetricsLog
 from megathunder.trainer.probe import (
@@ -66,7 +67,8 @@ class Trainer:
                  codec: ChatCodec, task: Task, start_step: int) -> None:
         self.cfg, self.out, self.service = cfg, out, service
         self.engine, self.codec, self.task = engine, codec, task
-        self.agent_loop = build_agent_loop(cfg, engine, codec, task, emit=self._on_event)
+        routing = cast(RoutingSource, engine) if cfg.rollout.engine.record_routing else None  # routing replay
+        self.agent_loop = build_agent_loop(cfg, engine, codec, task, emit=self._on_event, routing=routing)
         self.start_step = start_step
         self.version = start_step  # the learner's policy version == optimizer steps taken
         self.journal = Journal(out / "journal.jsonl", keep_steps=start_step)

@@ -115,25 +115,13 @@ def routing_record(args) -> None:
     RouterReplay in RECORD mode, one trajectory per forward), the logprobs without replay, replaying
     its own routing, and replaying a shifted routing (expert e -> e + 1 mod E in every slot: a
     different, valid choice for every token); saves the routings and the logprobs."""
-    from megatron.core.transformer.moe.router_replay import RouterReplayAction
-
-    from megathunder.learner.routing_replay import replay_routers
+    from megathunder.learner.routing_replay import own_routing
 
     cfg = LearnerConfig.model_validate(_merge({"model": {"hf_checkpoint": args.hf}}, json.loads(args.learner)))
     pgs = init_distributed(cfg)
     learner = MegatronLearner.build(cfg, GRPOObjective(), pgs, LedgerConfig(max_group_slots=1))
     batch, _, _ = make_batch(args.seed, learner.model_cfg.vocab_size)
-    routers = replay_routers(learner.ddp)
-    own = []
-    for traj in batch:
-        for _, replay in routers:
-            replay.set_router_replay_action(RouterReplayAction.RECORD)
-        learner.token_logprobs([traj])
-        layers = [replay.get_recorded_indices()[: traj.num_targets] for _, replay in sorted(routers, key=lambda r: r[0])]
-        own.append(torch.stack(layers, dim=1).to(torch.int16))
-        for _, replay in routers:
-            replay.clear_indices()
-            replay.clear_router_replay_action()
+    own = own_routing(learner, batch)
     experts = learner.model_cfg.num_experts
     shifted = [((r.long() + 1) % experts).to(torch.int16) for r in own]
     out = {"own": own, "shifted": shifted, "plain": learner.token_logprobs(batch),

@@ -1,9 +1,11 @@
 """A mixture-of-experts student end to end: the MoE quickstart (``configs/quickstart_moe.yaml``: a
 tiny Qwen3-MoE, 4 experts, top-2) shortened to an SFT warm start and 3 GRPO steps on the thunder
-schedule, with vLLM's CPU fused experts rolling out and Megatron's MoE layers learning. Checked:
-zero staleness after every push (the probe: vLLM samples from the learner's experts), and the
-journal replayed through thunder (bit for bit) and sync, in one process and at TP = 2 x EP = 2
-(experts split over the two ranks), giving the live run's parameters."""
+schedule, with vLLM's CPU fused experts rolling out and Megatron's MoE layers learning, replaying
+vLLM's routing (the quickstart's ``learner.moe.routing_replay``). Checked: zero staleness after every
+push (the probe: vLLM samples from the learner's experts), every trajectory's routing recorded for
+every input position and kept in the journal, and the journal replayed through thunder (bit for
+bit) and sync, in one process and at TP = 2 x EP = 2 (experts split over the two ranks, each
+replaying its slice of the sequence), giving the live run's parameters."""
 
 from __future__ import annotations
 
@@ -38,6 +40,21 @@ def test_moe_quickstart_pushes_experts_and_probes_clean(moe_run):
     assert all(x["policy_lag_max"] == 0 for x in r)
     assert all(0 <= x["probe_gap"] <= 1e-3 for x in r)  # measured 4.3e-6: vLLM holds the learner's experts
     assert "model.layers.1.mlp.experts.3.down_proj.weight" in weights(moe_run / "final_model")
+
+
+def test_moe_run_records_every_tokens_routing_in_the_journal(moe_run):
+    """The engine's recorder saw every input position of every trajectory (a group's siblings share
+    a cached prompt: its rows come from the request that computed it)."""
+    from megathunder.trainer.journal import completed_steps
+
+    steps = list(completed_steps(moe_run / "journal.jsonl"))
+    assert [s for s, _, _ in steps] == [0, 1, 2]
+    for _, entries, _ in steps:
+        for e in entries:
+            r = e.traj.routed_experts
+            assert r is not None and r.shape == (e.traj.num_targets, 2, 2)  # 2 layers, top-2
+            assert int(r.min()) >= 0 and int(r.max()) < 4  # recorded everywhere, 4 experts
+            assert bool((r[..., 0] != r[..., 1]).all())  # two distinct experts per token
 
 
 def test_moe_replay_through_thunder_and_sync_gives_the_live_parameters(moe_run, tmp_path):

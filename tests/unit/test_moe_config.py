@@ -35,6 +35,13 @@ MOE = ["learner.model.family=qwen3_moe", "learner.model.num_experts=4", "learner
     ([*MOE, "learner.model.moe_router_topk=5"], "learner.model.moe_router_topk", "exceeds num_experts=4"),
     (["learner.moe.aux_loss_coeff=0.01"], "learner.moe.aux_loss_coeff", "load_balancing_type"),
     (["learner.moe.token_dispatcher=flex"], "learner.moe.token_dispatcher", ""),
+    (["learner.moe.routing_replay=true", "schedule.mode=async"], "learner.moe.routing_replay", "sync or thunder"),
+    (["learner.moe.routing_replay=true", "rollout.engine.deployment=server"], "learner.moe.routing_replay",
+     "in_process"),
+    (["learner.moe.routing_replay=true", "learner.activations.recompute=full"], "learner.moe.routing_replay",
+     "run the routers again"),
+    (["rollout.engine.record_routing=true", "rollout.engine.deployment=server"], "rollout.engine.record_routing",
+     "in_process"),
 ])
 def test_moe_settings_are_checked_at_parse_time(overrides, field, words):
     with pytest.raises(ConfigError) as err:
@@ -48,6 +55,12 @@ def test_valid_expert_layouts_parse():
                                  f"learner.parallel.expert_parallel={ep}"])
         assert cfg.learner.parallel.expert_tensor_parallel_size == etp
     assert load_config(None, []).learner.moe.aux_loss_coeff == 0.0  # RL gradient: the policy's only
+
+
+def test_routing_replay_turns_on_the_engines_recorder():
+    cfg = load_config(QUICKSTART_MOE, [])
+    assert cfg.learner.moe.routing_replay and cfg.rollout.engine.record_routing
+    assert not load_config(None, []).rollout.engine.record_routing
 
 
 def _config_json(tmp_path, **extra):

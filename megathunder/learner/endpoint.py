@@ -120,11 +120,13 @@ class LearnerEndpoint:
         learner = self.learner
         return gather_to_rank0(learner.model, learner.model_cfg, learner.pgs, learner.offset)
 
-    def score(self, tokens: list[int], prompt_len: int) -> torch.Tensor:
-        """The learner's logprobs of ``tokens[prompt_len:]`` given what precedes them (every rank)."""
+    def score(self, tokens: list[int], prompt_len: int, routed_experts: torch.Tensor | None = None) -> torch.Tensor:
+        """The learner's logprobs of ``tokens[prompt_len:]`` given what precedes them (every rank);
+        ``routed_experts``: replay the engine's routing (``learner.moe.routing_replay``)."""
         mask = torch.zeros(len(tokens) - 1, dtype=torch.bool)
         mask[prompt_len - 1 :] = True
-        traj = Trajectory(traj_id=-1, group_id=-1, tokens=torch.tensor(tokens), loss_mask=mask)
+        traj = Trajectory(traj_id=-1, group_id=-1, tokens=torch.tensor(tokens), loss_mask=mask,
+                          routed_experts=routed_experts)
         out = self.learner.token_logprobs([traj])
         return from_last_stage(self.learner.pgs, None if out is None else out[0][prompt_len - 1 :])
 

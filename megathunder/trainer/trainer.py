@@ -77,6 +77,7 @@ class Trainer:
         self.t0 = time.monotonic()
         self.wall_offset = self.metrics.rows[-1]["wall_s"] if self.metrics.rows else 0.0
         self.last_probe_gap = float("nan")
+        self.last_probe_gap_own_routing = float("nan")  # routing replay: the probe's gap without it
         self.last_push: dict[str, float] = {}
         sched = cfg.schedule
         self.probe_tolerance = ProbeTolerance(sched.probe_tolerance, sched.probe_noise_margin)
@@ -261,7 +262,15 @@ class Trainer:
         if out.policy_version != self.version:
             raise StaleWeightsError(f"after the weight sync of policy version {self.version}: vLLM sampled with "
                                     f"version {out.policy_version}")
-        learner_logp = await self.service.call(LearnerEndpoint.score, list(prompt) + list(out.token_ids), len(prompt))
+        tokens = list(prompt) + list(out.token_ids)
+        routing = self.agent_loop.routing
+        if routing is not None:  # replayed, as training does; the gap without replay is reported beside it
+            routed = torch.from_numpy((await routing.routed_experts(tokens)).copy())
+            own = await self.service.call(LearnerEndpoint.score, tokens, len(prompt))
+            self.last_probe_gap_own_routing = max_logprob_gap(out.logprobs, own)
+            learner_logp = await self.service.call(LearnerEndpoint.score, tokens, len(prompt), routed)
+        else:
+            learner_logp = await self.service.call(LearnerEndpoint.score, tokens, len(prompt))
         return ProbeSample(tuple(out.token_ids), tuple(out.logprobs), learner_logp)
 
     @staticmethod
@@ -295,6 +304,7 @@ class Trainer:
             "probe_gap": self.last_probe_gap,  # async: the push (and its probe) at this step's start
             **self.last_push,  # the last push: seconds (update_weights), bytes sent, changed fraction
             "probe_tolerance": self.probe_tolerance.value,
+            **({"probe_gap_own_routing": self.last_probe_gap_own_routing} if self.agent_loop.routing else {}),
             "step_s": step_s,
             "learner_busy_s": busy,
             "learner_idle_share": max(0.0, 1.0 - busy / step_s) if step_s > 0 else 0.0,

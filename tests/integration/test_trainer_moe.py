@@ -39,6 +39,7 @@ def test_moe_quickstart_pushes_experts_and_probes_clean(moe_run):
     assert [x["step"] for x in r] == [0, 1, 2]
     assert all(x["policy_lag_max"] == 0 for x in r)
     assert all(0 <= x["probe_gap"] <= 1e-3 for x in r)  # measured 4.3e-6: vLLM holds the learner's experts
+    assert all(0 <= x["probe_gap_own_routing"] <= 1e-3 for x in r)  # fp32: no routing flips on the tiny model
     assert "model.layers.1.mlp.experts.3.down_proj.weight" in weights(moe_run / "final_model")
 
 

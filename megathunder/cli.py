@@ -25,7 +25,7 @@ BENCHMARKS = {
     "schedules": "megathunder.bench.schedule_runs",
     "weights": "megathunder.bench.weight_push",
     "load": "megathunder.bench.weight_load",
-    "routing": "megathunder.bench.routing_replay",
+    "routing": "megathunder.bench.routing_gap",
 }
 
 

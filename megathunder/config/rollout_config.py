@@ -96,8 +96,8 @@ class EngineConfig(Strict):
     request_timeout_s: float = Field(3600.0, gt=0)
     record_routing: bool = False
     """MoE models: record the experts every layer routed each token to, for the learner's routing
-    replay (set by ``learner.moe.routing_replay``; in-process engines: the recorder lives in the
-    vLLM worker, ``megathunder.rollout.engines.routing``)."""
+    replay (set by ``learner.moe.routing_replay``; the recorder lives in each vLLM worker,
+    ``megathunder.rollout.engines.routing_capture``, and servers are asked through ``/collective_rpc``)."""
     vllm_kwargs: dict[str, str | int | float | bool] = {}
     """Further vLLM engine arguments by name (e.g. {tensor_parallel_size: 2}); passed unchanged."""
     weight_transfer: WeightTransfer = CollectiveTransfer()
@@ -115,9 +115,6 @@ class EngineConfig(Strict):
     def _check(self) -> EngineConfig:
         if self.server_urls and self.deployment != "server":
             raise ValueError("server_urls: only used with deployment=server")
-        if self.record_routing and self.deployment != "in_process":
-            raise ValueError("record_routing: needs deployment=in_process (servers would need an endpoint "
-                             "returning each request's routed experts; not built)")
         if self.base_port + self.num_servers - 1 > 65535:
             raise ValueError(f"base_port: {self.base_port} + num_servers exceeds 65535")
         if self.deployment == "server" and self.api_key_env is None:

@@ -282,9 +282,6 @@ class Config(Strict):
         if isinstance(self.objective, DistillObjective):
             raise ValueError(f"learner.moe.routing_replay: objective.kind={self.objective.kind} forwards turns "
                              "outside the replayed schedule; use grpo")
-        if self.rollout.engine.deployment != "in_process":
-            raise ValueError("learner.moe.routing_replay: needs rollout.engine.deployment=in_process (the "
-                             "routing recorder lives in the in-process engine's workers)")
         if not self.rollout.engine.record_routing:  # (assignment validates again: set once)
             engine = self.rollout.engine.model_copy(update={"record_routing": True})
             self.rollout = self.rollout.model_copy(update={"engine": engine})

@@ -28,9 +28,7 @@ forward, and the backward of a non-recomputed MoE layer never consults the route
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import torch
 from megatron.core.transformer.moe.router import TopKRouter
@@ -39,9 +37,6 @@ from megatron.core.transformer.moe.router_replay import RouterReplay, RouterRepl
 
 from megathunder.learner.parallel import ProcessGroups
 from megathunder.trajectory import Trajectory
-
-if TYPE_CHECKING:
-    from megathunder.learner.learner import MegatronLearner
 
 
 def replay_routers(model: torch.nn.Module) -> list[tuple[int, RouterReplay]]:
@@ -98,24 +93,3 @@ def schedule_replay(model: torch.nn.Module, items: Sequence[Trajectory], pgs: Pr
         return None
     return ScheduleReplay(routers, items, pgs)
 
-
-def own_routing(learner: MegatronLearner, trajs: Sequence[Trajectory]) -> list[torch.Tensor]:
-    """The experts the learner's own routers pick for each trajectory's input positions, [T - 1,
-    layers, top_k] int16 (``RouterReplay`` in RECORD mode, one trajectory per forward). One process
-    only: under SP or PP a rank records only its own rows and layers."""
-    if learner.pgs.dims.tp * learner.pgs.dims.pp > 1:
-        raise ValueError("own_routing: one model-parallel rank only (TP = PP = 1)")
-    routers = sorted(replay_routers(learner.ddp), key=lambda r: r[0])
-    out = []
-    for traj in trajs:
-        for _, replay in routers:
-            replay.set_router_replay_action(RouterReplayAction.RECORD)
-        try:
-            learner.token_logprobs([dataclasses.replace(traj, routed_experts=None)])
-            layers = [replay.get_recorded_indices()[: traj.num_targets] for _, replay in routers]
-        finally:
-            for _, replay in routers:
-                replay.clear_indices()
-                replay.clear_router_replay_action()
-        out.append(torch.stack(layers, dim=1).to(torch.int16).cpu())
-    return out

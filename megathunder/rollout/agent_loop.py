@@ -185,7 +185,7 @@ class AgentLoop:
         """Emit the trajectory's end, score it (unless it failed), emit its reward."""
         traj_id = ep.traj_id
         if self.routing is not None and ep.failure is None:  # before any weight push can clear the record
-            ep.routed_experts = await self.routing.routed_experts(ep.token_ids)
+            ep.routed_experts = await self.routing.routed_experts(ep.token_ids, session_id=traj_id)
         ep.finished_at = time.monotonic()
         self.priorities.finished(traj_id, ep.group_id)  # no longer generating: its group is closer to done
         self._event("trajectory_finished", ep, payload={"episode": ep, "failure": ep.failure})
@@ -221,7 +221,7 @@ class AgentLoop:
             )
             t0 = time.monotonic()
             out: Completion = await asyncio.wait_for(
-                self.engine.generate(ep.token_ids, params), _remaining(deadline)
+                self.engine.generate(ep.token_ids, params, session_id=ep.traj_id), _remaining(deadline)
             )
             bad = _bad_logprobs(out)
             if bad is not None:  # nothing of this turn is kept or emitted

@@ -88,8 +88,9 @@ class RolloutEngine(Protocol):
 
 
 class RoutingSource(Protocol):
-    """An engine that records its MoE routing (``EngineConfig.record_routing``; in-process)."""
+    """An engine that records its MoE routing (``EngineConfig.record_routing``)."""
 
-    async def routed_experts(self, token_ids: Sequence[int]) -> np.ndarray:
-        """[len - 1, layers, top_k] expert ids of each input position of ``token_ids``."""
+    async def routed_experts(self, token_ids: Sequence[int], session_id: Hashable | None = None) -> np.ndarray:
+        """[len - 1, layers, top_k] expert ids of each input position of ``token_ids`` (servers:
+        read from the server of ``session_id``, the one that served the episode's last turn)."""
         ...

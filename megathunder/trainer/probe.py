@@ -43,6 +43,7 @@ import torch
 
 
 PROBE_SEED = 0  # the seed of the probe request every push ends with (check 1)
+PROBE_SESSION = "probe"  # its session: servers' routing is read from the one that served it
 
 
 class StaleWeightsError(RuntimeError):

@@ -40,6 +40,7 @@ from megathunder.rollout.types import RolloutEngine, RoutingSource, SamplingPara
 from megathunder.trainer.journal import Journal
 from megathunder.trainer.metrics import MetricsLog
 from megathunder.trainer.probe import (
+    PROBE_SESSION,
     PROBE_SEED,
     ProbeSample,
     ProbeTolerance,
@@ -258,14 +259,14 @@ class Trainer:
             await self.engine.reset_prefix_cache()
         except RuntimeError:  # requests in flight (fully_async): check 1 may then miss a stale push, never stop a good run
             pass
-        out = await self.engine.generate(prompt, params)
+        out = await self.engine.generate(prompt, params, session_id=PROBE_SESSION)
         if out.policy_version != self.version:
             raise StaleWeightsError(f"after the weight sync of policy version {self.version}: vLLM sampled with "
                                     f"version {out.policy_version}")
         tokens = list(prompt) + list(out.token_ids)
         routing = self.agent_loop.routing
         if routing is not None:  # replayed, as training does; the gap without replay is reported beside it
-            routed = torch.from_numpy((await routing.routed_experts(tokens)).copy())
+            routed = torch.from_numpy((await routing.routed_experts(tokens, session_id=PROBE_SESSION)).copy())
             own = await self.service.call(LearnerEndpoint.score, tokens, len(prompt))
             self.last_probe_gap_own_routing = max_logprob_gap(out.logprobs, own)
             learner_logp = await self.service.call(LearnerEndpoint.score, tokens, len(prompt), routed)

@@ -115,7 +115,7 @@ def routing_record(args) -> None:
     RouterReplay in RECORD mode, one trajectory per forward), the logprobs without replay, replaying
     its own routing, and replaying a shifted routing (expert e -> e + 1 mod E in every slot: a
     different, valid choice for every token); saves the routings and the logprobs."""
-    from megathunder.learner.routing_replay import own_routing
+    from megathunder.bench.routing_gap import own_routing
 
     cfg = LearnerConfig.model_validate(_merge({"model": {"hf_checkpoint": args.hf}}, json.loads(args.learner)))
     pgs = init_distributed(cfg)

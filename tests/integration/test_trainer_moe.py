@@ -72,3 +72,23 @@ def test_moe_replay_with_expert_parallelism_gives_the_live_parameters(moe_run, t
     for mode in ("thunder", "sync"):
         replay(moe_run, tmp_path / mode, mode, 2, *EP2)
         assert update_error(start, tmp_path / mode, live) <= UPDATE_RTOL, mode  # measured 8.8e-6 / 9.4e-6
+
+
+def test_moe_on_a_rollout_server_pushes_experts_and_replays_its_routing(tmp_path):
+    """The MoE student with its rollouts on a vLLM server (``rollout.engine.deployment=server``): experts
+    pushed over the collective path, the server's routing read through ``/collective_rpc`` from the
+    server that served each episode (session affinity), replayed by the learner."""
+    from megathunder.trainer.journal import completed_steps
+
+    out = tmp_path / "server"
+    cmd = [sys.executable, "-m", "megathunder.cli", "train", str(ROOT / "configs/quickstart_moe.yaml"),
+           f"run.output_dir={out}", *SMALL, "eval.every_n_steps=0", "run.num_steps=2", "sft.num_steps=2",
+           "sft.batch_size=8", "run.wandb=disabled", "run.checkpoint_every=0",
+           "rollout.engine.deployment=server", "rollout.engine.base_port=18530"]
+    proc = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=900, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    r = rows(out)
+    assert [x["step"] for x in r] == [0, 1] and all(x["policy_lag_max"] == 0 for x in r)
+    assert all(0 <= x["probe_gap"] <= 1e-3 and 0 <= x["probe_gap_own_routing"] <= 1e-3 for x in r)
+    for _, entries, _ in completed_steps(out / "journal.jsonl"):
+        assert all(e.traj.routed_experts is not None and int(e.traj.routed_experts.min()) >= 0 for e in entries)

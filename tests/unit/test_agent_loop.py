@@ -290,9 +290,9 @@ def test_build_from_config_and_seeds_per_batch():
     seen = []
     generate = policy.generate
 
-    async def recording(ids, params):
+    async def recording(ids, params, *, session_id=None):
         seen.append((params.seed, params.temperature, params.stop_token_ids))
-        return await generate(ids, params)
+        return await generate(ids, params, session_id=session_id)
 
     policy.generate = recording
     loop = build_agent_loop(cfg, policy, c, task)

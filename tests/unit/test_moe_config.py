@@ -36,12 +36,8 @@ MOE = ["learner.model.family=qwen3_moe", "learner.model.num_experts=4", "learner
     (["learner.moe.aux_loss_coeff=0.01"], "learner.moe.aux_loss_coeff", "load_balancing_type"),
     (["learner.moe.token_dispatcher=flex"], "learner.moe.token_dispatcher", ""),
     (["learner.moe.routing_replay=true", "schedule.mode=async"], "learner.moe.routing_replay", "sync or thunder"),
-    (["learner.moe.routing_replay=true", "rollout.engine.deployment=server"], "learner.moe.routing_replay",
-     "in_process"),
     (["learner.moe.routing_replay=true", "learner.activations.recompute=full"], "learner.moe.routing_replay",
      "run the routers again"),
-    (["rollout.engine.record_routing=true", "rollout.engine.deployment=server"], "rollout.engine.record_routing",
-     "in_process"),
 ])
 def test_moe_settings_are_checked_at_parse_time(overrides, field, words):
     with pytest.raises(ConfigError) as err:

@@ -1,4 +1,4 @@
-"""The engine-side routing recorder (``megathunder.rollout.engines.routing``) without vLLM: steps laid
+"""The engine-side routing recorder (``megathunder.rollout.engines.routing_capture``) without vLLM: steps laid
 out as vLLM's runner lays them out (requests in order, each its new positions), rows filed under their
 token prefixes, looked up for a trajectory's input positions."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from megathunder.rollout.engines.routing import MISSING, RoutingRecorder
+from megathunder.rollout.engines.routing_capture import MISSING, RoutingRecorder
 
 LAYERS, TOP_K = 2, 2
 

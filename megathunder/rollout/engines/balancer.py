@@ -64,6 +64,10 @@ class LeastOutstandingBalancer:
         self.num_routed[server] += 1
         return server
 
+    def server_of(self, session: Hashable | None) -> int | None:
+        """The server a session's last request went to (None: unknown or evicted)."""
+        return None if session is None else self._sessions.get(session)
+
     def release(self, server: int) -> None:
         if self.outstanding[server] <= 0:
             raise RuntimeError(f"server {server} released more often than acquired")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 from collections.abc import Hashable, Sequence
 from typing import TYPE_CHECKING
 
@@ -17,6 +18,7 @@ import numpy as np
 
 from megathunder import console
 from megathunder.config import EngineConfig
+from megathunder.rollout.engines.routing_capture import decode as decode_routing
 from megathunder.rollout.engines.common import engine_kwargs, finish_reason, single_version
 from megathunder.rollout.engines.rpc import WeightLoadCall
 from megathunder.rollout.engines.transfer import StageSenders, WeightTransfer, open_transfer, weight_loader
@@ -149,12 +151,12 @@ class InProcessEngine:
                 return [e[t].logprob for e, t in zip(entries, token_ids[start:], strict=True)], cached
         raise AssertionError("unreachable")
 
-    async def routed_experts(self, token_ids: Sequence[int]) -> np.ndarray:
+    async def routed_experts(self, token_ids: Sequence[int], session_id: Hashable | None = None) -> np.ndarray:
         """The experts the engine's MoE layers routed each input position of ``token_ids`` to
-        (``routing.py``; needs ``record_routing``): [len - 1, layers, top_k] int16, -1 where the
+        (``routing_capture.py``; needs ``record_routing``): [len - 1, layers, top_k] int16, -1 where the
         engine never computed that position under the current weights."""
-        shape, raw = (await self._llm.collective_rpc("megathunder_routing_lookup", args=(list(token_ids),)))[0]
-        return np.frombuffer(raw, dtype=np.int16).reshape(shape)
+        results = await self._llm.collective_rpc("megathunder_routing_lookup", args=(json.dumps(list(token_ids)),))
+        return decode_routing(results[0])  # every TP worker routes alike: the first's
 
     async def update_weights(self, weights: WeightSource, policy_version: int) -> None:
         """Drain in-flight requests, load, reset the prefix cache, stamp the version, resume.

@@ -29,6 +29,7 @@ import asyncio
 import atexit
 import functools
 import itertools
+import json
 import logging
 import os
 import signal
@@ -41,10 +42,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from megathunder.config import EngineConfig
 from megathunder.rollout.engines.auth import MIDDLEWARE, read_api_key
 from megathunder.rollout.engines.balancer import LeastOutstandingBalancer, NoLiveServerError
 from megathunder.rollout.engines.common import engine_kwargs, finish_reason, single_version
+from megathunder.rollout.engines.routing_capture import decode as decode_routing
 from megathunder.rollout.engines.rpc import WeightLoadCall
 from megathunder.rollout.engines.transfer import StageSenders, WeightTransfer, open_transfer, weight_loader
 from megathunder.rollout.types import Completion, SamplingParams, WeightSource
@@ -244,6 +248,8 @@ class ServerEngine:
         engine = cls(urls, session, policy_version, pool, cfg.session_affinity_max_imbalance)
         try:
             await engine._on_all("/update_weight_version", json={"new_version": str(policy_version)})
+            if cfg.record_routing:
+                await engine._on_all("/collective_rpc", json={"method": "megathunder_routing_start"})
             engine.transfer = await open_transfer(cfg, [functools.partial(engine._rpc_one, url) for url in urls],
                                                   senders)
         except BaseException:
@@ -351,6 +357,17 @@ class ServerEngine:
             finish_reason=finish_reason(choice.get("finish_reason")),
             policy_version=single_version(choice.get("weight_versions"), len(token_ids), request_id),
         )
+
+    async def routed_experts(self, token_ids: Sequence[int], session_id: Hashable | None = None) -> np.ndarray:
+        """The routed experts of ``token_ids``' input positions (``routing_capture.py``; ``record_routing``)
+        from the server that served the session's last turn: it computed (or held in its prefix
+        cache, which it computed) every position of that turn's request."""
+        server = self.balancer.server_of(session_id)
+        if server is None or server in self.balancer.dead:
+            raise ServerError(f"routed experts of session {session_id!r}: no live server served it")
+        body = {"method": "megathunder_routing_lookup", "args": [json.dumps(list(token_ids))]}
+        results = (await self._post(self.urls[server], "/collective_rpc", json=body))["results"]
+        return decode_routing(results[0])
 
     async def update_weights(self, weights: WeightSource, policy_version: int) -> None:
         """On every server at once: drain, load, reset the prefix cache, stamp, resume.

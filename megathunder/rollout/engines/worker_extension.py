@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from safetensors.torch import load
 
-from megathunder.rollout.engines import routing
+from megathunder.rollout.engines import routing_capture as routing
 from megathunder.rollout.engines.transfer import (
     Frame,
     Rendezvous,
@@ -61,18 +61,17 @@ class MegathunderWorkerExtension:
             self.megathunder_routing.clear()  # the old weights' routing describes no future sample
 
     def megathunder_routing_start(self) -> int:
-        """Record the experts every MoE layer routes each token to (``routing.py``); returns the
+        """Record the experts every MoE layer routes each token to (``routing_capture.py``); returns the
         number of layers recorded."""
         self.megathunder_routing = routing.install(self)
         return self.megathunder_routing.num_layers
 
-    def megathunder_routing_lookup(self, token_ids: list[int]) -> tuple[list[int], bytes]:
-        """The recorded routed experts of the inputs of ``token_ids``: their shape [len - 1,
-        layers, top_k] and int16 raw bytes (``routing.MISSING`` where never computed)."""
+    def megathunder_routing_lookup(self, token_ids_json: str) -> dict:
+        """The recorded routed experts of the inputs of the JSON list ``token_ids_json`` (strings
+        only: a server's ``/collective_rpc`` passes nothing else), encoded by ``routing.encode``."""
         if self.megathunder_routing is None:
             raise RuntimeError("routing lookup before megathunder_routing_start")
-        rows = self.megathunder_routing.lookup(token_ids)
-        return list(rows.shape), rows.tobytes()
+        return routing.encode(self.megathunder_routing.lookup(json.loads(token_ids_json)))
 
     def megathunder_worker_info(self) -> str:
         """This worker's rank among its engine's workers (the groups count them) and its model's

@@ -30,6 +30,7 @@ computed (the engine's view of the tokens differed from the trajectory's) are -1
 
 from __future__ import annotations
 
+import base64
 from collections.abc import Sequence
 
 import numpy as np
@@ -119,6 +120,15 @@ class RoutingRecorder:
         for token in tokens:
             node = self._child(node, int(token))  # a prefix never computed keeps MISSING rows
         return node
+
+
+def encode(rows: np.ndarray) -> dict:
+    """Rows as JSON (what a server's ``/collective_rpc`` can return): shape and base64 int16."""
+    return {"shape": list(rows.shape), "rows": base64.b64encode(rows.astype(np.int16).tobytes()).decode()}
+
+
+def decode(result: dict) -> np.ndarray:
+    return np.frombuffer(base64.b64decode(result["rows"]), dtype=np.int16).reshape(result["shape"]).copy()
 
 
 def install(worker) -> RoutingRecorder:

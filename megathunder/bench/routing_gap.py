@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import os
 import tempfile
@@ -21,17 +22,41 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
+from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+from megathunder.learner.learner import MegatronLearner
+from megathunder.learner.routing_replay import replay_routers
+from megathunder.trajectory import Trajectory
+
+
+def own_routing(learner: MegatronLearner, trajs: Sequence[Trajectory]) -> list[torch.Tensor]:
+    """The experts the learner's own routers pick for each trajectory's input positions, [T - 1,
+    layers, top_k] int16 (``RouterReplay`` in RECORD mode, one trajectory per forward). One process
+    only: under SP or PP a rank records only its own rows and layers."""
+    if learner.pgs.dims.tp * learner.pgs.dims.pp > 1:
+        raise ValueError("own_routing: one model-parallel rank only (TP = PP = 1)")
+    routers = sorted(replay_routers(learner.ddp), key=lambda r: r[0])
+    out = []
+    for traj in trajs:
+        for _, replay in routers:
+            replay.set_router_replay_action(RouterReplayAction.RECORD)
+        try:
+            learner.token_logprobs([dataclasses.replace(traj, routed_experts=None)])
+            layers = [replay.get_recorded_indices()[: traj.num_targets] for _, replay in routers]
+        finally:
+            for _, replay in routers:
+                replay.clear_indices()
+                replay.clear_router_replay_action()
+        out.append(torch.stack(layers, dim=1).to(torch.int16).cpu())
+    return out
 
 
 async def _measure(model_dir: Path, engine_dtype: str, args: argparse.Namespace) -> dict:
     from megathunder.config import EngineConfig, GRPOObjective, LearnerConfig
-    from megathunder.learner.learner import MegatronLearner
     from megathunder.learner.parallel import init_distributed
     from megathunder.learner.push import gather_to_rank0
-    from megathunder.learner.routing_replay import own_routing
     from megathunder.rollout.engines import InProcessEngine, start_engine
     from megathunder.rollout.types import SamplingParams
-    from megathunder.trajectory import Trajectory
 
     cfg = LearnerConfig.model_validate({"moe": {"routing_replay": True},
                                         "optimizer": {"name": "sgd", "use_distributed_optimizer": False}})

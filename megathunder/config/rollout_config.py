@@ -93,6 +93,10 @@ class EngineConfig(Strict):
     """A session's next request returns to its server (which caches its prefix) unless that server
     has more than this many requests in flight above the least loaded one."""
     startup_timeout_s: float = Field(600.0, gt=0)
+    stall_timeout_s: float = Field(300.0, gt=0)
+    """deployment=server: a server with requests in flight that answers none and generates no
+    token (vLLM's /metrics) for this long is hung -- treated as dead, its requests sent again to
+    live servers with the same seeds."""
     request_timeout_s: float = Field(3600.0, gt=0)
     record_routing: bool = False
     """MoE models: record the experts every layer routed each token to, for the learner's routing

@@ -132,6 +132,37 @@ def test_killed_server_requests_move_to_live_ones(fake_servers, caplog):
     assert any(urls[1] in r.getMessage() and "lost" in r.getMessage() for r in caplog.records)
 
 
+def test_hung_server_is_found_by_progress_and_its_requests_move(fake_servers, caplog):
+    """A server that stops answering without dying (SIGSTOP: its connections stay open, so no request
+    fails) is found by the hang detector -- requests in flight, none answered for stall_timeout_s, and
+    /health silent -- and treated as dead: its requests are sent again to a live server, with the same
+    seeds, so every completion is the one a healthy pool gives."""
+    urls, procs = fake_servers(2, delay=1.0)
+
+    async def go():
+        session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=120))
+        engine = ServerEngine(urls, session, policy_version=0, stall_timeout_s=1.0)
+        try:
+            prompts = [[k, 3] for k in range(16)]
+            jobs = [asyncio.ensure_future(engine.generate(p, _params(k), session_id=k)) for k, p in enumerate(prompts)]
+            await asyncio.sleep(0.15)  # all in flight, none answered
+            on_victim = len(engine._in_flight[1])
+            procs[1].send_signal(signal.SIGSTOP)
+            outs = await asyncio.wait_for(asyncio.gather(*jobs), 60)  # bounded: 1 s stall + 5 s /health + resend
+            return prompts, outs, on_victim, engine
+        finally:
+            await engine.close()
+
+    with caplog.at_level(logging.WARNING, logger="megathunder.rollout.engines.server"):
+        prompts, outs, on_victim, engine = asyncio.run(go())
+    assert on_victim >= 4
+    for p, out in zip(prompts, outs, strict=True):
+        assert out.token_ids == _expected(p)
+    assert engine.balancer.dead == {1} and "hung" in engine.lost[1]
+    assert engine.balancer.outstanding == [0, 0]
+    assert any(urls[1] in r.getMessage() and "hung" in r.getMessage() for r in caplog.records)
+
+
 def test_no_live_server_left_is_a_clear_error(fake_servers):
     urls, procs = fake_servers(2, delay=5.0)
 

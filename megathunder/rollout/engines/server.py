@@ -203,6 +203,7 @@ class ServerEngine:
         policy_version: int,
         pool: ServerPool | None = None,
         max_imbalance: int = 4,
+        stall_timeout_s: float = 300.0,
     ) -> None:
         self.urls = list(urls)
         self.lost: dict[int, str] = {}  # server index -> why it was marked dead
@@ -214,6 +215,12 @@ class ServerEngine:
         self._request_ids = (f"mt-{uuid.uuid4().hex[:8]}-{n}" for n in itertools.count())
         self._update_lock = asyncio.Lock()
         self.transfer: WeightTransfer | None = None  # weight_transfer=collective
+        # hang detection (``_watch``): requests in flight per server, and when each last progressed
+        self.stall_timeout_s = stall_timeout_s
+        self._in_flight: list[set[asyncio.Future]] = [set() for _ in self.urls]
+        self._progress = [time.monotonic()] * len(self.urls)
+        self._tokens: list[float | None] = [None] * len(self.urls)  # vLLM's generation-token counter
+        self._watchdog: asyncio.Task | None = None
 
     @classmethod
     async def start(
@@ -245,7 +252,7 @@ class ServerEngine:
             timeout=aiohttp.ClientTimeout(total=cfg.request_timeout_s),
             headers=None if key is None else {"Authorization": f"Bearer {key}"},
         )
-        engine = cls(urls, session, policy_version, pool, cfg.session_affinity_max_imbalance)
+        engine = cls(urls, session, policy_version, pool, cfg.session_affinity_max_imbalance, cfg.stall_timeout_s)
         try:
             await engine._on_all("/update_weight_version", json={"new_version": str(policy_version)})
             if cfg.record_routing:
@@ -285,18 +292,31 @@ class ServerEngine:
             )  # fmt: skip
 
     async def _post_routed(self, session_id: Hashable | None, path: str, body: dict) -> dict:
-        """POST to the balancer's choice; on a dead server, again on another live one."""
+        """POST to the balancer's choice; on a dead or hung server, again on another live one."""
         import aiohttp
 
         num_dropped = 0
+        if self._watchdog is None:
+            self._watchdog = asyncio.ensure_future(self._watch())
         while True:
             try:
                 server = self.balancer.acquire(session_id)
             except NoLiveServerError:
                 lost = "; ".join(f"{self.urls[i]} ({why})" for i, why in self.lost.items())
                 raise ServerError(f"no live rollout server left: lost {lost}") from None
+            if not self._in_flight[server]:  # an idle server starts its clock now
+                self._progress[server] = time.monotonic()
+            request = asyncio.ensure_future(self._post(self.urls[server], path, json=body))
+            self._in_flight[server].add(request)
             try:
-                return await self._post(self.urls[server], path, json=body)
+                out = await request
+                self._progress[server] = time.monotonic()
+                return out
+            except asyncio.CancelledError:
+                me = asyncio.current_task()
+                if server not in self.balancer.dead or (me is not None and me.cancelling()):
+                    raise  # cancelled by our caller, not by the hang detector
+                body = {**body, "request_id": next(self._request_ids)}  # the hung server's request, elsewhere
             except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as err:
                 # refused, reset, disconnected or cut off: a dead server, or a dropped connection
                 # (a keep-alive race) on a live one, which /health tells apart
@@ -311,7 +331,51 @@ class ServerEngine:
                         ) from err
                 body = {**body, "request_id": next(self._request_ids)}
             finally:
+                self._in_flight[server].discard(request)
                 self.balancer.release(server)
+
+    async def _watch(self) -> None:
+        """Hang detection by progress, not only by ``/health``: a server with requests in flight
+        that answered none of them, and generated no token (vLLM's ``generation_tokens`` counter
+        in ``/metrics``), for ``stall_timeout_s`` is hung -- a stopped process, a wedged engine
+        core whose HTTP front still answers -- and is treated as dead: its requests are cancelled
+        and sent again, with their seeds, to live servers (the same tokens, as after a crash)."""
+        period = min(5.0, self.stall_timeout_s / 4)
+        while True:
+            await asyncio.sleep(period)
+            now = time.monotonic()
+            for server in list(self.balancer.live):
+                if not self._in_flight[server]:
+                    continue
+                reachable, tokens = await self._generated_tokens(self.urls[server])
+                if tokens is not None and tokens != self._tokens[server]:
+                    self._tokens[server] = tokens
+                    self._progress[server] = now  # decoding: long requests are not hung
+                    continue
+                stalled = now - self._progress[server]
+                if stalled < self.stall_timeout_s:
+                    continue
+                if reachable and tokens is None and await self._healthy(self.urls[server]):
+                    continue  # no counter to read (not vLLM) and alive: cannot call it hung
+                self._server_lost(server, TimeoutError(
+                    f"hung: {len(self._in_flight[server])} requests in flight, no answer and no token "
+                    f"generated for {stalled:.0f} s (rollout.engine.stall_timeout_s={self.stall_timeout_s:g})"))
+                for request in list(self._in_flight[server]):
+                    request.cancel()
+
+    async def _generated_tokens(self, url: str) -> tuple[bool, float | None]:
+        """Whether the server answered in HEALTH_TIMEOUT_S, and vLLM's total generated tokens
+        (``/metrics``; None without that counter)."""
+        import aiohttp
+
+        try:
+            async with self.session.get(f"{url}/metrics", timeout=aiohttp.ClientTimeout(total=HEALTH_TIMEOUT_S)) as r:
+                text = await r.text() if r.status == 200 else ""
+        except (aiohttp.ClientError, asyncio.TimeoutError):
+            return False, None
+        values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                  if line.startswith("vllm:generation_tokens_total")]
+        return True, sum(values) if values else None
 
     async def _healthy(self, url: str) -> bool:
         import aiohttp
@@ -412,6 +476,8 @@ class ServerEngine:
         await asyncio.gather(*(self._reset_one(url) for url in self.live_urls))
 
     async def close(self) -> None:
+        if self._watchdog is not None:
+            self._watchdog.cancel()
         try:
             if self.transfer is not None:
                 async with self._update_lock:  # an update in flight finishes on the groups first

@@ -68,12 +68,13 @@ def _cmd_train(args: argparse.Namespace) -> int:
         return interrupt.supervise(args.argv)
     interrupt.as_supervised_child()
 
+    from megathunder.diskspace import DiskFullError
     from megathunder.learner.service import LearnerRankLost
     from megathunder.trainer.run import train
 
     try:
         return train(cfg)
-    except LearnerRankLost as err:
+    except (LearnerRankLost, DiskFullError) as err:
         print(f"megathunder: {err}", file=sys.stderr, flush=True)
         return 1
 

@@ -55,6 +55,8 @@ from megathunder.config.rollout_config import (
 from megathunder.config.run_config import (
     SCHEDULE_MODES,
     BatchConfig,
+    ChaosConfig,
+    ChaosFault,
     Config,
     DecoderConfig,
     DecoderOptimizerConfig,
@@ -73,6 +75,8 @@ __all__ = [
     "ActivationsConfig",
     "AgentLoopConfig",
     "BatchConfig",
+    "ChaosConfig",
+    "ChaosFault",
     "CollectiveTransfer",
     "Config",
     "ConfigError",

@@ -155,6 +155,26 @@ class TinyModelConfig(Strict):
         return self
 
 
+class ChaosFault(Strict):
+    """One fault injected into a run (``megathunder.trainer.chaos``)."""
+
+    kind: Literal["fill_disk", "sigusr1", "sigint", "kill_server", "hang_server"]
+    """fill_disk: fill the run directory's file system (the next write fails); sigusr1 / sigint: the
+    signal to this process (stop after the step, checkpoint, exit 75); kill_server / hang_server:
+    SIGKILL / SIGSTOP rollout server ``server``'s process group (deployment=server, launched here)."""
+    step: int = Field(0, ge=0)
+    """The optimizer step during (server faults) or after (the others) which it happens."""
+    after_trajectories: int = Field(0, ge=0)
+    """Server faults: when this many of the step's trajectories have finished."""
+    server: int = Field(0, ge=0)
+
+
+class ChaosConfig(Strict):
+    """Faults to inject, for soak tests and for trying recovery (RELIABILITY.md); none by default."""
+
+    faults: list[ChaosFault] = []
+
+
 class RunConfig(Strict):
     seed: int = 0
     num_steps: int = Field(10, ge=1)
@@ -229,6 +249,7 @@ class Config(Strict):
     eval: EvalConfig = EvalConfig()
     sft: SftConfig = SftConfig()
     exactness: ExactnessConfig = ExactnessConfig()
+    chaos: ChaosConfig = ChaosConfig()
 
     @field_validator("objective", mode="before")
     @classmethod
@@ -268,6 +289,21 @@ class Config(Strict):
                 raise ValueError("ledger.hold_groups_until_close: must be true with verifier.on_failure="
                                  "drop_group (a failed trajectory's group must still be droppable)")
             self.ledger = self.ledger.model_copy(update={"hold_groups_until_close": True})
+        return self
+
+    @model_validator(mode="after")
+    def _check_chaos(self) -> Config:
+        engine = self.rollout.engine
+        for i, fault in enumerate(self.chaos.faults):
+            if fault.kind in ("kill_server", "hang_server"):
+                if engine.deployment != "server" or engine.server_urls:
+                    raise ValueError(f"chaos.faults.{i}.kind: {fault.kind} needs rollout.engine.deployment=server "
+                                     "with servers launched by this run (not server_urls)")
+                if fault.server >= engine.num_servers:
+                    raise ValueError(f"chaos.faults.{i}.server: {fault.server} >= rollout.engine.num_servers="
+                                     f"{engine.num_servers}")
+            if fault.step >= self.run.num_steps:
+                raise ValueError(f"chaos.faults.{i}.step: {fault.step} >= run.num_steps={self.run.num_steps}")
         return self
 
     @model_validator(mode="after")

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from megathunder.diskspace import DiskFullError, replace_text, writing
 from megathunder.learner.learner import MegatronLearner
 
 # The optimizer state layout that reshards across TP/PP/DP (Megatron's "fully reshardable").
@@ -84,19 +85,28 @@ def save_checkpoint(learner: MegatronLearner, root: str | Path) -> Path:
     root = Path(root)
     final = root / f"step_{learner.num_steps}"
     tmp = root / f"step_{learner.num_steps}.tmp"
+    last = latest_checkpoint(root)
+    detail = f" (checkpoint {final.name}; the last complete one, {last.name if last else 'none'}, is intact)"
     if learner.pgs.rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
+        with writing(tmp, detail):
+            tmp.mkdir(parents=True)
     dist.barrier()
     state = _sharded_state(learner, is_loading=False)
     state["scheduler"] = learner.scheduler.state_dict()
     state["num_steps"] = learner.num_steps
-    dist_checkpointing.save(state, str(tmp), content_metadata=_OPTIM_METADATA)
+    try:
+        with writing(tmp, detail):
+            dist_checkpointing.save(state, str(tmp), content_metadata=_OPTIM_METADATA)
+    except DiskFullError:
+        if learner.pgs.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)  # frees what it took; `latest` still names the last one
+        raise
     dist.barrier()
     if learner.pgs.rank == 0:
         shutil.rmtree(final, ignore_errors=True)
         tmp.rename(final)
-        (root / "latest").write_text(final.name + "\n")
+        replace_text(root / "latest", final.name + "\n")  # atomic: a full disk cannot leave it empty
     dist.barrier()
     return final
 

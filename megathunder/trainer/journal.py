@@ -30,6 +30,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from megathunder.diskspace import close_quietly, writing
 from megathunder.trajectory import Trajectory, mask_spans
 
 log = logging.getLogger(__name__)
@@ -67,13 +68,15 @@ class Journal:
         self.path = Path(path)
         kept = [r for r in read_records(self.path) if r.get("step", -1) < keep_steps]
         tmp = self.path.with_suffix(".tmp")
-        tmp.write_text("".join(_line(r) for r in kept))
-        os.replace(tmp, self.path)
+        with writing(self.path):
+            tmp.write_text("".join(_line(r) for r in kept))
+            os.replace(tmp, self.path)
         self._f = open(self.path, "a")
 
     def append(self, rec: dict) -> None:
-        self._f.write(_line(rec))
-        self._f.flush()
+        with writing(self.path):
+            self._f.write(_line(rec))
+            self._f.flush()
 
     def trajectory(self, step: int, traj: Trajectory, **fields) -> None:
         self.append({
@@ -86,10 +89,11 @@ class Journal:
 
     def end_step(self, step: int, metrics: dict) -> None:
         self.append({"type": "step", "step": step, "metrics": metrics})
-        os.fsync(self._f.fileno())
+        with writing(self.path):
+            os.fsync(self._f.fileno())
 
     def close(self) -> None:
-        self._f.close()
+        close_quietly(self._f)
 
 
 def _routing_fields(traj: Trajectory) -> dict:

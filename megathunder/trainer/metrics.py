@@ -7,6 +7,7 @@ import logging
 import os
 from pathlib import Path
 
+from megathunder.diskspace import close_quietly, writing
 from megathunder.config import Config
 
 log = logging.getLogger(__name__)
@@ -48,15 +49,16 @@ class MetricsLog:
         self.rows.append(row)
         if not self.enabled:
             return
-        self._f.write(json.dumps(row) + "\n")
-        self._f.flush()
+        with writing(self.path):
+            self._f.write(json.dumps(row) + "\n")
+            self._f.flush()
         if self._wandb is not None:
             self._wandb.log({k: v for k, v in row.items() if isinstance(v, (int, float))}, step=row["step"])
 
     def close(self) -> None:
         if not self.enabled:
             return
-        self._f.close()
+        close_quietly(self._f)
         if self._wandb is not None:
             self._wandb.finish()
 

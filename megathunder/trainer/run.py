@@ -89,7 +89,7 @@ def _train(cfg: Config, signals: StopSignals) -> int:
     latest = latest_checkpoint(ckpt_dir) if cfg.run.resume else None
     if pgs.rank == 0:
         if latest is None:  # a fresh run: nothing of an earlier one may be mixed in
-            for name in ("journal.jsonl", "metrics.jsonl", ".wandb_id"):
+            for name in ("journal.jsonl", "metrics.jsonl", ".wandb_id", "chaos.jsonl"):
                 (out / name).unlink(missing_ok=True)
             for name in ("checkpoints", "wandb"):
                 shutil.rmtree(out / name, ignore_errors=True)

@@ -39,6 +39,7 @@ from megathunder.rollout.tasks.task import Task, TaskInstance
 from megathunder.rollout.types import RolloutEngine, RoutingSource, SamplingParams, StreamedWeights, WeightSource
 from megathunder.trainer.journal import Journal
 from megathunder.trainer.metrics import MetricsLog
+from megathunder.trainer.chaos import Chaos
 from megathunder.trainer.probe import (
     PROBE_SESSION,
     PROBE_SEED,
@@ -75,6 +76,8 @@ class Trainer:
         self.journal = Journal(out / "journal.jsonl", keep_steps=start_step)
         self.metrics = MetricsLog(out, cfg, keep_steps=start_step)
         self.timeline = Timeline()
+        self.chaos = Chaos(cfg.chaos.faults, out, engine)  # fault injection (none unless configured)
+        self._finished_in_step: dict[int, int] = {}
         self.t0 = time.monotonic()
         self.wall_offset = self.metrics.rows[-1]["wall_s"] if self.metrics.rows else 0.0
         self.last_probe_gap = float("nan")
@@ -133,6 +136,9 @@ class Trainer:
         return isinstance(objective, RLObjective) and not keeps_group([r for r in rewards if r is not None], objective)
 
     def _on_event(self, event: RolloutEvent) -> None:
+        if event.kind == "trajectory_finished" and self.chaos.pending:
+            self._finished_in_step[self.version] = self._finished_in_step.get(self.version, 0) + 1
+            self.chaos.trajectory_finished(self.version, self._finished_in_step[self.version])
         if not self._streaming:
             return
         if event.kind == "turn_finished" and self.cfg.objective.needs_teacher:  # its tool call starts now
@@ -171,6 +177,7 @@ class Trainer:
         row.update(await self.periodic_eval(step))
         self._journal(step, rec, row)
         self.metrics.log(row)
+        self.chaos.after_step(step)  # chaos.faults: a full disk meets the checkpoint below
         self.timeline.add_episodes(step, rec.episodes)
         self._keep_timeline_from(step + 1 - self.cfg.run.timeline_steps)
         if self._checkpoint_due(step):

@@ -106,6 +106,7 @@ class ServerProcess:
         for sig, wait_s in ((signal.SIGTERM, timeout_s), (signal.SIGKILL, 10.0)):
             try:
                 os.killpg(pgid, sig)
+                os.killpg(pgid, signal.SIGCONT)  # a stopped (hung) server must run to act on SIGTERM
             except ProcessLookupError:
                 return
             try:

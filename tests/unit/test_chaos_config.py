@@ -1,0 +1,26 @@
+"""``chaos.faults`` is checked at parse time, naming the fault's field."""
+
+from __future__ import annotations
+
+import pytest
+
+from megathunder.config import ConfigError, load_config
+
+
+@pytest.mark.parametrize("faults,field,words", [
+    ("[{kind: kill_server}]", "chaos.faults.0.kind", "deployment=server"),
+    ("[{kind: sigusr1, step: 0}, {kind: hang_server, server: 3}]", "chaos.faults.1.server", "num_servers"),
+    ("[{kind: fill_disk, step: 10}]", "chaos.faults.0.step", "run.num_steps"),
+    ("[{kind: explode}]", "chaos.faults.0.kind", ""),
+])
+def test_bad_faults_are_refused_by_field(faults, field, words):
+    extra = ["rollout.engine.deployment=server", "rollout.engine.num_servers=2"] if "server:" in faults else []
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [f"chaos.faults={faults}", "run.num_steps=3", *extra])
+    assert field in str(err.value) and words in str(err.value), str(err.value)
+
+
+def test_server_faults_parse_for_launched_servers():
+    cfg = load_config(None, ["chaos.faults=[{kind: hang_server, step: 1, after_trajectories: 4, server: 1}]",
+                             "rollout.engine.deployment=server", "rollout.engine.num_servers=2", "run.num_steps=3"])
+    assert cfg.chaos.faults[0].after_trajectories == 4

@@ -163,6 +163,29 @@ def test_hung_server_is_found_by_progress_and_its_requests_move(fake_servers, ca
     assert any(urls[1] in r.getMessage() and "hung" in r.getMessage() for r in caplog.records)
 
 
+def test_a_server_hung_under_a_weight_update_is_dropped_not_waited_for(fake_servers):
+    """The update's pause, reset and resume are watched like requests: a server that hangs while
+    idle is found when the update's pause gets no answer, and the update completes on the others."""
+    import torch
+
+    urls, procs = fake_servers(2, delay=0.0)
+
+    async def go():
+        session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=120))
+        engine = ServerEngine(urls, session, policy_version=0, stall_timeout_s=1.0)
+        try:
+            procs[1].send_signal(signal.SIGSTOP)
+            await asyncio.wait_for(engine.update_weights([("w", torch.zeros(2))], 1), 60)
+            out = await engine.generate([1, 2], _params(0))
+            return engine, out
+        finally:
+            await engine.close()
+
+    engine, out = asyncio.run(go())
+    assert engine.balancer.dead == {1} and "hung" in engine.lost[1]
+    assert engine.policy_version == 1 and out.token_ids == _expected([1, 2])
+
+
 def test_no_live_server_left_is_a_clear_error(fake_servers):
     urls, procs = fake_servers(2, delay=5.0)
 

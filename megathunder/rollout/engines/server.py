@@ -281,7 +281,31 @@ class ServerEngine:
         return [self.urls[i] for i in self.balancer.live]
 
     async def _on_all(self, path: str, **kwargs) -> list[dict]:
-        return await asyncio.gather(*(self._post(url, path, **kwargs) for url in self.live_urls))
+        """``path`` on every live server; a server the hang detector finds hung meanwhile is
+        dropped from the answer (it is marked dead)."""
+        answers = await asyncio.gather(*(self._post_watched(i, path, **kwargs) for i in self.balancer.live))
+        return [a for a in answers if a is not None]
+
+    async def _post_watched(self, server: int, path: str, **kwargs) -> dict | None:
+        """A control call (pause, reset, resume, ...) the hang detector watches like a request: a
+        server hung under it is marked dead and the call returns None instead of waiting forever."""
+        if self._watchdog is None:
+            self._watchdog = asyncio.ensure_future(self._watch())
+        if not self._in_flight[server]:
+            self._progress[server] = time.monotonic()
+        call = asyncio.ensure_future(self._post(self.urls[server], path, **kwargs))
+        self._in_flight[server].add(call)
+        try:
+            out = await call
+            self._progress[server] = time.monotonic()
+            return out
+        except asyncio.CancelledError:
+            me = asyncio.current_task()
+            if server not in self.balancer.dead or (me is not None and me.cancelling()):
+                raise
+            return None
+        finally:
+            self._in_flight[server].discard(call)
 
     def _server_lost(self, server: int, err: BaseException) -> None:
         if server not in self.balancer.dead:
@@ -442,15 +466,20 @@ class ServerEngine:
         """
         load = weight_loader(weights, self.transfer)
 
-        async def finish(url: str) -> None:
-            await self._reset_one(url)
-            await self._post(url, "/update_weight_version", json={"new_version": str(policy_version)})
-            await self._post(url, "/resume")
+        async def finish(server: int) -> None:
+            answer = await self._post_watched(server, "/reset_prefix_cache")
+            if answer is None:
+                return  # hung: marked dead
+            if not answer.get("success"):
+                raise ServerError(f"{self.urls[server]} refused to reset its prefix cache (blocks still in use)")
+            for path, body in (("/update_weight_version", {"new_version": str(policy_version)}), ("/resume", None)):
+                if await self._post_watched(server, path, json=body) is None:
+                    return
 
         async with self._update_lock:
             await self._on_all("/pause", params={"mode": "wait", "clear_cache": "false"})
             await load(self._rpc)
-            await asyncio.gather(*(finish(url) for url in self.live_urls))
+            await asyncio.gather(*(finish(server) for server in self.balancer.live))
             self._policy_version = policy_version
 
     async def _rpc_one(self, url: str, call: WeightLoadCall) -> list:
@@ -469,12 +498,10 @@ class ServerEngine:
         per_server = await asyncio.gather(*(self._rpc_one(url, call) for url in self.live_urls))
         return [result for results in per_server for result in results]
 
-    async def _reset_one(self, url: str) -> None:
-        if not (await self._post(url, "/reset_prefix_cache")).get("success"):
-            raise ServerError(f"{url} refused to reset its prefix cache (blocks still in use)")
-
     async def reset_prefix_cache(self) -> None:
-        await asyncio.gather(*(self._reset_one(url) for url in self.live_urls))
+        for answer in await self._on_all("/reset_prefix_cache"):
+            if not answer.get("success"):
+                raise ServerError("a rollout server refused to reset its prefix cache (blocks still in use)")
 
     async def close(self) -> None:
         if self._watchdog is not None:

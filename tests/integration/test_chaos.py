@@ -62,3 +62,24 @@ def test_a_full_disk_stops_the_run_in_one_line_and_the_same_command_resumes(smal
     assert [f["kind"] for f in fired] == ["fill_disk"]  # not again on resume
     replay(out, tmp_path / "sync", "sync")
     assert update_error(out / "sft_model", tmp_path / "sync", out / "final_model") <= UPDATE_RTOL
+
+
+def test_a_rollout_server_hung_mid_batch_is_left_out_and_the_run_goes_on(tmp_path):
+    """Two vLLM servers; ``hang_server`` SIGSTOPs one while the batch generates. The hang detector
+    finds it by progress, its requests finish on the other server with their seeds, and the next push
+    re-opens the weight-transfer groups (collective, the default) without it: every step trains, the
+    probe stays clean, no policy lag."""
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "megathunder.cli", "train", str(ROOT / "configs/quickstart.yaml"),
+           f"run.output_dir={out}", *SMALL, "eval.every_n_steps=0", "run.num_steps=2", "sft.num_steps=4",
+           "run.wandb=disabled", "rollout.engine.deployment=server", "rollout.engine.num_servers=2",
+           "rollout.engine.base_port=18560", "rollout.engine.stall_timeout_s=5",
+           "chaos.faults=[{kind: hang_server, step: 0, after_trajectories: 2, server: 1}]"]
+    proc = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=900, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    log = proc.stdout + proc.stderr
+    assert "18561 lost (TimeoutError: hung:" in log and "re-opening the weight-transfer groups" in log
+    r = rows(out)
+    assert [x["step"] for x in r] == [0, 1] and all(x["policy_lag_max"] == 0 for x in r)
+    assert all(0 <= x["probe_gap"] <= 1e-3 for x in r)
+    assert all(x["num_failed"] == 0 for x in r)  # nothing lost with the server

@@ -216,6 +216,8 @@ class ServerEngine:
         self._request_ids = (f"mt-{uuid.uuid4().hex[:8]}-{n}" for n in itertools.count())
         self._update_lock = asyncio.Lock()
         self.transfer: WeightTransfer | None = None  # weight_transfer=collective
+        self._regroup_with: tuple[EngineConfig, StageSenders | None] | None = None  # set by start
+        self._grouped: set[int] = set(range(len(self.urls)))  # the servers in the transfer groups
         # hang detection (``_watch``): requests in flight per server, and when each last progressed
         self.stall_timeout_s = stall_timeout_s
         self._in_flight: list[set[asyncio.Future]] = [set() for _ in self.urls]
@@ -260,6 +262,7 @@ class ServerEngine:
                 await engine._on_all("/collective_rpc", json={"method": "megathunder_routing_start"})
             engine.transfer = await open_transfer(cfg, [functools.partial(engine._rpc_one, url) for url in urls],
                                                   senders)
+            engine._regroup_with = (cfg, senders)
         except BaseException:
             await engine.close()
             raise
@@ -478,9 +481,26 @@ class ServerEngine:
 
         async with self._update_lock:
             await self._on_all("/pause", params={"mode": "wait", "clear_cache": "false"})
+            if self.transfer is not None and self._grouped - set(self.balancer.live):
+                await self._regroup()
+                load = weight_loader(weights, self.transfer)
             await load(self._rpc)
             await asyncio.gather(*(finish(server) for server in self.balancer.live))
             self._policy_version = policy_version
+
+    async def _regroup(self) -> None:
+        """Open the transfer groups again with the live servers only (a server was lost: the
+        groups' broadcasts would wait for it). The old groups are dropped unused; the new store
+        takes an ephemeral port. The senders' next push is dense (their sparse baseline is reset)."""
+        if self._regroup_with is None:
+            raise ServerError("weight transfer groups cannot be re-opened (engine not started by ServerEngine.start)")
+        cfg, senders = self._regroup_with
+        live = list(self.balancer.live)
+        log.warning("re-opening the weight-transfer groups with the %d live servers", len(live))
+        wt = cfg.weight_transfer.model_copy(update={"port": 0})
+        self.transfer = await open_transfer(cfg.model_copy(update={"weight_transfer": wt}),
+                                            [functools.partial(self._rpc_one, self.urls[i]) for i in live], senders)
+        self._grouped = set(live)
 
     async def _rpc_one(self, url: str, call: WeightLoadCall) -> list:
         """``call`` on every worker of one server; their results."""
@@ -489,7 +509,7 @@ class ServerEngine:
     async def _rpc(self, call: WeightLoadCall) -> list:
         """``call`` on every live server; with a transfer group, every server must be live (the
         group's broadcasts wait for all its ranks)."""
-        if self.transfer is not None and self.lost:
+        if self.transfer is not None and self._grouped - set(self.balancer.live):
             lost = "; ".join(f"{self.urls[i]} ({why})" for i, why in self.lost.items())
             raise ServerError(f"weight transfer needs every server that joined its group; lost {lost}")
         return await self._rpc_live(call)

@@ -6,7 +6,9 @@ in-process vLLM engine recording its routing (``rollout.engine.record_routing``)
 weights pushed into it. ``--samples`` completions of ``--tokens`` tokens are sampled; for each, the
 learner's own routing (Megatron's ``RouterReplay`` in RECORD mode) is compared with vLLM's, position
 by position and layer by layer (the set of top-k experts), and the learner's logprobs of the
-sampled tokens are compared with vLLM's, once routing by itself and once replaying vLLM's routing.
+sampled tokens are compared with vLLM's, once routing by itself and once replaying vLLM's routing;
+the experts the replaying forward actually used (every router's routing map) are compared with
+vLLM's too ("replayed differently": 0 when replay does its job).
 Per engine dtype: a table, then one JSON object as the last line.
 """
 
@@ -51,6 +53,32 @@ def own_routing(learner: MegatronLearner, trajs: Sequence[Trajectory]) -> list[t
     return out
 
 
+def used_routing(learner: MegatronLearner, trajs: Sequence[Trajectory]) -> list[torch.Tensor]:
+    """The experts the learner's MoE layers actually used for each trajectory's input positions in
+    its (replaying, when the trajectory carries routing) forward, read from every router's routing
+    map: [T - 1, layers, top_k] int16, sorted per token. One process only, one trajectory per forward."""
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    if learner.pgs.dims.tp * learner.pgs.dims.pp > 1:
+        raise ValueError("used_routing: one model-parallel rank only (TP = PP = 1)")
+    routers = sorted(((m.layer_number - 1, m) for m in learner.ddp.modules() if isinstance(m, TopKRouter)),
+                     key=lambda r: r[0])
+    seen: dict[int, torch.Tensor] = {}
+    hooks = [m.register_forward_hook(lambda mod, inp, out, layer=layer: seen.__setitem__(layer, out[1].detach()))
+             for layer, m in routers]
+    out = []
+    try:
+        for traj in trajs:
+            learner.token_logprobs([traj])
+            top_k = learner.model_cfg.moe_router_topk
+            layers = [seen[layer][: traj.num_targets].nonzero()[:, 1].view(-1, top_k) for layer, _ in routers]
+            out.append(torch.stack(layers, dim=1).to(torch.int16).cpu())
+    finally:
+        for h in hooks:
+            h.remove()
+    return out
+
+
 async def _measure(model_dir: Path, engine_dtype: str, args: argparse.Namespace) -> dict:
     from megathunder.config import EngineConfig, GRPOObjective, LearnerConfig
     from megathunder.learner.parallel import init_distributed
@@ -84,21 +112,24 @@ async def _measure(model_dir: Path, engine_dtype: str, args: argparse.Namespace)
     finally:
         await engine.close()
     own = own_routing(learner, trajs)
+    used = used_routing(learner, trajs)  # what the replaying forward routed by, per token
     plain = learner.token_logprobs([Trajectory(t.traj_id, t.group_id, t.tokens, t.loss_mask) for t in trajs])
     replayed = learner.token_logprobs(trajs)
     assert plain is not None and replayed is not None
-    positions = differ = 0
+    positions = differ = replay_differs = 0
     gaps: dict[str, list[float]] = {"plain": [], "replay": []}
-    for t, mine, e, p, r in zip(trajs, own, engine_logp, plain, replayed, strict=True):
+    for t, mine, used_t, e, p, r in zip(trajs, own, used, engine_logp, plain, replayed, strict=True):
         assert t.routed_experts is not None and int(t.routed_experts.min()) >= 0  # every input position recorded
         same = (mine.sort(dim=-1).values == t.routed_experts.sort(dim=-1).values).all(dim=-1)  # [T-1, layers]
         positions += same.numel()
         differ += int((~same).sum())
+        replay_differs += int((used_t != t.routed_experts.sort(dim=-1).values).any(dim=-1).sum())
         gen_slice = slice(t.num_targets - e.numel(), t.num_targets)
         gaps["plain"] += (p[gen_slice] - e).abs().tolist()
         gaps["replay"] += (r[gen_slice] - e).abs().tolist()
     return {"engine_dtype": engine_dtype, "samples": len(trajs), "routed_positions": positions,
             "routing_differs": differ, "routing_differs_frac": differ / positions,
+            "replayed_routing_differs": replay_differs,
             **{f"{k}_gap_max": max(v) for k, v in gaps.items()},
             **{f"{k}_gap_mean": sum(v) / len(v) for k, v in gaps.items()}}
 
@@ -123,11 +154,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         for dtype in args.engine_dtypes.split(","):
             results.append(asyncio.run(_measure(model_dir, dtype, args)))
     print(f"\nrouting replay: learner float32, {args.samples} samples x {args.tokens} tokens")
-    print(f"{'engine':<9} {'positions x layers':>18} {'routed differently':>19} "
+    print(f"{'engine':<9} {'positions x layers':>18} {'routed differently':>19} {'replayed differently':>21} "
           f"{'gap max (own)':>14} {'gap max (replay)':>17} {'mean (own)':>11} {'mean (replay)':>14}")
     for r in results:
         print(f"{r['engine_dtype']:<9} {r['routed_positions']:>18} "
-              f"{r['routing_differs']:>8} ({100 * r['routing_differs_frac']:5.2f}%) "
+              f"{r['routing_differs']:>8} ({100 * r['routing_differs_frac']:5.2f}%) {r['replayed_routing_differs']:>21} "
               f"{r['plain_gap_max']:>14.2e} {r['replay_gap_max']:>17.2e} "
               f"{r['plain_gap_mean']:>11.2e} {r['replay_gap_mean']:>14.2e}")
     print(json.dumps({"bench": "routing", "rows": results}))

@@ -183,7 +183,8 @@ def load_swe_bench(path: str | Path) -> list[TaskInstance]:
 def swe_smith_setup(instance_id: str, patch: str) -> list[str]:
     """SWE-smith's instance set-up: check out the instance's branch, or apply its bug ``patch``."""
     branch = shlex.quote(instance_id)
-    apply = f"git apply - <<'EOF_MEGATHUNDER_BUG'\n{patch.rstrip()}\nEOF_MEGATHUNDER_BUG" if patch else "false"
+    missing = f"echo 'no branch {branch} in the repository, and the record has no patch' >&2; false"
+    apply = f"git apply - <<'EOF_MEGATHUNDER_BUG'\n{patch.rstrip()}\nEOF_MEGATHUNDER_BUG" if patch else missing
     return [f"if git rev-parse -q --verify refs/heads/{branch} >/dev/null; then git checkout -q {branch}; "
             f"else {apply}; fi"]
 

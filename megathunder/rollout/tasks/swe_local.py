@@ -155,8 +155,8 @@ def _mean(rng: random.Random) -> _Repo:
 
 
 def _words(rng: random.Random) -> _Repo:
-    n = rng.randint(2, 6)
-    text = "  ".join(["word"] * n)
+    n = rng.randint(2, 9)
+    text = "  ".join([rng.choice(["word", "cat", "tree", "sun", "blue", "sea"])] * n)
     src = dedent("""\
         def count_words(text):
             \"\"\"Number of whitespace-separated words.\"\"\"

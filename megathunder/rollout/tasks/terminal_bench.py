@@ -4,7 +4,8 @@ A task set is a directory of task directories (or one task directory). Two layou
 
 - Terminal-Bench 1: ``task.yaml`` (``instruction``; optional ``max_test_timeout_sec``), a
   ``Dockerfile`` or ``docker-compose.yaml`` at the top, ``run-tests.sh`` and ``tests/``; an
-  optional ``solution.sh``. Grading copies ``run-tests.sh`` and ``tests/`` to ``/tests`` and runs
+  optional ``solution.sh``. Grading copies ``run-tests.sh`` and the contents of ``tests/`` to
+  ``/tests`` and runs
   ``bash /tests/run-tests.sh`` with ``TEST_DIR=/tests``: reward 1 when it exits 0.
 - Terminal-Bench 2 / Harbor: ``task.toml`` (optional ``[verifier] timeout_sec``, ``[environment]
   docker_image``), ``instruction.md``, ``environment/`` (``Dockerfile`` or
@@ -260,8 +261,7 @@ class TerminalBenchTask(Task):
         files: Mapping[str, str | bytes] = meta["tests"]
         if local:  # map the task's absolute paths into the work dir
             files = {k: _relocate(v, tests_dir, logs_dir) for k, v in files.items()}
-        await upload_to(sandbox, tests_dir, {k.removeprefix("tests/") if meta["format"] == "harbor" else k: v
-                                             for k, v in files.items()})
+        await upload_to(sandbox, tests_dir, {k.removeprefix("tests/"): v for k, v in files.items()})
         command = meta["test_command"].replace(TESTS_DIR, tests_dir)
         run = await sandbox.exec(["sh", "-c", f'mkdir -p "$1" && TEST_DIR="$2" {command}', "sh", logs_dir, tests_dir],
                                  timeout_s=meta["test_timeout_s"])

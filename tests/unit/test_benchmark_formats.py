@@ -10,7 +10,8 @@ import logging
 
 import pytest
 
-from megathunder.rollout.tasks.datasets import DatasetError, load_swe_bench
+from megathunder.rollout.tasks.datasets import DatasetError, SweTask, load_swe_bench, load_swe_smith, swe_smith_setup
+from megathunder.rollout.sandbox import SandboxError
 from megathunder.rollout.tasks.grading import GradingError, eval_script, grade
 from megathunder.rollout.tasks.swe_local import SweLocalTask
 from megathunder.rollout.tasks.task import tool_call_text
@@ -256,3 +257,40 @@ def test_swe_test_timeout_gets_the_failure_policy(tmp_path):
     (ep,), _ = run_scripted(task, [slow], tmp_path, scripts={slow.prompt: ["Done."]},
                             verifier={"on_failure": "drop_group"})
     assert ep.reward.status == "timeout" and ep.reward.drop_group and "exceeded 0.5 s" in ep.reward.detail
+
+
+@needs_root
+def test_swe_smith_instance_is_set_up_on_the_buggy_repository(tmp_path):
+    """SWE-smith: the instance's branch in the image's repository is checked out; without the
+    branch, the record's bug ``patch`` is applied; with neither, set-up fails (a sandbox failure).
+    The image's repository is made by set-up commands here (the local sandbox has no image)."""
+    good = "def double(x):\n    return 2 * x\n"
+    bug = ("diff --git a/mod.py b/mod.py\n--- a/mod.py\n+++ b/mod.py\n@@ -1,2 +1,2 @@\n def double(x):\n"
+           "-    return 2 * x\n+    return x + x + 1\n")  # fmt: skip
+    test = "import unittest\nfrom mod import double\n\n\nclass T(unittest.TestCase):\n    def test_double(self):\n        self.assertEqual(double(4), 8)\n"
+    rec = {"instance_id": "toy__mod.abc123", "repo": "toy/mod", "image_name": "toy/mod:1", "patch": bug,
+           "problem_statement": "double(4) returns 9", "FAIL_TO_PASS": ["test_double (test_mod.T.test_double)"],
+           "PASS_TO_PASS": [], "test_command": "python3 -m unittest -v test_mod", "log_parser": "parse_log_django"}  # fmt: skip
+    path = tmp_path / "smith.jsonl"
+    path.write_text(json.dumps(rec) + "\n")
+    task = SweTask("swe_smith", load_swe_smith(path))
+    (inst,) = task.instances(1)
+    git = "git -c user.name=t -c user.email=t@t"
+    image_repo = [f"git init -q -b main && git add -A && {git} commit -qm base"]
+    with_branch = [*image_repo, f"git checkout -q -b toy__mod.abc123 && git apply .bug.patch && {git} commit -qam bug "
+                   "&& git checkout -q main"]  # fmt: skip
+    look = tool_call_text("bash", command="git branch --show-current; cat mod.py")
+    fix = tool_call_text("str_replace", path="mod.py", old="x + x + 1", new="2 * x")
+    for prepare, branch in ((with_branch, "toy__mod.abc123"), (image_repo, "main")):
+        made = dataclasses.replace(inst, files={"mod.py": good, "test_mod.py": test, ".bug.patch": bug},
+                                   metadata={**inst.metadata, "setup": prepare + list(inst.metadata["setup"])})
+        (ep,), _ = run_scripted(task, [made], tmp_path, scripts={made.prompt: [look, "I give up."]})
+        seen = ep.turns[0].tool_runs[0].observation
+        assert seen.startswith(branch) and "x + x + 1" in seen  # the agent works on the bug
+        assert ep.reward.reward == 0.0 and ep.reward.tests == {rec["FAIL_TO_PASS"][0]: "FAILED"}
+        (ep,), _ = run_scripted(task, [made], tmp_path, scripts={made.prompt: [fix, "Fixed."]})
+        assert ep.reward.reward == 1.0
+    no_patch = dataclasses.replace(inst, files={"mod.py": good, "test_mod.py": test},
+                                   metadata={**inst.metadata, "setup": image_repo + swe_smith_setup(rec["instance_id"], "")})
+    with pytest.raises(SandboxError, match="no branch toy__mod.abc123 in the repository, and the record has no patch"):
+        run_scripted(task, [no_patch], tmp_path, scripts={no_patch.prompt: ["Done."]})

@@ -185,8 +185,8 @@ def swe_smith_setup(instance_id: str, patch: str) -> list[str]:
     branch = shlex.quote(instance_id)
     missing = f"echo 'no branch {branch} in the repository, and the record has no patch' >&2; false"
     apply = f"git apply - <<'EOF_MEGATHUNDER_BUG'\n{patch.rstrip()}\nEOF_MEGATHUNDER_BUG" if patch else missing
-    return [f"if git rev-parse -q --verify refs/heads/{branch} >/dev/null; then git checkout -q {branch}; "
-            f"else {apply}; fi"]
+    return [f"if git rev-parse -q --verify refs/heads/{branch} >/dev/null; then git checkout -q {branch}\n"
+            f"else {apply}\nfi"]
 
 
 def load_swe_smith(path: str | Path) -> list[TaskInstance]:

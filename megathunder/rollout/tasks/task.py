@@ -36,7 +36,7 @@ class TaskInstance:
     instance_id: str
     prompt: str
     answer: Any = None
-    files: Mapping[str, str] = field(
+    files: Mapping[str, str | bytes] = field(
         default_factory=dict
     )  # relative path -> content, uploaded first
     image: str | None = None  # container image (cluster backends)

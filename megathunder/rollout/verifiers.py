@@ -1,6 +1,8 @@
 """Reward computation in an async pool with timeouts and a defined outcome for every failure.
 
-A verifier is an async callable returning a float reward (wrap a blocking, CPU-bound check -- a
+A verifier is an async callable returning a float reward, or a :class:`Verdict` (the reward with
+the per-test outcome a test harness reports: it travels in the reward event's payload to the
+run journal and the evaluation report). Wrap a blocking, CPU-bound check -- a
 math grader, a test harness in Python -- with :func:`in_subprocess`, so a timeout can kill it
 instead of freezing the event loop). The pool bounds how many run at once
 (``verifier.max_concurrent``) and how long each may take (``verifier.timeout_s``, from when it
@@ -18,7 +20,7 @@ import logging
 import math
 import multiprocessing
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
@@ -32,12 +34,23 @@ VerifierStatus = Literal["ok", "error", "timeout", "skipped"]
 
 
 @dataclass(frozen=True)
+class Verdict:
+    """A verifier's reward with what it is made of: ``tests`` maps each graded test to its
+    status (``PASSED``, ``FAILED``, ...), ``detail`` says how the reward followed (JSON text)."""
+
+    reward: float
+    tests: Mapping[str, str] | None = None
+    detail: str = ""
+
+
+@dataclass(frozen=True)
 class RewardOutcome:
     reward: float | None  # None when the group is dropped
     status: VerifierStatus
     drop_group: bool
     duration_s: float
     detail: str = ""
+    tests: Mapping[str, str] | None = None  # per-test outcome, when the verifier reports one
 
     def as_payload(self) -> dict:
         return {
@@ -46,6 +59,7 @@ class RewardOutcome:
             "drop_group": self.drop_group,
             "verifier_s": self.duration_s,
             "detail": self.detail,
+            "tests": None if self.tests is None else dict(self.tests),
         }
 
 
@@ -55,22 +69,23 @@ class VerifierPool:
         self._slots = asyncio.Semaphore(cfg.max_concurrent)
         self.num_failures = 0
 
-    async def score(self, verify: Callable[[], Awaitable[float]], *, traj_id: int) -> RewardOutcome:
+    async def score(self, verify: Callable[[], Awaitable[float | Verdict]], *, traj_id: int) -> RewardOutcome:
         async with self._slots:
             start = time.monotonic()
             try:
-                reward = float(await asyncio.wait_for(verify(), self.cfg.timeout_s))
+                got = await asyncio.wait_for(verify(), self.cfg.timeout_s)
+                verdict = got if isinstance(got, Verdict) else Verdict(float(got))
+                reward = float(verdict.reward)
                 if not math.isfinite(reward):
                     raise ValueError(f"verifier returned a non-finite reward {reward}")
-            except TimeoutError:
-                return self._failed(
-                    traj_id, "timeout", f"verifier exceeded {self.cfg.timeout_s:g} s", start
-                )
+            except TimeoutError as err:  # the pool's limit, or a test run the verifier saw killed
+                why = str(err) or f"verifier exceeded {self.cfg.timeout_s:g} s"
+                return self._failed(traj_id, "timeout", why, start)
             except Exception as err:  # a crashing verifier is an outcome, not a crash of the loop
                 return self._failed(
                     traj_id, "error", f"verifier raised {type(err).__name__}: {err}", start
                 )
-            return RewardOutcome(reward, "ok", False, time.monotonic() - start)
+            return RewardOutcome(reward, "ok", False, time.monotonic() - start, verdict.detail, verdict.tests)
 
     def failed(self, traj_id: int, detail: str) -> RewardOutcome:
         """The ``on_failure`` outcome of an episode that failed before its verifier could run

@@ -12,7 +12,8 @@ journal is cut back to the steps the checkpoint holds, so a resumed run appends 
 uninterrupted run would have.
 
 Record types: ``trajectory`` (tokens, loss mask, rollout logprobs, reward, timings, policy
-versions) and ``step`` (the step's metrics, written after its optimizer step).
+versions, and ``verifier``: how the reward followed and, for test-suite tasks, each graded test's
+status) and ``step`` (the step's metrics, written after its optimizer step).
 """
 
 from __future__ import annotations

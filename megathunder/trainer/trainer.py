@@ -331,7 +331,9 @@ class Trainer:
             self.journal.trajectory(step, ep.to_trajectory(), reward=ep.trained_reward, instance_id=ep.instance_id,
                                     t_finished=ep.finished_at - rec.started, t_reward=ep.reward_time - rec.started,
                                     policy_versions=[t.policy_version for t in ep.turns],
-                                    stop_reason=ep.stop_reason, failure=ep.failure)  # fmt: skip
+                                    stop_reason=ep.stop_reason, failure=ep.failure,
+                                    verifier=None if ep.reward is None else
+                                    {"detail": ep.reward.detail, "tests": ep.reward.as_payload()["tests"]})  # fmt: skip
         self.journal.end_step(step, row)
 
     def _keep_timeline_from(self, first_step: int) -> None:

@@ -3,6 +3,8 @@ policy through a real tokenizer; token layout, events, limits, failing tools and
 
 from __future__ import annotations
 
+import json
+
 import logging
 import os
 import time
@@ -13,7 +15,8 @@ from megathunder.rollout.chat import IM_END
 from megathunder.rollout.scripted import scripted_logprob
 from megathunder.rollout.tools import BASH, Tool
 from megathunder.rollout.tasks.task import Task, TaskInstance, tool_call_text
-from megathunder.rollout.tasks.swe_local import TEST_COMMAND, SweLocalTask
+from megathunder.rollout.tasks.datasets import patch_files
+from megathunder.rollout.tasks.swe_local import TEST_COMMAND, SweLocalTask, swe_local_record
 from tests.rollout_helpers import codec, needs_root, run_scripted
 
 pytestmark = needs_root
@@ -41,13 +44,14 @@ def test_swe_episode_end_to_end(tmp_path):
         runs = [r for turn in ep.turns for r in turn.tool_runs]
         assert [r.name for r in runs] == ["read_file", "bash", "str_replace", "bash"]
         assert inst.metadata["bug"] in runs[0].observation  # really read from the sandbox
-        assert (
-            "FAILED" in runs[1].observation
-            and "[error: command failed with exit code 1]" in runs[1].observation
-        )
+        # the visible tests (PASS_TO_PASS) pass with the bug; the ones exposing it come at grading
+        assert runs[1].observation.rstrip().endswith("OK") and "FAIL" not in runs[1].observation
         assert runs[2].observation.startswith("replaced 1 occurrence") and runs[
             3
         ].observation.rstrip().endswith("OK")
+        f2p, p2p = inst.metadata["fail_to_pass"], inst.metadata["pass_to_pass"]
+        assert ep.reward.tests == {t: "PASSED" for t in f2p + p2p}  # graded per test, from the log
+        assert json.loads(ep.reward.detail)["resolution"] == "RESOLVED_FULL"
 
         # Layout: every trained span is exactly one model turn (its text + <|im_end|>).
         script = task.scripted_turns(inst)
@@ -73,17 +77,27 @@ def test_swe_episode_end_to_end(tmp_path):
 
 def test_swe_reward_fails_without_fix_and_when_tests_are_edited(tmp_path):
     task = SweLocalTask()
-    inst = task.instances(1, seed=3)[0]
-    test_file = next(p for p in inst.metadata["tests"] if p.endswith(".py") and "test_" in p)
+    inst = task.instances(1, seed=3)[0]  # the clamp repository
+    rec = swe_local_record(0, 3)
     scripts = {
         inst.prompt: [tool_call_text("bash", command=TEST_COMMAND), "I could not fix it."],
     }
     (ep,), _ = run_scripted(task, [inst], tmp_path, scripts=scripts)
     assert ep.reward.reward == 0.0 and ep.reward.status == "ok"
+    assert {ep.reward.tests[t] for t in rec["FAIL_TO_PASS"]} == {"FAILED"}
 
-    cheat = tool_call_text("write_file", path=test_file, content="import unittest\n")
+    # Planting the hidden test file with passing tests of the same names: the eval script
+    # restores it (here: removes it) before the test patch adds the real one.
+    (issue_file,) = patch_files(rec["test_patch"])
+    fake = "import unittest\n\n\nclass TestAbove(unittest.TestCase):\n    def test_above(self):\n        pass\n"
+    cheat = tool_call_text("write_file", path=issue_file, content=fake)
     (ep,), _ = run_scripted(task, [inst], tmp_path, scripts={inst.prompt: [cheat, "Tests pass."]})
-    assert ep.turns[0].tool_runs[0].ok and ep.reward.reward == 0.0  # the verifier restored the test
+    assert ep.turns[0].tool_runs[0].ok and ep.reward.reward == 0.0
+    # Emptying a visible test file: its PASS_TO_PASS tests are missing from the log, a regression.
+    wipe = tool_call_text("write_file", path="tests/test_clamp.py", content="")
+    fix = tool_call_text("str_replace", path=inst.metadata["module"], old=inst.metadata["bug"], new=inst.metadata["fix"])
+    (ep,), _ = run_scripted(task, [inst], tmp_path, scripts={inst.prompt: [wipe, fix, "Done."]})
+    assert ep.reward.reward == 0.0 and {ep.reward.tests[t] for t in rec["PASS_TO_PASS"]} == {"MISSING"}
 
 
 def test_event_stream_order_and_timestamps(tmp_path):

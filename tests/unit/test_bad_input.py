@@ -23,7 +23,6 @@ from megathunder.rollout.tasks.datasets import (
     DatasetError,
     load_swe_bench,
     load_swe_smith,
-    load_terminal_bench,
 )
 
 NUM_EXAMPLES = int(os.environ.get("MEGATHUNDER_HYPOTHESIS_EXAMPLES", "200"))
@@ -201,10 +200,10 @@ def _all_finite(x) -> bool:
 
 # --- dataset records ------------------------------------------------------------------------------
 
-LOADERS = {"swe_bench": load_swe_bench, "swe_smith": load_swe_smith, "terminal_bench": load_terminal_bench}
+LOADERS = {"swe_bench": load_swe_bench, "swe_smith": load_swe_smith}
 RECORD_KEYS = ["instance_id", "problem_statement", "repo", "base_commit", "FAIL_TO_PASS",
-               "PASS_TO_PASS", "test_patch", "test_command", "image_name", "task_id", "instruction",
-               "image", "docker_image"]  # fmt: skip
+               "PASS_TO_PASS", "test_patch", "test_command", "image_name", "patch", "eval_script",
+               "log_parser", "eval_type"]  # fmt: skip
 json_values = st.recursive(
     st.one_of(st.none(), st.booleans(), st.integers(), st.floats(allow_nan=False), st.text(max_size=10),
               st.just('["a::t"]'), st.just("[1]"), st.just("[bad")),

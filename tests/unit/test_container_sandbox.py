@@ -154,7 +154,7 @@ def test_dataset_instance_episode_through_the_container_backend(tmp_path):
     from megathunder.rollout.scripted import ScriptedPolicy
     from megathunder.rollout.verifiers import VerifierPool
     from megathunder.rollout.tasks.task import tool_call_text
-    from megathunder.rollout.tasks.datasets import ContainerTestTask, load_swe_smith
+    from megathunder.rollout.tasks.datasets import ContainerTestTask, load_swe_bench
     from tests.rollout_helpers import codec
 
     testbed = tmp_path / "testbed"  # what the image holds at its work dir
@@ -165,13 +165,13 @@ def test_dataset_instance_episode_through_the_container_backend(tmp_path):
         "    def test_double(self):\n        self.assertEqual(double(4), 8)\n"
     )
     record = {
-        "instance_id": "toy__mod-1", "repo": "toy/mod", "image_name": "toy/mod:1",
-        "problem_statement": "double(4) returns 9", "FAIL_TO_PASS": ["test_mod.py::T::test_double"],
-        "PASS_TO_PASS": [], "test_command": "python3 -m unittest -q test_mod",
+        "instance_id": "toy__mod-1", "repo": "toy/mod", "image_name": "toy/mod:1", "base_commit": "0" * 40,
+        "problem_statement": "double(4) returns 9", "FAIL_TO_PASS": ["test_double (test_mod.T.test_double)"],
+        "PASS_TO_PASS": [], "test_command": "python3 -m unittest -v test_mod", "log_parser": "parse_log_django",
     }  # fmt: skip
-    path = tmp_path / "smith.jsonl"
+    path = tmp_path / "bench.jsonl"
     path.write_text(json.dumps(record) + "\n")
-    task = ContainerTestTask("swe_smith", load_swe_smith, str(path))
+    task = ContainerTestTask("swe_bench", load_swe_bench, str(path))
     (inst,) = task.instances(1)
     assert inst.image == "toy/mod:1"
     c = codec()
@@ -189,4 +189,4 @@ def test_dataset_instance_episode_through_the_container_backend(tmp_path):
     assert ep.turns[0].tool_runs[0].observation == "replaced 1 occurrence in mod.py"
     assert ep.reward.status == "ok" and ep.reward.reward == 1.0
     calls = (tmp_path / "calls.log").read_text()
-    assert "toy/mod:1" in calls and "python3 -m unittest -q test_mod" in calls
+    assert "toy/mod:1" in calls and ".megathunder_eval.sh" in calls

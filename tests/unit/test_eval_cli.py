@@ -99,25 +99,30 @@ def test_checkpoint_without_hf_config(tmp_path, no_engine, capsys):
     assert len(err.splitlines()) == 1
 
 
+def _tb1_task(root, name, instruction="do it"):
+    d = root / name
+    (d / "tests").mkdir(parents=True)
+    (d / "task.yaml").write_text(json.dumps({"instruction": instruction}))  # JSON is YAML
+    (d / "Dockerfile").write_text("FROM megathunder/base\n")
+    (d / "run-tests.sh").write_text("true\n")
+    return d
+
+
 def test_malformed_task_records(tmp_path, checkpoint, no_engine, capsys):
-    bad = tmp_path / "tasks.jsonl"
-    good = {"task_id": "t1", "instruction": "do it", "image": "img:1"}
-    bad.write_text(json.dumps(good) + "\n" + '{"task_id": "t2", "instruction": \n')
-    args = ["task.name=terminal_bench", f"task.path={bad}", "sandbox.backend=docker",
+    tasks = tmp_path / "tasks"
+    bad = _tb1_task(tasks, "t2")
+    (bad / "task.yaml").write_text("author_email: a@b\n")
+    args = ["task.name=terminal_bench", f"task.path={tasks}", "sandbox.backend=docker",
             "eval.split=all", "eval.num_instances=1", "--checkpoint", str(checkpoint)]  # fmt: skip
     rc, err = _eval(args, capsys)
-    assert rc == 2 and err.startswith(f"megathunder eval: {bad}:2: invalid JSON")
-    bad.write_text(json.dumps(good) + "\n" + json.dumps({"task_id": "t2", "image": "x"}) + "\n")
-    rc, err = _eval(args, capsys)
-    assert rc == 2 and err == f"megathunder eval: {bad}:2: missing field 'instruction'"
+    assert rc == 2 and err.startswith(f"megathunder eval: {tasks}: no valid task")
+    assert f"{bad / 'task.yaml'}: field 'instruction' must be a non-empty string" in err
 
 
 def test_fewer_instances_than_asked(tmp_path, checkpoint, no_engine, capsys):
-    tasks = tmp_path / "tasks.jsonl"
-    tasks.write_text("".join(
-        json.dumps({"task_id": f"t{i}", "instruction": f"goal {i}", "image": "img"}) + "\n"
-        for i in range(3)
-    ))  # fmt: skip
+    tasks = tmp_path / "tasks"
+    for i in range(3):
+        _tb1_task(tasks, f"t{i}", f"goal {i}")
     args = ["task.name=terminal_bench", f"task.path={tasks}", "sandbox.backend=docker",
             "eval.split=all", "eval.num_instances=5", "--checkpoint", str(checkpoint)]  # fmt: skip
     rc, err = _eval(args, capsys)

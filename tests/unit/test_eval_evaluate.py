@@ -238,4 +238,6 @@ def test_swe_local_through_sandboxes_counts_tool_cost():
     assert result.pass_at(1) == (0.5, 0.5) and result.num_failed == 0
     cost = result.cost()
     assert cost["num_tool_calls"] == 2 * 4 + 2 * 1 and cost["tool_s"] > 0
-    assert cost["num_tool_errors"] == 2 * 1 + 2 * 1  # the failing test run of each episode
+    assert cost["num_tool_errors"] == 0  # the visible tests pass with the bug; the hidden ones fail at grading
+    (_, wrong) = result.instances
+    assert all(s.tests is not None and "FAILED" in s.tests.values() for s in wrong.samples)

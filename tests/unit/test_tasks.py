@@ -16,7 +16,6 @@ from megathunder.rollout.tasks.datasets import (
     DatasetError,
     load_swe_bench,
     load_swe_smith,
-    load_terminal_bench,
     swe_bench_image,
 )
 from tests.rollout_helpers import needs_root, run_scripted
@@ -81,9 +80,13 @@ def test_swe_bench_jsonl_and_parquet(tmp_path):
     assert inst.metadata["fail_to_pass"] == [
         "astropy/modeling/tests/test_separable.py::test_separable[compound_model6]"
     ]
-    assert "test_coord_matrix" in inst.metadata["test_command"] and inst.prompt.startswith(
+    # no eval_script in the record: pytest -rA on the tests' files, the test patch applied first
+    script = inst.metadata["eval_script"]
+    assert "pytest -rA astropy/modeling/tests/test_separable.py" in script and inst.prompt.startswith(
         "separability"
     )
+    assert script.index("git apply") < script.index(">>>>> Start Test Output")
+    assert inst.metadata["log_parser"] == "parse_log_pytest"
     pq = pytest.importorskip("pyarrow.parquet", reason="parquet loading needs pyarrow")
     import pyarrow as pa
 
@@ -96,27 +99,20 @@ def test_swe_bench_jsonl_and_parquet(tmp_path):
     assert [i.image for i in insts][1] == swe_bench_image("django__django-11099")
 
 
-def test_swe_smith_and_terminal_bench(tmp_path):
+def test_swe_smith(tmp_path):
     smith = {
         **SWE_BENCH,
         "FAIL_TO_PASS": ["t::a"],
         "PASS_TO_PASS": [],
         "image_name": "jyangballin/swesmith.x86_64.foo",
+        "patch": "diff --git a/m.py b/m.py\n",
     }
     (inst,) = load_swe_smith(_jsonl(tmp_path, [smith]))
     assert inst.image == "jyangballin/swesmith.x86_64.foo" and inst.metadata["fail_to_pass"] == [
         "t::a"
     ]
-    tb = {
-        "task_id": "hello-world",
-        "instruction": "Create hello.txt",
-        "docker_image": "tb/hello:latest",
-    }
-    (inst,) = load_terminal_bench(_jsonl(tmp_path, [tb], "tb.jsonl"))
-    assert (
-        inst.image == "tb/hello:latest"
-        and inst.metadata["test_command"] == "bash /tests/run-tests.sh"
-    )
+    setup = inst.metadata["setup"][0]  # the instance's branch, else its bug patch
+    assert "git checkout -q astropy__astropy-12907" in setup and "git apply" in setup
 
 
 @pytest.mark.parametrize(
@@ -146,9 +142,14 @@ def test_swe_smith_and_terminal_bench(tmp_path):
         ),
         ([SWE_BENCH], load_swe_smith, "data.jsonl:1: missing field 'image_name'"),
         (
-            [{"task_id": "t", "instruction": "x"}],
-            load_terminal_bench,
-            "data.jsonl:1: missing field 'docker_image'",
+            [{**SWE_BENCH, "log_parser": "parse_log_nonesuch"}],
+            load_swe_bench,
+            "data.jsonl:1: field 'log_parser': unknown log_parser 'parse_log_nonesuch'",
+        ),
+        (
+            [{**SWE_BENCH, "repo": "django/django"}],
+            load_swe_bench,
+            "data.jsonl:1: missing field 'eval_script' (or 'test_command')",
         ),
     ],
 )

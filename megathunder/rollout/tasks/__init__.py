@@ -1,5 +1,5 @@
-"""Tasks: generated ones (arithmetic, calculator, swe_local, terminal) and dataset loaders
-(SWE-bench Verified, SWE-smith, Terminal-Bench)."""
+"""Tasks: generated ones (arithmetic, calculator, swe_local, terminal) and benchmark loaders
+(SWE-bench Verified and SWE-smith records, Terminal-Bench 1 / Harbor task directories)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from megathunder.rollout.tasks.calculator import CalculatorTask
 from megathunder.rollout.tasks.swe_local import SweLocalTask
 from megathunder.rollout.tasks.task import Task, TaskInstance
 from megathunder.rollout.tasks.terminal import TerminalTask
+from megathunder.rollout.tasks.terminal_bench import TerminalBenchTask
 
 
 def build_task(cfg: TaskConfig) -> Task:
@@ -22,11 +23,9 @@ def build_task(cfg: TaskConfig) -> Task:
         return SweLocalTask()
     if cfg.name == "terminal":
         return TerminalTask()
-    loader = {
-        "swe_bench": datasets.load_swe_bench,
-        "swe_smith": datasets.load_swe_smith,
-        "terminal_bench": datasets.load_terminal_bench,
-    }[cfg.name]
+    if cfg.name == "terminal_bench":
+        return TerminalBenchTask(cfg.path)
+    loader = {"swe_bench": datasets.load_swe_bench, "swe_smith": datasets.load_swe_smith}[cfg.name]
     return datasets.ContainerTestTask(cfg.name, loader, cfg.path)
 
 

@@ -18,6 +18,17 @@ from typing import Any
 from megathunder.rollout.episode import Episode
 from megathunder.rollout.sandbox import Sandbox
 from megathunder.rollout.tools import Tool
+from megathunder.rollout.verifiers import Verdict
+
+
+@dataclass(frozen=True)
+class ImageBuild:
+    """A task's own environment: ``docker build -f dockerfile context`` (tagged ``image``), or
+    a docker-compose file whose ``client`` service is the agent's container."""
+
+    context: str  # directory on this machine
+    dockerfile: str | None = None  # path on this machine; None with a compose file
+    compose_file: str | None = None
 
 
 @dataclass(frozen=True)
@@ -25,10 +36,11 @@ class TaskInstance:
     instance_id: str
     prompt: str
     answer: Any = None
-    files: Mapping[str, str] = field(
+    files: Mapping[str, str | bytes] = field(
         default_factory=dict
     )  # relative path -> content, uploaded first
     image: str | None = None  # container image (cluster backends)
+    build: ImageBuild | None = None  # how to build ``image`` where it is not pulled (task directories)
     metadata: Mapping[str, Any] = field(default_factory=dict)
 
 
@@ -59,8 +71,9 @@ class Task(abc.ABC):
             await sandbox.upload(inst.files)
 
     @abc.abstractmethod
-    async def verify(self, inst: TaskInstance, episode: Episode, sandbox: Sandbox | None) -> float:
-        """The reward of a finished episode (may run commands in the episode's sandbox)."""
+    async def verify(self, inst: TaskInstance, episode: Episode, sandbox: Sandbox | None) -> float | Verdict:
+        """The reward of a finished episode (may run commands in the episode's sandbox); a
+        :class:`Verdict` adds the per-test outcome (kept in the journal)."""
 
     def scripted_turns(self, inst: TaskInstance) -> Sequence[str]:
         """A correct sequence of assistant turns (text, each ending the turn) for test policies."""

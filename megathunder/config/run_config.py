@@ -250,7 +250,7 @@ class Config(Strict):
         if isinstance(self.task, DatasetTaskConfig) and isinstance(self.sandbox, LocalSandboxConfig):
             raise ValueError(
                 f"sandbox.backend: task {self.task.name} runs in each instance's container image; "
-                "use docker, apptainer or enroot"
+                "use docker, podman, apptainer or enroot"
             )
         sb = self.sandbox
         if isinstance(sb, LocalSandboxConfig) and sb.num_uids < self.agent.max_concurrent_episodes:

@@ -1,6 +1,7 @@
-"""Container backends. The Docker engine does not run on CPU CI machines, so the command lines are
-checked as built, and the lifecycle runs against a stand-in CLI that executes the in-container
-part of each command (the limits wrapper included) on the host."""
+"""Container backends as argument lists: the command lines are checked as built, and the lifecycle
+runs against a stand-in CLI that executes the in-container part of each command (the limits
+wrapper included) on the host. Apptainer and Enroot are checked only here; podman (with Docker's
+command lines) also runs real episodes in tests/integration/test_podman_sandbox.py."""
 
 from __future__ import annotations
 
@@ -40,6 +41,27 @@ def test_docker_command_lines():
     wall = ["timeout", "-s", "KILL", "7"]
     assert exec_[6:] == ["env", "PYTHONDONTWRITEBYTECODE=1", *wall, *limits, "cat", "f"]
     assert ct.docker_stop_argv(cfg, "ep1") == ["docker", "rm", "--force", "ep1"]
+
+
+def test_podman_command_lines():
+    cfg = _cfg(backend="podman", runtime_args=["--runtime", "runc"], max_open_files=512)
+    start = ct.docker_start_argv(cfg, "localhost/megathunder-base:k", "ep1")
+    assert start[:4] == ["podman", "--runtime", "runc", "run"]
+    joined = " ".join(start)
+    for flag in ("--network none", "--label megathunder.sandbox=1", "--ulimit nofile=512:512",
+                 "--ulimit nproc=64:64", "--memory-swap 512m"):  # fmt: skip
+        assert flag in joined
+    exec_ = ct.docker_exec_argv(cfg, "ep1", ["ls"], False, 7)
+    assert exec_[:7] == ["podman", "--runtime", "runc", "exec", "--workdir", "/workspace", "ep1"]
+    sb = ContainerSandbox(cfg, "img")
+    assert sb._stop(cfg, "ep1") == ["podman", "--runtime", "runc", "rm", "--force", "--time", "0", "ep1"]
+
+
+def test_runtime_args_are_for_docker_and_podman_only():
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match="runtime_args: .* backend apptainer takes its options in extra_args"):
+        _cfg(backend="apptainer", runtime_args=["--debug"])
 
 
 def test_apptainer_and_enroot_command_lines():

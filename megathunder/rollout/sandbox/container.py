@@ -1,12 +1,20 @@
-"""Container sandboxes for clusters: Docker, Apptainer (Singularity) and Enroot.
+"""Container sandboxes for clusters: Docker, Podman, Apptainer (Singularity) and Enroot.
+
+Which are run for real: podman (Debian's package; images built offline by ``images.py``) runs
+real episodes in ``tests/integration/test_podman_sandbox.py``; docker shares its command lines.
+Apptainer and Enroot are checked only as argument lists against a stand-in CLI.
 
 One container per episode, started from the task instance's image (e.g. a SWE-bench instance
 image, whose repository lives at ``/testbed``), kept alive for the episode, every command run in it
 with ``exec``, removed on close. Each runtime's command lines are built by pure functions so they
 can be checked without the runtime (Docker's engine does not run on every machine).
 
-Limits per runtime: Docker enforces all of them itself (``--network none``, ``--memory``,
-``--pids-limit``, ``--cpus``, read-only root with a writable work dir). Apptainer gets a separate
+Limits per runtime: Docker and Podman enforce all of them themselves (``--network none``: only a
+loopback device; ``--memory`` = ``--memory-swap``: the container's cgroup, all its processes
+together; ``--pids-limit``; ``--cpus``; ``--cap-drop ALL``; ``no-new-privileges``; a ``/tmp`` tmpfs
+counted in the memory limit). A command the cgroup's OOM killer ends is reported as
+``oom_killed`` (the container's own ``memory.oom_control`` / ``memory.events`` counter, read from
+inside it after a SIGKILL death), never as a hang. Apptainer gets a separate
 network namespace with no interfaces (``--net --network none``), ``--containall`` (own /tmp,
 /home, ipc and pid namespaces, clean environment) and a writable tmpfs overlay. Enroot has no
 network or resource isolation of its own: on Slurm, use it through pyxis with the job's cgroup
@@ -16,6 +24,8 @@ processes) inside the container, and the host-side wall-time kill.
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import os
 import shutil
 import uuid
@@ -37,12 +47,22 @@ def _limited(cfg: ContainerSandboxConfig, argv: Sequence[str], wall_s: float) ->
     ]  # fmt: skip
 
 
+LABEL = "megathunder.sandbox"
+"""Every docker/podman container a sandbox starts carries this label (leftover checks, cleanup)."""
+
+
+def _cli(cfg: ContainerSandboxConfig) -> list[str]:
+    return [cfg.cli or cfg.backend, *cfg.runtime_args]
+
+
 def docker_start_argv(cfg: ContainerSandboxConfig, image: str, name: str) -> list[str]:
     return [
-        cfg.cli or "docker", "run", "--detach", "--rm", "--name", name,
+        *_cli(cfg), "run", "--detach", "--rm", "--name", name, "--label", f"{LABEL}=1",
         "--network", "none", "--memory", f"{cfg.memory_mb}m", "--memory-swap", f"{cfg.memory_mb}m",
         "--pids-limit", str(cfg.max_processes), "--cpus", f"{cfg.cpus:g}",
         "--cap-drop", "ALL", "--security-opt", "no-new-privileges",
+        "--ulimit", f"nofile={cfg.max_open_files}:{cfg.max_open_files}",
+        "--ulimit", f"nproc={cfg.max_processes}:{cfg.max_processes}",
         "--tmpfs", f"/tmp:size={cfg.tmpfs_mb}m", "--workdir", cfg.workdir,
         *cfg.extra_args, "--entrypoint", "sleep", image, "infinity",
     ]  # fmt: skip
@@ -52,13 +72,18 @@ def docker_exec_argv(
     cfg: ContainerSandboxConfig, name: str, argv: Sequence[str], interactive: bool, wall_s: float
 ) -> list[str]:
     return [
-        cfg.cli or "docker", "exec", *(["--interactive"] if interactive else []),
+        *_cli(cfg), "exec", *(["--interactive"] if interactive else []),
         "--workdir", cfg.workdir, name, *_limited(cfg, argv, wall_s),
     ]  # fmt: skip
 
 
 def docker_stop_argv(cfg: ContainerSandboxConfig, name: str) -> list[str]:
-    return [cfg.cli or "docker", "rm", "--force", name]
+    return [*_cli(cfg), "rm", "--force", name]
+
+
+def podman_stop_argv(cfg: ContainerSandboxConfig, name: str) -> list[str]:
+    # without --time 0 podman first waits 10 s for `sleep` (pid 1, which ignores SIGTERM)
+    return [*_cli(cfg), "rm", "--force", "--time", "0", name]
 
 
 def apptainer_start_argv(cfg: ContainerSandboxConfig, image: str, name: str) -> list[str]:
@@ -103,6 +128,7 @@ def enroot_stop_argv(cfg: ContainerSandboxConfig, name: str) -> list[str]:
 
 _RUNTIMES = {
     "docker": (docker_start_argv, docker_exec_argv, docker_stop_argv),
+    "podman": (docker_start_argv, docker_exec_argv, podman_stop_argv),
     "apptainer": (apptainer_start_argv, apptainer_exec_argv, apptainer_stop_argv),
     "enroot": (enroot_start_argv, enroot_exec_argv, enroot_stop_argv),
 }
@@ -127,19 +153,27 @@ class ContainerSandbox(Sandbox):
         self.workdir = cfg.workdir
         self._start, self._exec, self._stop = _RUNTIMES[cfg.backend]
         self._started = False
+        self._oom_kills = 0  # the container's cgroup counter as last read
 
     async def start(self) -> ContainerSandbox:
         cli = self.cfg.cli or self.cfg.backend
         if shutil.which(cli) is None:
             raise SandboxError(f"sandbox.backend={self.cfg.backend}: {cli!r} is not on PATH")
         check_image(self.cfg.backend, self.image)
-        result = await self._run(self._start(self.cfg, self.image, self.name), None, 600.0)
+        try:
+            result = await self._run(self._start(self.cfg, self.image, self.name), None, 600.0)
+        except BaseException:  # cancelled or failed mid-start: a container may exist already
+            await self._remove()
+            raise
         if not result.ok:
+            await self._remove()
             raise SandboxError(
                 f"cannot start {self.cfg.backend} container from image {self.image!r}: "
                 f"{result.observation().strip()}"
             )
         self._started = True
+        if self.cfg.backend in ("docker", "podman"):
+            self._oom_kills = await self._read_oom_kills()  # 0 in a fresh container's own cgroup
         return self
 
     async def _run(self, argv, stdin, timeout_s, max_output_bytes=None) -> ExecResult:
@@ -162,9 +196,36 @@ class ContainerSandbox(Sandbox):
         wall_s = timeout_s or self.cfg.wall_time_s
         full = self._exec(self.cfg, self.name, argv, stdin is not None, wall_s)
         # The host-side kill is a little later than the in-container `timeout`, as a backstop.
-        return await self._run(full, stdin, wall_s + 5.0, max_output_bytes)
+        result = await self._run(full, stdin, wall_s + 5.0, max_output_bytes)
+        if self.cfg.backend in ("docker", "podman") and (result.exit_code == 137 or result.timed_out):
+            kills = await self._read_oom_kills()  # a SIGKILL: the wall-time limit or the OOM killer
+            if kills > self._oom_kills:
+                self._oom_kills = kills
+                result = dataclasses.replace(
+                    result, oom_killed=True, memory_limit_mb=self.cfg.memory_mb
+                )
+        return result
+
+    async def _read_oom_kills(self) -> int:
+        """The container's cgroup OOM-kill counter, read inside it (its own cgroup is mounted at
+        /sys/fs/cgroup: v2 ``memory.events``, v1 ``memory/memory.oom_control``)."""
+        probe = [
+            "sh", "-c", "cat /sys/fs/cgroup/memory.events 2>/dev/null || "
+            "cat /sys/fs/cgroup/memory/memory.oom_control 2>/dev/null",
+        ]  # fmt: skip
+        argv = [*_cli(self.cfg), "exec", self.name, *probe]
+        out = await self._run(argv, None, 30.0, 4096)
+        for line in out.output.splitlines():
+            key, _, value = line.partition(" ")
+            if key == "oom_kill" and value.strip().isdigit():
+                return int(value)
+        return 0
+
+    async def _remove(self) -> None:
+        # shielded: an episode cancelled while closing still removes its container
+        await asyncio.shield(self._run(self._stop(self.cfg, self.name), None, 60.0))
 
     async def close(self) -> None:
         if self._started:
             self._started = False
-            await self._run(self._stop(self.cfg, self.name), None, 60.0)
+            await self._remove()

@@ -216,12 +216,14 @@ class SandboxLimits(Strict):
 
 
 class LocalSandboxConfig(SandboxLimits):
-    """``backend: local``: namespaces on this machine, a uid and a cgroup per sandbox."""
+    """``backend: local``: namespaces on this machine, a uid and a cgroup per sandbox as root;
+    rootless (an ordinary user) through a user namespace, as that user (``sandbox/local.py``)."""
 
     backend: Literal["local"] = "local"
     isolation: Literal["bwrap", "unshare"] = "bwrap"
     """bubblewrap (strongest; needs the bubblewrap package) or util-linux unshare + setpriv."""
     root_dir: str = "/tmp/megathunder-sandboxes"
+    """Where the work dirs live (as an ordinary user: ``<root_dir>-<uid>``, the user's own)."""
     uid_base: int = Field(200_000, ge=1000)
     """Each open sandbox runs as its own uid in [uid_base, uid_base + num_uids)."""
     num_uids: int = Field(256, ge=1)

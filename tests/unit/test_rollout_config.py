@@ -20,7 +20,7 @@ def test_defaults_and_overrides():
     [
         (["agent.max_turns=0"], "agent.max_turns"),
         (["agent.max_new_tokens_per_turn=4096"], "agent.max_new_tokens_per_turn"),
-        (["sandbox.backend=podman"], "sandbox.backend"),
+        (["sandbox.backend=lxc"], "sandbox.backend"),
         (["sandbox.memory_mb=8"], "sandbox.memory_mb"),
         (["sandbox.cgroup=maybe"], "sandbox.cgroup"),
         (["sandbox.cpu_time_s=10000", "sandbox.wall_time_s=1"], "sandbox.cpu_time_s"),

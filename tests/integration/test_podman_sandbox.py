@@ -161,6 +161,7 @@ def test_no_network_and_resource_limits(podman):
     assert after.ok  # the sandbox survives an OOM kill of one command
     assert 0 < int(forks.output.split()[1]) < 16 and "Resource temporarily unavailable" in forks.output
     assert _ours([name]) == []
+    print(f"OOM kill reported after {oom_s:.1f} s (wall-time limit 20 s)")
 
 
 def test_64_episodes_with_faults_leave_no_container(podman):

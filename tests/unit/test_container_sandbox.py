@@ -212,3 +212,16 @@ def test_dataset_instance_episode_through_the_container_backend(tmp_path):
     assert ep.reward.status == "ok" and ep.reward.reward == 1.0
     calls = (tmp_path / "calls.log").read_text()
     assert "toy/mod:1" in calls and "python3 -m unittest -q test_mod" in calls
+
+
+def test_base_image_key_and_the_sandbox_command_errors(capsys):
+    from megathunder.cli import main
+    from megathunder.rollout.sandbox import images
+
+    key = images.base_image_key()
+    assert key == images.base_image_key(packages=list(reversed(images.DEFAULT_PACKAGES)))
+    assert key != images.base_image_key(packages=["python3"]) != images.base_image_key(suite="trixie")
+    assert main(["sandbox", "probe", "--cli", "no-such-podman"]) == 2
+    assert "megathunder sandbox probe: 'no-such-podman' is not on PATH" in capsys.readouterr().err
+    with pytest.raises(SandboxError, match="needs an image"):
+        images.probe_runtime("true")

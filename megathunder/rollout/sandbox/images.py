@@ -25,6 +25,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Sequence
@@ -193,11 +194,17 @@ def run(args: argparse.Namespace) -> int:
     tag = f"{BASE_REPOSITORY}:{base_image_key(args.suite, args.mirror, packages)}"
     # import needs no OCI runtime, so the base can be built before the probe picks one
     base = BaseImage(tag, built=False, seconds=0.0)
-    if args.action == "build-base":
-        base = build_base_image(args.cli, (), args.suite, args.mirror, packages)
-    elif not image_exists(tag, args.cli):
-        raise SandboxError(f"no base image {tag}: run `megathunder sandbox build-base` first")
-    runtime_args = probe_runtime(args.cli, base.tag)
+    try:
+        if shutil.which(args.cli) is None:
+            raise SandboxError(f"{args.cli!r} is not on PATH (apt-get install -y podman)")
+        if args.action == "build-base":
+            base = build_base_image(args.cli, (), args.suite, args.mirror, packages)
+        elif not image_exists(tag, args.cli):
+            raise SandboxError(f"no base image {tag}: run `megathunder sandbox build-base` first")
+        runtime_args = probe_runtime(args.cli, base.tag)
+    except SandboxError as err:
+        print(f"megathunder sandbox {args.action}: {err}", file=sys.stderr)
+        return 2
     print(json.dumps({"image": base.tag, "built": base.built, "seconds": round(base.seconds, 1),
                       "runtime_args": runtime_args}))  # fmt: skip
     return 0

@@ -46,6 +46,12 @@ def ordinary_user() -> tuple[int, int]:
         if proc.returncode != 0 and "already exists" not in proc.stderr:
             pytest.skip(f"useradd {USER} failed: {proc.stderr.strip()}")
         entry = pwd.getpwnam(USER)
+    if shutil.which("runuser") is None or shutil.which("unshare") is None:
+        pytest.skip("runuser or unshare (util-linux) missing: cannot check user namespaces")
+    check = subprocess.run(["runuser", "-u", USER, "--", "unshare", "--user", "true"],
+                           capture_output=True, text=True, timeout=60)  # fmt: skip
+    if check.returncode != 0:
+        pytest.skip(f"user namespaces are not allowed for an ordinary user here: {check.stderr.strip()}")
     return entry.pw_uid, entry.pw_gid
 
 

@@ -45,10 +45,12 @@ own: only root can switch uids). What changes:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import resource
 import shutil
 import stat
+import subprocess
 import tempfile
 from collections.abc import Sequence
 
@@ -93,6 +95,16 @@ class _UidPool:
 _UIDS = _UidPool()
 
 
+@functools.cache
+def _user_namespaces_error() -> str | None:
+    """Why this (non-root) process cannot make a user namespace, or None; checked once."""
+    try:
+        proc = subprocess.run(["unshare", "--user", "true"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as err:
+        return str(err)
+    return None if proc.returncode == 0 else (proc.stderr.strip() or f"exit {proc.returncode}")
+
+
 def _check_traversable(path: str) -> None:
     """bwrap runs as the sandbox uid, so every directory above the work dir must let it pass."""
     path = os.path.abspath(path)
@@ -120,6 +132,12 @@ class LocalSandbox(Sandbox):
                 f"(apt-get install -y {pkg})"
             )
         if self.rootless:
+            if (why := _user_namespaces_error()) is not None:
+                raise SandboxError(
+                    "the local sandbox as an ordinary user needs unprivileged user namespaces "
+                    f"(`unshare --user true` fails: {why}; see sysctl user.max_user_namespaces / "
+                    "kernel.unprivileged_userns_clone), or run it as root"
+                )
             self.root_dir = f"{cfg.root_dir.rstrip('/')}-{os.getuid()}"
             os.makedirs(self.root_dir, mode=0o700, exist_ok=True)
             if os.stat(self.root_dir).st_uid != os.getuid():

@@ -19,7 +19,9 @@ network namespace with no interfaces (``--net --network none``), ``--containall`
 /home, ipc and pid namespaces, clean environment) and a writable tmpfs overlay. Enroot has no
 network or resource isolation of its own: on Slurm, use it through pyxis with the job's cgroup
 limits. Every backend also wraps each command in ``timeout``, ``prlimit`` (CPU time, memory,
-processes) inside the container, and the host-side wall-time kill.
+processes) inside the container, and the host-side wall-time kill. (``RLIMIT_NPROC`` does not bind
+uid 0, which the kernel exempts: in a root image the container's ``--pids-limit`` is the process
+limit.)
 """
 
 from __future__ import annotations

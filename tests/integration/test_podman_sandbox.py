@@ -166,8 +166,9 @@ def test_no_network_and_resource_limits(podman):
 
 def test_64_episodes_with_faults_leave_no_container(podman):
     """64 episodes, 16 at a time: one in five each hits the wall-time limit, kills its own command,
-    raises mid-episode, or is cancelled while a command runs; the rest finish. No container may
-    be left, and the healthy ones see only their own files."""
+    raises mid-episode, or is cancelled while a command runs (whose process in the container is
+    killed with it: a loop writing a file stops writing); the rest finish. No container may be left, and
+    the healthy ones see only their own files."""
     cfg = _cfg(podman, wall_time_s=2)
     slots = asyncio.Semaphore(16)
     names: list[str] = []
@@ -191,12 +192,17 @@ def test_64_episodes_with_faults_leave_no_container(podman):
                     return "killed" if r.exit_code == 137 else f"bad {r}"
                 if fault == 2:
                     raise Boom(k)
-                if fault == 3:
-                    job = asyncio.ensure_future(sb.shell("sleep 30"))
+                if fault == 3:  # once the cancelled exec returns, its command runs no more
+                    loop = "while :; do date +%s%N > tick; sleep 0.05; done"
+                    job = asyncio.ensure_future(sb.shell(loop))
                     await asyncio.sleep(0.5)
                     job.cancel()
                     await asyncio.gather(job, return_exceptions=True)
-                    return "cancelled"
+                    first = await sb.shell("cat tick 2>/dev/null; echo .")
+                    await asyncio.sleep(0.5)
+                    again = await sb.shell("cat tick 2>/dev/null; echo .")
+                    same = first.ok and first.output == again.output
+                    return "cancelled" if same else f"bad {first} {again}"
                 r = await sb.shell("cat id.txt; echo; ls")
                 return "ok" if r.ok and r.output.split() == [str(k), "id.txt"] else f"bad {r}"
             finally:

@@ -16,6 +16,18 @@ from megathunder.rollout.sandbox import ContainerSandbox, SandboxError, build_sa
 from megathunder.rollout.sandbox import container as ct
 
 
+@pytest.fixture(autouse=True)
+def _no_pid_files_left_on_the_host():
+    """The stand-in CLI runs the in-container part on the host, so the commands' process-group
+    files land in the host's /tmp (in a real container they go with it): remove them."""
+    import glob
+
+    before = set(glob.glob("/tmp/.megathunder-exec-megathunder-*"))
+    yield
+    for path in set(glob.glob("/tmp/.megathunder-exec-megathunder-*")) - before:
+        os.remove(path)
+
+
 def _cfg(**kw):
     return ContainerSandboxConfig(
         **{"backend": "docker", "wall_time_s": 7, "cpu_time_s": 3, "memory_mb": 512, **kw}

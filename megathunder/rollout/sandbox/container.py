@@ -14,7 +14,11 @@ loopback device; ``--memory`` = ``--memory-swap``: the container's cgroup, all i
 together; ``--pids-limit``; ``--cpus``; ``--cap-drop ALL``; ``no-new-privileges``; a ``/tmp`` tmpfs
 counted in the memory limit). A command the cgroup's OOM killer ends is reported as
 ``oom_killed`` (the container's own ``memory.oom_control`` / ``memory.events`` counter, read from
-inside it after a SIGKILL death), never as a hang. Apptainer gets a separate
+inside it after a SIGKILL death), never as a hang. Killing the ``exec`` client does not stop
+what it started in the container, so each command records its process group (``timeout`` leads
+one) in a file under the container's ``/tmp``; a command cancelled (the episode's deadline) or cut
+by the host-side backstop has its group killed in the container before ``exec`` returns, so no
+stale tool process changes the state the verifier then scores. Apptainer gets a separate
 network namespace with no interfaces (``--net --network none``), ``--containall`` (own /tmp,
 /home, ipc and pid namespaces, clean environment) and a writable tmpfs overlay. Enroot has no
 network or resource isolation of its own: on Slurm, use it through pyxis with the job's cgroup
@@ -28,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 import os
 import shutil
 import uuid
@@ -71,11 +76,23 @@ def docker_start_argv(cfg: ContainerSandboxConfig, image: str, name: str) -> lis
 
 
 def docker_exec_argv(
-    cfg: ContainerSandboxConfig, name: str, argv: Sequence[str], interactive: bool, wall_s: float
+    cfg: ContainerSandboxConfig,
+    name: str,
+    argv: Sequence[str],
+    interactive: bool,
+    wall_s: float,
+    pid_file: str | None = None,
+    stale: Sequence[str] = (),
 ) -> list[str]:
+    """``pid_file``: where the command's process group id goes (for :meth:`ContainerSandbox.
+    _kill_group`); ``stale``: the files of finished commands, removed first."""
+    track = []
+    if pid_file is not None:  # pid $$ execs env, then timeout, which leads its own process group
+        script = 'rm -f $1; echo $$ > "$0"; [ -e "$0.cancel" ] && exit 137; shift; exec "$@"'
+        track = ["sh", "-c", script, pid_file, " ".join(stale) or "/nonexistent"]
     return [
         *_cli(cfg), "exec", *(["--interactive"] if interactive else []),
-        "--workdir", cfg.workdir, name, *_limited(cfg, argv, wall_s),
+        "--workdir", cfg.workdir, name, *track, *_limited(cfg, argv, wall_s),
     ]  # fmt: skip
 
 
@@ -156,6 +173,9 @@ class ContainerSandbox(Sandbox):
         self._start, self._exec, self._stop = _RUNTIMES[cfg.backend]
         self._started = False
         self._oom_kills = 0  # the container's cgroup counter as last read
+        self._tracked = cfg.backend in ("docker", "podman")  # exec'd processes outlive the client
+        self._exec_ids = itertools.count()
+        self._finished: list[str] = []  # pid files of finished commands, removed by the next one
 
     async def start(self) -> ContainerSandbox:
         cli = self.cfg.cli or self.cfg.backend
@@ -196,10 +216,25 @@ class ContainerSandbox(Sandbox):
         if not self._started:
             raise SandboxError("container sandbox not started (call start())")
         wall_s = timeout_s or self.cfg.wall_time_s
-        full = self._exec(self.cfg, self.name, argv, stdin is not None, wall_s)
-        # The host-side kill is a little later than the in-container `timeout`, as a backstop.
-        result = await self._run(full, stdin, wall_s + 5.0, max_output_bytes)
-        if self.cfg.backend in ("docker", "podman") and (result.exit_code == 137 or result.timed_out):
+        if not self._tracked:
+            full = self._exec(self.cfg, self.name, argv, stdin is not None, wall_s)
+            # The host-side kill is a little later than the in-container `timeout`, a backstop.
+            return await self._run(full, stdin, wall_s + 5.0, max_output_bytes)
+        pid_file = f"/tmp/.megathunder-exec-{self.name}-{next(self._exec_ids)}"
+        stale, self._finished = self._finished, []
+        full = docker_exec_argv(
+            self.cfg, self.name, argv, stdin is not None, wall_s, pid_file, stale
+        )
+        try:
+            result = await self._run(full, stdin, wall_s + 5.0, max_output_bytes)
+        except asyncio.CancelledError:
+            await asyncio.shield(self._kill_group(pid_file))
+            raise
+        if result.timed_out:
+            await self._kill_group(pid_file)
+        else:
+            self._finished.append(pid_file)
+        if result.exit_code == 137 or result.timed_out:
             kills = await self._read_oom_kills()  # a SIGKILL: the wall-time limit or the OOM killer
             if kills > self._oom_kills:
                 self._oom_kills = kills
@@ -207,6 +242,21 @@ class ContainerSandbox(Sandbox):
                     result, oom_killed=True, memory_limit_mb=self.cfg.memory_mb
                 )
         return result
+
+    async def _kill_group(self, pid_file: str) -> None:
+        """Kill, inside the container, the process group of a command whose client was killed.
+
+        No race with a command that starts late (a loaded host): this marks the command
+        cancelled, then reads its group id; the command writes its id, then reads the mark. So
+        either this sees the id and kills the group, or the command sees the mark and exits."""
+        script = (
+            'touch "$0.cancel"; [ -s "$0" ] && { P=$(cat "$0"); for d in /proc/[0-9]*; do '
+            'g=$(sed "s/.*) //" "$d/stat" 2>/dev/null | cut -d" " -f3); '
+            '[ "$g" = "$P" ] && kill -9 "${d#/proc/}" 2>/dev/null; done; }; true'
+        )  # by pid, from /proc: dash's kill takes no negative (group) ids, procps is not there
+        # the mark stays (a few bytes): a command starting after its removal would run after all
+        argv = [*_cli(self.cfg), "exec", self.name, "sh", "-c", script, pid_file]
+        await self._run(argv, None, 30.0, 4096)
 
     async def _read_oom_kills(self) -> int:
         """The container's cgroup OOM-kill counter, read inside it (its own cgroup is mounted at

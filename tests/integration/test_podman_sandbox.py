@@ -15,6 +15,7 @@ import asyncio
 import os
 import shutil
 import socket
+import subprocess
 import threading
 import time
 
@@ -88,7 +89,8 @@ def test_task_image_built_from_the_base(podman):
     tag, runtime_args = podman
     task_tag = images.build_image(
         "localhost/megathunder-test-task:1",
-        f"FROM {tag}\nCOPY repo /workspace\n",
+        f"FROM {tag}\nCOPY repo /workspace\nRUN cd /workspace && git init -q && git add -A && "
+        "git -c user.name=t -c user.email=t@t commit -qm base\n",  # a RUN step runs offline too
         {"repo/mod.py": "def double(x):\n    return x + x + 1\n",
          "repo/test_mod.py": "import unittest\nfrom mod import double\n\n\nclass T(unittest.TestCase):\n"
                              "    def test_double(self):\n        self.assertEqual(double(4), 8)\n"},
@@ -100,14 +102,18 @@ def test_task_image_built_from_the_base(podman):
         try:
             before = await sb.shell("python3 -m unittest -q test_mod")
             await sb.write_file("mod.py", "def double(x):\n    return 2 * x\n")
-            after = await sb.shell("python3 -m unittest -q test_mod && git --version")
+            after = await sb.shell("python3 -m unittest -q test_mod && git status --short")
             return before, after
         finally:
             await sb.close()
 
-    before, after = asyncio.run(go())
+    try:
+        before, after = asyncio.run(go())
+    finally:
+        subprocess.run(["podman", *runtime_args, "rmi", "-f", task_tag], capture_output=True, timeout=120)
     assert not before.ok and "AssertionError: 9 != 8" in before.output
-    assert after.ok and "git version" in after.output
+    status = [line for line in after.output.splitlines() if line[:3] in (" M ", "?? ", "A  ")]
+    assert after.ok and status == [" M mod.py"]  # the image's repository, one file edited
 
 
 def test_no_network_and_resource_limits(podman):

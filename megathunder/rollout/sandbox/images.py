@@ -69,7 +69,7 @@ def _podman(cli: str, runtime_args: Sequence[str]) -> list[str]:
 
 
 def image_exists(tag: str, cli: str = "podman", runtime_args: Sequence[str] = ()) -> bool:
-    cmd = [*_podman(cli, runtime_args), "image", "exists", tag]
+    cmd = [*_podman(cli, runtime_args), "image", "inspect", tag]  # docker has no `image exists`
     return subprocess.run(cmd, capture_output=True, timeout=120).returncode == 0
 
 

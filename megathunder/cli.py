@@ -117,6 +117,12 @@ def _cmd_import_gguf(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def _cmd_sandbox(args: argparse.Namespace) -> int:
+    from megathunder.rollout.sandbox.images import run
+
+    return run(args)
+
+
 def _cmd_eval_report(args: argparse.Namespace) -> int:
     from megathunder.eval.cost_report import run
 
@@ -254,6 +260,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--metric", default="eval/pass@1", help="score key in metrics.jsonl (default eval/pass@1)")
     p.add_argument("--baseline", default=None, help="the run to compare against (default: the sync run)")
     p.set_defaults(func=_cmd_eval_report)
+
+    p = sub.add_parser(
+        "sandbox",
+        help="container images without a registry: build the Debian base image (debootstrap -> "
+        "podman import, cached by content key) and print the podman options this machine needs",
+    )
+    from megathunder.rollout.sandbox.images import add_arguments as add_sandbox_arguments
+
+    add_sandbox_arguments(p)
+    p.set_defaults(func=_cmd_sandbox)
 
     p = sub.add_parser(
         "import-gguf",

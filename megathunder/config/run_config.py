@@ -21,9 +21,11 @@ from megathunder.config.objective_config import (
 )
 from megathunder.config.rollout_config import (
     AgentLoopConfig,
+    ContainerSandboxConfig,
     DatasetTaskConfig,
     GeneratedTaskConfig,
     LocalSandboxConfig,
+    LocalTaskConfig,
     RolloutConfig,
     SandboxConfig,
     TaskConfig,
@@ -274,9 +276,15 @@ class Config(Strict):
                 and isinstance(self.sandbox, LocalSandboxConfig)):
             raise ValueError(
                 f"sandbox.backend: task {self.task.name} runs in each instance's container image; "
-                "use docker, apptainer or enroot"
+                "use docker, podman, apptainer or enroot"
             )
         sb = self.sandbox
+        if isinstance(self.task, LocalTaskConfig) and isinstance(sb, ContainerSandboxConfig) and not sb.image:
+            raise ValueError(
+                f"sandbox.image: task {self.task.name} makes its instances here, with no image of "
+                f"their own; backend {sb.backend} needs one (e.g. the tag `megathunder sandbox "
+                "build-base` prints), or use backend local"
+            )
         if isinstance(sb, LocalSandboxConfig) and sb.num_uids < self.agent.max_concurrent_episodes:
             raise ValueError(
                 f"sandbox.num_uids: {sb.num_uids} is fewer than agent.max_concurrent_episodes="

@@ -1,6 +1,7 @@
-"""Container backends. The Docker engine does not run on CPU CI machines, so the command lines are
-checked as built, and the lifecycle runs against a stand-in CLI that executes the in-container
-part of each command (the limits wrapper included) on the host."""
+"""Container backends as argument lists: the command lines are checked as built, and the lifecycle
+runs against a stand-in CLI that executes the in-container part of each command (the limits
+wrapper included) on the host. Apptainer and Enroot are checked only here; podman (with Docker's
+command lines) also runs real episodes in tests/integration/test_podman_sandbox.py."""
 
 from __future__ import annotations
 
@@ -13,6 +14,18 @@ import pytest
 from megathunder.config import ContainerSandboxConfig
 from megathunder.rollout.sandbox import ContainerSandbox, SandboxError, build_sandbox
 from megathunder.rollout.sandbox import container as ct
+
+
+@pytest.fixture(autouse=True)
+def _no_pid_files_left_on_the_host():
+    """The stand-in CLI runs the in-container part on the host, so the commands' process-group
+    files land in the host's /tmp (in a real container they go with it): remove them."""
+    import glob
+
+    before = set(glob.glob("/tmp/.megathunder-exec-megathunder-*"))
+    yield
+    for path in set(glob.glob("/tmp/.megathunder-exec-megathunder-*")) - before:
+        os.remove(path)
 
 
 def _cfg(**kw):
@@ -40,6 +53,27 @@ def test_docker_command_lines():
     wall = ["timeout", "-s", "KILL", "7"]
     assert exec_[6:] == ["env", "PYTHONDONTWRITEBYTECODE=1", *wall, *limits, "cat", "f"]
     assert ct.docker_stop_argv(cfg, "ep1") == ["docker", "rm", "--force", "ep1"]
+
+
+def test_podman_command_lines():
+    cfg = _cfg(backend="podman", runtime_args=["--runtime", "runc"], max_open_files=512)
+    start = ct.docker_start_argv(cfg, "localhost/megathunder-base:k", "ep1")
+    assert start[:4] == ["podman", "--runtime", "runc", "run"]
+    joined = " ".join(start)
+    for flag in ("--network none", "--label megathunder.sandbox=1", "--ulimit nofile=512:512",
+                 "--ulimit nproc=64:64", "--memory-swap 512m"):  # fmt: skip
+        assert flag in joined
+    exec_ = ct.docker_exec_argv(cfg, "ep1", ["ls"], False, 7)
+    assert exec_[:7] == ["podman", "--runtime", "runc", "exec", "--workdir", "/workspace", "ep1"]
+    sb = ContainerSandbox(cfg, "img")
+    assert sb._stop(cfg, "ep1") == ["podman", "--runtime", "runc", "rm", "--force", "--time", "0", "ep1"]
+
+
+def test_runtime_args_are_for_docker_and_podman_only():
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match="runtime_args: .* backend apptainer takes its options in extra_args"):
+        _cfg(backend="apptainer", runtime_args=["--debug"])
 
 
 def test_apptainer_and_enroot_command_lines():
@@ -190,3 +224,16 @@ def test_dataset_instance_episode_through_the_container_backend(tmp_path):
     assert ep.reward.status == "ok" and ep.reward.reward == 1.0
     calls = (tmp_path / "calls.log").read_text()
     assert "toy/mod:1" in calls and ".megathunder_eval.sh" in calls
+
+
+def test_base_image_key_and_the_sandbox_command_errors(capsys):
+    from megathunder.cli import main
+    from megathunder.rollout.sandbox import images
+
+    key = images.base_image_key()
+    assert key == images.base_image_key(packages=list(reversed(images.DEFAULT_PACKAGES)))
+    assert key != images.base_image_key(packages=["python3"]) != images.base_image_key(suite="trixie")
+    assert main(["sandbox", "probe", "--cli", "no-such-podman"]) == 2
+    assert "megathunder sandbox probe: 'no-such-podman' is not on PATH" in capsys.readouterr().err
+    with pytest.raises(SandboxError, match="needs an image"):
+        images.probe_runtime("true")

@@ -20,7 +20,7 @@ def test_defaults_and_overrides():
     [
         (["agent.max_turns=0"], "agent.max_turns"),
         (["agent.max_new_tokens_per_turn=4096"], "agent.max_new_tokens_per_turn"),
-        (["sandbox.backend=podman"], "sandbox.backend"),
+        (["sandbox.backend=lxc"], "sandbox.backend"),
         (["sandbox.memory_mb=8"], "sandbox.memory_mb"),
         (["sandbox.cgroup=maybe"], "sandbox.cgroup"),
         (["sandbox.cpu_time_s=10000", "sandbox.wall_time_s=1"], "sandbox.cpu_time_s"),
@@ -32,6 +32,8 @@ def test_defaults_and_overrides():
         (["task.path=x.jsonl"], "task.path"),
         (["task.name=swe_bench", "task.path=x.jsonl"], "sandbox.backend"),
         (["agent.max_turnz=3"], "agent.max_turnz"),
+        (["task.name=swe_local", "sandbox.backend=podman"], "sandbox.image"),
+        (["sandbox.backend=enroot", "sandbox.runtime_args=[--debug]"], "sandbox.runtime_args"),
     ],
 )
 def test_bad_rollout_configs_name_the_field(overrides, field):
@@ -45,3 +47,5 @@ def test_dataset_task_with_container_backend_is_valid():
         None, ["task.name=swe_bench", "task.path=v.parquet", "sandbox.backend=apptainer"]
     )
     assert cfg.sandbox.backend == "apptainer"
+    cfg = load_config(None, ["task.name=swe_local", "sandbox.backend=podman", "sandbox.image=b:1"])
+    assert cfg.sandbox.image == "b:1"

@@ -162,3 +162,58 @@ def test_host_environment_does_not_reach_the_sandbox(isolation, tmp_path, monkey
     assert result.ok and result.output.startswith("hi\n"), result.output
     assert "ld.so" not in result.output and "hunter2" not in result.output
     assert "LD_PRELOAD" not in result.output
+
+
+@pytest.mark.parametrize("isolation", ISOLATIONS)
+def test_rootless_sandbox_runs_as_the_user_in_its_own_root(isolation, tmp_path):
+    """As an ordinary user: no uid switch and no cgroup, work dirs under ``<root_dir>-<uid>``,
+    files round-trip, and one sandbox still cannot see another's files."""
+    from tests.sandbox_users import ordinary_user, run_as
+
+    def body():
+        async def go():
+            a = LocalSandbox(sandbox_cfg(tmp_path, isolation=isolation))
+            b = LocalSandbox(sandbox_cfg(tmp_path, isolation=isolation))
+            try:
+                await a.upload({"src/secret.txt": "s3cret\n"})
+                read = await a.read_file("src/secret.txt")
+                who = await a.shell("id -u")
+                peek = await b.shell(f"cat {a.host_dir}/src/secret.txt; ls {a.root_dir}")
+                return (a.rootless, a.uid, a.root_dir, a.host_dir, a.cgroup, read.output,
+                        who.output.strip(), peek.output, a.contained_uid)  # fmt: skip
+            finally:
+                await a.close()
+                await b.close()
+
+        return asyncio.run(go())
+
+    uid, gid = (os.getuid(), os.getgid()) if os.geteuid() != 0 else ordinary_user()
+    got = body() if os.geteuid() != 0 else run_as(uid, gid, body)
+    rootless, sb_uid, root_dir, host_dir, cgroup, read, who, peek, contained = got
+    assert rootless and sb_uid == uid and cgroup is None
+    assert root_dir == f"/tmp/megathunder-test-sandboxes-{uid}" and host_dir.startswith(root_dir + "/")
+    assert read == "s3cret\n" and who == str(contained) and "s3cret" not in peek
+    assert not os.path.exists(host_dir)  # removed on close
+
+
+@needs_root
+def test_rootless_root_dir_of_another_user_is_a_clear_error(tmp_path):
+    from tests.sandbox_users import ordinary_user, run_as
+
+    uid, gid = ordinary_user()
+    taken = "/tmp/megathunder-test-taken"
+    os.makedirs(f"{taken}-{uid}", exist_ok=True)  # made by root: not the user's own
+    cfg = sandbox_cfg(tmp_path).model_copy(update={"root_dir": taken})
+
+    def body():
+        try:
+            LocalSandbox(cfg)
+        except SandboxError as err:
+            return str(err)
+        return "no error"
+
+    try:
+        msg = run_as(uid, gid, body)
+    finally:
+        os.rmdir(f"{taken}-{uid}")
+    assert f"sandbox.root_dir: {taken}-{uid} (the rootless work-dir root) belongs to uid 0" in msg

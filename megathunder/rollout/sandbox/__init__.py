@@ -12,10 +12,11 @@ from megathunder.rollout.sandbox.local import LocalSandbox
 
 
 async def build_sandbox(cfg: SandboxConfig, image: str | None = None) -> Sandbox:
-    """A sandbox of the ``sandbox`` section's backend; ``image``: the task's container image."""
+    """A sandbox of the ``sandbox`` section's backend; ``image``: the task instance's container
+    image (else ``sandbox.image``)."""
     if isinstance(cfg, LocalSandboxConfig):
         return LocalSandbox(cfg)
-    return await ContainerSandbox(cfg, image or "").start()
+    return await ContainerSandbox(cfg, image or cfg.image or "").start()
 
 
 __all__ = [

@@ -1,21 +1,38 @@
-"""Container sandboxes for clusters: Docker, Apptainer (Singularity) and Enroot.
+"""Container sandboxes for clusters: Docker, Podman, Apptainer (Singularity) and Enroot.
+
+Which are run for real: podman (Debian's package; images built offline by ``images.py``) runs
+real episodes in ``tests/integration/test_podman_sandbox.py``; docker shares its command lines.
+Apptainer and Enroot are checked only as argument lists against a stand-in CLI.
 
 One container per episode, started from the task instance's image (e.g. a SWE-bench instance
 image, whose repository lives at ``/testbed``), kept alive for the episode, every command run in it
 with ``exec``, removed on close. Each runtime's command lines are built by pure functions so they
 can be checked without the runtime (Docker's engine does not run on every machine).
 
-Limits per runtime: Docker enforces all of them itself (``--network none``, ``--memory``,
-``--pids-limit``, ``--cpus``, read-only root with a writable work dir). Apptainer gets a separate
+Limits per runtime: Docker and Podman enforce all of them themselves (``--network none``: only a
+loopback device; ``--memory`` = ``--memory-swap``: the container's cgroup, all its processes
+together; ``--pids-limit``; ``--cpus``; ``--cap-drop ALL``; ``no-new-privileges``; a ``/tmp`` tmpfs
+counted in the memory limit). A command the cgroup's OOM killer ends is reported as
+``oom_killed`` (the container's own ``memory.oom_control`` / ``memory.events`` counter, read from
+inside it after a SIGKILL death), never as a hang. Killing the ``exec`` client does not stop
+what it started in the container, so each command records its process group (``timeout`` leads
+one) in a file under the container's ``/tmp``; a command cancelled (the episode's deadline) or cut
+by the host-side backstop has its group killed in the container before ``exec`` returns, so no
+stale tool process changes the state the verifier then scores. Apptainer gets a separate
 network namespace with no interfaces (``--net --network none``), ``--containall`` (own /tmp,
 /home, ipc and pid namespaces, clean environment) and a writable tmpfs overlay. Enroot has no
 network or resource isolation of its own: on Slurm, use it through pyxis with the job's cgroup
 limits. Every backend also wraps each command in ``timeout``, ``prlimit`` (CPU time, memory,
-processes) inside the container, and the host-side wall-time kill.
+processes) inside the container, and the host-side wall-time kill. (``RLIMIT_NPROC`` does not bind
+uid 0, which the kernel exempts: in a root image the container's ``--pids-limit`` is the process
+limit.)
 """
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
+import itertools
 import os
 import shutil
 import uuid
@@ -37,28 +54,55 @@ def _limited(cfg: ContainerSandboxConfig, argv: Sequence[str], wall_s: float) ->
     ]  # fmt: skip
 
 
+LABEL = "megathunder.sandbox"
+"""Every docker/podman container a sandbox starts carries this label (leftover checks, cleanup)."""
+
+
+def _cli(cfg: ContainerSandboxConfig) -> list[str]:
+    return [cfg.cli or cfg.backend, *cfg.runtime_args]
+
+
 def docker_start_argv(cfg: ContainerSandboxConfig, image: str, name: str) -> list[str]:
     return [
-        cfg.cli or "docker", "run", "--detach", "--rm", "--name", name,
+        *_cli(cfg), "run", "--detach", "--rm", "--name", name, "--label", f"{LABEL}=1",
         "--network", "none", "--memory", f"{cfg.memory_mb}m", "--memory-swap", f"{cfg.memory_mb}m",
         "--pids-limit", str(cfg.max_processes), "--cpus", f"{cfg.cpus:g}",
         "--cap-drop", "ALL", "--security-opt", "no-new-privileges",
+        "--ulimit", f"nofile={cfg.max_open_files}:{cfg.max_open_files}",
+        "--ulimit", f"nproc={cfg.max_processes}:{cfg.max_processes}",
         "--tmpfs", f"/tmp:size={cfg.tmpfs_mb}m", "--workdir", cfg.workdir,
         *cfg.extra_args, "--entrypoint", "sleep", image, "infinity",
     ]  # fmt: skip
 
 
 def docker_exec_argv(
-    cfg: ContainerSandboxConfig, name: str, argv: Sequence[str], interactive: bool, wall_s: float
+    cfg: ContainerSandboxConfig,
+    name: str,
+    argv: Sequence[str],
+    interactive: bool,
+    wall_s: float,
+    pid_file: str | None = None,
+    stale: Sequence[str] = (),
 ) -> list[str]:
+    """``pid_file``: where the command's process group id goes (for :meth:`ContainerSandbox.
+    _kill_group`); ``stale``: the files of finished commands, removed first."""
+    track = []
+    if pid_file is not None:  # pid $$ execs env, then timeout, which leads its own process group
+        script = 'rm -f $1; echo $$ > "$0"; [ -e "$0.cancel" ] && exit 137; shift; exec "$@"'
+        track = ["sh", "-c", script, pid_file, " ".join(stale) or "/nonexistent"]
     return [
-        cfg.cli or "docker", "exec", *(["--interactive"] if interactive else []),
-        "--workdir", cfg.workdir, name, *_limited(cfg, argv, wall_s),
+        *_cli(cfg), "exec", *(["--interactive"] if interactive else []),
+        "--workdir", cfg.workdir, name, *track, *_limited(cfg, argv, wall_s),
     ]  # fmt: skip
 
 
 def docker_stop_argv(cfg: ContainerSandboxConfig, name: str) -> list[str]:
-    return [cfg.cli or "docker", "rm", "--force", name]
+    return [*_cli(cfg), "rm", "--force", name]
+
+
+def podman_stop_argv(cfg: ContainerSandboxConfig, name: str) -> list[str]:
+    # without --time 0 podman first waits 10 s for `sleep` (pid 1, which ignores SIGTERM)
+    return [*_cli(cfg), "rm", "--force", "--time", "0", name]
 
 
 def apptainer_start_argv(cfg: ContainerSandboxConfig, image: str, name: str) -> list[str]:
@@ -103,6 +147,7 @@ def enroot_stop_argv(cfg: ContainerSandboxConfig, name: str) -> list[str]:
 
 _RUNTIMES = {
     "docker": (docker_start_argv, docker_exec_argv, docker_stop_argv),
+    "podman": (docker_start_argv, docker_exec_argv, podman_stop_argv),
     "apptainer": (apptainer_start_argv, apptainer_exec_argv, apptainer_stop_argv),
     "enroot": (enroot_start_argv, enroot_exec_argv, enroot_stop_argv),
 }
@@ -127,19 +172,30 @@ class ContainerSandbox(Sandbox):
         self.workdir = cfg.workdir
         self._start, self._exec, self._stop = _RUNTIMES[cfg.backend]
         self._started = False
+        self._oom_kills = 0  # the container's cgroup counter as last read
+        self._tracked = cfg.backend in ("docker", "podman")  # exec'd processes outlive the client
+        self._exec_ids = itertools.count()
+        self._finished: list[str] = []  # pid files of finished commands, removed by the next one
 
     async def start(self) -> ContainerSandbox:
         cli = self.cfg.cli or self.cfg.backend
         if shutil.which(cli) is None:
             raise SandboxError(f"sandbox.backend={self.cfg.backend}: {cli!r} is not on PATH")
         check_image(self.cfg.backend, self.image)
-        result = await self._run(self._start(self.cfg, self.image, self.name), None, 600.0)
+        try:
+            result = await self._run(self._start(self.cfg, self.image, self.name), None, 600.0)
+        except BaseException:  # cancelled or failed mid-start: a container may exist already
+            await self._remove()
+            raise
         if not result.ok:
+            await self._remove()
             raise SandboxError(
                 f"cannot start {self.cfg.backend} container from image {self.image!r}: "
                 f"{result.observation().strip()}"
             )
         self._started = True
+        if self.cfg.backend in ("docker", "podman"):
+            self._oom_kills = await self._read_oom_kills()  # 0 in a fresh container's own cgroup
         return self
 
     async def _run(self, argv, stdin, timeout_s, max_output_bytes=None) -> ExecResult:
@@ -160,11 +216,68 @@ class ContainerSandbox(Sandbox):
         if not self._started:
             raise SandboxError("container sandbox not started (call start())")
         wall_s = timeout_s or self.cfg.wall_time_s
-        full = self._exec(self.cfg, self.name, argv, stdin is not None, wall_s)
-        # The host-side kill is a little later than the in-container `timeout`, as a backstop.
-        return await self._run(full, stdin, wall_s + 5.0, max_output_bytes)
+        if not self._tracked:
+            full = self._exec(self.cfg, self.name, argv, stdin is not None, wall_s)
+            # The host-side kill is a little later than the in-container `timeout`, a backstop.
+            return await self._run(full, stdin, wall_s + 5.0, max_output_bytes)
+        pid_file = f"/tmp/.megathunder-exec-{self.name}-{next(self._exec_ids)}"
+        stale, self._finished = self._finished, []
+        full = docker_exec_argv(
+            self.cfg, self.name, argv, stdin is not None, wall_s, pid_file, stale
+        )
+        try:
+            result = await self._run(full, stdin, wall_s + 5.0, max_output_bytes)
+        except asyncio.CancelledError:
+            await asyncio.shield(self._kill_group(pid_file))
+            raise
+        if result.timed_out:
+            await self._kill_group(pid_file)
+        else:
+            self._finished.append(pid_file)
+        if result.exit_code == 137 or result.timed_out:
+            kills = await self._read_oom_kills()  # a SIGKILL: the wall-time limit or the OOM killer
+            if kills > self._oom_kills:
+                self._oom_kills = kills
+                result = dataclasses.replace(
+                    result, oom_killed=True, memory_limit_mb=self.cfg.memory_mb
+                )
+        return result
+
+    async def _kill_group(self, pid_file: str) -> None:
+        """Kill, inside the container, the process group of a command whose client was killed.
+
+        No race with a command that starts late (a loaded host): this marks the command
+        cancelled, then reads its group id; the command writes its id, then reads the mark. So
+        either this sees the id and kills the group, or the command sees the mark and exits."""
+        script = (
+            'touch "$0.cancel"; [ -s "$0" ] && { P=$(cat "$0"); for d in /proc/[0-9]*; do '
+            'g=$(sed "s/.*) //" "$d/stat" 2>/dev/null | cut -d" " -f3); '
+            '[ "$g" = "$P" ] && kill -9 "${d#/proc/}" 2>/dev/null; done; }; true'
+        )  # by pid, from /proc: dash's kill takes no negative (group) ids, procps is not there
+        # the mark stays (a few bytes): a command starting after its removal would run after all
+        argv = [*_cli(self.cfg), "exec", self.name, "sh", "-c", script, pid_file]
+        await self._run(argv, None, 30.0, 4096)
+
+    async def _read_oom_kills(self) -> int:
+        """The container's cgroup OOM-kill counter, read inside it (its own cgroup is mounted at
+        /sys/fs/cgroup: v2 ``memory.events``, v1 ``memory/memory.oom_control``)."""
+        probe = [
+            "sh", "-c", "cat /sys/fs/cgroup/memory.events 2>/dev/null || "
+            "cat /sys/fs/cgroup/memory/memory.oom_control 2>/dev/null",
+        ]  # fmt: skip
+        argv = [*_cli(self.cfg), "exec", self.name, *probe]
+        out = await self._run(argv, None, 30.0, 4096)
+        for line in out.output.splitlines():
+            key, _, value = line.partition(" ")
+            if key == "oom_kill" and value.strip().isdigit():
+                return int(value)
+        return 0
+
+    async def _remove(self) -> None:
+        # shielded: an episode cancelled while closing still removes its container
+        await asyncio.shield(self._run(self._stop(self.cfg, self.name), None, 60.0))
 
     async def close(self) -> None:
         if self._started:
             self._started = False
-            await self._run(self._stop(self.cfg, self.name), None, 60.0)
+            await self._remove()

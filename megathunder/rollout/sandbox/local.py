@@ -19,15 +19,38 @@ capabilities), so ``RLIMIT_NPROC`` counts only that sandbox's processes (root ig
 are writable (``sandbox.cgroup``), each sandbox also gets its own cgroup bounding the memory and
 process count of its whole tree (see ``cgroups.py``). The wall-time limit kills the whole process
 group; the pid namespace takes every descendant with it.
+
+**Rootless** (this process is not root, e.g. a Slurm user): the same namespaces, made through an
+unprivileged user namespace (``unshare -U`` must be allowed: ``kernel.unprivileged_userns_clone``
+/ ``user.max_user_namespaces``), and the command runs as this process's own uid (no uid of its
+own: only root can switch uids). What changes:
+
+- ``bwrap`` creates the user namespace itself (``--unshare-all`` as an ordinary user); the
+  sandbox sees exactly what it sees as root: the read-only system directories, its work dir,
+  its own ``/tmp``, ``/proc`` and ``/dev``; no capabilities, ``no_new_privs``.
+- ``unshare`` adds ``--user --map-root-user``: root inside (mapped to this uid outside) for the
+  mounts, then ``setpriv`` clears every capability (inheritable, bounding) and sets
+  ``no_new_privs``; it cannot switch uid (only one is mapped). Since the host tree stays visible
+  read-only and every sandbox has the same uid, the sandbox root (``root_dir``: the other
+  episodes' work dirs) is first covered by an empty tmpfs and the work dir bound back onto it.
+- ``RLIMIT_NPROC`` is set inside the new user namespace (``prlimit``), where the kernel counts
+  processes per (user namespace, uid) (Linux >= 5.14): each command's own tree, not the user's
+  other processes. CPU, address space, file size and core rlimits are set as under root.
+- No cgroup (the cgroup tree is not writable by an ordinary user): ``sandbox.cgroup=auto``
+  falls back to rlimits, ``required`` fails.
+- Work dirs live under ``<root_dir>-<uid>`` (a directory of the user's own, mode 0700), so that
+  a ``root_dir`` made by a root run does not block an ordinary user.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import resource
 import shutil
 import stat
+import subprocess
 import tempfile
 from collections.abc import Sequence
 
@@ -72,6 +95,16 @@ class _UidPool:
 _UIDS = _UidPool()
 
 
+@functools.cache
+def _user_namespaces_error() -> str | None:
+    """Why this (non-root) process cannot make a user namespace, or None; checked once."""
+    try:
+        proc = subprocess.run(["unshare", "--user", "true"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as err:
+        return str(err)
+    return None if proc.returncode == 0 else (proc.stderr.strip() or f"exit {proc.returncode}")
+
+
 def _check_traversable(path: str) -> None:
     """bwrap runs as the sandbox uid, so every directory above the work dir must let it pass."""
     path = os.path.abspath(path)
@@ -90,8 +123,7 @@ def _check_traversable(path: str) -> None:
 class LocalSandbox(Sandbox):
     def __init__(self, cfg: LocalSandboxConfig) -> None:
         self.cfg = cfg
-        if os.geteuid() != 0:
-            raise SandboxError("the local sandbox runs commands as a dedicated uid and needs root")
+        self.rootless = os.geteuid() != 0
         tool = "bwrap" if cfg.isolation == "bwrap" else "unshare"
         if shutil.which(tool) is None:
             pkg = "bubblewrap" if tool == "bwrap" else "util-linux"
@@ -99,36 +131,63 @@ class LocalSandbox(Sandbox):
                 f"sandbox.isolation={cfg.isolation} needs {tool!r} on PATH "
                 f"(apt-get install -y {pkg})"
             )
-        os.makedirs(cfg.root_dir, mode=0o711, exist_ok=True)
-        os.chmod(cfg.root_dir, 0o711)  # traversable by the sandbox uids, not listable
-        if cfg.isolation == "bwrap":
-            _check_traversable(cfg.root_dir)
+        if self.rootless:
+            if (why := _user_namespaces_error()) is not None:
+                raise SandboxError(
+                    "the local sandbox as an ordinary user needs unprivileged user namespaces "
+                    f"(`unshare --user true` fails: {why}; see sysctl user.max_user_namespaces / "
+                    "kernel.unprivileged_userns_clone), or run it as root"
+                )
+            self.root_dir = f"{cfg.root_dir.rstrip('/')}-{os.getuid()}"
+            os.makedirs(self.root_dir, mode=0o700, exist_ok=True)
+            if os.stat(self.root_dir).st_uid != os.getuid():
+                raise SandboxError(
+                    f"sandbox.root_dir: {self.root_dir} (the rootless work-dir root) belongs to "
+                    f"uid {os.stat(self.root_dir).st_uid}, not to this user ({os.getuid()})"
+                )
+        else:
+            self.root_dir = cfg.root_dir
+            os.makedirs(cfg.root_dir, mode=0o711, exist_ok=True)
+            os.chmod(cfg.root_dir, 0o711)  # traversable by the sandbox uids, not listable
+            if cfg.isolation == "bwrap":
+                _check_traversable(cfg.root_dir)
         self.cgroup = create_cgroup(cfg.cgroup, cfg.memory_mb << 20, cfg.max_processes)
-        self.uid = _UIDS.take(cfg.uid_base, cfg.num_uids)
-        self.host_dir = tempfile.mkdtemp(prefix="ep-", dir=cfg.root_dir)
-        os.chown(self.host_dir, self.uid, self.uid)
+        self.uid = os.getuid() if self.rootless else _UIDS.take(cfg.uid_base, cfg.num_uids)
+        # the uid the commands see: root of their own user namespace under rootless unshare
+        self.contained_uid = 0 if self.rootless and cfg.isolation == "unshare" else self.uid
+        self.host_dir = tempfile.mkdtemp(prefix="ep-", dir=self.root_dir)
+        if not self.rootless:
+            os.chown(self.host_dir, self.uid, self.uid)
         self.workdir = CONTAINED_WORKDIR if cfg.isolation == "bwrap" else self.host_dir
         self._closed = False
 
     def _enter(self) -> None:
-        """In the child between fork and exec, as root: join the cgroup, set the rlimits, and
-        (bwrap) become the sandbox uid; unshare needs root for its mounts and drops it itself."""
+        """In the child between fork and exec: join the cgroup, set the rlimits, and (root, bwrap)
+        become the sandbox uid; unshare needs root for its mounts and drops it itself. Rootless,
+        RLIMIT_NPROC is left to the command's own user namespace (``_nproc``)."""
         cfg = self.cfg
         if self.cgroup is not None:
             self.cgroup.join()
         cpu = max(1, int(cfg.cpu_time_s + 0.999))
-        for res, value in (
+        limits = [
             (resource.RLIMIT_CPU, (cpu, cpu + 1)),  # SIGXCPU at the soft limit, SIGKILL at hard
             (resource.RLIMIT_AS, (cfg.memory_mb << 20,) * 2),
             (resource.RLIMIT_FSIZE, (cfg.max_file_size_mb << 20,) * 2),
-            (resource.RLIMIT_NPROC, (cfg.max_processes,) * 2),
             (resource.RLIMIT_CORE, (0, 0)),
-        ):
+        ]
+        if not self.rootless:
+            limits.append((resource.RLIMIT_NPROC, (cfg.max_processes,) * 2))
+        for res, value in limits:
             resource.setrlimit(res, value)
-        if cfg.isolation == "bwrap":
+        if cfg.isolation == "bwrap" and not self.rootless:
             os.setgroups([])
             os.setresgid(self.uid, self.uid, self.uid)
             os.setresuid(self.uid, self.uid, self.uid)
+
+    def _nproc(self) -> list[str]:
+        """Rootless: the process limit, set inside the command's user namespace."""
+        n = self.cfg.max_processes
+        return ["prlimit", f"--nproc={n}:{n}", "--"] if self.rootless else []
 
     def _bwrap_argv(self, argv: Sequence[str]) -> list[str]:
         cmd = [
@@ -158,23 +217,35 @@ class LocalSandbox(Sandbox):
         # command (an init ignores it) and comes back as 128 + signal. Without bwrap's own reaper
         # process there is no orphaned launcher left for the host's init to reap: a zombie of the
         # sandbox uid would count against the next sandbox's process limit.
-        return cmd + ["--", "sh", "-c", '"$@"; exit $?', "sh", *argv]
+        return cmd + ["--", "sh", "-c", '"$@"; exit $?', "sh", *self._nproc(), *argv]
 
     def _unshare_argv(self, argv: Sequence[str]) -> list[str]:
         # As root in fresh namespaces: make the work dir its own mount, remount every other mount
         # read-only, then drop to the sandbox uid with no capabilities and run the command.
+        # Rootless: root of a new user namespace; first hide the other work dirs (an empty tmpfs
+        # over the sandbox root, the work dir bound back through an open descriptor), and keep
+        # the (only mapped) uid when dropping the capabilities.
+        hide = (
+            'exec 3<"$W"; mount -t tmpfs -o size=1m,mode=0711 tmpfs "$R"; mkdir "$W"; '
+            'mount --no-canonicalize --bind /proc/self/fd/3 "$W"; exec 3<&-; '
+            if self.rootless
+            else 'mount --bind "$W" "$W"; '
+        )
+        switch = "" if self.rootless else '--reuid="$U" --regid="$U" --clear-groups '
         prelude = (
-            'set -e; W="$1"; U="$2"; shift 2; mount --bind "$W" "$W"; '
+            'set -e; W="$1"; U="$2"; R="$3"; shift 3; ' + hide +
             "for m in $(awk '{print $2}' /proc/self/mounts); do "
             '[ "$m" = "$W" ] || mount -o remount,bind,ro "$m" 2>/dev/null || true; done; '
             f"mount -t tmpfs -o size={self.cfg.tmpfs_mb}m,mode=1777 tmpfs /dev/shm; "
-            'cd "$W"; setpriv --reuid="$U" --regid="$U" --clear-groups --inh-caps=-all '
+            'cd "$W"; setpriv ' + switch + "--inh-caps=-all "
             "--bounding-set=-all --no-new-privs -- env -i PATH=" + _SANDBOX_PATH + ' HOME="$W" '
             'TMPDIR=/dev/shm LANG=C.UTF-8 PYTHONDONTWRITEBYTECODE=1 "$@"; exit $?'
         )  # not exec: pid 1 stays this shell, which reports a signal death as 128 + signal
+        user = ["--user", "--map-root-user"] if self.rootless else []
         return [
-            "unshare", "--mount", "--pid", "--net", "--ipc", "--uts", "--fork", "--kill-child",
-            "--mount-proc", "--", "sh", "-c", prelude, "sh", self.host_dir, str(self.uid), *argv,
+            "unshare", *user, "--mount", "--pid", "--net", "--ipc", "--uts", "--fork",
+            "--kill-child", "--mount-proc", "--", "sh", "-c", prelude, "sh", self.host_dir,
+            str(self.uid), self.root_dir, *self._nproc(), *argv,
         ]  # fmt: skip
 
     async def exec(
@@ -213,7 +284,8 @@ class LocalSandbox(Sandbox):
         shutil.rmtree(self.host_dir, ignore_errors=True)
         if self.cgroup is not None:
             self.cgroup.remove()
-        _UIDS.give(self.uid)
+        if not self.rootless:
+            _UIDS.give(self.uid)
 
 
 def _launcher_env() -> dict[str, str]:

@@ -78,7 +78,7 @@ def test_swe_episode_in_a_container(podman):
         runs = [r for turn in ep.turns for r in turn.tool_runs]
         assert [r.name for r in runs] == ["read_file", "bash", "str_replace", "bash"]
         assert inst.metadata["bug"] in runs[0].observation  # read inside the container
-        assert "FAILED" in runs[1].observation and runs[3].observation.rstrip().endswith("OK")
+        assert runs[3].observation.rstrip().endswith("OK")  # the visible tests (the bug's are hidden: F2P)
     unfixed = run({i.prompt: ["I give up."] for i in insts})
     assert [ep.reward.reward for ep in unfixed] == [0.0, 0.0]  # the test really fails unfixed
 

@@ -19,7 +19,10 @@ descriptions as Python >= 3.11 prints them (``test_x (pkg.module.Class.test_x)``
 every FAIL_TO_PASS test passes and every PASS_TO_PASS test still passes.
 
 The container backend runs the same instances unchanged: set-up needs only ``git`` and
-``python3`` in the image (``image`` below), and the repository is made in its work directory.
+``python3`` in the image, and the repository is made in its work directory. The records'
+``image_name`` (``IMAGE``) names no image to pull: the instances carry none, so a container
+backend runs them in ``sandbox.image`` (e.g. the base image ``megathunder sandbox build-base``
+prints).
 """
 
 from __future__ import annotations
@@ -241,7 +244,7 @@ def swe_local_instance(rec: dict[str, Any]) -> TaskInstance:
     return TaskInstance(
         instance_id=rec["instance_id"],
         prompt=f"Issue: {rec['problem_statement']}\nFix the code in the repository in your working directory.",
-        image=rec["image_name"], files=rec["files"],
+        image=None, files=rec["files"],  # any image with git and python3: the sandbox's (sandbox.image)
         metadata={"repo": rec["repo"], "fail_to_pass": rec["FAIL_TO_PASS"], "pass_to_pass": rec["PASS_TO_PASS"],
                   "eval_script": script, "log_parser": rec["log_parser"], "eval_type": rec["eval_type"],
                   "setup": [], "base_commit": rec["base_commit"], "test_timeout_s": None, **rec["_scripted"]},

@@ -29,7 +29,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from megathunder.config import AgentLoopConfig, Config, SandboxConfig
+from megathunder.config import AgentLoopConfig, Config, LocalSandboxConfig, SandboxConfig
 from megathunder.rollout.chat import ChatCodec, ToolCall, ToolCallError
 from megathunder.rollout.episode import (
     SANDBOX_FAILURE,
@@ -160,7 +160,14 @@ class AgentLoop:
             try:
                 try:
                     if self.task.needs_sandbox:
-                        sandbox = await build_sandbox(self.sandbox_cfg, inst.image)
+                        build = inst.build
+                        if build is not None and build.compose_file is not None and not isinstance(
+                                self.sandbox_cfg, LocalSandboxConfig):
+                            raise SandboxError(f"{build.compose_file}: docker-compose task environments are "
+                                               "not run on container backends yet")
+                        sandbox = await build_sandbox(self.sandbox_cfg, inst.image,
+                                                      dockerfile=None if build is None else build.dockerfile,
+                                                      context=None if build is None else build.context)
                     await self.task.setup(inst, sandbox)
                 except SandboxError as err:  # this episode fails (recorded); the batch goes on
                     ep.failure, ep.stop_reason = f"{SANDBOX_FAILURE}{err}", "failed"

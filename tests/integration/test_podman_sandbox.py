@@ -228,3 +228,53 @@ def test_64_episodes_with_faults_leave_no_container(podman):
     assert outcomes == [expected[k % 5] for k in range(64)]
     assert len(names) == 64 and _ours(names) == []
     print(f"64 episodes with faults, 16 at a time: {elapsed:.1f} s")
+
+
+def test_terminal_bench_and_harbor_task_directories_build_their_environment_and_score(podman, tmp_path):
+    """Task directories as Terminal-Bench 1 and Harbor ship them: each task's own Dockerfile (``FROM``
+    the local base image: nothing can be pulled here) is built once when its first episode starts,
+    the agent works in that image, the tests are copied in after the episode and the task's own test
+    script scores it (exit status; Harbor's reward file)."""
+    from megathunder.rollout.tasks.terminal_bench import TerminalBenchTask
+
+    tag, _ = podman
+    tasks = tmp_path / "tasks"
+    tb1, harbor = tasks / "hello-tb1", tasks / "hello-harbor"
+    (tb1 / "tests").mkdir(parents=True)
+    (tb1 / "task.yaml").write_text("instruction: |\n  Write hello into greeting.txt.\nmax_test_timeout_sec: 20\n")
+    (tb1 / "Dockerfile").write_text(f"FROM {tag}\nWORKDIR /app\nCOPY seed.txt /app/\n")
+    (tb1 / "seed.txt").write_text("seed\n")
+    (tb1 / "run-tests.sh").write_text('set -e\ntest "$(cat greeting.txt)" = "$(cat "$TEST_DIR/expected.txt")"\n')
+    (tb1 / "tests" / "expected.txt").write_text("hello\n")
+    (tb1 / "solution.sh").write_text("echo hello > greeting.txt\n")
+    for sub in ("environment", "tests", "solution"):
+        (harbor / sub).mkdir(parents=True)
+    (harbor / "task.toml").write_text('version = "1.0"\n[verifier]\ntimeout_sec = 30.0\n')
+    (harbor / "instruction.md").write_text("# Greeting\nWrite hi into greeting.txt.\n")
+    (harbor / "environment" / "Dockerfile").write_text(f"FROM {tag}\nWORKDIR /app\nCOPY data.txt /app/\n")
+    (harbor / "environment" / "data.txt").write_text("data\n")
+    (harbor / "tests" / "test.sh").write_text(
+        'if [ "$(cat greeting.txt)" = "$(cat /tests/expected.txt)" ]; then echo 1 > /logs/verifier/reward.txt; '
+        'else echo 0 > /logs/verifier/reward.txt; fi\n')
+    (harbor / "tests" / "expected.txt").write_text("hi\n")
+    (harbor / "solution" / "solve.sh").write_text("echo hi > greeting.txt\n")
+    task = TerminalBenchTask(str(tasks))
+    insts = task.instances(2)
+    built = [i.image for i in insts]
+    c = codec()
+
+    def run(scripts):
+        loop = AgentLoop(ScriptedPolicy(c, scripts), c, task,
+                         AgentLoopConfig(max_total_tokens=8192, max_new_tokens_per_turn=1024),
+                         _cfg(podman, workdir="/app"), VerifierPool(VerifierConfig(timeout_s=60)))
+        return asyncio.run(loop.run_batch(insts, 2))
+
+    try:
+        solved = run({i.prompt: task.scripted_turns(i) for i in insts})
+        assert [ep.reward.reward for ep in solved] == [1.0] * 4, [ep.failure for ep in solved]
+        assert all(images.image_exists(t) for t in built)  # built from the task's own Dockerfile
+        unsolved = run({i.prompt: ["Done."] for i in insts})
+        assert [ep.reward.reward for ep in unsolved] == [0.0] * 4
+    finally:
+        for t in built:
+            subprocess.run(["podman", "rmi", "-f", t], capture_output=True, timeout=120)

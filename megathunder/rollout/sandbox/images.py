@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from megathunder.rollout.sandbox.container import LABEL
 from megathunder.rollout.sandbox.core import SandboxError
 
-RECIPE_VERSION = 2
+RECIPE_VERSION = 4
 """Bumped when the recipe below changes in a way the key's inputs do not show."""
 DEFAULT_SUITE = "bookworm"
 DEFAULT_MIRROR = "http://deb.debian.org/debian"
@@ -126,6 +126,10 @@ def build_base_image(
                 shutil.rmtree(path)
                 os.mkdir(path)
         os.makedirs(os.path.join(root, "workspace"), mode=0o755, exist_ok=True)  # the work dir
+        # podman import makes the image's / mode 0555, where root without capabilities (the sandbox
+        # runs --cap-drop ALL) cannot create a directory: the ones benchmarks' graders write exist
+        for rel in ("tests", "logs", "logs/verifier", "logs/agent"):
+            os.makedirs(os.path.join(root, rel), mode=0o755, exist_ok=True)
         tar = subprocess.Popen(["tar", "-C", root, "-c", "."], stdout=subprocess.PIPE)
         imp = subprocess.run(
             [*_podman(cli, runtime_args), "import", "--change", "WORKDIR /workspace", "-", tag],
@@ -164,6 +168,18 @@ def build_image(
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
         if proc.returncode != 0:
             raise SandboxError(f"podman build of {tag} failed:\n{(proc.stdout + proc.stderr)[-2000:]}")
+    return tag
+
+
+def build_from_directory(tag: str, dockerfile: str, context: str, cli: str = "podman",
+                         runtime_args: Sequence[str] = ()) -> str:
+    """``podman build -f dockerfile context`` tagged ``tag`` (a task directory's environment), with
+    nothing pulled: its ``FROM`` must name a local image (e.g. the base image)."""
+    cmd = [*_podman(cli, runtime_args), "build", "--pull=never", "--network", "none", *_ULIMITS,
+           "-t", tag, "-f", dockerfile, context]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+    if proc.returncode != 0:
+        raise SandboxError(f"{cli} build of {tag} from {dockerfile} failed:\n{(proc.stdout + proc.stderr)[-2000:]}")
     return tag
 
 

@@ -224,6 +224,7 @@ class ServerEngine:
         self._progress = [time.monotonic()] * len(self.urls)
         self._tokens: list[float | None] = [None] * len(self.urls)  # vLLM's generation-token counter
         self._watchdog: asyncio.Task | None = None
+        self._paused: set[int] = set()  # servers that acknowledged a weight update's pause (their requests wait)
 
     @classmethod
     async def start(
@@ -301,6 +302,10 @@ class ServerEngine:
         try:
             out = await call
             self._progress[server] = time.monotonic()
+            if path == "/pause":
+                self._paused.add(server)  # paused by us: requests waiting on it are not a hang
+            elif path == "/resume":
+                self._paused.discard(server)
             return out
         except asyncio.CancelledError:
             me = asyncio.current_task()
@@ -373,6 +378,9 @@ class ServerEngine:
             await asyncio.sleep(period)
             now = time.monotonic()
             for server in list(self.balancer.live):
+                if server in self._paused:  # a weight update holds its requests: its clock waits
+                    self._progress[server] = now
+                    continue
                 if not self._in_flight[server]:
                     continue
                 reachable, tokens = await self._generated_tokens(self.urls[server])

@@ -165,9 +165,11 @@ class AgentLoop:
                                 self.sandbox_cfg, LocalSandboxConfig):
                             raise SandboxError(f"{build.compose_file}: docker-compose task environments are "
                                                "not run on container backends yet")
-                        sandbox = await build_sandbox(self.sandbox_cfg, inst.image,
-                                                      dockerfile=None if build is None else build.dockerfile,
-                                                      context=None if build is None else build.context)
+                        if build is None or build.dockerfile is None:
+                            sandbox = await build_sandbox(self.sandbox_cfg, inst.image)
+                        else:  # the task's own environment, built on docker / podman when missing
+                            sandbox = await build_sandbox(self.sandbox_cfg, inst.image, dockerfile=build.dockerfile,
+                                                          context=build.context)
                     await self.task.setup(inst, sandbox)
                 except SandboxError as err:  # this episode fails (recorded); the batch goes on
                     ep.failure, ep.stop_reason = f"{SANDBOX_FAILURE}{err}", "failed"

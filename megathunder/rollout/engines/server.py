@@ -291,8 +291,9 @@ class ServerEngine:
         return [a for a in answers if a is not None]
 
     async def _post_watched(self, server: int, path: str, **kwargs) -> dict | None:
-        """A control call (pause, reset, resume, ...) the hang detector watches like a request: a
-        server hung under it is marked dead and the call returns None instead of waiting forever."""
+        """A POST the hang detector (``_watch``) watches: a request, or a control call (pause,
+        reset, resume, ...). A server hung under it is marked dead and the call returns None
+        instead of waiting forever; other errors pass."""
         if self._watchdog is None:
             self._watchdog = asyncio.ensure_future(self._watch())
         if not self._in_flight[server]:
@@ -329,26 +330,16 @@ class ServerEngine:
         import aiohttp
 
         num_dropped = 0
-        if self._watchdog is None:
-            self._watchdog = asyncio.ensure_future(self._watch())
         while True:
             try:
                 server = self.balancer.acquire(session_id)
             except NoLiveServerError:
                 lost = "; ".join(f"{self.urls[i]} ({why})" for i, why in self.lost.items())
                 raise ServerError(f"no live rollout server left: lost {lost}") from None
-            if not self._in_flight[server]:  # an idle server starts its clock now
-                self._progress[server] = time.monotonic()
-            request = asyncio.ensure_future(self._post(self.urls[server], path, json=body))
-            self._in_flight[server].add(request)
             try:
-                out = await request
-                self._progress[server] = time.monotonic()
-                return out
-            except asyncio.CancelledError:
-                me = asyncio.current_task()
-                if server not in self.balancer.dead or (me is not None and me.cancelling()):
-                    raise  # cancelled by our caller, not by the hang detector
+                out = await self._post_watched(server, path, json=body)
+                if out is not None:
+                    return out
                 body = {**body, "request_id": next(self._request_ids)}  # the hung server's request, elsewhere
             except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as err:
                 # refused, reset, disconnected or cut off: a dead server, or a dropped connection
@@ -364,7 +355,6 @@ class ServerEngine:
                         ) from err
                 body = {**body, "request_id": next(self._request_ids)}
             finally:
-                self._in_flight[server].discard(request)
                 self.balancer.release(server)
 
     async def _watch(self) -> None:

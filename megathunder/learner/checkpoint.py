@@ -9,6 +9,7 @@ so a crash mid-save never leaves a directory that looks complete; ``latest`` nam
 from __future__ import annotations
 
 import contextlib
+import multiprocessing
 import shutil
 from pathlib import Path
 
@@ -79,8 +80,27 @@ def _adam_step_kept_out_of_param_state(optimizer):
                 state["step"] = state["step"].clone()
 
 
+_manager = None
+
+
+def _forked_results_queue() -> None:
+    """Megatron's checkpoint writer (``FileSystemWriterAsync``) forks its writer processes and
+    collects their results through a queue served by a ``multiprocessing`` Manager, which it starts
+    with ``spawn`` at the first save: a fresh interpreter that imports this program's modules (~3 s
+    of CPU) and is joined at exit (~3 s). A manager forked from this process serves the same queue
+    without either cost (forking is what the writers already do); Megatron uses the queue it finds."""
+    global _manager
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if filesystem_async._results_queue is None:
+        _manager = multiprocessing.get_context("fork").Manager()
+        filesystem_async._results_queue = _manager.Queue()
+
+
 def save_checkpoint(learner: MegatronLearner, root: str | Path) -> Path:
     from megatron.core import dist_checkpointing
+
+    _forked_results_queue()
 
     root = Path(root)
     final = root / f"step_{learner.num_steps}"

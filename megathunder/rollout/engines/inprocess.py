@@ -76,6 +76,7 @@ class InProcessEngine:
         # no local holds the AsyncLLM: vLLM keeps this frame alive, and close() must free it
         await engine._llm.update_weight_version(str(policy_version))
         try:
+            await engine._llm.collective_rpc("megathunder_freeze_gc")
             if cfg.record_routing:
                 await engine._llm.collective_rpc("megathunder_routing_start")
             engine.transfer = await open_transfer(cfg, [engine._rpc], senders)

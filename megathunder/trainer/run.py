@@ -40,6 +40,7 @@ from megathunder.rollout.engines import start_engine
 from megathunder.rollout.engines.transfer import StageSenders
 from megathunder.rollout.tasks import build_task
 from megathunder.rollout.tasks.task import Task
+from megathunder.trainer.chaos import ChaosStop
 from megathunder.trainer.interrupt import STOPPED_EARLY, STOPPED_NOW, StopNow, StopSignals
 from megathunder.trainer.schedules import SCHEDULES
 from megathunder.trainer.setup import barrier, build_learner, build_teacher_model, initial_model
@@ -74,6 +75,9 @@ def train(cfg: Config) -> int:
     signals = StopSignals()  # every rank: SIGUSR1's default action would kill the process
     try:
         return _train(cfg, signals)
+    except ChaosStop as err:  # chaos.faults: a crash, as injected
+        print(f"megathunder: {err}", file=sys.stderr, flush=True)
+        return STOPPED_NOW
     except (StopNow, asyncio.CancelledError):
         if signals.now.is_set():
             print(f"megathunder: stopped now; the same command resumes from the last checkpoint in "

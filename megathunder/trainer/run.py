@@ -93,8 +93,10 @@ def _train(cfg: Config, signals: StopSignals) -> int:
     latest = latest_checkpoint(ckpt_dir) if cfg.run.resume else None
     if pgs.rank == 0:
         if latest is None:  # a fresh run: nothing of an earlier one may be mixed in
-            for name in ("journal.jsonl", "metrics.jsonl", ".wandb_id", "chaos.jsonl"):
+            for name in ("journal.jsonl", "metrics.jsonl", ".wandb_id"):
                 (out / name).unlink(missing_ok=True)
+            if not cfg.run.resume:  # else faults fired before a first checkpoint stay fired (no re-fire loop)
+                (out / "chaos.jsonl").unlink(missing_ok=True)
             for name in ("checkpoints", "wandb"):
                 shutil.rmtree(out / name, ignore_errors=True)
         (out / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))

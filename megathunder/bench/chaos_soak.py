@@ -24,7 +24,8 @@ segments on the machine are not counted; the machine-wide diff is reported besid
 containers labelled by the sandbox (docker / podman, where installed). ``fill_disk`` runs write their run
 directory on a 64 MiB tmpfs of their own (root only; the kind is left out otherwise). Server faults
 run two vLLM servers per run (ports from ``--base-port``, ten apart per run). ``--parallel`` runs
-that many at once (the fault-free references first).
+that many at once (the fault-free references first); each run's comparison (a replay) follows it in
+its worker.
 
 Prints a table per fault kind, then one JSON object as the last line (``--json``: only it).
 """
@@ -39,6 +40,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -327,20 +329,30 @@ def main(argv: Sequence[str] | None = None) -> int:
     fds_before, shm_before = len(os.listdir("/proc/self/fd")), _shm()
     refs, runs = plan(args, root)
     try:
+        ready = {r.deployment: threading.Event() for r in refs}
+
+        def one(run: Run) -> Run:  # a run, then at once its comparison (a replay runs beside other runs)
+            execute(run, args)
+            if run.kind == "none":
+                ready[run.deployment].set()
+            elif run.outcome != "skipped":
+                ref = next(r for r in refs if r.deployment == run.deployment)
+                if run.kind in FAULT_FREE_CLAIM:
+                    ready[run.deployment].wait()
+                if run.kind in FAULT_FREE_CLAIM and ref.outcome != "reference":
+                    run.outcome, run.error = "lost", "no fault-free reference (it failed)"
+                else:
+                    compare(run, ref.out, args)
+            return run
+
         with ThreadPoolExecutor(max(1, args.parallel)) as pool:
-            for done in pool.map(lambda r: execute(r, args), [*refs, *runs]):
+            for done in pool.map(one, [*refs, *runs]):
                 with open(root / "runs.jsonl", "a") as f:  # as they finish: a partial soak still has its record
                     f.write(json.dumps({"index": done.index, "kind": done.kind, "fault": done.fault,
                                         "outcome": done.outcome, "attempts": done.attempts, "error": done.error}) + "\n")
                 if not args.json:
                     print(f"run {done.index:3d} {done.kind:<16} {done.outcome:<9} exits {done.attempts} "
                           f"{done.seconds:5.1f} s {done.error}", flush=True)
-        by_deployment = {r.deployment: r.out for r in refs if r.outcome == "reference"}
-        for run in runs:
-            if run.kind in FAULT_FREE_CLAIM and run.deployment not in by_deployment:
-                run.outcome, run.error = "lost", "no fault-free reference (it failed)"
-                continue
-            compare(run, by_deployment.get(run.deployment, root), args)
     finally:
         for run in runs:
             if run.mount is not None:

@@ -26,6 +26,7 @@ BENCHMARKS = {
     "weights": "megathunder.bench.weight_push",
     "load": "megathunder.bench.weight_load",
     "routing": "megathunder.bench.routing_gap",
+    "chaos": "megathunder.bench.chaos_soak",
 }
 
 

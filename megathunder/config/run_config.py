@@ -157,18 +157,41 @@ class TinyModelConfig(Strict):
         return self
 
 
+EPISODE_FAULTS = ("crash_verifier", "hang_verifier", "hang_sandbox", "oom_tool")
+"""Faults of chosen trajectories' episodes (``trajectories`` of step ``step``)."""
+SERVER_FAULTS = ("kill_server", "hang_server")
+
+
 class ChaosFault(Strict):
     """One fault injected into a run (``megathunder.trainer.chaos``)."""
 
-    kind: Literal["fill_disk", "sigusr1", "sigint", "kill_server", "hang_server"]
+    kind: Literal["fill_disk", "sigusr1", "sigint", "kill_server", "hang_server", "crash_verifier",
+                  "hang_verifier", "hang_sandbox", "oom_tool", "corrupt_journal"]
     """fill_disk: fill the run directory's file system (the next write fails); sigusr1 / sigint: the
     signal to this process (stop after the step, checkpoint, exit 75); kill_server / hang_server:
-    SIGKILL / SIGSTOP rollout server ``server``'s process group (deployment=server, launched here)."""
+    SIGKILL / SIGSTOP rollout server ``server``'s process group (deployment=server, launched here);
+    crash_verifier / hang_verifier: the verifier of ``trajectories`` raises / sleeps past
+    ``verifier.timeout_s`` (-> ``verifier.on_failure``); hang_sandbox / oom_tool: a ``bash`` tool call
+    in the episode's sandbox (a local one built for it when the task has none) that sleeps past
+    ``sandbox.wall_time_s`` / allocates twice ``sandbox.memory_mb``, run after the episode's turns
+    (its result must be an error observation; the episode goes on); corrupt_journal: the journal's
+    last record (the step's) is torn after the step, and the run stops as a crash would (exit 130,
+    no checkpoint of that step)."""
     step: int = Field(0, ge=0)
-    """The optimizer step during (server faults) or after (the others) which it happens."""
+    """The optimizer step during (server and episode faults) or after (the others) which it happens."""
     after_trajectories: int = Field(0, ge=0)
     """Server faults: when this many of the step's trajectories have finished."""
     server: int = Field(0, ge=0)
+    trajectories: list[int] = Field(default_factory=lambda: [0])
+    """Episode faults: the trajectory ids (in the step's batch: group g's sample k is g x
+    samples_per_prompt + k) whose episodes get the fault."""
+
+    @field_validator("trajectories")
+    @classmethod
+    def _check_trajectories(cls, value: list[int]) -> list[int]:
+        if not value or any(t < 0 for t in value):
+            raise ValueError(f"{value}: one or more trajectory ids, each >= 0")
+        return value
 
 
 class ChaosConfig(Strict):
@@ -306,13 +329,24 @@ class Config(Strict):
     def _check_chaos(self) -> Config:
         engine = self.rollout.engine
         for i, fault in enumerate(self.chaos.faults):
-            if fault.kind in ("kill_server", "hang_server"):
+            if fault.kind in SERVER_FAULTS:
                 if engine.deployment != "server" or engine.server_urls:
                     raise ValueError(f"chaos.faults.{i}.kind: {fault.kind} needs rollout.engine.deployment=server "
                                      "with servers launched by this run (not server_urls)")
                 if fault.server >= engine.num_servers:
                     raise ValueError(f"chaos.faults.{i}.server: {fault.server} >= rollout.engine.num_servers="
                                      f"{engine.num_servers}")
+            if fault.kind in EPISODE_FAULTS:
+                size = self.batch.num_prompts_per_batch * self.batch.samples_per_prompt
+                if max(fault.trajectories) >= size:
+                    raise ValueError(f"chaos.faults.{i}.trajectories: {max(fault.trajectories)} >= the batch's "
+                                     f"{size} trajectories (batch.num_prompts_per_batch x samples_per_prompt)")
+            if fault.kind == "corrupt_journal":
+                every = self.run.checkpoint_every
+                if not every or every > fault.step:
+                    raise ValueError(f"chaos.faults.{i}.step: corrupt_journal at step {fault.step} needs a "
+                                     f"checkpoint before it to resume from (run.checkpoint_every={every}: "
+                                     "1..step)")
             if fault.step >= self.run.num_steps:
                 raise ValueError(f"chaos.faults.{i}.step: {fault.step} >= run.num_steps={self.run.num_steps}")
         return self

@@ -26,8 +26,9 @@ import asyncio
 import logging
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from megathunder.config import AgentLoopConfig, Config, LocalSandboxConfig, SandboxConfig
 from megathunder.rollout.chat import ChatCodec, ToolCall, ToolCallError
@@ -45,9 +46,21 @@ from megathunder.rollout.sandbox import Sandbox, SandboxError, build_sandbox
 from megathunder.rollout.tasks.task import Task, TaskInstance
 from megathunder.rollout.tools import Tool, ToolArgumentError
 from megathunder.rollout.types import Completion, RolloutEngine, RoutingSource, SamplingParams
-from megathunder.rollout.verifiers import VerifierPool
+from megathunder.rollout.verifiers import Verdict, VerifierPool
 
 log = logging.getLogger(__name__)
+
+Verify = Callable[[], Awaitable[float | Verdict]]
+
+
+class EpisodeFaults(Protocol):
+    """Faults injected into chosen episodes (``chaos.faults``, ``megathunder.trainer.chaos``):
+    ``after_turns`` runs after an episode's last turn (before its verifier), ``verifier`` may
+    replace its verifier."""
+
+    async def after_turns(self, ep: Episode, sandbox: Sandbox | None) -> None: ...
+
+    def verifier(self, ep: Episode, verify: Verify) -> Verify: ...
 
 
 @dataclass(frozen=True)
@@ -85,6 +98,7 @@ class AgentLoop:
         self.emit = emit or (lambda event: None)
         self.tools: dict[str, Tool] = {t.name: t for t in task.tools}
         self._slots = asyncio.Semaphore(agent_cfg.max_concurrent_episodes)
+        self.faults: EpisodeFaults | None = None  # chaos.faults of episodes (none unless configured)
 
     def _event(self, kind, ep: Episode, **kw) -> None:
         self.emit(
@@ -202,9 +216,11 @@ class AgentLoop:
         if ep.failure is None:
             if self.cfg.added_verifier_latency_s:
                 await asyncio.sleep(self.cfg.added_verifier_latency_s)
-            ep.reward = await self.verifiers.score(
-                lambda: self.task.verify(inst, ep, sandbox), traj_id=traj_id
-            )
+            verify: Verify = lambda: self.task.verify(inst, ep, sandbox)  # noqa: E731
+            if self.faults is not None:
+                await self.faults.after_turns(ep, sandbox)
+                verify = self.faults.verifier(ep, verify)
+            ep.reward = await self.verifiers.score(verify, traj_id=traj_id)
             if ep.reward.status != "ok":
                 ep.failure = f"verifier_{ep.reward.status}: {ep.reward.detail}"
         else:  # nothing to score: the configured failure outcome, as for a failed verifier

@@ -10,20 +10,45 @@ ENOSPC; ``sigusr1`` / ``sigint``: the signal to this process, which stops after 
 checkpoint). What the run then does is the recovery under test: servers' requests move to live
 ones with their seeds (the same episodes), a full disk stops the run with one line and an intact
 last checkpoint, a signal stops it resumably.
+
+Episode faults hit the episodes of chosen trajectories (``trajectories`` of step ``step``;
+``megathunder.rollout.agent_loop.EpisodeFaults``): ``crash_verifier`` / ``hang_verifier`` replace
+their verifier with one that raises / sleeps until the pool's ``verifier.timeout_s`` cancels it
+(-> ``verifier.on_failure``: the episode's reward changes, recorded in the journal);
+``hang_sandbox`` / ``oom_tool`` run a ``bash`` tool call in the episode's sandbox (a local one
+built for it when the task has none) after its last turn that sleeps past ``sandbox.wall_time_s``
+/ allocates twice ``sandbox.memory_mb``: the tool's result must be an error observation (the
+sandbox bounded it; anything else raises and fails the batch), and the episode goes on to its
+verifier unchanged. ``corrupt_journal`` tears the journal's last record (the step's own) after
+the step and stops the run as a crash there would (:class:`ChaosStop`, exit 130, no checkpoint of
+that step): the same command resumes from the last checkpoint, the CRC drops the torn record and
+the step is run again.
+
+What each kind promises (RELIABILITY.md): the rollout-side faults that leave episodes unchanged
+(``kill_server``, ``hang_server``, ``hang_sandbox``, ``oom_tool``) end with the fault-free run's
+parameters; the others (a verifier fault changes rewards; a stop and resume) with the replay of
+the run's own journal.
 """
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import json
 import logging
 import os
 import signal
+import time
 from pathlib import Path
 
-from megathunder.config import ChaosFault
+from megathunder.config import EPISODE_FAULTS, SERVER_FAULTS, ChaosFault, SandboxConfig, VerifierConfig
+from megathunder.rollout.agent_loop import Verify
 from megathunder.rollout.engines.server import ServerEngine
+from megathunder.rollout.episode import Episode
+from megathunder.rollout.sandbox import Sandbox, build_sandbox
+from megathunder.rollout.tools import BASH
 from megathunder.rollout.types import RolloutEngine
+from megathunder.rollout.verifiers import Verdict
 
 log = logging.getLogger(__name__)
 
@@ -36,26 +61,99 @@ RECORD = "chaos.jsonl"
 does not fire them again."""
 
 
+class ChaosStop(Exception):
+    """A fault that stops the run as a crash would (``corrupt_journal``); ``megathunder train``
+    prints it in one line and exits 130 (STOPPED_NOW): the same command resumes."""
+
+
+class ChaosVerifierError(RuntimeError):
+    """What ``crash_verifier``'s verifier raises."""
+
+
 class Chaos:
-    def __init__(self, faults: list[ChaosFault], out: Path, engine: RolloutEngine) -> None:
-        self.out, self.engine = out, engine
+    def __init__(self, faults: list[ChaosFault], out: Path, engine: RolloutEngine,
+                 sandbox: SandboxConfig | None = None, verifier: VerifierConfig | None = None) -> None:
+        self.out, self.engine, self.sandbox_cfg, self.verifier_cfg = out, engine, sandbox, verifier
         record = out / RECORD
         fired = [json.loads(line) for line in record.read_text().splitlines()] if record.is_file() else []
         self.pending = [f for i, f in enumerate(faults) if not any(r["index"] == i for r in fired)]
         self._index = {id(f): i for i, f in enumerate(faults)}
+        self.rollout_step = -1  # the step whose batch is rolling out (Trainer.rollout)
+        self._episode_faults = [f for f in self.pending if f.kind in EPISODE_FAULTS]
+
+    @property
+    def has_episode_faults(self) -> bool:
+        return bool(self._episode_faults)
 
     def trajectory_finished(self, step: int, num_finished: int) -> None:
-        for fault in self._due(lambda f: f.kind in ("kill_server", "hang_server") and f.step == step
+        for fault in self._due(lambda f: f.kind in SERVER_FAULTS and f.step == step
                                and num_finished >= f.after_trajectories):
             self._server(fault)
 
     def after_step(self, step: int) -> None:
-        for fault in self._due(lambda f: f.kind not in ("kill_server", "hang_server") and f.step == step):
+        for fault in self._due(lambda f: f.kind not in SERVER_FAULTS + EPISODE_FAULTS and f.step == step):
             log.warning("chaos: %s after step %d", fault.kind, step)
             if fault.kind == "fill_disk":
                 fill_disk(self.out / FILLER)
+            elif fault.kind == "corrupt_journal":
+                torn = tear_last_record(self.out / "journal.jsonl")
+                raise ChaosStop(f"chaos: corrupt_journal: tore the journal's last record ({torn} bytes cut) after "
+                                f"step {step} and stopped as a crash would; the same command resumes from the "
+                                "last checkpoint")
             else:
                 os.kill(os.getpid(), signal.SIGUSR1 if fault.kind == "sigusr1" else signal.SIGINT)
+
+    # ------------------------------------------------------------------ episode faults (EpisodeFaults)
+
+    def _episode_fault(self, ep: Episode, kinds: tuple[str, ...]) -> ChaosFault | None:
+        for fault in self._episode_faults:
+            if fault.kind in kinds and fault.step == self.rollout_step and ep.traj_id in fault.trajectories:
+                if any(f is fault for f in self.pending):  # recorded when it first hits (fires once per run directory)
+                    self._due(lambda f: f is fault)
+                return fault
+        return None
+
+    async def after_turns(self, ep: Episode, sandbox: Sandbox | None) -> None:
+        fault = self._episode_fault(ep, ("hang_sandbox", "oom_tool"))
+        if fault is None:
+            return
+        assert self.sandbox_cfg is not None, "Chaos(sandbox=...) is given by the trainer"
+        if fault.kind == "hang_sandbox":
+            command = "sleep 3600"
+        else:
+            command = f"python3 -c 'x = bytearray({2 * self.sandbox_cfg.memory_mb} << 20)'"
+        own = sandbox is None
+        box = await build_sandbox(self.sandbox_cfg) if sandbox is None else sandbox
+        start = time.monotonic()
+        try:
+            obs = await BASH.run(box, {"command": command})
+        finally:
+            if own:
+                await box.close()
+        if "[error:" not in obs:
+            raise RuntimeError(f"chaos: {fault.kind}: trajectory {ep.traj_id}'s tool call `{command}` was not "
+                               f"stopped by the sandbox: {obs!r}")
+        log.warning("chaos: %s in trajectory %d of step %d: %s (%.1f s); the episode goes on", fault.kind,
+                    ep.traj_id, self.rollout_step, obs.strip().splitlines()[-1], time.monotonic() - start)
+
+    def verifier(self, ep: Episode, verify: Verify) -> Verify:
+        fault = self._episode_fault(ep, ("crash_verifier", "hang_verifier"))
+        if fault is None:
+            return verify
+        step, traj = self.rollout_step, ep.traj_id
+        limit = self.verifier_cfg.timeout_s if self.verifier_cfg is not None else 60.0
+
+        async def crash() -> float | Verdict:
+            raise ChaosVerifierError(f"chaos: crash_verifier (trajectory {traj} of step {step})")
+
+        async def hang() -> float | Verdict:
+            await asyncio.sleep(2 * limit + 60)  # cancelled by the pool at verifier.timeout_s
+            raise ChaosVerifierError(f"chaos: hang_verifier outlived verifier.timeout_s={limit:g}")
+
+        log.warning("chaos: %s for trajectory %d of step %d", fault.kind, traj, step)
+        return crash if fault.kind == "crash_verifier" else hang
+
+    # ------------------------------------------------------------------
 
     def _due(self, when) -> list[ChaosFault]:
         due = [f for f in self.pending if when(f)]
@@ -73,6 +171,16 @@ class Chaos:
         log.warning("chaos: %s server %d (%s) at step %d", fault.kind, fault.server, engine.urls[fault.server],
                     fault.step)
         os.killpg(process.pid, signal.SIGKILL if fault.kind == "kill_server" else signal.SIGSTOP)
+
+
+def tear_last_record(path: Path) -> int:
+    """Cut the last line of ``path`` in half, as a crash mid-write would leave it; returns the bytes cut."""
+    data = path.read_bytes()
+    start = data.rstrip(b"\n").rfind(b"\n") + 1
+    keep = start + (len(data) - start) // 2
+    with open(path, "r+b") as f:
+        f.truncate(keep)
+    return len(data) - keep
 
 
 def fill_disk(path: Path) -> int:

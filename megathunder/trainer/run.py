@@ -40,6 +40,7 @@ from megathunder.rollout.engines import start_engine
 from megathunder.rollout.engines.transfer import StageSenders
 from megathunder.rollout.tasks import build_task
 from megathunder.rollout.tasks.task import Task
+from megathunder.trainer.chaos import ChaosStop
 from megathunder.trainer.interrupt import STOPPED_EARLY, STOPPED_NOW, StopNow, StopSignals
 from megathunder.trainer.schedules import SCHEDULES
 from megathunder.trainer.setup import barrier, build_learner, build_teacher_model, initial_model
@@ -74,6 +75,9 @@ def train(cfg: Config) -> int:
     signals = StopSignals()  # every rank: SIGUSR1's default action would kill the process
     try:
         return _train(cfg, signals)
+    except ChaosStop as err:  # chaos.faults: a crash, as injected
+        print(f"megathunder: {err}", file=sys.stderr, flush=True)
+        return STOPPED_NOW
     except (StopNow, asyncio.CancelledError):
         if signals.now.is_set():
             print(f"megathunder: stopped now; the same command resumes from the last checkpoint in "
@@ -89,8 +93,10 @@ def _train(cfg: Config, signals: StopSignals) -> int:
     latest = latest_checkpoint(ckpt_dir) if cfg.run.resume else None
     if pgs.rank == 0:
         if latest is None:  # a fresh run: nothing of an earlier one may be mixed in
-            for name in ("journal.jsonl", "metrics.jsonl", ".wandb_id", "chaos.jsonl"):
+            for name in ("journal.jsonl", "metrics.jsonl", ".wandb_id"):
                 (out / name).unlink(missing_ok=True)
+            if not cfg.run.resume:  # else faults fired before a first checkpoint stay fired (no re-fire loop)
+                (out / "chaos.jsonl").unlink(missing_ok=True)
             for name in ("checkpoints", "wandb"):
                 shutil.rmtree(out / name, ignore_errors=True)
         (out / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))

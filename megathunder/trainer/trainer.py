@@ -76,7 +76,9 @@ class Trainer:
         self.journal = Journal(out / "journal.jsonl", keep_steps=start_step)
         self.metrics = MetricsLog(out, cfg, keep_steps=start_step)
         self.timeline = Timeline()
-        self.chaos = Chaos(cfg.chaos.faults, out, engine)  # fault injection (none unless configured)
+        self.chaos = Chaos(cfg.chaos.faults, out, engine, cfg.sandbox, cfg.verifier)  # none unless configured
+        if self.chaos.has_episode_faults:
+            self.agent_loop.faults = self.chaos
         self._finished_in_step: dict[int, int] = {}
         self.t0 = time.monotonic()
         self.wall_offset = self.metrics.rows[-1]["wall_s"] if self.metrics.rows else 0.0
@@ -102,6 +104,7 @@ class Trainer:
         """One batch of episodes (group g = instance g), dropped groups replaced when
         ``batch.max_refill_groups`` says so; ``stream`` routes events to the learner."""
         self._streaming = stream
+        self.chaos.rollout_step = step  # chaos.faults of this step's episodes
         try:
             return await self.agent_loop.run_batch(self.instances(step), self.cfg.batch.samples_per_prompt,
                                                    seed=self.cfg.run.seed * 7919 + step, refill=self._refill(step))

@@ -12,6 +12,10 @@ from megathunder.config import ConfigError, load_config
     ("[{kind: sigusr1, step: 0}, {kind: hang_server, server: 3}]", "chaos.faults.1.server", "num_servers"),
     ("[{kind: fill_disk, step: 10}]", "chaos.faults.0.step", "run.num_steps"),
     ("[{kind: explode}]", "chaos.faults.0.kind", ""),
+    ("[{kind: crash_verifier, trajectories: [32]}]", "chaos.faults.0.trajectories", "batch.num_prompts_per_batch"),
+    ("[{kind: oom_tool, trajectories: []}]", "chaos.faults.0.trajectories", "one or more"),
+    ("[{kind: hang_sandbox, trajectories: [-1]}]", "chaos.faults.0.trajectories", ">= 0"),
+    ("[{kind: corrupt_journal, step: 1}]", "chaos.faults.0.step", "run.checkpoint_every"),
 ])
 def test_bad_faults_are_refused_by_field(faults, field, words):
     extra = ["rollout.engine.deployment=server", "rollout.engine.num_servers=2"] if "server:" in faults else []
@@ -24,3 +28,9 @@ def test_server_faults_parse_for_launched_servers():
     cfg = load_config(None, ["chaos.faults=[{kind: hang_server, step: 1, after_trajectories: 4, server: 1}]",
                              "rollout.engine.deployment=server", "rollout.engine.num_servers=2", "run.num_steps=3"])
     assert cfg.chaos.faults[0].after_trajectories == 4
+
+
+def test_episode_and_journal_faults_parse():
+    cfg = load_config(None, ["chaos.faults=[{kind: hang_verifier, step: 2, trajectories: [0, 31]}, "
+                             "{kind: corrupt_journal, step: 2}]", "run.num_steps=3", "run.checkpoint_every=1"])
+    assert cfg.chaos.faults[0].trajectories == [0, 31] and cfg.chaos.faults[1].kind == "corrupt_journal"

@@ -186,6 +186,31 @@ def test_a_server_hung_under_a_weight_update_is_dropped_not_waited_for(fake_serv
     assert engine.policy_version == 1 and out.token_ids == _expected([1, 2])
 
 
+def test_a_server_killed_while_idle_is_dropped_by_the_weight_update(fake_servers):
+    """A server SIGKILLed with none of its requests in flight is noticed by nothing until the
+    update's pause, whose connection it refuses: it fails /health, is marked dead, and the update
+    completes on the others (found by the chaos soak: the reset escaped as ClientOSError)."""
+    import torch
+
+    urls, procs = fake_servers(2, delay=0.0)
+
+    async def go():
+        session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=120))
+        engine = ServerEngine(urls, session, policy_version=0, stall_timeout_s=5.0)
+        try:
+            await engine.generate([1, 2], _params(0))  # keep-alive connections to both
+            os.killpg(procs[1].pid, signal.SIGKILL)
+            procs[1].wait()
+            await asyncio.wait_for(engine.update_weights([("w", torch.zeros(2))], 1), 60)
+            return engine, await engine.generate([1, 2], _params(0))
+        finally:
+            await engine.close()
+
+    engine, out = asyncio.run(go())
+    assert engine.balancer.dead == {1}
+    assert engine.policy_version == 1 and out.token_ids == _expected([1, 2])
+
+
 def test_no_live_server_left_is_a_clear_error(fake_servers):
     urls, procs = fake_servers(2, delay=5.0)
 

@@ -287,8 +287,22 @@ class ServerEngine:
     async def _on_all(self, path: str, **kwargs) -> list[dict]:
         """``path`` on every live server; a server the hang detector finds hung meanwhile is
         dropped from the answer (it is marked dead)."""
-        answers = await asyncio.gather(*(self._post_watched(i, path, **kwargs) for i in self.balancer.live))
+        answers = await asyncio.gather(*(self._post_control(i, path, **kwargs) for i in self.balancer.live))
         return [a for a in answers if a is not None]
+
+    async def _post_control(self, server: int, path: str, **kwargs) -> dict | None:
+        """``_post_watched`` for control calls: a server that died while idle (no request of its
+        own in flight noticed) refuses or resets the connection; if it then fails ``/health`` it
+        is marked dead and the call returns None, as for a hung one; other errors pass."""
+        import aiohttp
+
+        try:
+            return await self._post_watched(server, path, **kwargs)
+        except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as err:
+            if server in self.balancer.dead or not await self._healthy(self.urls[server]):
+                self._server_lost(server, err)
+                return None
+            raise
 
     async def _post_watched(self, server: int, path: str, **kwargs) -> dict | None:
         """A POST the hang detector (``_watch``) watches: a request, or a control call (pause,
@@ -468,13 +482,13 @@ class ServerEngine:
         load = weight_loader(weights, self.transfer)
 
         async def finish(server: int) -> None:
-            answer = await self._post_watched(server, "/reset_prefix_cache")
+            answer = await self._post_control(server, "/reset_prefix_cache")
             if answer is None:
                 return  # hung: marked dead
             if not answer.get("success"):
                 raise ServerError(f"{self.urls[server]} refused to reset its prefix cache (blocks still in use)")
             for path, body in (("/update_weight_version", {"new_version": str(policy_version)}), ("/resume", None)):
-                if await self._post_watched(server, path, json=body) is None:
+                if await self._post_control(server, path, json=body) is None:
                     return
 
         async with self._update_lock:

@@ -233,11 +233,15 @@ class MoEConfig(Strict):
 
     load_balancing_type: Literal["none", "aux_loss", "seq_aux_loss", "global_aux_loss"] = "none"
     """Megatron's ``moe_router_load_balancing_type``: none, or the auxiliary load-balancing loss
-    over each micro-batch's tokens / each sequence / the global batch."""
+    over each micro-batch's tokens / each sequence / the global batch. Trained (``aux_loss_coeff``
+    > 0) only as ``seq_aux_loss``: the one that is a sum of per-trajectory terms, so the ledger
+    streams it exactly (``megathunder.learner.router_losses``)."""
     aux_loss_coeff: float = Field(0.0, ge=0)
-    """Weight of the load-balancing loss (Megatron's ``moe_aux_loss_coeff``)."""
+    """Weight of the load-balancing loss (Megatron's ``moe_aux_loss_coeff``), each trajectory's
+    weighted like its KL term (nu_i x loss tokens / Z)."""
     z_loss_coeff: float = Field(0.0, ge=0)
-    """Weight of the router z-loss (Megatron's ``moe_z_loss_coeff``)."""
+    """Weight of the router z-loss (Megatron's ``moe_z_loss_coeff``), a mean over each
+    trajectory's positions, weighted as ``aux_loss_coeff``'s."""
     grouped_gemm: bool = False
     """Megatron's grouped GEMM experts (``moe_grouped_gemm``; CUDA only): false runs the local
     spec's SequentialMLP, one matmul per expert."""
@@ -253,8 +257,19 @@ class MoEConfig(Strict):
     @model_validator(mode="after")
     def _check(self) -> MoEConfig:
         if self.aux_loss_coeff > 0 and self.load_balancing_type == "none":
-            raise ValueError("aux_loss_coeff: > 0 needs a load_balancing_type (aux_loss, seq_aux_loss, global_aux_loss)")
+            raise ValueError("aux_loss_coeff: > 0 needs a load_balancing_type (seq_aux_loss)")
+        if self.aux_loss_coeff > 0 and self.load_balancing_type in ("aux_loss", "global_aux_loss"):
+            over = "each micro-batch's tokens" if self.load_balancing_type == "aux_loss" else "the global batch's tokens"
+            raise ValueError(f"load_balancing_type: {self.load_balancing_type} balances {over} together, which is "
+                             "no sum of per-trajectory terms: the streamed gradient could not equal the batch's "
+                             "(it would depend on how trajectories are grouped into micro-batches); use "
+                             "seq_aux_loss (each sequence's own balance)")
         return self
+
+    @property
+    def router_losses(self) -> bool:
+        """Whether router losses are trained (a non-zero seq_aux_loss or z-loss)."""
+        return (self.aux_loss_coeff > 0 and self.load_balancing_type == "seq_aux_loss") or self.z_loss_coeff > 0
 
 
 class LearnerConfig(Strict):
@@ -289,6 +304,15 @@ class LearnerConfig(Strict):
                 raise ValueError("moe.routing_replay: activations.recompute would run the routers again in the "
                                  "backward, after the micro-batch's replayed experts are gone; recompute "
                                  "core_attn / layernorm only")
+        if self.moe.router_losses:
+            if self.parallel.context_parallel > 1:
+                raise ValueError("moe.aux_loss_coeff / z_loss_coeff: context_parallel > 1 is not supported (each "
+                                 "row's positions follow the sequence-parallel layout only); use 1")
+            act = self.activations
+            if act.recompute == "full" or (act.recompute == "selective" and "mlp" in act.recompute_modules):
+                raise ValueError("moe.aux_loss_coeff / z_loss_coeff: activations.recompute would run the routers "
+                                 "again in the backward, after the micro-batch's router-loss weights are gone; "
+                                 "recompute core_attn / layernorm only")
         if m.hf_checkpoint is None:  # sizes known now; an HF checkpoint is checked when read
             check_parallel_divides_model(m, tp, pp, self.parallel.context_parallel, self.parallel.cp_comm_type)
             if m.is_moe:  # a dense learner.model may be a stand-in for run.init_model (checked by the root)

@@ -40,7 +40,7 @@ from megathunder.config import ConfigError, DistillObjective, OPDAggregation, RL
 from megathunder.learner.backend import run_schedule
 from megathunder.learner.learner import MegatronLearner
 from megathunder.learner.segment_model import MegatronSegmentModel
-from megathunder.objectives import LossSpec, normaliser, num_loss_tokens, trajectory_loss
+from megathunder.objectives import LossSpec, normaliser, num_loss_tokens, router_loss_weight, trajectory_loss
 from megathunder.objectives.opd import opd_normaliser
 from megathunder.objectives.ppo import update_plan
 from megathunder.streaming.buffers import GradBuffer
@@ -311,7 +311,8 @@ def _reward_terms(learner: MegatronLearner, batch: Sequence[Trajectory], advanta
             if a is not None and (owner is None or owner[i] == learner.pgs.dp_rank)]
     if mine:
         items = [batch[i] for i in mine]
-        specs = [LossSpec(advantage=advantages[i], reward_free=objective.has_reward_free_terms) for i in mine]
+        reward_free = objective.has_reward_free_terms or learner.router_losses
+        specs = [LossSpec(advantage=advantages[i], reward_free=reward_free) for i in mine]
         olds = [None if old is None else old[i] for i in mine]
         with learner.ddp.no_sync():
             run_schedule(
@@ -319,6 +320,7 @@ def _reward_terms(learner: MegatronLearner, batch: Sequence[Trajectory], advanta
                 lambda k, logp, ent: trajectory_loss(logp, ent, items[k], specs[k], objective, old_logp_T=olds[k]),
                 need_entropy=objective.entropy_coef > 0, temperature=learner.temperature,
                 pack_tokens=learner.cfg.pack_tokens,
+                router_weights=[router_loss_weight(t, s, objective) for t, s in zip(items, specs, strict=True)],
             )
     return mine
 

@@ -198,3 +198,46 @@ def _merge_json(a: dict, b: dict) -> dict:
     for key, value in b.items():
         out[key] = _merge_json(out.get(key, {}), value) if isinstance(value, dict) else value
     return out
+
+
+ROUTER_LOSSES = {"moe": {"load_balancing_type": "seq_aux_loss", "aux_loss_coeff": 0.1, "z_loss_coeff": 1e-3}}
+"""Megatron's per-sequence load-balancing loss and the router z-loss, both on (megathunder.learner.router_losses)."""
+
+
+@pytest.fixture(scope="module")
+def router_single(hf_qwen3_moe, tmp_path_factory):
+    out = tmp_path_factory.mktemp("router") / "single.pt"
+    launch(1, "equivalence", "--out", str(out), "--hf", str(hf_qwen3_moe), "--optimizer", "sgd", "--router-parts",
+           "--learner", json.dumps(ROUTER_LOSSES))
+    return torch.load(out)
+
+
+def test_router_losses_streamed_equal_the_batch_gradient_and_each_term_counts(router_single, moe_single):
+    """Streamed (one trajectory per backward, score-only passes without the router terms, the reward-free
+    pass with them) == the batch gradient (packed micro-batches of rows of different lengths, so the pads
+    are masked and each row is normalised by its own length), within the MoE bound; and the comparison
+    can fail: the aux loss alone and the z-loss alone each move the gradient by far more than the bound."""
+    reference = _flat(router_single["sync_grad"])
+    assert _rel(_flat(router_single["stream_grad"]), reference) <= MOE_GRAD_TOL
+    plain = _flat(moe_single["sync_grad"])  # the same batch without router losses
+    aux_part = _flat(router_single["sync_grad_aux_only"]) - plain
+    z_part = _flat(router_single["sync_grad_z_only"]) - plain
+    assert aux_part.norm() / reference.norm() > 100 * MOE_GRAD_TOL
+    assert z_part.norm() / reference.norm() > 100 * MOE_GRAD_TOL
+    # the two terms add: the full gradient is the plain one plus each term's part
+    assert _rel(plain + aux_part + z_part, reference) <= MOE_GRAD_TOL
+
+
+@pytest.mark.parametrize("layout,ledger", [("ep2", {}), ("dp2", {"reward_free_terms": "at_finish"})])
+def test_router_losses_under_layouts_equal_one_process(hf_qwen3_moe, tmp_path, router_single, layout, ledger):
+    """TP=2 x EP=2 with SP: each TP rank routes its half of every sequence, the per-expert counts of a row
+    are the all-reduced halves and each rank sums its own positions' scores; DP=2 with the reward-free
+    terms at finish (a pass of their own, before the reward): both paths are one process's."""
+    ranks, learner, _ = LAYOUTS[layout]
+    out = tmp_path / "eq.pt"
+    launch(ranks, "equivalence", "--out", str(out), "--hf", str(hf_qwen3_moe), "--optimizer", "sgd",
+           "--learner", json.dumps(_merge_json(ROUTER_LOSSES, learner)), "--ledger", json.dumps(ledger))
+    run = torch.load(out)
+    reference = _flat(router_single["sync_grad"])
+    assert _rel(_flat(run["stream_grad"]), reference) <= MOE_GRAD_TOL
+    assert _rel(_flat(run["sync_grad"]), reference) <= MOE_GRAD_TOL

@@ -1,6 +1,7 @@
 """Mixture-of-experts settings are validated at parse time, naming the field: the expert layout
 (expert_parallel x expert_tensor_parallel = tensor_parallel, experts divisible, SP under TP), a dense
-model refusing expert parallelism, router losses' fields; a Qwen3-MoE config.json is read into the
+model refusing expert parallelism, router losses' fields (only the per-sequence load-balancing loss and the
+z-loss, which decompose over trajectories); a Qwen3-MoE config.json is read into the
 model's MoE fields, and layouts the learner does not reproduce are refused by name."""
 
 from __future__ import annotations
@@ -34,6 +35,12 @@ MOE = ["learner.model.family=qwen3_moe", "learner.model.num_experts=4", "learner
     (["learner.model.num_experts=4"], "learner.model.num_experts", "family=qwen2"),
     ([*MOE, "learner.model.moe_router_topk=5"], "learner.model.moe_router_topk", "exceeds num_experts=4"),
     (["learner.moe.aux_loss_coeff=0.01"], "learner.moe.aux_loss_coeff", "load_balancing_type"),
+    (["learner.moe.load_balancing_type=aux_loss", "learner.moe.aux_loss_coeff=0.01"],
+     "learner.moe.load_balancing_type", "each micro-batch's tokens together"),
+    (["learner.moe.load_balancing_type=global_aux_loss", "learner.moe.aux_loss_coeff=0.01"],
+     "learner.moe.load_balancing_type", "use seq_aux_loss"),
+    ([*MOE, "learner.moe.z_loss_coeff=0.001", "learner.activations.recompute=full"], "learner.moe.aux_loss_coeff",
+     "run the routers again"),
     (["learner.moe.token_dispatcher=flex"], "learner.moe.token_dispatcher", ""),
     (["learner.moe.routing_replay=true", "schedule.mode=async"], "learner.moe.routing_replay", "sync or thunder"),
     (["learner.moe.routing_replay=true", "learner.activations.recompute=full"], "learner.moe.routing_replay",
@@ -51,6 +58,10 @@ def test_valid_expert_layouts_parse():
                                  f"learner.parallel.expert_parallel={ep}"])
         assert cfg.learner.parallel.expert_tensor_parallel_size == etp
     assert load_config(None, []).learner.moe.aux_loss_coeff == 0.0  # RL gradient: the policy's only
+    moe = load_config(None, [*MOE, "learner.moe.load_balancing_type=seq_aux_loss", "learner.moe.aux_loss_coeff=0.01",
+                             "learner.moe.z_loss_coeff=0.001"]).learner.moe
+    assert moe.router_losses  # the per-sequence loss and the z-loss are exact under the ledger
+    assert not load_config(None, ["learner.moe.load_balancing_type=aux_loss"]).learner.moe.router_losses  # coeff 0
 
 
 def test_routing_replay_turns_on_the_engines_recorder():

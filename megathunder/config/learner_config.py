@@ -34,32 +34,54 @@ class ParallelConfig(Strict):
     expert_parallel: int = Field(1, ge=1)
     """MoE models: the routed experts of each layer are split over this many ranks (Megatron's
     expert parallelism; each rank holds num_experts / expert_parallel whole experts and tokens are
-    dispatched to them). The expert layout refines the tensor-parallel group: expert_parallel x
-    expert_tensor_parallel = tensor_parallel, so the ranks that exchange tokens are ranks that run
-    the same trajectory at the same time (the ledger's per-trajectory backwards need no lockstep
-    between data-parallel ranks); under tensor parallelism MoE needs sequence_parallel (Megatron's
-    rule for training)."""
+    dispatched to them). The expert grid expert_parallel x expert_tensor_parallel is a multiple of
+    tensor_parallel: equal to it, the experts are split over the ranks of one tensor-parallel group,
+    which run the same trajectory at the same time; k times it, the grid also spans k
+    data-parallel ranks (Megatron's usual layout, EP drawn from DP), and those k ranks run every
+    trajectory together, as one data-parallel unit (the ledger's per-trajectory backwards need the
+    ranks that exchange tokens in lockstep: ``megathunder.learner.parallel``), so experts are
+    sharded k times further at the price of k-fold dense compute; k must divide the data-parallel
+    size. Under tensor parallelism MoE needs sequence_parallel (Megatron's rule for training)."""
     expert_tensor_parallel: int | None = Field(None, ge=1)
     """MoE models: each expert's matrices split over this many ranks (Megatron's expert-tensor
-    parallelism, like a dense MLP under TP); null = tensor_parallel / expert_parallel."""
+    parallelism, like a dense MLP under TP); null = tensor_parallel / expert_parallel where
+    expert_parallel divides tensor_parallel, else 1. Must divide tensor_parallel."""
 
     @model_validator(mode="after")
     def _check(self) -> ParallelConfig:
         if self.sequence_parallel and self.tensor_parallel == 1:
             raise ValueError("sequence_parallel: needs tensor_parallel > 1 (it splits the sequence over the TP ranks)")
         tp, ep = self.tensor_parallel, self.expert_parallel
-        if tp % ep:
-            raise ValueError(f"expert_parallel: {ep} does not divide tensor_parallel={tp} (experts are split over "
-                             "ranks of one tensor-parallel group, which run the same trajectory)")
-        if self.expert_tensor_parallel is not None and self.expert_tensor_parallel * ep != tp:
-            raise ValueError(f"expert_tensor_parallel: {self.expert_tensor_parallel} x expert_parallel={ep} must "
-                             f"equal tensor_parallel={tp}")
+        if tp % ep and ep % tp:
+            raise ValueError(f"expert_parallel: {ep} and tensor_parallel={tp} do not divide one another (the expert "
+                             "grid is one tensor-parallel group, or whole groups of several data-parallel ranks)")
+        etp = self.expert_tensor_parallel_size
+        if tp % etp:
+            raise ValueError(f"expert_tensor_parallel: {etp} does not divide tensor_parallel={tp}")
+        if (etp * ep) % tp:
+            raise ValueError(f"expert_tensor_parallel: {etp} x expert_parallel={ep} must be a multiple of "
+                             f"tensor_parallel={tp}")
+        span = self.expert_data_span
+        if span > 1 and self.data_parallel is not None and self.data_parallel % span:
+            raise ValueError(f"expert_parallel: the expert grid {ep} x {etp} spans {span} data-parallel ranks, which "
+                             f"does not divide data_parallel={self.data_parallel}")
+        if span > 1 and self.pipeline_parallel > 1:
+            raise ValueError(f"expert_parallel: an expert grid spanning data-parallel ranks ({ep} x {etp} > "
+                             f"tensor_parallel={tp}) is not supported with pipeline_parallel > 1 yet")
         return self
 
     @property
     def expert_tensor_parallel_size(self) -> int:
-        """expert_tensor_parallel, or tensor_parallel / expert_parallel when null."""
-        return self.expert_tensor_parallel or self.tensor_parallel // self.expert_parallel
+        """expert_tensor_parallel, or tensor_parallel / expert_parallel when that divides, else 1."""
+        if self.expert_tensor_parallel is not None:
+            return self.expert_tensor_parallel
+        tp, ep = self.tensor_parallel, self.expert_parallel
+        return tp // ep if tp % ep == 0 else 1
+
+    @property
+    def expert_data_span(self) -> int:
+        """How many data-parallel ranks one expert grid spans (1: it is one tensor-parallel group)."""
+        return self.expert_parallel * self.expert_tensor_parallel_size // self.tensor_parallel
 
 
 class RopeScalingConfig(Strict):

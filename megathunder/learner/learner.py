@@ -78,6 +78,9 @@ class MegatronLearner:
         hf_dir = Path(hf_dir) if hf_dir is not None else (
             Path(cfg.model.hf_checkpoint) if cfg.model.hf_checkpoint is not None else None)
         model_cfg = resolve_model_config(cfg.model, hf_dir)
+        if pgs.dims.expert_span > 1 and objective.kind != "grpo":
+            raise ConfigError(f"learner.parallel.expert_parallel: an expert grid spanning data-parallel ranks trains "
+                              f"objective.kind grpo only (data-parallel units), not {objective.kind}")
         if model_cfg.is_moe and cfg.moe.router_losses and objective.kind != "grpo":
             raise ConfigError(f"learner.moe.aux_loss_coeff / z_loss_coeff: router losses are trained as reward-free "
                               f"terms of the GRPO ledger (objective.kind grpo), not under objective.kind "
@@ -135,6 +138,10 @@ class MegatronLearner:
         """Reduce the gradient in DDP's buffers across data-parallel ranks once, then step.
         ``advance_schedule=False``: a PPO mini-batch's step inside a batch (the learning rate and
         the step count advance once per batch)."""
+        span = self.pgs.dims.expert_span
+        if span > 1:  # an expert grid across DP ranks: every unit's gradient is there k times (parallel.py)
+            for grad in self.backend.live.tensors:
+                grad.mul_(1.0 / span)
         finalize_model_grads([self.ddp], None, pg_collection=self.pgs.collection)
         ok, grad_norm, _ = self.optimizer.step()
         # The optimizer aliased param.grad to main_grad; a later backward would then add each

@@ -78,7 +78,7 @@ def equivalence(args) -> None:
     if args.routing:  # routing replay: every trajectory's experts from the file (routing_record)
         routed = torch.load(args.routing)["shifted"]
         batch = [dataclasses.replace(t, routed_experts=r) for t, r in zip(batch, routed, strict=True)]
-    dp, dp_rank = pgs.dims.dp, pgs.dp_rank
+    dp, dp_rank = pgs.dims.data_units, pgs.data_unit  # DP units: an expert grid may span DP ranks
     owner = [t.traj_id % dp for t in batch]
     if objective.kl_coef > 0:
         learner.fill_ref_logprobs(batch)
@@ -208,7 +208,7 @@ def _learner(args, objective=None, temperature: float = 1.0):
 
 def _streamed_step(learner: MegatronLearner, seed: int) -> None:
     batch, rewards, events = make_batch(seed, learner.model_cfg.vocab_size)
-    dp, dp_rank = learner.pgs.dims.dp, learner.pgs.dp_rank
+    dp, dp_rank = learner.pgs.dims.data_units, learner.pgs.data_unit
     ledger = learner.ledger
     ledger.begin_batch(batch_plan(batch))
     syn.feed_events(ledger, batch, rewards, events, owner=lambda t: t.traj_id % dp == dp_rank,

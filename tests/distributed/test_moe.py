@@ -40,6 +40,7 @@ LAYOUTS = {  # name: (ranks, learner config, expert-parallel buffers expected)
     "pp2": (2, {"parallel": {"pipeline_parallel": 2}}, False),
     "dp2": (2, {}, False),
     "tp2_ep2_dp2": (4, EP2, True),
+    "dp2_ep2": (2, {"parallel": {"expert_parallel": 2}}, True),  # the expert grid spans the two DP ranks
 }
 
 
@@ -89,8 +90,9 @@ def test_mixtral_imports_exports_bit_exact_and_matches_transformers_at_tp2_ep2(h
 
 
 @pytest.mark.parametrize("ranks,learner", [(1, {}), (4, {"parallel": {
-    "tensor_parallel": 2, "pipeline_parallel": 2, "sequence_parallel": True, "expert_parallel": 2}})],
-    ids=["one_process", "tp2_pp2_ep2"])
+    "tensor_parallel": 2, "pipeline_parallel": 2, "sequence_parallel": True, "expert_parallel": 2}}),
+    (2, {"parallel": {"expert_parallel": 2}})],
+    ids=["one_process", "tp2_pp2_ep2", "dp2_ep2"])
 def test_moe_hf_roundtrip_is_bit_exact_and_logprobs_match_transformers(hf_qwen3_moe, tmp_path, ranks, learner):
     """Each rank reads only its experts (and its slices); the export gathers every expert of a stage
     onto its TP rank 0 and writes one tensor per expert, as the checkpoint had them."""

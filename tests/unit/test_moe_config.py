@@ -19,14 +19,19 @@ MOE = ["learner.model.family=qwen3_moe", "learner.model.num_experts=4", "learner
 
 
 @pytest.mark.parametrize("overrides,field,words", [
-    (["learner.parallel.expert_parallel=2"], "learner.parallel.expert_parallel", "does not divide tensor_parallel=1"),
+    (["learner.parallel.tensor_parallel=2", "learner.parallel.sequence_parallel=true",
+      "learner.parallel.expert_parallel=3"], "learner.parallel.expert_parallel", "do not divide one another"),
+    ([*MOE, "learner.parallel.expert_parallel=2", "learner.parallel.data_parallel=3"],
+     "learner.parallel.expert_parallel", "does not divide data_parallel=3"),
+    ([*MOE, "learner.parallel.expert_parallel=2", "learner.parallel.pipeline_parallel=2"],
+     "learner.parallel.expert_parallel", "pipeline_parallel > 1"),
     (["learner.parallel.tensor_parallel=2", "learner.parallel.sequence_parallel=true",
       "learner.parallel.expert_parallel=2"], "learner.parallel.expert_parallel", "dense model"),
     ([*MOE, "learner.parallel.tensor_parallel=2", "learner.parallel.expert_parallel=2"],
      "learner.parallel.sequence_parallel", "needs sequence parallelism"),
     ([*MOE, "learner.parallel.tensor_parallel=4", "learner.parallel.sequence_parallel=true",
       "learner.parallel.expert_parallel=2", "learner.parallel.expert_tensor_parallel=1"],
-     "learner.parallel.expert_tensor_parallel", "must equal tensor_parallel=4"),
+     "learner.parallel.expert_tensor_parallel", "must be a multiple of tensor_parallel=4"),
     (["learner.model.family=qwen3_moe", "learner.model.num_experts=5", "learner.parallel.tensor_parallel=2",
       "learner.parallel.sequence_parallel=true", "learner.parallel.expert_parallel=2"],
      "learner.parallel.expert_parallel", "num_experts=5"),
@@ -57,6 +62,8 @@ def test_valid_expert_layouts_parse():
         cfg = load_config(None, [*MOE, "learner.parallel.tensor_parallel=2", "learner.parallel.sequence_parallel=true",
                                  f"learner.parallel.expert_parallel={ep}"])
         assert cfg.learner.parallel.expert_tensor_parallel_size == etp
+    across = load_config(None, [*MOE, "learner.parallel.expert_parallel=2"]).learner.parallel  # EP drawn from DP
+    assert (across.expert_tensor_parallel_size, across.expert_data_span) == (1, 2)
     assert load_config(None, []).learner.moe.aux_loss_coeff == 0.0  # RL gradient: the policy's only
     moe = load_config(None, [*MOE, "learner.moe.load_balancing_type=seq_aux_loss", "learner.moe.aux_loss_coeff=0.01",
                              "learner.moe.z_loss_coeff=0.001"]).learner.moe

@@ -109,7 +109,7 @@ def main(argv: Sequence[str]) -> int:
         t.rollout_logprobs = t.ref_logprobs = None
         t.truncated = False
     rewards = [float(rng.random() < 0.5) for _ in batch]
-    dp, dp_rank = pgs.dims.dp, pgs.dp_rank
+    dp, dp_rank = pgs.dims.data_units, pgs.data_unit
     owner = [t.traj_id % dp for t in batch]
     plan = batch_plan(batch)
     all_at_once = [syn.Event("finished", t.traj_id) for t in batch] + [syn.Event("reward", t.traj_id) for t in batch]

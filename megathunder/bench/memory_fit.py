@@ -162,7 +162,7 @@ def worker(args: argparse.Namespace) -> int:
     learner = MegatronLearner.build(cfg.learner, cfg.objective, pgs, cfg.ledger)
     ledger = learner.ledger
     assert ledger is not None
-    dp, dp_rank = pgs.dims.dp, pgs.dp_rank
+    dp, dp_rank = pgs.dims.data_units, pgs.data_unit
 
     def feed(batch, rewards, order) -> None:
         ledger.begin_batch(batch_plan(batch))

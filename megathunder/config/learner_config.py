@@ -34,32 +34,54 @@ class ParallelConfig(Strict):
     expert_parallel: int = Field(1, ge=1)
     """MoE models: the routed experts of each layer are split over this many ranks (Megatron's
     expert parallelism; each rank holds num_experts / expert_parallel whole experts and tokens are
-    dispatched to them). The expert layout refines the tensor-parallel group: expert_parallel x
-    expert_tensor_parallel = tensor_parallel, so the ranks that exchange tokens are ranks that run
-    the same trajectory at the same time (the ledger's per-trajectory backwards need no lockstep
-    between data-parallel ranks); under tensor parallelism MoE needs sequence_parallel (Megatron's
-    rule for training)."""
+    dispatched to them). The expert grid expert_parallel x expert_tensor_parallel is a multiple of
+    tensor_parallel: equal to it, the experts are split over the ranks of one tensor-parallel group,
+    which run the same trajectory at the same time; k times it, the grid also spans k
+    data-parallel ranks (Megatron's usual layout, EP drawn from DP), and those k ranks run every
+    trajectory together, as one data-parallel unit (the ledger's per-trajectory backwards need the
+    ranks that exchange tokens in lockstep: ``megathunder.learner.parallel``), so experts are
+    sharded k times further at the price of k-fold dense compute; k must divide the data-parallel
+    size. Under tensor parallelism MoE needs sequence_parallel (Megatron's rule for training)."""
     expert_tensor_parallel: int | None = Field(None, ge=1)
     """MoE models: each expert's matrices split over this many ranks (Megatron's expert-tensor
-    parallelism, like a dense MLP under TP); null = tensor_parallel / expert_parallel."""
+    parallelism, like a dense MLP under TP); null = tensor_parallel / expert_parallel where
+    expert_parallel divides tensor_parallel, else 1. Must divide tensor_parallel."""
 
     @model_validator(mode="after")
     def _check(self) -> ParallelConfig:
         if self.sequence_parallel and self.tensor_parallel == 1:
             raise ValueError("sequence_parallel: needs tensor_parallel > 1 (it splits the sequence over the TP ranks)")
         tp, ep = self.tensor_parallel, self.expert_parallel
-        if tp % ep:
-            raise ValueError(f"expert_parallel: {ep} does not divide tensor_parallel={tp} (experts are split over "
-                             "ranks of one tensor-parallel group, which run the same trajectory)")
-        if self.expert_tensor_parallel is not None and self.expert_tensor_parallel * ep != tp:
-            raise ValueError(f"expert_tensor_parallel: {self.expert_tensor_parallel} x expert_parallel={ep} must "
-                             f"equal tensor_parallel={tp}")
+        if tp % ep and ep % tp:
+            raise ValueError(f"expert_parallel: {ep} and tensor_parallel={tp} do not divide one another (the expert "
+                             "grid is one tensor-parallel group, or whole groups of several data-parallel ranks)")
+        etp = self.expert_tensor_parallel_size
+        if tp % etp:
+            raise ValueError(f"expert_tensor_parallel: {etp} does not divide tensor_parallel={tp}")
+        if (etp * ep) % tp:
+            raise ValueError(f"expert_tensor_parallel: {etp} x expert_parallel={ep} must be a multiple of "
+                             f"tensor_parallel={tp}")
+        span = self.expert_data_span
+        if span > 1 and self.data_parallel is not None and self.data_parallel % span:
+            raise ValueError(f"expert_parallel: the expert grid {ep} x {etp} spans {span} data-parallel ranks, which "
+                             f"does not divide data_parallel={self.data_parallel}")
+        if span > 1 and self.pipeline_parallel > 1:
+            raise ValueError(f"expert_parallel: an expert grid spanning data-parallel ranks ({ep} x {etp} > "
+                             f"tensor_parallel={tp}) is not supported with pipeline_parallel > 1 yet")
         return self
 
     @property
     def expert_tensor_parallel_size(self) -> int:
-        """expert_tensor_parallel, or tensor_parallel / expert_parallel when null."""
-        return self.expert_tensor_parallel or self.tensor_parallel // self.expert_parallel
+        """expert_tensor_parallel, or tensor_parallel / expert_parallel when that divides, else 1."""
+        if self.expert_tensor_parallel is not None:
+            return self.expert_tensor_parallel
+        tp, ep = self.tensor_parallel, self.expert_parallel
+        return tp // ep if tp % ep == 0 else 1
+
+    @property
+    def expert_data_span(self) -> int:
+        """How many data-parallel ranks one expert grid spans (1: it is one tensor-parallel group)."""
+        return self.expert_parallel * self.expert_tensor_parallel_size // self.tensor_parallel
 
 
 class RopeScalingConfig(Strict):
@@ -233,11 +255,15 @@ class MoEConfig(Strict):
 
     load_balancing_type: Literal["none", "aux_loss", "seq_aux_loss", "global_aux_loss"] = "none"
     """Megatron's ``moe_router_load_balancing_type``: none, or the auxiliary load-balancing loss
-    over each micro-batch's tokens / each sequence / the global batch."""
+    over each micro-batch's tokens / each sequence / the global batch. Trained (``aux_loss_coeff``
+    > 0) only as ``seq_aux_loss``: the one that is a sum of per-trajectory terms, so the ledger
+    streams it exactly (``megathunder.learner.router_losses``)."""
     aux_loss_coeff: float = Field(0.0, ge=0)
-    """Weight of the load-balancing loss (Megatron's ``moe_aux_loss_coeff``)."""
+    """Weight of the load-balancing loss (Megatron's ``moe_aux_loss_coeff``), each trajectory's
+    weighted like its KL term (nu_i x loss tokens / Z)."""
     z_loss_coeff: float = Field(0.0, ge=0)
-    """Weight of the router z-loss (Megatron's ``moe_z_loss_coeff``)."""
+    """Weight of the router z-loss (Megatron's ``moe_z_loss_coeff``), a mean over each
+    trajectory's positions, weighted as ``aux_loss_coeff``'s."""
     grouped_gemm: bool = False
     """Megatron's grouped GEMM experts (``moe_grouped_gemm``; CUDA only): false runs the local
     spec's SequentialMLP, one matmul per expert."""
@@ -253,8 +279,19 @@ class MoEConfig(Strict):
     @model_validator(mode="after")
     def _check(self) -> MoEConfig:
         if self.aux_loss_coeff > 0 and self.load_balancing_type == "none":
-            raise ValueError("aux_loss_coeff: > 0 needs a load_balancing_type (aux_loss, seq_aux_loss, global_aux_loss)")
+            raise ValueError("aux_loss_coeff: > 0 needs a load_balancing_type (seq_aux_loss)")
+        if self.aux_loss_coeff > 0 and self.load_balancing_type in ("aux_loss", "global_aux_loss"):
+            over = "each micro-batch's tokens" if self.load_balancing_type == "aux_loss" else "the global batch's tokens"
+            raise ValueError(f"load_balancing_type: {self.load_balancing_type} balances {over} together, which is "
+                             "no sum of per-trajectory terms: the streamed gradient could not equal the batch's "
+                             "(it would depend on how trajectories are grouped into micro-batches); use "
+                             "seq_aux_loss (each sequence's own balance)")
         return self
+
+    @property
+    def router_losses(self) -> bool:
+        """Whether router losses are trained (a non-zero seq_aux_loss or z-loss)."""
+        return (self.aux_loss_coeff > 0 and self.load_balancing_type == "seq_aux_loss") or self.z_loss_coeff > 0
 
 
 class LearnerConfig(Strict):
@@ -289,6 +326,15 @@ class LearnerConfig(Strict):
                 raise ValueError("moe.routing_replay: activations.recompute would run the routers again in the "
                                  "backward, after the micro-batch's replayed experts are gone; recompute "
                                  "core_attn / layernorm only")
+        if self.moe.router_losses:
+            if self.parallel.context_parallel > 1:
+                raise ValueError("moe.aux_loss_coeff / z_loss_coeff: context_parallel > 1 is not supported (each "
+                                 "row's positions follow the sequence-parallel layout only); use 1")
+            act = self.activations
+            if act.recompute == "full" or (act.recompute == "selective" and "mlp" in act.recompute_modules):
+                raise ValueError("moe.aux_loss_coeff / z_loss_coeff: activations.recompute would run the routers "
+                                 "again in the backward, after the micro-batch's router-loss weights are gone; "
+                                 "recompute core_attn / layernorm only")
         if m.hf_checkpoint is None:  # sizes known now; an HF checkpoint is checked when read
             check_parallel_divides_model(m, tp, pp, self.parallel.context_parallel, self.parallel.cp_comm_type)
             if m.is_moe:  # a dense learner.model may be a stand-in for run.init_model (checked by the root)

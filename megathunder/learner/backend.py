@@ -40,6 +40,11 @@ hand-off's full shape first, so no row padding is needed. Under SP the padded le
 multiple of TP as before (the batch dimension is not split). Under CP the sequence gather is per
 trajectory, so CP falls back to one trajectory per micro-batch.
 
+Router losses (``learner.moe.aux_loss_coeff`` / ``z_loss_coeff``). Each micro-batch's rows get
+their trajectories' router-loss weights just before its forward (``router_weights``: the pass's
+weight of each trajectory, 0 in a score-only pass; ``megathunder.learner.router_losses`` derives
+why the streamed sum is the batch's).
+
 Routing replay (``learner.moe.routing_replay``). When the model replays and the trajectories carry
 the engine's routed experts, each micro-batch's rows are handed to the routers just before its
 forward (``megathunder.learner.routing_replay``).
@@ -60,8 +65,9 @@ from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 from megathunder.config import RLObjective
 from megathunder.learner.logprobs import vocab_parallel_logprobs
 from megathunder.learner.parallel import ProcessGroups
+from megathunder.learner.router_losses import schedule_router_losses
 from megathunder.learner.routing_replay import schedule_replay
-from megathunder.objectives import LossSpec, trajectory_loss
+from megathunder.objectives import LossSpec, router_loss_weight, trajectory_loss
 from megathunder.streaming.buffers import GradBuffer
 from megathunder.trajectory import Trajectory, pack_micro_batches
 
@@ -76,6 +82,7 @@ def run_schedule(
     forward_only: bool = False,
     temperature: float = 1.0,
     pack_tokens: int = 0,
+    router_weights: Sequence[float] | None = None,
 ) -> list[dict]:
     """One Megatron forward(-backward) schedule call over ``items``, several trajectories packed
     into each micro-batch.
@@ -88,7 +95,9 @@ def run_schedule(
     per-sequence terms stay exact. Under context parallelism every micro-batch holds one
     trajectory (the CP gather is per sequence; ``pack_tokens`` is ignored). Returns, on the last
     stage, one dict per trajectory (in ``items`` order) with its detached ``logp`` (and
-    ``entropy``); nothing on other stages.
+    ``entropy``); nothing on other stages. ``router_weights``: each trajectory's weight of a
+    MoE model's router losses in this call (``megathunder.learner.router_losses``; None: a call
+    that trains none, e.g. forward-only).
     """
     device = pgs.device
     dims = pgs.dims
@@ -96,12 +105,15 @@ def run_schedule(
     groups = pack_micro_batches(lengths, pack_tokens if dims.cp == 1 else 0)
     index = iter(groups)
     replay = schedule_replay(ddp_model, items, pgs)  # learner.moe.routing_replay
+    router_losses = schedule_router_losses(ddp_model, [t.tokens.numel() - 1 for t in items], router_weights, pgs)
 
     def forward_step(data_iterator, model):
         ks = next(data_iterator)
         width = max(lengths[k] for k in ks)
         if replay is not None:
             replay.set(ks, width)
+        if router_losses is not None:
+            router_losses.set(ks, width)
         inputs = torch.zeros(len(ks), width, dtype=torch.long, device=device)
         labels = torch.zeros_like(inputs)
         for row, k in enumerate(ks):
@@ -156,6 +168,8 @@ def run_schedule(
     finally:
         if replay is not None:
             replay.close()
+        if router_losses is not None:
+            router_losses.close()
     return [report for reports in out for report in reports]
 
 
@@ -206,12 +220,13 @@ class MegatronBackend:
     """``GradientBackend`` over a Megatron ``DistributedDataParallel`` model chunk."""
 
     def __init__(self, ddp_model: DistributedDataParallel, pgs: ProcessGroups, objective: RLObjective | None,
-                 temperature: float = 1.0, pack_tokens: int = 0) -> None:
+                 temperature: float = 1.0, pack_tokens: int = 0, router_losses: bool = False) -> None:
         self.ddp = ddp_model
         self.pack_tokens = pack_tokens  # learner.pack_tokens: backward_sum's micro-batches
         self.pgs = pgs
         self.objective = objective
         self.temperature = temperature  # the sampling temperature: logprobs of softmax(z / T)
+        self.router_losses = router_losses  # learner.moe: a reward-free pass adds the routers' losses
         buffers = list(ddp_model.buffers) + list(getattr(ddp_model, "expert_parallel_buffers", []))
         self.live = GradBuffer([b.grad_data for b in buffers])
         self.num_backward = 0
@@ -235,7 +250,7 @@ class MegatronBackend:
             self.ddp.zero_grad_buffer()
             with self.ddp.no_sync():
                 run_schedule(self.ddp, self.pgs, [traj], loss, need_entropy=objective.entropy_coef > 0,
-                             temperature=self.temperature)
+                             temperature=self.temperature, router_weights=self._router_weights([traj], [spec]))
             self.num_backward += 1
             yield self.live
 
@@ -249,10 +264,16 @@ class MegatronBackend:
                 self.ddp, self.pgs, list(trajs),
                 lambda k, logp, ent: trajectory_loss(logp, ent, trajs[k], specs[k], objective),
                 need_entropy=objective.entropy_coef > 0, temperature=self.temperature,
-                pack_tokens=self.pack_tokens,
+                pack_tokens=self.pack_tokens, router_weights=self._router_weights(trajs, specs),
             )
         self.num_backward += len(trajs)
         return self.live
+
+    def _router_weights(self, trajs: Sequence[Trajectory], specs: Sequence[LossSpec]) -> list[float] | None:
+        if not self.router_losses:
+            return None
+        objective = self._objective()
+        return [router_loss_weight(t, s, objective) for t, s in zip(trajs, specs, strict=True)]
 
     def load_grad(self, grad: GradBuffer) -> None:
         self.live.copy_(grad)

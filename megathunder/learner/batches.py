@@ -40,7 +40,7 @@ from megathunder.config import ConfigError, DistillObjective, OPDAggregation, RL
 from megathunder.learner.backend import run_schedule
 from megathunder.learner.learner import MegatronLearner
 from megathunder.learner.segment_model import MegatronSegmentModel
-from megathunder.objectives import LossSpec, normaliser, num_loss_tokens, trajectory_loss
+from megathunder.objectives import LossSpec, normaliser, num_loss_tokens, router_loss_weight, trajectory_loss
 from megathunder.objectives.opd import opd_normaliser
 from megathunder.objectives.ppo import update_plan
 from megathunder.streaming.buffers import GradBuffer
@@ -100,7 +100,7 @@ class Batch(abc.ABC):
 
     def __init__(self, learner: MegatronLearner, plan: BatchPlan, streamed: bool) -> None:
         self.learner, self.plan, self.streamed = learner, plan, streamed
-        self.owners = Ownership(learner.pgs.dims.dp, learner.pgs.dp_rank)
+        self.owners = Ownership(learner.pgs.dims.data_units, learner.pgs.data_unit)
         self._passes_at_last_reward = 0
 
     @abc.abstractmethod
@@ -274,7 +274,7 @@ def ppo_gradient(learner: MegatronLearner, batch: Sequence[Trajectory], rewards:
     objective = _rl(learner)
     advantages, z = batch_advantages(batch, rewards, objective)
     kept = [i for i, a in enumerate(advantages) if a is not None]
-    old = _old_logprobs(learner, batch, [i for i in kept if owner is None or owner[i] == learner.pgs.dp_rank])
+    old = _old_logprobs(learner, batch, [i for i in kept if owner is None or owner[i] == learner.pgs.data_unit])
     passes = 0
     for k, chunk in enumerate(update_plan(kept, objective)):
         if k:
@@ -308,10 +308,11 @@ def _reward_terms(learner: MegatronLearner, batch: Sequence[Trajectory], advanta
     logprobs by batch index (default: the current ones, ratio 1)."""
     objective = _rl(learner)
     mine = [i for i, a in enumerate(advantages)
-            if a is not None and (owner is None or owner[i] == learner.pgs.dp_rank)]
+            if a is not None and (owner is None or owner[i] == learner.pgs.data_unit)]
     if mine:
         items = [batch[i] for i in mine]
-        specs = [LossSpec(advantage=advantages[i], reward_free=objective.has_reward_free_terms) for i in mine]
+        reward_free = objective.has_reward_free_terms or learner.router_losses
+        specs = [LossSpec(advantage=advantages[i], reward_free=reward_free) for i in mine]
         olds = [None if old is None else old[i] for i in mine]
         with learner.ddp.no_sync():
             run_schedule(
@@ -319,6 +320,7 @@ def _reward_terms(learner: MegatronLearner, batch: Sequence[Trajectory], advanta
                 lambda k, logp, ent: trajectory_loss(logp, ent, items[k], specs[k], objective, old_logp_T=olds[k]),
                 need_entropy=objective.entropy_coef > 0, temperature=learner.temperature,
                 pack_tokens=learner.cfg.pack_tokens,
+                router_weights=[router_loss_weight(t, s, objective) for t, s in zip(items, specs, strict=True)],
             )
     return mine
 

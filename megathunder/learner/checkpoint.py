@@ -152,6 +152,8 @@ def load_checkpoint(learner: MegatronLearner, path: str | Path, load_optimizer: 
         del state["optimizer"]
     state["scheduler"] = learner.scheduler.state_dict()
     state["num_steps"] = 0
+    if load_optimizer:
+        _check_optimizer_kind(state["optimizer"], path)
     loaded = dist_checkpointing.load(state, str(path))
     learner.model.load_state_dict(loaded["model"], strict=False)
     if load_optimizer:
@@ -162,3 +164,21 @@ def load_checkpoint(learner: MegatronLearner, path: str | Path, load_optimizer: 
     if learner.reference is not None and learner.num_steps == 0:
         learner.reference.load_state_dict(learner.model.state_dict(), strict=False)
     torch.distributed.barrier()
+
+
+def _check_optimizer_kind(optimizer_state: dict, path: Path) -> None:
+    """megatron-core 0.16 keeps a MoE's expert parameters in an optimizer of their own (a
+    ChainedOptimizer: keys ``chained_0.`` / ``chained_1.``) only under expert parallelism, and cannot
+    load one kind of state into the other: say so by field instead of Megatron's KeyError."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+
+    ours = any(str(getattr(v, "key", "")).startswith("chained_") for v in nested_values(optimizer_state))
+    saved_keys = [k for k in dist_checkpointing.load_tensors_metadata(str(path)) if ".optimizer." in f".{k}"]
+    saved = any(k.startswith("chained_") for k in saved_keys)
+    if saved_keys and ours != saved:
+        raise ValueError(
+            f"checkpoint {path}: its optimizer state was saved with learner.parallel.expert_parallel "
+            f"{'> 1' if saved else '= 1'} (dense and expert optimizers {'chained' if saved else 'as one'}) and this "
+            f"learner has expert_parallel {'> 1' if ours else '= 1'}; megatron-core 0.16 does not reshard between "
+            "the two: resume with expert_parallel on the same side of 1 (any such layout), or load the weights only")

@@ -399,15 +399,19 @@ def stage_hf_tensors(model: torch.nn.Module, m: PolicyModelConfig, pgs: ProcessG
     """This stage's weights as HF tensors (``dtype``: cast first, e.g. to the inference dtype), one
     parameter at a time, yielded on the stage's (TP rank 0, DP rank 0). Every TP rank of DP rank 0
     takes part in each parameter's gather and must run the iterator to its end (it yields nothing
-    there); other DP ranks (replicas) return at once."""
-    if pgs.dp_rank != 0:
+    there); other DP ranks (replicas) return at once -- but for an expert grid spanning DP ranks,
+    whose other DP ranks of unit 0 take part in the experts' gathers."""
+    if pgs.data_unit != 0:
         return
+    lead = pgs.dp_rank == 0  # the unit's first DP rank: the dense gathers, and the yield
     params = _checked_params(model, m, pgs, offset)
     dtype = dtype or next(iter(params.values())).dtype
     for key in megatron_keys(m, pgs.dims.pp, pgs.pp_rank):
+        if not lead and expert_index(key) is None:
+            continue
         param = params.get(key)  # None: an expert of another expert-parallel rank
         stacked = gather_param(key, None if param is None else param.detach(), m, pgs, dtype)
-        if pgs.tp_rank == 0:
+        if pgs.tp_rank == 0 and lead:
             assert stacked is not None
             yield from hf_views(key, stacked, m)
         del stacked
@@ -427,17 +431,19 @@ def gather_param(key: str, local: torch.Tensor | None, m: PolicyModelConfig, pgs
             return gather_shards(local, pgs, dtype)
         return None if pgs.tp_rank != 0 or local is None else local.to(dtype)[None]
     owner, n = e // experts_per_rank(m, pgs.dims.ep), pgs.dims.etp
-    holders = [pgs.expert_tp_rank(owner, s) for s in range(n)]
-    if pgs.tp_rank != 0:
-        if pgs.tp_rank in holders:
+    holders = [pgs.expert_tp_rank(owner, s) for s in range(n)]  # ranks of the expert grid
+    # the grid is the TP group, or (EP across DP ranks) Megatron's tp_ep group, unit 0's
+    group, me = (pgs.tp, pgs.tp_rank) if pgs.dims.expert_span == 1 else (pgs.collection.tp_ep, pgs.expert_grid_rank)
+    if me != 0:
+        if me in holders:
             assert local is not None
-            dist.send(local.to(dtype).contiguous(), dst=dist.get_global_rank(pgs.tp, 0), group=pgs.tp)
+            dist.send(local.to(dtype).contiguous(), dst=dist.get_global_rank(group, 0), group=group)
         return None
     if holders == [0]:
         assert local is not None
         return local.to(dtype)[None]
     stacked = torch.empty((n, *_expert_shard_shape(key, m, n)), dtype=dtype, device=pgs.device)
-    works = [dist.irecv(stacked[s], src=dist.get_global_rank(pgs.tp, r), group=pgs.tp)
+    works = [dist.irecv(stacked[s], src=dist.get_global_rank(group, r), group=group)
              for s, r in enumerate(holders) if r != 0]
     if 0 in holders:
         assert local is not None
@@ -583,7 +589,7 @@ def gather_full_state(
         else:
             full = local
         stage[_local_to_global(canon, offset)] = full.cpu().clone()
-    if m.num_experts is not None and pgs.dp_rank == 0:  # experts: onto TP rank 0 from their holders
+    if m.num_experts is not None and pgs.data_unit == 0:  # experts: onto grid rank 0 from their holders
         mine = {k: value(p) for k, p in rank_params(model, m, pgs, offset).items() if expert_index(k) is not None}
         dtype = next(iter(mine.values())).dtype
         for key in megatron_keys(m, pgs.dims.pp, pgs.pp_rank):

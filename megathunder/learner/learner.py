@@ -59,8 +59,11 @@ class MegatronLearner:
         self.offset = layer_offset(model_cfg, pgs)
         rl = objective if isinstance(objective, RLObjective) else None  # the reward part, if any
         self.temperature = temperature  # rollout.temperature: the policy trained is softmax(z / T), what vLLM samples
-        self.backend = MegatronBackend(ddp, pgs, rl, temperature, cfg.pack_tokens)
-        self.ledger = GradientLedger(self.backend, rl, ledger_cfg) if rl is not None else None
+        # MoE router losses (learner.moe): reward-free terms of the model's own, carried by the ledger
+        self.router_losses = model_cfg.is_moe and cfg.moe.router_losses
+        self.backend = MegatronBackend(ddp, pgs, rl, temperature, cfg.pack_tokens, self.router_losses)
+        self.ledger = (GradientLedger(self.backend, rl, ledger_cfg, model_reward_free=self.router_losses)
+                       if rl is not None else None)
         self.reference = reference
         self.hf_dir = hf_dir  # the Hugging Face directory the weights came from (tokenizer, config)
         self.num_steps = 0
@@ -75,10 +78,13 @@ class MegatronLearner:
         hf_dir = Path(hf_dir) if hf_dir is not None else (
             Path(cfg.model.hf_checkpoint) if cfg.model.hf_checkpoint is not None else None)
         model_cfg = resolve_model_config(cfg.model, hf_dir)
-        if model_cfg.is_moe and (cfg.moe.aux_loss_coeff > 0 or cfg.moe.z_loss_coeff > 0):
-            raise ConfigError("learner.moe.aux_loss_coeff / z_loss_coeff: router losses are not yet carried by the "
-                              "gradient ledger (each trajectory's backward would scale them by its loss "
-                              "coefficients); keep them 0 so the RL gradient is exactly the policy's")
+        if pgs.dims.expert_span > 1 and objective.kind != "grpo":
+            raise ConfigError(f"learner.parallel.expert_parallel: an expert grid spanning data-parallel ranks trains "
+                              f"objective.kind grpo only (data-parallel units), not {objective.kind}")
+        if model_cfg.is_moe and cfg.moe.router_losses and objective.kind != "grpo":
+            raise ConfigError(f"learner.moe.aux_loss_coeff / z_loss_coeff: router losses are trained as reward-free "
+                              f"terms of the GRPO ledger (objective.kind grpo), not under objective.kind "
+                              f"{objective.kind}; set them to 0")
         model = build_gpt_model(model_cfg, cfg.precision, pgs, cfg.activations, cfg.moe)
         offset = layer_offset(model_cfg, pgs)
         if hf_dir is not None:
@@ -117,7 +123,8 @@ class MegatronLearner:
         reference = None
         if isinstance(objective, RLObjective) and objective.kl_coef > 0:  # a frozen copy of the initial policy
             # the reference routes by itself: the engine's routing is the current policy's, not its own
-            reference = build_gpt_model(model_cfg, cfg.precision, pgs, moe=cfg.moe.model_copy(update={"routing_replay": False}))
+            reference = build_gpt_model(model_cfg, cfg.precision, pgs, moe=cfg.moe.model_copy(update={
+                "routing_replay": False, "aux_loss_coeff": 0.0, "z_loss_coeff": 0.0}))  # forward-only
             reference.load_state_dict(model.state_dict(), strict=False)
             reference.requires_grad_(False).eval()
             if cfg.reference.offload_to_cpu and pgs.device.type == "cuda":
@@ -131,6 +138,10 @@ class MegatronLearner:
         """Reduce the gradient in DDP's buffers across data-parallel ranks once, then step.
         ``advance_schedule=False``: a PPO mini-batch's step inside a batch (the learning rate and
         the step count advance once per batch)."""
+        span = self.pgs.dims.expert_span
+        if span > 1:  # an expert grid across DP ranks: every unit's gradient is there k times (parallel.py)
+            for grad in self.backend.live.tensors:
+                grad.mul_(1.0 / span)
         finalize_model_grads([self.ddp], None, pg_collection=self.pgs.collection)
         ok, grad_norm, _ = self.optimizer.step()
         # The optimizer aliased param.grad to main_grad; a later backward would then add each

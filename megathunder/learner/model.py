@@ -238,7 +238,7 @@ def transformer_config(model: PolicyModelConfig, precision: PrecisionConfig, pgs
 
 
 def layer_spec(model: PolicyModelConfig, precision: PrecisionConfig, sequence_parallel: bool = False,
-               num_layers: int | None = None, grouped_gemm: bool = False):
+               num_layers: int | None = None, grouped_gemm: bool = False, router_losses: bool = False):
     """The GPT layer spec: local or Transformer Engine, with Megatron's core attention or ours
     (``sdpa``: torch's fused kernels; ``past_kv``: also attends to a cache of past keys/values
     with autograd, for per-turn OPD). The local spec under sequence parallelism becomes a block
@@ -257,6 +257,10 @@ def layer_spec(model: PolicyModelConfig, precision: PrecisionConfig, sequence_pa
 
         spec = get_gpt_layer_local_spec(num_experts=experts, moe_grouped_gemm=grouped_gemm, qk_layernorm=qk_norm,
                                         normalization="RMSNorm")
+    if router_losses:  # per-trajectory seq_aux / z losses (megathunder.learner.router_losses)
+        from megathunder.learner.router_losses import LedgerRouter
+
+        spec.submodules.mlp.submodules.router = LedgerRouter
     if precision.core_attention == "past_kv":
         spec = with_past_kv_attention(spec)
     elif precision.core_attention == "sdpa":
@@ -306,7 +310,8 @@ def build_gpt_model(model_cfg: PolicyModelConfig, precision: PrecisionConfig, pg
     model = GPTModel(
         config=config,
         transformer_layer_spec=layer_spec(model_cfg, precision, pgs.dims.sp, model_cfg.num_layers // pgs.dims.pp,
-                                          grouped_gemm=moe is not None and moe.grouped_gemm),
+                                          grouped_gemm=moe is not None and moe.grouped_gemm,
+                                          router_losses=model_cfg.is_moe and moe is not None and moe.router_losses),
         vocab_size=model_cfg.vocab_size,
         max_sequence_length=model_cfg.max_position_embeddings,
         pre_process=pgs.is_first_stage,

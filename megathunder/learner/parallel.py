@@ -4,6 +4,23 @@
 process group exists. ``init_distributed`` then starts torch.distributed (gloo on CPU, NCCL on GPU), lets
 Megatron build its groups once, and returns them as a ``ProcessGroups`` value that is passed to
 everything that communicates -- no code of ours reaches into Megatron's globals for a group.
+
+Expert parallelism across data-parallel ranks. Megatron's all-gather token dispatcher gathers every
+MoE layer's tokens over the expert grid (its tp_ep group, equal-sized pieces), so the ranks of one
+grid must run their micro-batches in lockstep, with equal shapes. The ledger runs each
+trajectory's backward passes when its own reward makes them due, with coefficients of that
+trajectory alone, so ranks that ran *different* trajectories in one step would hold experts'
+gradients mixing trajectories whose coefficients differ -- which no later combination can
+separate. So the k = ep x etp / tp DP ranks an expert grid spans form one data-parallel *unit*
+(``ProcessGroups.data_unit``): ownership is by unit, every rank of a unit receives the same
+trajectories and runs the same passes at the same moment (the same events drive the same ledger on
+every rank). Then each rank's dense gradient is its unit's trajectories' gradient (k identical
+copies over the unit) and each expert, fed the k identical copies of every token routed to it, holds
+k times its share; the DP and expert-DP reductions therefore give k times the batch gradient,
+uniformly, and ``MegatronLearner.step`` divides every buffer by k before them (the k copies are
+the same computation, bit for bit; their sum over the unit is k times one of them up to the
+rounding of the reduction's order, exactly so for one unit of k = 2). The experts are
+sharded k times further than EP inside TP allows; the dense compute is repeated k times.
 """
 
 from __future__ import annotations
@@ -38,12 +55,22 @@ class ParallelDims:
     cp: int = 1
     sp: bool = False  # sequence parallelism over the TP ranks
     cp_comm_type: str = "p2p"
-    ep: int = 1  # expert parallelism (MoE), inside the TP group: ep x etp = tp
-    etp: int = 0  # expert-tensor parallelism (MoE); 0: tp / ep
+    ep: int = 1  # expert parallelism (MoE): ep x etp = tp x expert_span
+    etp: int = 0  # expert-tensor parallelism (MoE); 0: tp / ep where ep divides tp, else 1
 
     def __post_init__(self) -> None:
         if not self.etp:
-            object.__setattr__(self, "etp", self.tp // self.ep)
+            object.__setattr__(self, "etp", self.tp // self.ep if self.tp % self.ep == 0 else 1)
+
+    @property
+    def expert_span(self) -> int:
+        """Data-parallel ranks one expert grid spans (1: the grid is a tensor-parallel group)."""
+        return self.ep * self.etp // self.tp
+
+    @property
+    def data_units(self) -> int:
+        """Data-parallel units: groups of ``expert_span`` DP ranks that run every trajectory together."""
+        return self.dp // self.expert_span
 
     @classmethod
     def build(cls, cfg: ParallelConfig, world_size: int) -> ParallelDims:
@@ -59,6 +86,11 @@ class ParallelDims:
                 f"learner.parallel.data_parallel: {cfg.data_parallel}, but world size {world_size} "
                 f"= {tp} (tp) x {pp} (pp){cp_part} x {dp} (dp)"
             )
+        span = cfg.expert_data_span
+        if dp % span:
+            raise ConfigError(f"learner.parallel.expert_parallel: the expert grid {cfg.expert_parallel} x "
+                              f"{cfg.expert_tensor_parallel_size} spans {span} data-parallel ranks, which does not "
+                              f"divide the data-parallel size {dp} (world size {world_size})")
         return cls(tp, pp, dp, cp, cfg.sequence_parallel, cfg.cp_comm_type, cfg.expert_parallel,
                    cfg.expert_tensor_parallel_size)
 
@@ -124,10 +156,22 @@ class ProcessGroups:
         return dist.get_rank(self.collection.expt_tp) if self.dims.etp > 1 else 0
 
     def expert_tp_rank(self, ep_rank: int, etp_rank: int) -> int:
-        """The TP rank (in this rank's TP group) holding slice ``etp_rank`` of expert-parallel rank
-        ``ep_rank``'s experts: Megatron orders the expert grid etp-fastest, then ep, inside the TP
-        group when ep x etp = tp (checked in ``init_distributed``)."""
+        """The rank in this rank's expert grid (``expert_grid_rank``; the TP rank when the grid is the
+        TP group) holding slice ``etp_rank`` of expert-parallel rank ``ep_rank``'s experts: Megatron
+        orders the expert grid etp-fastest, then ep (checked in ``init_distributed``)."""
         return etp_rank + self.dims.etp * ep_rank
+
+    @property
+    def data_unit(self) -> int:
+        """This rank's data-parallel unit (``ParallelDims.data_units``): the trajectories it trains
+        are its unit's, which every rank of the unit runs at the same moment."""
+        return self.dp_rank // self.dims.expert_span
+
+    @property
+    def expert_grid_rank(self) -> int:
+        """This rank's place in its expert grid (Megatron's tp_ep group): TP rank, then its DP rank
+        within the unit."""
+        return self.tp_rank + self.dims.tp * (self.dp_rank % self.dims.expert_span)
 
     @property
     def is_first_stage(self) -> bool:
@@ -197,9 +241,9 @@ def init_distributed(cfg: LearnerConfig) -> ProcessGroups:
         collection=collection,
         device=device,
     )
-    if pgs.expert_tp_rank(pgs.ep_rank, pgs.etp_rank) != pgs.tp_rank:  # the HF import / export relies on it
-        raise RuntimeError(f"rank {rank}: expert grid (ep {pgs.ep_rank}, etp {pgs.etp_rank}) is not at TP rank "
-                           f"{pgs.tp_rank} as expected")
+    if pgs.expert_tp_rank(pgs.ep_rank, pgs.etp_rank) != pgs.expert_grid_rank:  # the HF import / export relies on it
+        raise RuntimeError(f"rank {rank}: expert grid (ep {pgs.ep_rank}, etp {pgs.etp_rank}) is not at grid rank "
+                           f"{pgs.expert_grid_rank} (TP rank {pgs.tp_rank}) as expected")
     return pgs
 
 

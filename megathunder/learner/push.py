@@ -77,7 +77,7 @@ class StageSender:
         pgs, rdv = self.pgs, self.rdv
         dtype = getattr(torch, rdv.dtype)
         writer = FrameWriter(self.group, rdv.bucket_bytes) if self.group is not None else None
-        if rdv.sparse_threshold > 0 and pgs.dp_rank == 0:
+        if rdv.sparse_threshold > 0 and pgs.data_unit == 0:  # (an expert grid may span unit 0's DP ranks)
             self._send_sparse(writer, dtype, rdv.sparse_threshold)
         else:
             for name, shape, view in hf.stage_hf_tensors(self.model, self.model_cfg, pgs, self.offset, dtype):
@@ -92,6 +92,8 @@ class StageSender:
         first = self.previous is None
         previous = self.previous = {} if self.previous is None else self.previous
         for key in hf.megatron_keys(m, pgs.dims.pp, pgs.pp_rank):
+            if pgs.dp_rank != 0 and hf.expert_index(key) is None:  # unit 0's other DP ranks: experts only
+                continue
             param = params.get(key)  # None: an expert of another expert-parallel rank
             cur = changed = None
             if param is not None:

@@ -14,6 +14,7 @@ from megathunder.objectives.dapo import effective_loss_mask
 from megathunder.objectives.loss import (
     LossSpec,
     num_loss_tokens,
+    router_loss_weight,
     token_logprobs_and_entropy,
     trajectory_loss,
 )
@@ -29,6 +30,7 @@ __all__ = [
     "keeps_group",
     "normaliser",
     "num_loss_tokens",
+    "router_loss_weight",
     "sequence_weight",
     "size_coef",
     "token_logprobs_and_entropy",

@@ -6,7 +6,8 @@ weights w, the unnormalised loss is
     loss_i(A, rf) = nu_i * sum_t m_t * [ surrogate_t(A) * w_t  +  rf * (beta * kl_t - alpha * H_t) ]
 
 whose gradient at ratio 1 is ``-A * h_i + rf * q_i`` (docs/exactness.md, section 1). ``advantage=None``
-leaves the score term out and ``reward_free=False`` the KL/entropy terms, so the ledger can ask
+leaves the score term out and ``reward_free=False`` the KL/entropy terms (and a MoE model's router
+losses, whose weight ``router_loss_weight`` gives), so the ledger can ask
 for h_i alone (A = -1), q_i alone, or both combined in one backward when the coefficients are
 known. The batch loss is ``(1/Z) * sum_i loss_i(A_i, keep_g)``.
 """
@@ -52,6 +53,17 @@ def num_loss_tokens(traj: Trajectory, cfg: RLObjective) -> int:
     return int(effective_loss_mask(traj, cfg.overlong_filter).sum())
 
 
+def router_loss_weight(traj: Trajectory, spec: LossSpec, cfg: RLObjective) -> float:
+    """The weight w_i of trajectory i's MoE router losses in a pass computing ``spec``: nu_i x its
+    loss tokens in a reward-free pass (the losses weighted as if spread over its loss tokens, as
+    the KL term is; the batch divides by Z once), 0 in a score-only pass
+    (``megathunder.learner.router_losses``)."""
+    if not spec.reward_free:
+        return 0.0
+    n = num_loss_tokens(traj, cfg)
+    return sequence_weight(n, cfg) * n
+
+
 def trajectory_loss(
     logp_T: torch.Tensor,
     entropy_T: torch.Tensor | None,
@@ -78,5 +90,9 @@ def trajectory_loss(
         if cfg.entropy_coef > 0:
             assert entropy_T is not None, "entropy_coef > 0 needs the entropy"
             per_token = per_token - cfg.entropy_coef * entropy_T
+    if not per_token.requires_grad and logp_T.requires_grad:
+        # a reward-free pass without KL or entropy: the model's own reward-free terms (MoE router
+        # losses) are all it adds; keep the loss on the graph so the backward reaches them
+        per_token = logp_T * 0.0
     nu = sequence_weight(int(mask.sum()), cfg)
     return nu * torch.where(mask, per_token, 0.0).sum()

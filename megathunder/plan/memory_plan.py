@@ -404,6 +404,10 @@ def plan(cfg: Config, shape: ModelShape, machine: Machine, teacher: ModelShape |
     dp = max(world // (tp * pp * cp), 1)
     if par.data_parallel is not None and par.data_parallel != dp and not problems:
         problems.append(f"learner.parallel.data_parallel: {par.data_parallel}, but world size {world} gives {dp}")
+    span = par.expert_data_span  # DP ranks one expert grid spans (EP drawn from DP)
+    if span > 1 and dp % span and not problems:
+        problems.append(f"learner.parallel.expert_parallel: the expert grid {ep} x {etp} spans {span} data-parallel "
+                        f"ranks, which does not divide the data-parallel size {dp}")
     layout = {"world": world, "tp": tp, "pp": pp, "cp": cp, "dp": dp, "sp": par.sequence_parallel,
               "params": shape.num_params}
     if shape.experts:

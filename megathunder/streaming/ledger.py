@@ -157,8 +157,12 @@ class GradientLedger:
         config: LedgerConfig | None = None,
         *,
         reward_shift: bool = True,
+        model_reward_free: bool = False,
     ) -> None:
-        """``reward_shift=False`` exists only to demonstrate why the shift b_g is needed."""
+        """``reward_shift=False`` exists only to demonstrate why the shift b_g is needed.
+        ``model_reward_free``: the backend's model adds reward-free terms of its own to every
+        reward-free pass (MoE router losses, ``megathunder.learner.router_losses``), so q_i exists
+        even when the objective has no KL or entropy term."""
         self.backend = backend
         self.objective = objective
         self.config = config or LedgerConfig()
@@ -166,7 +170,7 @@ class GradientLedger:
         self.pool = BufferPool(backend, self.config.slot_dtype, self.config.slot_placement)
         self._hold = self.config.hold_groups_until_close
         self._std_free = coef_known_before_close(objective) and not self._hold
-        self._has_reward_free = objective.has_reward_free_terms
+        self._has_reward_free = objective.has_reward_free_terms or model_reward_free
         self._groups: dict[int, _Group] = {}
         self._trajs: dict[int, _Traj] = {}
         self._order: list[_Traj] = []  # sample order

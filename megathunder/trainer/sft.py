@@ -46,7 +46,7 @@ def sft_step(learner: MegatronLearner, batch: list[Trajectory]) -> float:
     """One optimizer step of token-mean cross-entropy; each DP rank runs its share of ``batch``."""
     pgs = learner.pgs
     num_tokens = sum(int(t.loss_mask.sum()) for t in batch)
-    mine = batch[pgs.dp_rank :: pgs.dims.dp]
+    mine = batch[pgs.data_unit :: pgs.dims.data_units]  # DP units (an expert grid may span DP ranks)
     learner.ddp.zero_grad_buffer()
     total = 0.0
     if mine:

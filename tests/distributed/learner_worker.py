@@ -30,6 +30,7 @@ from megathunder.streaming import synthetic as syn  # noqa: E402
 from megathunder.trajectory import batch_plan  # noqa: E402
 from megathunder.config import GRPOObjective, LearnerConfig, LedgerConfig  # noqa: E402
 from megathunder.learner import hf  # noqa: E402
+from megatron.core.distributed import finalize_model_grads  # noqa: E402
 from megathunder.learner.batches import grpo_gradient  # noqa: E402
 from megathunder.learner.learner import MegatronLearner  # noqa: E402
 from megathunder.learner.parallel import destroy_distributed, from_last_stage, init_distributed  # noqa: E402
@@ -77,7 +78,7 @@ def equivalence(args) -> None:
     if args.routing:  # routing replay: every trajectory's experts from the file (routing_record)
         routed = torch.load(args.routing)["shifted"]
         batch = [dataclasses.replace(t, routed_experts=r) for t, r in zip(batch, routed, strict=True)]
-    dp, dp_rank = pgs.dims.dp, pgs.dp_rank
+    dp, dp_rank = pgs.dims.data_units, pgs.data_unit  # DP units: an expert grid may span DP ranks
     owner = [t.traj_id % dp for t in batch]
     if objective.kl_coef > 0:
         learner.fill_ref_logprobs(batch)
@@ -105,6 +106,16 @@ def equivalence(args) -> None:
     out["sync"] = full_params(learner)
     if not args.dist_opt:
         out["sync_grad"] = full_params(learner, "main_grad")
+    if args.router_parts:  # MoE router losses: the batch gradient with each of the two terms alone
+        config = learner.model.config
+        coeffs = config.moe_aux_loss_coeff, config.moe_z_loss_coeff
+        for name, aux, z in (("aux_only", coeffs[0], 0.0), ("z_only", 0.0, coeffs[1])):
+            config.moe_aux_loss_coeff, config.moe_z_loss_coeff = aux, z
+            restore(learner, before)
+            grpo_gradient(learner, batch, rewards, owner)
+            finalize_model_grads([learner.ddp], None, pg_collection=pgs.collection)  # the DP sum, as ``step``
+            out[f"sync_grad_{name}"] = full_params(learner, "main_grad")
+        config.moe_aux_loss_coeff, config.moe_z_loss_coeff = coeffs
     if pgs.rank == 0:
         torch.save(out, args.out)
     destroy_distributed()
@@ -197,7 +208,7 @@ def _learner(args, objective=None, temperature: float = 1.0):
 
 def _streamed_step(learner: MegatronLearner, seed: int) -> None:
     batch, rewards, events = make_batch(seed, learner.model_cfg.vocab_size)
-    dp, dp_rank = learner.pgs.dims.dp, learner.pgs.dp_rank
+    dp, dp_rank = learner.pgs.dims.data_units, learner.pgs.data_unit
     ledger = learner.ledger
     ledger.begin_batch(batch_plan(batch))
     syn.feed_events(ledger, batch, rewards, events, owner=lambda t: t.traj_id % dp == dp_rank,
@@ -341,6 +352,8 @@ def main() -> None:
                    "checkpoints)")
     p.add_argument("--routing", default=None, help="equivalence: replay the 'shifted' routing of this "
                    "routing_record file")
+    p.add_argument("--router-parts", action="store_true", help="equivalence: also the batch gradient with the "
+                   "MoE router's aux loss alone and its z-loss alone")
     p.add_argument("--ledger", default="{}", help="JSON LedgerConfig fields besides max_group_slots (equivalence)")
     args = p.parse_args()
     {"equivalence": equivalence, "checkpoint_save": checkpoint_save, "checkpoint_resume": checkpoint_resume,

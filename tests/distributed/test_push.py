@@ -48,3 +48,15 @@ def test_moe_tp2_pp2_ep2_push_equals_the_export_bit_for_bit(hf_qwen3_moe, tmp_pa
     for push in pushes:
         assert push["names_equal"] == [True, True] and push["bit_exact"] == [True, True], push
     assert any(s["num_sparse_tensors"] > 0 for s in (p["stats"] for p in pushes[1:]))
+
+
+def test_moe_dp2_ep2_push_equals_the_export_bit_for_bit(hf_qwen3_moe, tmp_path):
+    """Expert parallelism across the two data-parallel ranks (TP=1): half the experts live on DP rank 1,
+    which takes part in their gathers (and only theirs) onto the sender, DP rank 0."""
+    out = tmp_path / "push.pt"
+    launch(2, "push", "--out", str(out), "--hf", str(hf_qwen3_moe), "--dtype", "bfloat16", "--sparse", "0.5",
+           "--lr", "1e-5", "--parallel", '{"expert_parallel": 2}', "--bucket-kb", "4", worker=WORKER, mode_arg=False)
+    pushes = torch.load(out)["pushes"]
+    for push in pushes:
+        assert all(push["names_equal"]) and all(push["bit_exact"]), push
+    assert any(s["num_sparse_tensors"] > 0 for s in (p["stats"] for p in pushes[1:]))

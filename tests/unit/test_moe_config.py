@@ -1,6 +1,7 @@
 """Mixture-of-experts settings are validated at parse time, naming the field: the expert layout
 (expert_parallel x expert_tensor_parallel = tensor_parallel, experts divisible, SP under TP), a dense
-model refusing expert parallelism, router losses' fields; a Qwen3-MoE config.json is read into the
+model refusing expert parallelism, router losses' fields (only the per-sequence load-balancing loss and the
+z-loss, which decompose over trajectories); a Qwen3-MoE config.json is read into the
 model's MoE fields, and layouts the learner does not reproduce are refused by name."""
 
 from __future__ import annotations
@@ -18,14 +19,19 @@ MOE = ["learner.model.family=qwen3_moe", "learner.model.num_experts=4", "learner
 
 
 @pytest.mark.parametrize("overrides,field,words", [
-    (["learner.parallel.expert_parallel=2"], "learner.parallel.expert_parallel", "does not divide tensor_parallel=1"),
+    (["learner.parallel.tensor_parallel=2", "learner.parallel.sequence_parallel=true",
+      "learner.parallel.expert_parallel=3"], "learner.parallel.expert_parallel", "do not divide one another"),
+    ([*MOE, "learner.parallel.expert_parallel=2", "learner.parallel.data_parallel=3"],
+     "learner.parallel.expert_parallel", "does not divide data_parallel=3"),
+    ([*MOE, "learner.parallel.expert_parallel=2", "learner.parallel.pipeline_parallel=2"],
+     "learner.parallel.expert_parallel", "pipeline_parallel > 1"),
     (["learner.parallel.tensor_parallel=2", "learner.parallel.sequence_parallel=true",
       "learner.parallel.expert_parallel=2"], "learner.parallel.expert_parallel", "dense model"),
     ([*MOE, "learner.parallel.tensor_parallel=2", "learner.parallel.expert_parallel=2"],
      "learner.parallel.sequence_parallel", "needs sequence parallelism"),
     ([*MOE, "learner.parallel.tensor_parallel=4", "learner.parallel.sequence_parallel=true",
       "learner.parallel.expert_parallel=2", "learner.parallel.expert_tensor_parallel=1"],
-     "learner.parallel.expert_tensor_parallel", "must equal tensor_parallel=4"),
+     "learner.parallel.expert_tensor_parallel", "must be a multiple of tensor_parallel=4"),
     (["learner.model.family=qwen3_moe", "learner.model.num_experts=5", "learner.parallel.tensor_parallel=2",
       "learner.parallel.sequence_parallel=true", "learner.parallel.expert_parallel=2"],
      "learner.parallel.expert_parallel", "num_experts=5"),
@@ -34,6 +40,12 @@ MOE = ["learner.model.family=qwen3_moe", "learner.model.num_experts=4", "learner
     (["learner.model.num_experts=4"], "learner.model.num_experts", "family=qwen2"),
     ([*MOE, "learner.model.moe_router_topk=5"], "learner.model.moe_router_topk", "exceeds num_experts=4"),
     (["learner.moe.aux_loss_coeff=0.01"], "learner.moe.aux_loss_coeff", "load_balancing_type"),
+    (["learner.moe.load_balancing_type=aux_loss", "learner.moe.aux_loss_coeff=0.01"],
+     "learner.moe.load_balancing_type", "each micro-batch's tokens together"),
+    (["learner.moe.load_balancing_type=global_aux_loss", "learner.moe.aux_loss_coeff=0.01"],
+     "learner.moe.load_balancing_type", "use seq_aux_loss"),
+    ([*MOE, "learner.moe.z_loss_coeff=0.001", "learner.activations.recompute=full"], "learner.moe.aux_loss_coeff",
+     "run the routers again"),
     (["learner.moe.token_dispatcher=flex"], "learner.moe.token_dispatcher", ""),
     (["learner.moe.routing_replay=true", "schedule.mode=async"], "learner.moe.routing_replay", "sync or thunder"),
     (["learner.moe.routing_replay=true", "learner.activations.recompute=full"], "learner.moe.routing_replay",
@@ -50,7 +62,13 @@ def test_valid_expert_layouts_parse():
         cfg = load_config(None, [*MOE, "learner.parallel.tensor_parallel=2", "learner.parallel.sequence_parallel=true",
                                  f"learner.parallel.expert_parallel={ep}"])
         assert cfg.learner.parallel.expert_tensor_parallel_size == etp
+    across = load_config(None, [*MOE, "learner.parallel.expert_parallel=2"]).learner.parallel  # EP drawn from DP
+    assert (across.expert_tensor_parallel_size, across.expert_data_span) == (1, 2)
     assert load_config(None, []).learner.moe.aux_loss_coeff == 0.0  # RL gradient: the policy's only
+    moe = load_config(None, [*MOE, "learner.moe.load_balancing_type=seq_aux_loss", "learner.moe.aux_loss_coeff=0.01",
+                             "learner.moe.z_loss_coeff=0.001"]).learner.moe
+    assert moe.router_losses  # the per-sequence loss and the z-loss are exact under the ledger
+    assert not load_config(None, ["learner.moe.load_balancing_type=aux_loss"]).learner.moe.router_losses  # coeff 0
 
 
 def test_routing_replay_turns_on_the_engines_recorder():

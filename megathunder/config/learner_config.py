@@ -317,24 +317,20 @@ class LearnerConfig(Strict):
     @model_validator(mode="after")
     def _check(self) -> LearnerConfig:
         tp, pp, m = self.parallel.tensor_parallel, self.parallel.pipeline_parallel, self.model
-        if self.moe.routing_replay:
+        router_features = (  # both need each micro-batch's routers to run once, on the rows laid out as SP lays them
+            (self.moe.routing_replay, "moe.routing_replay", "the replayed rows follow the sequence and SP layouts only",
+             "replayed experts"),
+            (self.moe.router_losses, "moe.aux_loss_coeff / z_loss_coeff",
+             "each row's positions follow the sequence-parallel layout only", "router-loss weights"))
+        for enabled, field, layout, held in router_features:
+            if not enabled:
+                continue
             if self.parallel.context_parallel > 1:
-                raise ValueError("moe.routing_replay: context_parallel > 1 is not supported (the replayed rows "
-                                 "follow the sequence and SP layouts only); use 1")
+                raise ValueError(f"{field}: context_parallel > 1 is not supported ({layout}); use 1")
             act = self.activations
             if act.recompute == "full" or (act.recompute == "selective" and "mlp" in act.recompute_modules):
-                raise ValueError("moe.routing_replay: activations.recompute would run the routers again in the "
-                                 "backward, after the micro-batch's replayed experts are gone; recompute "
-                                 "core_attn / layernorm only")
-        if self.moe.router_losses:
-            if self.parallel.context_parallel > 1:
-                raise ValueError("moe.aux_loss_coeff / z_loss_coeff: context_parallel > 1 is not supported (each "
-                                 "row's positions follow the sequence-parallel layout only); use 1")
-            act = self.activations
-            if act.recompute == "full" or (act.recompute == "selective" and "mlp" in act.recompute_modules):
-                raise ValueError("moe.aux_loss_coeff / z_loss_coeff: activations.recompute would run the routers "
-                                 "again in the backward, after the micro-batch's router-loss weights are gone; "
-                                 "recompute core_attn / layernorm only")
+                raise ValueError(f"{field}: activations.recompute would run the routers again in the backward, "
+                                 f"after the micro-batch's {held} are gone; recompute core_attn / layernorm only")
         if m.hf_checkpoint is None:  # sizes known now; an HF checkpoint is checked when read
             check_parallel_divides_model(m, tp, pp, self.parallel.context_parallel, self.parallel.cp_comm_type)
             if m.is_moe:  # a dense learner.model may be a stand-in for run.init_model (checked by the root)

@@ -10,7 +10,7 @@ from pydantic import Field, model_validator
 from megathunder.config.base import Strict
 
 
-MOE_FAMILIES = ("qwen3_moe", "mixtral")
+MOE_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral")
 
 
 class ParallelConfig(Strict):
@@ -106,12 +106,14 @@ class RopeScalingConfig(Strict):
 
 
 class PolicyModelConfig(Strict):
-    """A decoder of the Llama / Qwen2 / Qwen3 / Qwen3-MoE family as Megatron-core GPTModel."""
+    """A decoder of the Llama / Qwen2 / Qwen3 / Qwen3-MoE / Qwen2-MoE / Mixtral family as
+    Megatron-core GPTModel."""
 
-    family: Literal["llama", "qwen2", "qwen3", "qwen3_moe", "mixtral"] = "qwen2"
+    family: Literal["llama", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "mixtral"] = "qwen2"
     """llama: no biases; qwen2: q/k/v biases; qwen3: q/k RMSNorm, no biases; qwen3_moe: Qwen3's
-    attention with a mixture of experts in every layer (``num_experts`` set); mixtral: Llama's
-    attention with a mixture of experts in every layer (top-k renormalised)."""
+    attention with a mixture of experts in every layer (``num_experts`` set); qwen2_moe: Qwen2's
+    attention (q/k/v biases) with a mixture of experts and a sigmoid-gated shared expert in every
+    layer; mixtral: Llama's attention with a mixture of experts in every layer (top-k renormalised)."""
     hf_checkpoint: str | None = None
     """A Hugging Face model directory on disk; its config.json replaces the sizes below."""
     vocab_size: int = Field(256, ge=2)
@@ -139,12 +141,25 @@ class PolicyModelConfig(Strict):
     renormalised to sum to 1 (HF ``norm_topk_prob: true``, Megatron's default top-k-then-softmax);
     false: the top-k entries of the softmax over all experts (Megatron's ``moe_router_pre_softmax``)."""
     moe_shared_expert_intermediate_size: int | None = Field(None, ge=1)
-    """MoE: width of a shared expert every token also goes through (Megatron's shared experts);
-    null: none (Qwen3-MoE has none; no HF checkpoint mapping is provided for one yet)."""
+    """MoE: width of a shared expert every token also goes through (Megatron's shared experts; HF
+    Qwen2-MoE's ``shared_expert_intermediate_size``); null: none (Qwen3-MoE and Mixtral have none)."""
+    moe_shared_expert_gate: bool = False
+    """MoE: the shared expert's output is scaled by sigmoid(w . x), a learned [1, hidden] gate
+    (Qwen2-MoE's ``shared_expert_gate``; Megatron's ``moe_shared_expert_gate``)."""
 
     @property
     def is_moe(self) -> bool:
         return self.num_experts is not None
+
+    @property
+    def qkv_bias(self) -> bool:
+        """Whether q/k/v projections have biases (the Qwen2 families)."""
+        return self.family in ("qwen2", "qwen2_moe")
+
+    @property
+    def qk_norm(self) -> bool:
+        """Whether queries and keys are RMS-normalised per head (the Qwen3 families)."""
+        return self.family in ("qwen3", "qwen3_moe")
 
     @property
     def expert_ffn_hidden_size(self) -> int:
@@ -155,6 +170,8 @@ class PolicyModelConfig(Strict):
         if (self.family in MOE_FAMILIES) != (self.num_experts is not None):
             raise ValueError(f"num_experts: {self.num_experts} with family={self.family} (the MoE families "
                              f"{', '.join(MOE_FAMILIES)}, and only they, have experts)")
+        if self.moe_shared_expert_gate and self.moe_shared_expert_intermediate_size is None:
+            raise ValueError("moe_shared_expert_gate: needs moe_shared_expert_intermediate_size (a shared expert)")
         if self.num_experts is not None and self.moe_router_topk > self.num_experts:
             raise ValueError(f"moe_router_topk: {self.moe_router_topk} exceeds num_experts={self.num_experts}")
         if self.num_attention_heads % self.num_query_groups:

@@ -28,7 +28,15 @@ Qwen3-MoE layers (Megatron's MoE layer on the local spec: router + SequentialMLP
         input dim sharded over the expert-tensor-parallel ranks
 
 Mixtral names the same tensors ``model.layers.i.block_sparse_moe.gate.weight`` and
-``...block_sparse_moe.experts.e.{w1,w3,w2}.weight`` (gate, up, down).
+``...block_sparse_moe.experts.e.{w1,w3,w2}.weight`` (gate, up, down). Qwen2-MoE names them as
+Qwen3-MoE does and adds a shared expert (Megatron's ``SharedExpertMLP``, TP-sharded as a dense MLP):
+
+    model.layers.i.mlp.shared_expert.{gate,up}_proj.weight
+                                               decoder.layers.i.mlp.shared_experts.linear_fc1.weight
+    model.layers.i.mlp.shared_expert.down_proj.weight
+                                               decoder.layers.i.mlp.shared_experts.linear_fc2.weight
+    model.layers.i.mlp.shared_expert_gate.weight
+                                               decoder.layers.i.mlp.shared_experts.gate_weight   replicated
 
 Expert indices are global in the canonical names, as layer indices are: expert-parallel rank ``r``
 holds experts ``[r * E/ep, (r+1) * E/ep)`` as its ``local_experts.0 ..``, so it reads only those
@@ -84,7 +92,7 @@ def _head_dim(m: PolicyModelConfig) -> int:
 
 
 def _biases(m: PolicyModelConfig) -> tuple[str, ...]:
-    return ("weight", "bias") if m.family == "qwen2" else ("weight",)
+    return ("weight", "bias") if m.qkv_bias else ("weight",)
 
 
 _EXPERTS = ".mlp.experts.local_experts."
@@ -132,13 +140,17 @@ def megatron_keys(m: PolicyModelConfig, pp: int, pp_rank: int) -> list[str]:
         p = f"decoder.layers.{i}."
         keys.append(p + "input_layernorm.weight")
         keys += [p + f"self_attention.linear_qkv.{s}" for s in _biases(m)]
-        if m.family in ("qwen3", "qwen3_moe"):
+        if m.qk_norm:
             keys += [p + "self_attention.q_layernorm.weight", p + "self_attention.k_layernorm.weight"]
         keys += [p + "self_attention.linear_proj.weight", p + "pre_mlp_layernorm.weight"]
         if m.num_experts is None:
             keys += [p + "mlp.linear_fc1.weight", p + "mlp.linear_fc2.weight"]
         else:
             keys.append(p + "mlp.router.weight")
+            if m.moe_shared_expert_intermediate_size is not None:
+                keys += [p + "mlp.shared_experts.linear_fc1.weight", p + "mlp.shared_experts.linear_fc2.weight"]
+                if m.moe_shared_expert_gate:
+                    keys.append(p + "mlp.shared_experts.gate_weight")
             for e in range(m.num_experts):
                 keys += [p + f"mlp.experts.local_experts.{e}.linear_fc1.weight",
                          p + f"mlp.experts.local_experts.{e}.linear_fc2.weight"]
@@ -180,6 +192,14 @@ def hf_layout(key: str, m: PolicyModelConfig) -> list[tuple[str, tuple[int, ...]
     if rest == "mlp.router.weight":
         assert m.num_experts is not None
         return [(p + f"{block}.gate.weight", (m.num_experts, h))]
+    if rest.startswith("mlp.shared_experts."):
+        fs, q = m.moe_shared_expert_intermediate_size, p + "mlp.shared_expert."
+        assert fs is not None
+        if rest.endswith("linear_fc1.weight"):
+            return [(q + "gate_proj.weight", (fs, h)), (q + "up_proj.weight", (fs, h))]
+        if rest.endswith("linear_fc2.weight"):
+            return [(q + "down_proj.weight", (h, fs))]
+        return [(p + "mlp.shared_expert_gate.weight", (1, h))]
     e = expert_index(key)
     if e is not None:
         fe, q = m.expert_ffn_hidden_size, f"{p}{block}.experts.{e}."
@@ -481,12 +501,16 @@ def shard_file_name(pp: int, pp_rank: int) -> str:
 
 def hf_config_dict(m: PolicyModelConfig, dtype: str) -> dict:
     arch = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-            "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM"}[m.family]
+            "qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
+            "mixtral": "MixtralForCausalLM"}[m.family]
     moe: dict = {}
-    if m.family == "qwen3_moe":
+    if m.family in ("qwen3_moe", "qwen2_moe"):
         moe = {"num_experts": m.num_experts, "num_experts_per_tok": m.moe_router_topk,
                "moe_intermediate_size": m.expert_ffn_hidden_size, "norm_topk_prob": m.moe_norm_topk_prob,
                "decoder_sparse_step": 1, "mlp_only_layers": []}
+    if m.family == "qwen2_moe":
+        moe.update(shared_expert_intermediate_size=m.moe_shared_expert_intermediate_size, qkv_bias=True,
+                   use_sliding_window=False)
     elif m.family == "mixtral":  # its intermediate_size is the experts' width
         moe = {"num_local_experts": m.num_experts, "num_experts_per_tok": m.moe_router_topk,
                "sliding_window": None}

@@ -54,19 +54,23 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def policy_config_from_hf(hf_dir: str | Path, base: PolicyModelConfig) -> PolicyModelConfig:
-    """Sizes from a Hugging Face ``config.json`` (model_type llama, qwen2, qwen3, qwen3_moe or mixtral)."""
+    """Sizes from a Hugging Face ``config.json`` (model_type llama, qwen2, qwen3, qwen3_moe, qwen2_moe
+    or mixtral)."""
     path = Path(hf_dir) / "config.json"
     if not path.is_file():
         raise ConfigError(f"learner.model.hf_checkpoint: no config.json in {hf_dir}")
     hf = json.loads(path.read_text())
     family = hf.get("model_type")
-    if family not in ("llama", "qwen2", "qwen3", "qwen3_moe", "mixtral"):
+    if family not in ("llama", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "mixtral"):
         raise ConfigError(
             f"learner.model.hf_checkpoint: model_type {family!r} in {path} is not one of llama, qwen2, qwen3, "
-            "qwen3_moe, mixtral"
+            "qwen3_moe, qwen2_moe, mixtral"
         )
     if family in ("llama", "mixtral") and (hf.get("attention_bias") or hf.get("mlp_bias")):
         raise ConfigError(f"learner.model.hf_checkpoint: {family} with attention/mlp biases is not supported")
+    if family == "qwen2_moe" and (hf.get("use_sliding_window") or hf.get("qkv_bias") is False):
+        raise ConfigError(f"learner.model.hf_checkpoint: {path} sets use_sliding_window or qkv_bias: false, which "
+                          "the learner's Qwen2-MoE (full attention, q/k/v biases) does not reproduce")
     if family == "mixtral" and hf.get("sliding_window") is not None:
         raise ConfigError(f"learner.model.hf_checkpoint: {path} sets sliding_window, which the learner's attention "
                           "does not reproduce")
@@ -91,17 +95,17 @@ def policy_config_from_hf(hf_dir: str | Path, base: PolicyModelConfig) -> Policy
 
 
 def moe_sizes_from_hf(hf: dict, path: Path) -> dict:
-    """The MoE fields of a Qwen3-MoE or Mixtral ``config.json`` (nothing for a dense family). Layouts
-    Megatron's uniform MoE block does not reproduce are refused by name: dense layers among sparse
-    ones (``mlp_only_layers``, ``decoder_sparse_step`` > 1), router jitter."""
+    """The MoE fields of a Qwen3-MoE, Qwen2-MoE or Mixtral ``config.json`` (nothing for a dense family).
+    Layouts Megatron's uniform MoE block does not reproduce are refused by name: dense layers among
+    sparse ones (``mlp_only_layers``, ``decoder_sparse_step`` > 1), router jitter."""
+    no_shared = dict(moe_shared_expert_intermediate_size=None, moe_shared_expert_gate=False)
     if hf.get("model_type") == "mixtral":  # every layer sparse, top-k always renormalised
         if hf.get("router_jitter_noise"):
             raise ConfigError(f"learner.model.hf_checkpoint: {path} sets router_jitter_noise (random routing), "
                               "which an exact learner cannot reproduce")
         return dict(num_experts=hf["num_local_experts"], moe_router_topk=hf["num_experts_per_tok"],
-                    moe_ffn_hidden_size=hf["intermediate_size"], moe_norm_topk_prob=True,
-                    moe_shared_expert_intermediate_size=None)
-    if hf.get("model_type") != "qwen3_moe":
+                    moe_ffn_hidden_size=hf["intermediate_size"], moe_norm_topk_prob=True, **no_shared)
+    if hf.get("model_type") not in ("qwen3_moe", "qwen2_moe"):
         return {"num_experts": None}
     if hf.get("mlp_only_layers") or hf.get("decoder_sparse_step", 1) != 1:
         raise ConfigError(f"learner.model.hf_checkpoint: {path} mixes dense and sparse layers (mlp_only_layers / "
@@ -109,9 +113,13 @@ def moe_sizes_from_hf(hf: dict, path: Path) -> dict:
     experts = hf.get("num_experts") or hf.get("num_local_experts")
     if not experts:
         raise ConfigError(f"learner.model.hf_checkpoint: {path} names no num_experts")
+    shared = no_shared
+    if hf["model_type"] == "qwen2_moe":  # every layer also has a shared expert, gated by sigmoid(w . x)
+        shared = dict(moe_shared_expert_intermediate_size=hf["shared_expert_intermediate_size"],
+                      moe_shared_expert_gate=True)
     return dict(num_experts=experts, moe_router_topk=hf["num_experts_per_tok"],
                 moe_ffn_hidden_size=hf["moe_intermediate_size"], moe_norm_topk_prob=bool(hf.get("norm_topk_prob")),
-                moe_shared_expert_intermediate_size=None)
+                **shared)
 
 
 def rope_scaling_from_hf(rope: dict, path: Path) -> RopeScalingConfig | None:
@@ -149,6 +157,7 @@ def moe_fields(model: PolicyModelConfig, moe: MoEConfig, pgs: ProcessGroups) -> 
         moe_router_score_function="softmax",
         moe_router_dtype="fp32",  # transformers' router softmax is fp32
         moe_shared_expert_intermediate_size=model.moe_shared_expert_intermediate_size,
+        moe_shared_expert_gate=model.moe_shared_expert_gate,
         moe_router_load_balancing_type=moe.load_balancing_type,
         moe_aux_loss_coeff=moe.aux_loss_coeff,
         moe_z_loss_coeff=moe.z_loss_coeff or None,
@@ -202,8 +211,8 @@ def transformer_config(model: PolicyModelConfig, precision: PrecisionConfig, pgs
         gated_linear_unit=True,
         activation_func=F.silu,
         add_bias_linear=False,
-        add_qkv_bias=model.family == "qwen2",
-        qk_layernorm=model.family in ("qwen3", "qwen3_moe"),
+        add_qkv_bias=model.qkv_bias,
+        qk_layernorm=model.qk_norm,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         params_dtype=dtype,
@@ -243,7 +252,7 @@ def layer_spec(model: PolicyModelConfig, precision: PrecisionConfig, sequence_pa
     (``sdpa``: torch's fused kernels; ``past_kv``: also attends to a cache of past keys/values
     with autograd, for per-turn OPD). The local spec under sequence parallelism becomes a block
     spec of ``num_layers`` layers with SP-aware norms (``megathunder.learner.sp_norm``)."""
-    qk_norm = model.family in ("qwen3", "qwen3_moe")
+    qk_norm = model.qk_norm
     experts = model.num_experts
     if experts is not None:
         _megatron_moe_without_te()

@@ -132,7 +132,7 @@ class ModelShape:
         return cls(vocab=m.vocab_size, hidden=m.hidden_size, ffn=m.ffn_hidden_size, layers=m.num_layers,
                    heads=m.num_attention_heads, kv_heads=m.num_query_groups,
                    head_dim=m.head_dim or m.hidden_size // m.num_attention_heads, tie=m.tie_word_embeddings,
-                   qkv_bias=m.family == "qwen2", qk_norm=m.family in ("qwen3", "qwen3_moe"),
+                   qkv_bias=m.qkv_bias, qk_norm=m.qk_norm,
                    experts=m.num_experts or 0, topk=m.moe_router_topk if m.num_experts else 0,
                    expert_ffn=m.expert_ffn_hidden_size if m.num_experts else 0,
                    shared_ffn=m.moe_shared_expert_intermediate_size or 0)

@@ -53,8 +53,9 @@ def sft_step(learner: MegatronLearner, batch: list[Trajectory]) -> float:
         def loss(k, logp, _entropy):
             return -(logp * mine[k].loss_mask.to(logp.device)).sum() / num_tokens
 
-        with learner.ddp.no_sync():
-            out = run_schedule(learner.ddp, pgs, mine, loss, need_entropy=False, pack_tokens=learner.cfg.pack_tokens)
+        with learner.ddp.no_sync():  # the warm start trains the cross-entropy only: MoE router losses weigh 0
+            out = run_schedule(learner.ddp, pgs, mine, loss, need_entropy=False, pack_tokens=learner.cfg.pack_tokens,
+                               router_weights=[0.0] * len(mine))
         if pgs.is_last_stage:
             total = -sum(float((o["logp"].cpu() * t.loss_mask).sum()) for o, t in zip(out, mine))
     learner.step()

@@ -198,7 +198,10 @@ class LocalSlurm:
             "JobAcctGatherType=jobacct_gather/none",
             "ReturnToService=2",
             "KillWait=5",
-            "MinJobAge=60",
+            # ended jobs stay in scontrol for the whole test session: tests read a job's StartTime /
+            # EndTime / state after later jobs ran (the sweep's ordering check); at 60 s a first job's
+            # record could be purged while a slow second one still ran
+            "MinJobAge=3600",
             "InactiveLimit=0",
             "SlurmdTimeout=60",
             "SlurmctldTimeout=60",

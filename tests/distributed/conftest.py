@@ -43,6 +43,7 @@ def make_hf_checkpoint(path: Path, family: str, tie: bool, seed: int = 0, rope_s
         "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
         "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
         "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
+        "qwen2_moe": (transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM),
         "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
     }
     config_cls, model_cls = classes[family]
@@ -50,6 +51,9 @@ def make_hf_checkpoint(path: Path, family: str, tie: bool, seed: int = 0, rope_s
     if family == "qwen3_moe":
         moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, norm_topk_prob=True,
                    decoder_sparse_step=1, mlp_only_layers=[])
+    elif family == "qwen2_moe":  # a sigmoid-gated shared expert beside the routed ones; top-k not renormalised
+        moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=24,
+                   norm_topk_prob=False, decoder_sparse_step=1, mlp_only_layers=[], qkv_bias=True)
     elif family == "mixtral":  # its intermediate_size (64 below) is each expert's width
         moe = dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=None)
     config = config_cls(
@@ -61,17 +65,20 @@ def make_hf_checkpoint(path: Path, family: str, tie: bool, seed: int = 0, rope_s
     )
     torch.manual_seed(seed)
     model = model_cls(config).float()
-    if family == "qwen2":  # random (not zero) biases, so the bias mapping is exercised
+    if family in ("qwen2", "qwen2_moe"):  # random (not zero) biases, so the bias mapping is exercised
         with torch.no_grad():
             for layer in model.model.layers:
                 for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                     proj.bias.normal_(std=0.1)
-    if family in ("qwen3_moe", "mixtral"):  # routers far from ties, experts distinct (ROUTER_GAP in test_moe.py)
+    if family in ("qwen3_moe", "qwen2_moe", "mixtral"):  # routers far from ties, experts distinct (ROUTER_GAP)
         with torch.no_grad():
             for layer in model.model.layers:
                 layer.mlp.gate.weight.normal_(std=1.0)
                 layer.mlp.experts.gate_up_proj.normal_(std=0.2)
                 layer.mlp.experts.down_proj.normal_(std=0.2)
+                if family == "qwen2_moe":  # a shared expert and gate that matter to the output
+                    for param in (*layer.mlp.shared_expert.parameters(), layer.mlp.shared_expert_gate.weight):
+                        param.normal_(std=0.2)
     model.save_pretrained(path)
     return path
 
@@ -85,6 +92,12 @@ def hf_qwen2(tmp_path_factory) -> Path:
 def hf_qwen3_moe(tmp_path_factory) -> Path:
     """A tiny Qwen3-MoE (4 experts, top-2, norm_topk_prob) saved by transformers, one tensor per expert."""
     return make_hf_checkpoint(tmp_path_factory.mktemp("hf") / "qwen3_moe", "qwen3_moe", tie=False, seed=3)
+
+
+@pytest.fixture(scope="session")
+def hf_qwen2_moe(tmp_path_factory) -> Path:
+    """A tiny Qwen2-MoE (4 experts, top-2 of the softmax, a gated shared expert of width 24, q/k/v biases)."""
+    return make_hf_checkpoint(tmp_path_factory.mktemp("hf") / "qwen2_moe", "qwen2_moe", tie=False, seed=5)
 
 
 @pytest.fixture(scope="session")

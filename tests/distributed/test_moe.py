@@ -56,7 +56,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm()).item()
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe", "mixtral"])
 def test_routers_are_far_from_ties(request, family):
     import transformers
 
@@ -91,6 +91,34 @@ def test_mixtral_imports_exports_bit_exact_and_matches_transformers_at_tp2_ep2(h
     assert sorted(original) == sorted(exported) and "model.layers.1.block_sparse_moe.experts.3.w2.weight" in exported
     assert all(torch.equal(original[k], exported[k]) for k in original)
     _assert_logprobs_match_transformers(export, torch.load(out)["logprobs"])
+
+
+def test_qwen2_moe_with_its_shared_expert_imports_exports_bit_exact_and_matches_transformers(hf_qwen2_moe, tmp_path):
+    """A family with a shared expert: Qwen2-MoE's mlp.shared_expert.{gate,up,down}_proj (TP-sharded as a
+    dense MLP) and mlp.shared_expert_gate (sigmoid(w . x) scales its output) are Megatron's shared
+    experts with ``moe_shared_expert_gate``; the router takes the top-k of the softmax without
+    renormalising (norm_topk_prob false). TP=2 x EP=2 with SP: every rank its slices."""
+    from megathunder.learner.safetensors_io import load_dir
+    from tests.distributed.test_learner import _assert_logprobs_match_transformers
+
+    export, out = tmp_path / "export", tmp_path / "rt.pt"
+    launch(2, "hf_roundtrip", "--out", str(out), "--hf", str(hf_qwen2_moe), "--export", str(export),
+           "--learner", json.dumps(EP2))
+    original, exported = load_dir(hf_qwen2_moe), load_dir(export)
+    assert sorted(original) == sorted(exported) and "model.layers.1.mlp.shared_expert_gate.weight" in exported
+    assert all(torch.equal(original[k], exported[k]) for k in original)
+    assert json.loads((export / "config.json").read_text())["shared_expert_intermediate_size"] == 24
+    _assert_logprobs_match_transformers(export, torch.load(out)["logprobs"])
+
+
+def test_qwen2_moe_streamed_equals_sync_at_tp2_ep2(hf_qwen2_moe, tmp_path):
+    """The shared expert and its gate are dense parameters to the ledger: streamed == batch."""
+    out = tmp_path / "eq.pt"
+    launch(2, "equivalence", "--out", str(out), "--hf", str(hf_qwen2_moe), "--optimizer", "sgd",
+           "--learner", json.dumps(EP2))
+    r = torch.load(out)
+    assert any("shared_expert" in k for k in r["stream_grad"])
+    assert _rel(_flat(r["stream_grad"]), _flat(r["sync_grad"])) <= MOE_GRAD_TOL
 
 
 @pytest.mark.parametrize("ranks,learner", [(1, {}), (4, {"parallel": {

@@ -1,7 +1,9 @@
 """A mixture-of-experts student end to end: the MoE quickstart (``configs/quickstart_moe.yaml``: a
 tiny Qwen3-MoE, 4 experts, top-2) shortened to an SFT warm start and 3 GRPO steps on the thunder
 schedule, with vLLM's CPU fused experts rolling out and Megatron's MoE layers learning, replaying
-vLLM's routing (the quickstart's ``learner.moe.routing_replay``). Checked: zero staleness after every
+vLLM's routing (the quickstart's ``learner.moe.routing_replay``) and training the router losses
+(per-sequence load balancing and z-loss, the ledger's reward-free terms; zero in the SFT warm start).
+Checked: zero staleness after every
 push (the probe: vLLM samples from the learner's experts), every trajectory's routing recorded for
 every input position and kept in the journal, and the journal replayed through thunder (bit for
 bit) and sync, in one process and at TP = 2 x EP = 2 (experts split over the two ranks, each
@@ -28,6 +30,8 @@ def moe_run(tmp_path_factory) -> Path:
     cmd = [sys.executable, "-m", "megathunder.cli", "train", str(ROOT / "configs/quickstart_moe.yaml"),
            f"run.output_dir={out}", *SMALL, "eval.every_n_steps=0", "run.num_steps=3", "sft.num_steps=8",
            "sft.batch_size=16", "run.wandb=disabled", "run.checkpoint_every=0",
+           "learner.moe.load_balancing_type=seq_aux_loss", "learner.moe.aux_loss_coeff=0.01",
+           "learner.moe.z_loss_coeff=0.001",
            "ledger.pack_ready_work=false"]  # held work depends on timing the journal does not record: bitwise replay
     proc = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=900, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]

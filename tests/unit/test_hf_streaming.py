@@ -92,16 +92,18 @@ def test_streaming_writer_rejects_a_tensor_out_of_order(tmp_path):
 
 
 def _moe_model(family: str = "qwen3_moe") -> PolicyModelConfig:
+    shared = dict(moe_shared_expert_intermediate_size=24, moe_shared_expert_gate=True) if family == "qwen2_moe" else {}
     return PolicyModelConfig(family=family, vocab_size=64, hidden_size=32, ffn_hidden_size=48, num_layers=2,
                              num_attention_heads=8, num_query_groups=4, head_dim=8, tie_word_embeddings=False,
-                             num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=16)
+                             num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=16, **shared)
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe", "mixtral"])
 @pytest.mark.parametrize("tp,etp", [(1, 1), (2, 1), (2, 2), (4, 2), (4, 4)])
 def test_moe_shards_read_per_rank_stack_back_to_the_hf_tensors(tp, etp, family):
-    """Qwen3-MoE and Mixtral: dense parameters split over TP, each expert's over the expert-tensor
-    ranks (gate/up rows, down columns), the router replicated; stacked, the HF tensors, one per expert."""
+    """Qwen3-MoE, Qwen2-MoE and Mixtral: dense parameters (Qwen2-MoE's shared expert too) split over
+    TP, each expert's over the expert-tensor ranks (gate/up rows, down columns), the router and the
+    shared expert's gate replicated; stacked, the HF tensors, one per expert."""
     m = _moe_model(family)
     tensors = _random_hf(m)
     if family == "mixtral":
@@ -120,7 +122,12 @@ def test_moe_shards_read_per_rank_stack_back_to_the_hf_tensors(tp, etp, family):
                 seen.add(name)
     assert seen == set(tensors)
     qk_norms = 2 if family == "qwen3_moe" else 0
-    assert len(tensors) == 2 + 1 + 2 * (6 + qk_norms + 1 + 4 * 3)  # embed, norm, lm_head; per layer: + router + experts
+    qkv_biases = 3 if family == "qwen2_moe" else 0
+    shared = 4 if family == "qwen2_moe" else 0  # gate, up, down, the gate of its output
+    if shared:
+        assert tensors["model.layers.1.mlp.shared_expert_gate.weight"].shape == (1, 32)
+    # embed, norm, lm_head; per layer: attention and norms, router, experts, shared expert
+    assert len(tensors) == 2 + 1 + 2 * (6 + qk_norms + qkv_biases + 1 + 4 * 3 + shared)
 
 
 def test_moe_expert_names_map_local_to_global_indices():

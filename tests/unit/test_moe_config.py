@@ -10,6 +10,7 @@ import json
 from pathlib import Path
 
 import pytest
+from pydantic import ValidationError
 
 from megathunder.config import ConfigError, PolicyModelConfig, load_config
 from megathunder.learner.model import policy_config_from_hf
@@ -119,3 +120,22 @@ def test_mixtral_config_json_is_read_and_jitter_refused(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({**config, "router_jitter_noise": 0.1}))
     with pytest.raises(ConfigError, match="router_jitter_noise"):
         policy_config_from_hf(tmp_path, PolicyModelConfig())
+
+
+def test_qwen2_moe_config_json_is_read_with_its_gated_shared_expert(tmp_path):
+    config = {"model_type": "qwen2_moe", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 48,
+              "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "num_experts": 8,
+              "num_experts_per_tok": 2, "moe_intermediate_size": 16, "shared_expert_intermediate_size": 24,
+              "norm_topk_prob": False, "decoder_sparse_step": 1, "mlp_only_layers": [], "qkv_bias": True,
+              "use_sliding_window": False}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    m = policy_config_from_hf(tmp_path, PolicyModelConfig())
+    assert (m.family, m.num_experts, m.expert_ffn_hidden_size, m.moe_norm_topk_prob) == ("qwen2_moe", 8, 16, False)
+    assert (m.moe_shared_expert_intermediate_size, m.moe_shared_expert_gate, m.qkv_bias, m.qk_norm) == (
+        24, True, True, False)
+    for bad in ({"use_sliding_window": True}, {"qkv_bias": False}):
+        (tmp_path / "config.json").write_text(json.dumps({**config, **bad}))
+        with pytest.raises(ConfigError, match="use_sliding_window or qkv_bias"):
+            policy_config_from_hf(tmp_path, PolicyModelConfig())
+    with pytest.raises(ValidationError, match="moe_shared_expert_gate: needs moe_shared_expert_intermediate_size"):
+        PolicyModelConfig(family="qwen2_moe", num_experts=4, moe_shared_expert_gate=True)

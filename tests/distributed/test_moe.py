@@ -78,36 +78,27 @@ def test_routers_are_far_from_ties(request, family):
     assert top.abs().max() < 40  # the rounding estimate above assumes logits of this size
 
 
-def test_mixtral_imports_exports_bit_exact_and_matches_transformers_at_tp2_ep2(hf_mixtral, tmp_path):
-    """A second MoE family: Mixtral's block_sparse_moe.gate / experts.e.{w1,w3,w2} are the same
-    router and experts under other names (top-k always renormalised, no q/k norms)."""
+@pytest.mark.parametrize("family,expert_tensor", [
+    ("mixtral", "model.layers.1.block_sparse_moe.experts.3.w2.weight"),
+    ("qwen2_moe", "model.layers.1.mlp.shared_expert_gate.weight")])
+def test_other_families_import_export_bit_exact_and_match_transformers_at_tp2_ep2(request, tmp_path, family,
+                                                                                  expert_tensor):
+    """Mixtral: block_sparse_moe.gate / experts.e.{w1,w3,w2} are the same router and experts under
+    other names (top-k always renormalised, no q/k norms). Qwen2-MoE: a shared expert,
+    mlp.shared_expert.{gate,up,down}_proj (TP-sharded as a dense MLP), whose output
+    sigmoid(mlp.shared_expert_gate . x) scales -- Megatron's shared experts with
+    ``moe_shared_expert_gate`` -- and a router taking the top-k of the softmax without renormalising.
+    TP=2 x EP=2 with SP: every rank its slices."""
     from megathunder.learner.safetensors_io import load_dir
     from tests.distributed.test_learner import _assert_logprobs_match_transformers
 
+    source = request.getfixturevalue(f"hf_{family}")
     export, out = tmp_path / "export", tmp_path / "rt.pt"
-    launch(2, "hf_roundtrip", "--out", str(out), "--hf", str(hf_mixtral), "--export", str(export),
+    launch(2, "hf_roundtrip", "--out", str(out), "--hf", str(source), "--export", str(export),
            "--learner", json.dumps(EP2))
-    original, exported = load_dir(hf_mixtral), load_dir(export)
-    assert sorted(original) == sorted(exported) and "model.layers.1.block_sparse_moe.experts.3.w2.weight" in exported
+    original, exported = load_dir(source), load_dir(export)
+    assert sorted(original) == sorted(exported) and expert_tensor in exported
     assert all(torch.equal(original[k], exported[k]) for k in original)
-    _assert_logprobs_match_transformers(export, torch.load(out)["logprobs"])
-
-
-def test_qwen2_moe_with_its_shared_expert_imports_exports_bit_exact_and_matches_transformers(hf_qwen2_moe, tmp_path):
-    """A family with a shared expert: Qwen2-MoE's mlp.shared_expert.{gate,up,down}_proj (TP-sharded as a
-    dense MLP) and mlp.shared_expert_gate (sigmoid(w . x) scales its output) are Megatron's shared
-    experts with ``moe_shared_expert_gate``; the router takes the top-k of the softmax without
-    renormalising (norm_topk_prob false). TP=2 x EP=2 with SP: every rank its slices."""
-    from megathunder.learner.safetensors_io import load_dir
-    from tests.distributed.test_learner import _assert_logprobs_match_transformers
-
-    export, out = tmp_path / "export", tmp_path / "rt.pt"
-    launch(2, "hf_roundtrip", "--out", str(out), "--hf", str(hf_qwen2_moe), "--export", str(export),
-           "--learner", json.dumps(EP2))
-    original, exported = load_dir(hf_qwen2_moe), load_dir(export)
-    assert sorted(original) == sorted(exported) and "model.layers.1.mlp.shared_expert_gate.weight" in exported
-    assert all(torch.equal(original[k], exported[k]) for k in original)
-    assert json.loads((export / "config.json").read_text())["shared_expert_intermediate_size"] == 24
     _assert_logprobs_match_transformers(export, torch.load(out)["logprobs"])
 
 

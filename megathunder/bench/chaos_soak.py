@@ -5,7 +5,8 @@ a real ``megathunder train`` (vLLM, the Megatron learner, the local sandbox).
 A run that stops (exit 75 after a signal, 130 after a torn journal, 1 with the one-line full-disk
 error: the filler is deleted first, as a user frees space) is resumed by the same command, up to
 ``--max-resumes`` times. Per run: survived in place (exit 0 at once) / stopped and resumed / lost
-(anything else: a traceback, a hang past ``--run-timeout``, a claim broken); per fault kind, the
+(anything else: a traceback, a hang past ``--run-timeout`` -- then the attempt's process group and
+every process carrying its tag are SIGKILLed -- a claim broken); per fault kind, the
 largest parameter difference from what its claim says the run must equal
 (RELIABILITY.md, "Fault injection"):
 
@@ -37,6 +38,7 @@ import json
 import os
 import random
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -105,8 +107,9 @@ def _fault_yaml(fault: dict) -> str:
     return "chaos.faults=[" + json.dumps(fault) + "]"
 
 
-def _tagged_processes(tag: str) -> list[str]:
-    """Processes carrying ``tag`` (or ``tag-N``) in their environment, or owned by a sandbox uid (>= 200000)."""
+def _tagged_processes(tag: str, sandbox_uids: bool = True) -> list[str]:
+    """"PID command" of the processes carrying ``tag`` (or ``tag-N``) in their environment, or (with
+    ``sandbox_uids``) owned by a sandbox uid (>= 200000)."""
     found = []
     for pid in os.listdir("/proc"):
         if not pid.isdigit() or int(pid) == os.getpid():
@@ -118,7 +121,7 @@ def _tagged_processes(tag: str) -> list[str]:
         except OSError:
             continue
         mark = f"{TAG_ENV}={tag}".encode()
-        if any(e == mark or e.startswith(mark + b"-") for e in environ.split(b"\0")) or uid >= 200_000:
+        if any(e == mark or e.startswith(mark + b"-") for e in environ.split(b"\0")) or (sandbox_uids and uid >= 200_000):
             found.append(f"{pid} {cmd}")
     return found
 
@@ -156,14 +159,39 @@ def _private_shm(run: Run, args: argparse.Namespace, cmd: list[str]) -> list[str
             str(shm), *cmd]
 
 
+def _run_bounded(cmd: list[str], tag: str, timeout_s: float) -> subprocess.CompletedProcess:
+    """``cmd`` in a process group of its own; past ``timeout_s`` the whole group is SIGKILLed, and
+    then every process still carrying the run's tag (a run's supervised child leads a session of its
+    own, out of the group's reach), so a run that times out leaves nothing behind."""
+    proc = subprocess.Popen(cmd, env=_env(tag), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            cwd=ROOT, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout_s)
+        return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+    except subprocess.TimeoutExpired:
+        _kill_group(proc.pid)
+        for line in _tagged_processes(tag, sandbox_uids=False):
+            _kill_group(int(line.split()[0]), group=False)
+        try:  # a process out of reach that still holds the pipes must not hang the soak
+            out, err = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            out, err = "", ""
+        return subprocess.CompletedProcess(cmd, -9, out, f"{err}\ntimed out after {timeout_s:.0f} s")
+
+
+def _kill_group(pid: int, group: bool = True) -> None:
+    try:
+        if group:
+            os.killpg(pid, signal.SIGKILL)
+        else:
+            os.kill(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
 def _train(run: Run, args: argparse.Namespace) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "megathunder.cli", "train", args.config, f"run.output_dir={run.out}", *run.overrides]
-    cmd = _private_shm(run, args, cmd)
-    try:
-        return subprocess.run(cmd, env=_env(f"{args.tag}-{run.index}"), capture_output=True, text=True,
-                              timeout=args.run_timeout, cwd=ROOT)
-    except subprocess.TimeoutExpired as err:
-        return subprocess.CompletedProcess(cmd, -9, "", f"timed out after {args.run_timeout} s: {err}")
+    return _run_bounded(_private_shm(run, args, cmd), f"{args.tag}-{run.index}", args.run_timeout)
 
 
 def execute(run: Run, args: argparse.Namespace) -> Run:
@@ -219,8 +247,7 @@ def compare(run: Run, reference: Path, args: argparse.Namespace) -> None:
         run.claim, target = "journal_replay", run.out / "replayed"
         cmd = [sys.executable, "-m", "megathunder.cli", "replay", str(run.out), "schedule.mode=sync", "--out",
                str(target)]
-        proc = subprocess.run(cmd, env=_env(f"{args.tag}-{run.index}"), capture_output=True, text=True,
-                              timeout=args.run_timeout, cwd=ROOT)
+        proc = _run_bounded(cmd, f"{args.tag}-{run.index}", args.run_timeout)
         if proc.returncode != 0:
             run.outcome, run.error = "lost", f"replay failed: {proc.stderr.strip()[-400:]}"
             return

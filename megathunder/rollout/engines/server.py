@@ -26,6 +26,7 @@ timeout (``request_timeout_s``) or an HTTP error status is not retried.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import atexit
 import functools
 import itertools
@@ -38,7 +39,7 @@ import sys
 import time
 import uuid
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -98,22 +99,58 @@ class ServerProcess:
         except OSError:
             return ""
 
+    shm: list[str] = field(default_factory=list)  # its /dev/shm files, recorded once it is ready
+
+    def record_shm(self) -> None:
+        """Remember the shared-memory files the server's processes hold (vLLM's message queues and
+        multiprocessing semaphores), so they can be removed if it dies without removing them."""
+        self.shm = sorted(_shm_files_of_group(self.process.pid))
+
     def stop(self, timeout_s: float = 30.0) -> None:
-        """SIGTERM the server's process group (its id is the pid we started), then SIGKILL."""
-        if self.process.poll() is not None:
-            return
+        """SIGTERM the server's process group (its id is the pid we started), then SIGKILL; then
+        remove the shared-memory files it left (a SIGKILLed server cannot: chaos ``kill_server``)."""
         pgid = self.process.pid  # start_new_session=True: the server leads its own group
-        for sig, wait_s in ((signal.SIGTERM, timeout_s), (signal.SIGKILL, 10.0)):
-            try:
-                os.killpg(pgid, sig)
-                os.killpg(pgid, signal.SIGCONT)  # a stopped (hung) server must run to act on SIGTERM
-            except ProcessLookupError:
-                return
-            try:
-                self.process.wait(wait_s)
-                return
-            except subprocess.TimeoutExpired:
-                continue
+        if self.process.poll() is None:
+            for sig, wait_s in ((signal.SIGTERM, timeout_s), (signal.SIGKILL, 10.0)):
+                try:
+                    os.killpg(pgid, sig)
+                    os.killpg(pgid, signal.SIGCONT)  # a stopped (hung) server must run to act on SIGTERM
+                except ProcessLookupError:
+                    break
+                try:
+                    self.process.wait(wait_s)
+                    break
+                except subprocess.TimeoutExpired:
+                    continue
+        try:  # the leader is gone; members of its group that outlived it go too
+            os.killpg(pgid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        for path in self.shm:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+
+
+def _shm_files_of_group(pgid: int) -> set[str]:
+    """/dev/shm files mapped or open in the processes of group ``pgid``."""
+    found: set[str] = set()
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if int(f.read().rsplit(")", 1)[1].split()[2]) != pgid:  # field 5: the process group
+                    continue
+            with open(f"/proc/{pid}/maps") as f:
+                found.update(line.split(None, 5)[5].strip() for line in f if "/dev/shm/" in line)
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                with contextlib.suppress(OSError):
+                    target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                    if target.startswith("/dev/shm/"):
+                        found.add(target)
+        except (OSError, IndexError, ValueError):
+            continue
+    return {path.removesuffix(" (deleted)") for path in found if not path.endswith(" (deleted)")}
 
 
 class ServerPool:
@@ -165,6 +202,8 @@ class ServerPool:
         except BaseException:
             pool.stop()
             raise
+        for server in servers:
+            server.record_shm()
         return pool
 
     @staticmethod

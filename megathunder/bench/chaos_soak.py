@@ -10,8 +10,8 @@ every process carrying its tag are SIGKILLed -- a claim broken); per fault kind,
 largest parameter difference from what its claim says the run must equal
 (RELIABILITY.md, "Fault injection"):
 
-- the fault-free run of the same deployment (``kill_server``, ``hang_server``, ``hang_sandbox``,
-  ``oom_tool``: the same episodes token for token): ``update_rel`` = ||(w - w0) - (w_ref - w0)|| /
+- the fault-free run of the same deployment (``kill_server``, ``hang_server``, ``kill_engine``,
+  ``hang_sandbox``, ``oom_tool``: the same episodes token for token): ``update_rel`` = ||(w - w0) - (w_ref - w0)|| /
   ||w_ref - w0|| from the same warm start w0, and the largest absolute parameter difference;
 - the replay of the run's own journal through ``megathunder replay`` (``sync``) for the others
   (their rewards differ from the fault-free run's by design, or they stopped and resumed).
@@ -49,14 +49,14 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from megathunder.config import EPISODE_FAULTS, SERVER_FAULTS
+from megathunder.config import ENGINE_FAULTS, EPISODE_FAULTS, SERVER_FAULTS
 
 ROOT = Path(__file__).resolve().parents[2]
 UPDATE_RTOL = 1e-3  # tests/integration/test_trainer.py: fp32 summation order, 60x below a wrong batch
 TAG_ENV = "MEGATHUNDER_CHAOS_SOAK"
-FAULT_FREE_CLAIM = SERVER_FAULTS + ("hang_sandbox", "oom_tool")
+FAULT_FREE_CLAIM = ENGINE_FAULTS + ("hang_sandbox", "oom_tool")
 STOP_KINDS = ("sigusr1", "sigint", "fill_disk", "corrupt_journal")
-KINDS = (*SERVER_FAULTS, *EPISODE_FAULTS, *STOP_KINDS)
+KINDS = (*ENGINE_FAULTS, *EPISODE_FAULTS, *STOP_KINDS)
 BASE = ["eval.every_n_steps=0", "run.progress=false", "run.wandb=disabled", "run.checkpoint_every=1",
         "ledger.pack_ready_work=false", "batch.num_prompts_per_batch=4", "batch.samples_per_prompt=4",
         "agent.max_concurrent_episodes=16", "sandbox.num_uids=16", "rollout.temperature=0.8",
@@ -95,6 +95,8 @@ def _random_fault(kind: str, rng: random.Random, steps: int, batch: int) -> dict
     if kind in SERVER_FAULTS:
         return {"kind": kind, "step": rng.randrange(steps), "after_trajectories": rng.randrange(batch - 2),
                 "server": rng.randrange(2)}
+    if kind == "kill_engine":
+        return {"kind": kind, "step": rng.randrange(steps), "after_trajectories": rng.randrange(batch - 2)}
     if kind in EPISODE_FAULTS:
         return {"kind": kind, "step": rng.randrange(steps),
                 "trajectories": sorted(rng.sample(range(batch), rng.randint(1, 3)))}

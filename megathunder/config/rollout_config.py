@@ -98,6 +98,11 @@ class EngineConfig(Strict):
     token (vLLM's /metrics) for this long is hung -- treated as dead, its requests sent again to
     live servers with the same seeds."""
     request_timeout_s: float = Field(3600.0, gt=0)
+    max_restarts: int = Field(3, ge=0)
+    """deployment=in_process: how many times per run an engine whose engine core died (killed, out of
+    memory) is started again in place: the learner's current weights are pushed into the new engine
+    and checked by the probe, then the requests the death cut off are sent again with their seeds.
+    0: a dead engine stops the run (the same command resumes from the last checkpoint)."""
     record_routing: bool = False
     """MoE models: record the experts every layer routed each token to, for the learner's routing
     replay (set by ``learner.moe.routing_replay``; the recorder lives in each vLLM worker,

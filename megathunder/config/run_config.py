@@ -160,16 +160,20 @@ class TinyModelConfig(Strict):
 EPISODE_FAULTS = ("crash_verifier", "hang_verifier", "hang_sandbox", "oom_tool")
 """Faults of chosen trajectories' episodes (``trajectories`` of step ``step``)."""
 SERVER_FAULTS = ("kill_server", "hang_server")
+"""Faults of the rollout engine, when ``after_trajectories`` of step ``step``'s trajectories have finished."""
+ENGINE_FAULTS = (*SERVER_FAULTS, "kill_engine")
 
 
 class ChaosFault(Strict):
     """One fault injected into a run (``megathunder.trainer.chaos``)."""
 
-    kind: Literal["fill_disk", "sigusr1", "sigint", "kill_server", "hang_server", "crash_verifier",
+    kind: Literal["fill_disk", "sigusr1", "sigint", "kill_server", "hang_server", "kill_engine", "crash_verifier",
                   "hang_verifier", "hang_sandbox", "oom_tool", "corrupt_journal"]
     """fill_disk: fill the run directory's file system (the next write fails); sigusr1 / sigint: the
     signal to this process (stop after the step, checkpoint, exit 75); kill_server / hang_server:
     SIGKILL / SIGSTOP rollout server ``server``'s process group (deployment=server, launched here);
+    kill_engine: SIGKILL the in-process engine's engine core and its workers (deployment=in_process;
+    restarted in place, ``rollout.engine.max_restarts``);
     crash_verifier / hang_verifier: the verifier of ``trajectories`` raises / sleeps past
     ``verifier.timeout_s`` (-> ``verifier.on_failure``); hang_sandbox / oom_tool: a ``bash`` tool call
     in the episode's sandbox (a local one built for it when the task has none) that sleeps past
@@ -180,7 +184,8 @@ class ChaosFault(Strict):
     step: int = Field(0, ge=0)
     """The optimizer step during (server and episode faults) or after (the others) which it happens."""
     after_trajectories: int = Field(0, ge=0)
-    """Server faults: when this many of the step's trajectories have finished."""
+    """Engine faults (kill_server, hang_server, kill_engine): when this many of the step's
+    trajectories have finished."""
     server: int = Field(0, ge=0)
     trajectories: list[int] = Field(default_factory=lambda: [0])
     """Episode faults: the trajectory ids (in the step's batch: group g's sample k is g x
@@ -336,6 +341,14 @@ class Config(Strict):
                 if fault.server >= engine.num_servers:
                     raise ValueError(f"chaos.faults.{i}.server: {fault.server} >= rollout.engine.num_servers="
                                      f"{engine.num_servers}")
+            if fault.kind == "kill_engine":
+                if engine.deployment != "in_process":
+                    raise ValueError(f"chaos.faults.{i}.kind: kill_engine needs rollout.engine.deployment=in_process "
+                                     "(kill_server kills a server)")
+                if self.schedule.mode not in ("sync", "thunder") or engine.max_restarts == 0:
+                    raise ValueError(f"chaos.faults.{i}.kind: kill_engine is survived in place under schedule.mode sync "
+                                     f"or thunder with rollout.engine.max_restarts >= 1 (now {self.schedule.mode}, "
+                                     f"{engine.max_restarts})")
             if fault.kind in EPISODE_FAULTS:
                 size = self.batch.num_prompts_per_batch * self.batch.samples_per_prompt
                 if max(fault.trajectories) >= size:

@@ -1,14 +1,16 @@
 """Fault injection (``chaos.faults``): the faults RELIABILITY.md says a run survives, made to happen
 at a chosen moment of a real run, so recovery can be tried rather than trusted.
 
-Each fault fires once, at the step it names: server faults (``kill_server``: SIGKILL,
-``hang_server``: SIGSTOP of a launched rollout server's process group) when ``after_trajectories``
-of the step's trajectories have finished, while the rest of the batch is still generating; the
+Each fault fires once, at the step it names: engine faults (``kill_server``: SIGKILL,
+``hang_server``: SIGSTOP of a launched rollout server's process group; ``kill_engine``: SIGKILL of
+the in-process engine's engine core and workers) when ``after_trajectories`` of the step's
+trajectories have finished, while the rest of the batch is still generating; the
 others after the step's records are written (``fill_disk``: a file in the run directory grows
 until the file system is full, so the next write -- journal, metrics, checkpoint -- meets a real
 ENOSPC; ``sigusr1`` / ``sigint``: the signal to this process, which stops after the step with a
 checkpoint). What the run then does is the recovery under test: servers' requests move to live
-ones with their seeds (the same episodes), a full disk stops the run with one line and an intact
+ones with their seeds (the same episodes), a dead in-process engine is started again with the
+learner's weights and its requests re-sent with their seeds (the same episodes), a full disk stops the run with one line and an intact
 last checkpoint, a signal stops it resumably.
 
 Episode faults hit the episodes of chosen trajectories (``trajectories`` of step ``step``;
@@ -25,7 +27,7 @@ that step): the same command resumes from the last checkpoint, the CRC drops the
 the step is run again.
 
 What each kind promises (RELIABILITY.md): the rollout-side faults that leave episodes unchanged
-(``kill_server``, ``hang_server``, ``hang_sandbox``, ``oom_tool``) end with the fault-free run's
+(``kill_server``, ``hang_server``, ``kill_engine``, ``hang_sandbox``, ``oom_tool``) end with the fault-free run's
 parameters; the others (a verifier fault changes rewards; a stop and resume) with the replay of
 the run's own journal.
 """
@@ -41,8 +43,9 @@ import signal
 import time
 from pathlib import Path
 
-from megathunder.config import EPISODE_FAULTS, SERVER_FAULTS, ChaosFault, SandboxConfig, VerifierConfig
+from megathunder.config import ENGINE_FAULTS, EPISODE_FAULTS, ChaosFault, SandboxConfig, VerifierConfig
 from megathunder.rollout.agent_loop import Verify
+from megathunder.rollout.engines.inprocess import InProcessEngine
 from megathunder.rollout.engines.server import ServerEngine
 from megathunder.rollout.episode import Episode
 from megathunder.rollout.sandbox import Sandbox, build_sandbox
@@ -86,12 +89,15 @@ class Chaos:
         return bool(self._episode_faults)
 
     def trajectory_finished(self, step: int, num_finished: int) -> None:
-        for fault in self._due(lambda f: f.kind in SERVER_FAULTS and f.step == step
+        for fault in self._due(lambda f: f.kind in ENGINE_FAULTS and f.step == step
                                and num_finished >= f.after_trajectories):
-            self._server(fault)
+            if fault.kind == "kill_engine":
+                self._kill_engine(fault)
+            else:
+                self._server(fault)
 
     def after_step(self, step: int) -> None:
-        for fault in self._due(lambda f: f.kind not in SERVER_FAULTS + EPISODE_FAULTS and f.step == step):
+        for fault in self._due(lambda f: f.kind not in ENGINE_FAULTS + EPISODE_FAULTS and f.step == step):
             log.warning("chaos: %s after step %d", fault.kind, step)
             if fault.kind == "fill_disk":
                 fill_disk(self.out / FILLER)
@@ -171,6 +177,22 @@ class Chaos:
         log.warning("chaos: %s server %d (%s) at step %d", fault.kind, fault.server, engine.urls[fault.server],
                     fault.step)
         os.killpg(process.pid, signal.SIGKILL if fault.kind == "kill_server" else signal.SIGSTOP)
+
+
+    def _kill_engine(self, fault: ChaosFault) -> None:
+        import psutil
+
+        engine = self.engine
+        assert isinstance(engine, InProcessEngine), "checked by the config"
+        procs = [psutil.Process(pid) for pid in engine.engine_core_pids()]
+        procs += [child for proc in procs for child in proc.children(recursive=True)]  # its workers
+        log.warning("chaos: kill_engine at step %d: SIGKILL the engine core and its workers (pids %s)", fault.step,
+                    [p.pid for p in procs])
+        for proc in procs:
+            try:
+                proc.kill()
+            except psutil.NoSuchProcess:
+                pass
 
 
 def tear_last_record(path: Path) -> int:

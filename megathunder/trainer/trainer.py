@@ -33,6 +33,7 @@ from megathunder.learner.service import LearnerService
 from megathunder.objectives import keeps_group
 from megathunder.rollout.agent_loop import Refill, build_agent_loop
 from megathunder.rollout.chat import ChatCodec
+from megathunder.rollout.engines.inprocess import InProcessEngine
 from megathunder.rollout.episode import Episode, RolloutEvent, trained_reward
 from megathunder.rollout.tasks.split import InstanceDrawError, training_instances
 from megathunder.rollout.tasks.task import Task, TaskInstance
@@ -77,6 +78,8 @@ class Trainer:
         self.metrics = MetricsLog(out, cfg, keep_steps=start_step)
         self.timeline = Timeline()
         self.chaos = Chaos(cfg.chaos.faults, out, engine, cfg.sandbox, cfg.verifier)  # none unless configured
+        if isinstance(engine, InProcessEngine):
+            engine.revive = self.revive_engine  # a dead engine core is restarted in place
         if self.chaos.has_episode_faults:
             self.agent_loop.faults = self.chaos
         self._finished_in_step: dict[int, int] = {}
@@ -210,6 +213,15 @@ class Trainer:
         stage streams its own buckets into the engine's transfer groups while the engine is paused
         (``StreamedWeights``); with ``weight_transfer.kind=rpc`` rank 0 gathers them first."""
         start = time.monotonic()
+        stats = await self._load_weights()
+        self.last_push = {"push_s": time.monotonic() - start, "push_bytes": stats.get("payload_bytes", float("nan")),
+                          "push_changed_fraction": stats.get("changed_fraction", float("nan"))}
+        gap = self.last_probe_gap = await self.probe()
+        self.timeline.add_sync(start, time.monotonic(), self.version)
+        return gap
+
+    async def _load_weights(self) -> dict[str, float]:
+        """The learner's weights into the engine, stamped with its version; the push's statistics."""
         stats: dict[str, float] = {}
         if isinstance(self.cfg.rollout.engine.weight_transfer, CollectiveTransfer):
             async def send() -> None:
@@ -221,11 +233,24 @@ class Trainer:
             assert gathered is not None  # gathered on global rank 0, the controller
             weights = gathered
         await self.engine.update_weights(weights, self.version)
-        self.last_push = {"push_s": time.monotonic() - start, "push_bytes": stats.get("payload_bytes", float("nan")),
-                          "push_changed_fraction": stats.get("changed_fraction", float("nan"))}
-        gap = self.last_probe_gap = await self.probe()
-        self.timeline.add_sync(start, time.monotonic(), self.version)
-        return gap
+        return stats
+
+    async def revive_engine(self) -> None:
+        """A restarted in-process engine (its engine core died mid-batch): the learner's weights
+        into it, then the probe's gap. Under sync and thunder the learner steps only after the
+        batch's rollout, so these are the weights the dead engine sampled from (the requests it
+        cut off, sent again with their seeds, give the same tokens); under async schedules the
+        learner may already be ahead of the batch's policy, so there is no restart there."""
+        if self.cfg.schedule.mode not in ("sync", "thunder"):
+            raise RuntimeError(f"schedule.mode={self.cfg.schedule.mode}: the learner's weights may be ahead of the "
+                               "policy the batch is sampled from")
+        await self._load_weights()  # a dense push: the senders' sparse baseline went with the old groups
+        sample = await self._probe_sample(seed=PROBE_SEED)
+        gap = self._gap(sample)
+        if gap > self.probe_tolerance.value:
+            raise StaleWeightsError(f"the restarted engine's logprobs differ from the learner's by {gap:.3e} (> "
+                                    f"{self.probe_tolerance.value:.3e}): it is not sampling from the weights being trained")
+        log.warning("restarted engine checked: probe gap %.2e at policy version %d", gap, self.version)
 
     async def probe(self) -> float:
         """Check that vLLM samples from the weights just pushed (``megathunder.trainer.probe``):
@@ -315,6 +340,7 @@ class Trainer:
             "probe_gap": self.last_probe_gap,  # async: the push (and its probe) at this step's start
             **self.last_push,  # the last push: seconds (update_weights), bytes sent, changed fraction
             "probe_tolerance": self.probe_tolerance.value,
+            **({"engine_restarts": self.engine.num_restarts} if isinstance(self.engine, InProcessEngine) else {}),
             **({"probe_gap_own_routing": self.last_probe_gap_own_routing} if self.agent_loop.routing else {}),
             "step_s": step_s,
             "learner_busy_s": busy,

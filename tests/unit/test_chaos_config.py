@@ -34,3 +34,20 @@ def test_episode_and_journal_faults_parse():
     cfg = load_config(None, ["chaos.faults=[{kind: hang_verifier, step: 2, trajectories: [0, 31]}, "
                              "{kind: corrupt_journal, step: 2}]", "run.num_steps=3", "run.checkpoint_every=1"])
     assert cfg.chaos.faults[0].trajectories == [0, 31] and cfg.chaos.faults[1].kind == "corrupt_journal"
+
+
+@pytest.mark.parametrize("overrides,words", [
+    (["rollout.engine.deployment=server"], "deployment=in_process"),
+    (["schedule.mode=async", "objective.tis=token"], "sync or thunder"),
+    (["rollout.engine.max_restarts=0"], "max_restarts >= 1"),
+])
+def test_kill_engine_is_refused_where_it_cannot_be_survived_in_place(overrides, words):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["chaos.faults=[{kind: kill_engine, step: 0, after_trajectories: 3}]", "run.num_steps=2",
+                           *overrides])
+    assert "chaos.faults.0.kind" in str(err.value) and words in str(err.value), str(err.value)
+
+
+def test_kill_engine_parses_for_the_in_process_engine():
+    cfg = load_config(None, ["chaos.faults=[{kind: kill_engine, step: 1, after_trajectories: 3}]", "run.num_steps=2"])
+    assert cfg.chaos.faults[0].kind == "kill_engine" and cfg.rollout.engine.max_restarts == 3

@@ -4,20 +4,31 @@ Token ids in, token ids and per-token logprobs out; detokenisation is switched o
 agent loop never needs the engine's text. Each completion's policy version is read from vLLM's
 own per-token weight-version spans, which ``update_weights`` sets together with the weights, so
 the stamp cannot drift from the weights that actually sampled the tokens.
+
+An engine core that dies (SIGKILL, the OOM killer) takes every request in flight with it, and
+vLLM's ``AsyncLLM`` cannot be revived. Up to ``EngineConfig.max_restarts`` times per run this
+engine starts a new ``AsyncLLM`` from the initial model directory in its place, opens new
+weight-transfer groups with the learner's stage senders (as a server pool does when it loses a
+server), and lets its owner load the current weights into it (``revive``: the trainer pushes the
+learner's weights and checks them with the probe) before the cut-off requests go again with
+their seeds -- the same tokens, as from a server that took over a dead one's requests.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import itertools
 import json
-from collections.abc import Hashable, Sequence
-from typing import TYPE_CHECKING
+import logging
+import time
+from collections.abc import Awaitable, Callable, Hashable, Sequence
+from typing import TYPE_CHECKING, TypeVar
 
 import numpy as np
 
 from megathunder import console
-from megathunder.config import EngineConfig
+from megathunder.config import CollectiveTransfer, EngineConfig
 from megathunder.rollout.engines.routing_capture import decode as decode_routing
 from megathunder.rollout.engines.common import engine_kwargs, finish_reason, single_version
 from megathunder.rollout.engines.rpc import WeightLoadCall
@@ -25,7 +36,18 @@ from megathunder.rollout.engines.transfer import StageSenders, WeightTransfer, o
 from megathunder.rollout.types import Completion, SamplingParams, WeightSource
 
 if TYPE_CHECKING:
+    from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+_REVIVING: contextvars.ContextVar[bool] = contextvars.ContextVar("megathunder_reviving", default=False)
+"""Set in the task that revives a restarted engine: its own requests (the probe) must not wait
+for the revival they are part of."""
+
+
+class EngineRestartError(RuntimeError):
+    """The engine died and could not be started again (restarts spent, or the restart failed)."""
 
 
 
@@ -56,6 +78,13 @@ class InProcessEngine:
         self._request_ids = itertools.count()
         self._update_lock = asyncio.Lock()
         self.transfer: WeightTransfer | None = None  # weight_transfer=collective
+        self.revive: Callable[[], Awaitable[None]] | None = None
+        """Set by the owner: load the current weights into a restarted engine (and check them).
+        Without it a dead engine is not restarted."""
+        self.num_restarts = 0
+        self._restart_with: tuple[AsyncEngineArgs, EngineConfig, StageSenders | None] | None = None  # set by start
+        self._restarting: asyncio.Future[None] | None = None
+        self._restart_failed: str | None = None  # why the engine in place is not to be used
 
     @property
     def _llm(self) -> AsyncLLM:
@@ -73,17 +102,89 @@ class InProcessEngine:
         kwargs = {"use_tqdm_on_load": console.verbose(), **engine_kwargs(cfg)}  # no loading bar unless -v
         args = AsyncEngineArgs(model=str(model_path), **kwargs)
         engine = cls(AsyncLLM.from_engine_args(args), policy_version)
+        engine._restart_with = (args, cfg, senders)
         # no local holds the AsyncLLM: vLLM keeps this frame alive, and close() must free it
-        await engine._llm.update_weight_version(str(policy_version))
         try:
-            await engine._llm.collective_rpc("megathunder_freeze_gc")
-            if cfg.record_routing:
-                await engine._llm.collective_rpc("megathunder_routing_start")
-            engine.transfer = await open_transfer(cfg, [engine._rpc], senders)
+            await engine._prepare(cfg, senders)
         except BaseException:
             await engine.close()
             raise
         return engine
+
+    async def _prepare(self, cfg: EngineConfig, senders: StageSenders | None, port: int | None = None) -> None:
+        """A new ``AsyncLLM``'s set-up: version stamp, frozen start-up heap, routing recorder, and
+        the weight-transfer groups (``port``: another than the configured one, for a restart)."""
+        await self._llm.update_weight_version(str(self._policy_version))
+        await self._llm.collective_rpc("megathunder_freeze_gc")
+        if cfg.record_routing:
+            await self._llm.collective_rpc("megathunder_routing_start")
+        if port is not None and isinstance(cfg.weight_transfer, CollectiveTransfer):
+            cfg = cfg.model_copy(update={"weight_transfer": cfg.weight_transfer.model_copy(update={"port": port})})
+        self.transfer = await open_transfer(cfg, [self._rpc], senders)
+
+    # ------------------------------------------------------------------ restart in place
+
+    async def _surviving(self, request: Callable[[AsyncLLM], Awaitable[T]]) -> T:
+        """``request`` on the engine; if the engine core dies under it, again on the restarted one
+        (the same request: its seed gives the same tokens)."""
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        while True:
+            while self._restarting is not None and not _REVIVING.get():
+                await asyncio.shield(self._restarting)
+            if self._restart_failed is not None:
+                raise EngineRestartError(self._restart_failed)
+            llm = self._llm
+            try:
+                return await request(llm)
+            except EngineDeadError:
+                if _REVIVING.get():
+                    raise
+                await self._restart(llm)
+
+    async def _restart(self, dead: AsyncLLM) -> None:
+        """Start a new engine in place of ``dead`` (once, however many requests saw it die)."""
+        if self.llm is not dead:  # already replaced
+            return
+        if self._restarting is None:
+            self._restarting = asyncio.ensure_future(self._start_again(dead))
+            self._restarting.add_done_callback(lambda _: setattr(self, "_restarting", None))
+        await asyncio.shield(self._restarting)
+
+    async def _start_again(self, dead: AsyncLLM) -> None:
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        assert self._restart_with is not None, "set by InProcessEngine.start"
+        args, cfg, senders = self._restart_with
+        if self.revive is None or self.num_restarts >= cfg.max_restarts or cfg.record_routing:
+            why = ("nothing can load its weights" if self.revive is None else "routing replay records what "
+                   "it computed" if cfg.record_routing else f"rollout.engine.max_restarts={cfg.max_restarts} spent")
+            self._restart_failed = (f"the in-process vLLM engine died and is not restarted ({why}); the run stops "
+                                    "and the same command resumes from the last checkpoint")
+            raise EngineRestartError(self._restart_failed)
+        self.num_restarts += 1
+        started = time.monotonic()
+        log.warning("the in-process vLLM engine died; starting it again (restart %d of at most %d)",
+                    self.num_restarts, cfg.max_restarts)
+        dead.shutdown()
+        self.transfer = None  # its groups had the dead workers in them: dropped unused
+        token = _REVIVING.set(True)
+        try:
+            self.llm = AsyncLLM.from_engine_args(args)
+            await self._prepare(cfg, senders, port=0)  # a new store on an ephemeral port
+            await self.revive()  # the learner's current weights, checked by the probe
+        except BaseException as err:  # never sample from a half-revived engine
+            self._restart_failed = f"the in-process vLLM engine died and its restart failed: {err}"
+            raise EngineRestartError(self._restart_failed) from err
+        finally:
+            _REVIVING.reset(token)
+        log.warning("the in-process vLLM engine is back after %.1f s (policy version %d); re-sending its requests",
+                    time.monotonic() - started, self._policy_version)
+
+    def engine_core_pids(self) -> list[int]:
+        """The engine core processes (``chaos.faults`` kill_engine kills them)."""
+        manager = self._llm.engine_core.resources.engine_manager
+        return [] if manager is None else [proc.pid for proc in manager.processes if proc.pid is not None]
 
     async def _rpc(self, call: WeightLoadCall) -> list:
         return await self._llm.collective_rpc(call.method, args=call.args, kwargs=call.kwargs)
@@ -102,13 +203,18 @@ class InProcessEngine:
     ) -> Completion:
         from vllm.inputs import TokensPrompt
 
-        request_id = f"mt-{next(self._request_ids)}"
         prompt = TokensPrompt(prompt_token_ids=list(prompt_token_ids))
-        final = None
-        async for out in self._llm.generate(prompt, vllm_sampling_params(params), request_id, priority=params.priority):
-            final = out
-        if final is None or not final.finished:
-            raise RuntimeError(f"request {request_id} ended without a final output")
+
+        async def request(llm: AsyncLLM):
+            request_id = f"mt-{next(self._request_ids)}"
+            final = None
+            async for out in llm.generate(prompt, vllm_sampling_params(params), request_id, priority=params.priority):
+                final = out
+            if final is None or not final.finished:
+                raise RuntimeError(f"request {request_id} ended without a final output")
+            return request_id, final
+
+        request_id, final = await self._surviving(request)
         seq = final.outputs[0]
         token_ids = list(seq.token_ids)
         logprobs = [step[tok].logprob for step, tok in zip(seq.logprobs, token_ids, strict=True)]

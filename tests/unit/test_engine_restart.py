@@ -1,0 +1,138 @@
+"""The in-process engine started again in place when its engine core dies (``InProcessEngine``'s
+restart): with a stand-in for vLLM's ``AsyncLLM`` whose engine core can be killed, checked for the
+ordering the real run relies on -- every request cut off by the death goes again (same request)
+on the new engine, only after the owner has loaded the weights into it; the owner's own requests
+(the probe) run during that revival; one restart however many requests saw the death; spent
+restarts or a failed revival refuse every later request instead of sampling from a wrong engine.
+The real engine: ``tests/integration/test_bench_chaos.py`` (kill_engine in a real run)."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import pytest
+from vllm.v1.engine.exceptions import EngineDeadError
+
+from megathunder.config import EngineConfig
+from megathunder.rollout.engines import inprocess
+from megathunder.rollout.engines.inprocess import EngineRestartError, InProcessEngine
+from megathunder.rollout.types import SamplingParams
+
+
+class FakeLLM:
+    """Answers each request with its prompt reversed once ``release`` is set; ``kill`` makes every
+    request in flight and every later one raise EngineDeadError."""
+
+    made: list[FakeLLM] = []
+
+    def __init__(self) -> None:
+        self.dead, self.release, self.loaded = False, asyncio.Event(), False
+        self.requests: list[list[int]] = []
+        FakeLLM.made.append(self)
+
+    @classmethod
+    def from_engine_args(cls, args) -> FakeLLM:
+        return cls()
+
+    def kill(self) -> None:
+        self.dead = True
+        self.release.set()
+
+    async def generate(self, prompt, params, request_id, priority=0):
+        self.requests.append(list(prompt["prompt_token_ids"]))
+        await self.release.wait()
+        if self.dead:
+            raise EngineDeadError()
+        tokens = list(reversed(prompt["prompt_token_ids"]))
+        yield SimpleNamespace(finished=True, outputs=[SimpleNamespace(
+            token_ids=tokens, logprobs=[{t: SimpleNamespace(logprob=-1.0)} for t in tokens], finish_reason="length",
+            weight_versions=[SimpleNamespace(version="1" if self.loaded else "0")])])
+
+    async def update_weight_version(self, version: str) -> None:
+        pass
+
+    async def collective_rpc(self, method, args=(), kwargs=None):
+        return []
+
+    def shutdown(self) -> None:
+        self.dead = True
+
+
+@pytest.fixture
+def engine(monkeypatch):
+    from vllm.v1.engine import async_llm
+
+    monkeypatch.setattr(async_llm, "AsyncLLM", FakeLLM)
+    FakeLLM.made = []
+    first = FakeLLM()
+    eng = InProcessEngine(first, policy_version=0)  # type: ignore[arg-type]
+    eng._restart_with = (None, EngineConfig(weight_transfer="rpc", max_restarts=2), None)  # type: ignore[assignment]
+    return eng
+
+
+PARAMS = SamplingParams(max_new_tokens=4, seed=7)
+
+
+def test_requests_cut_off_by_a_death_go_again_after_the_weights_are_loaded(engine):
+    async def main():
+        revived: list[int] = []
+
+        async def revive() -> None:  # the trainer: load the weights, then probe on the new engine
+            new = FakeLLM.made[-1]
+            new.loaded = True
+            new.release.set()
+            probe = await engine.generate([9, 8], PARAMS)  # must not wait for the revival it is part of
+            revived.append(probe.policy_version)
+
+        engine.revive = revive
+        first = FakeLLM.made[0]
+        tasks = [asyncio.ensure_future(engine.generate([i, i + 1], PARAMS)) for i in range(5)]
+        await asyncio.sleep(0.05)
+        assert len(first.requests) == 5
+        first.kill()
+        done = await asyncio.wait_for(asyncio.gather(*tasks), 10)
+        assert [c.token_ids for c in done] == [[i + 1, i] for i in range(5)]
+        assert all(c.policy_version == 1 for c in done)  # sampled only after the weights were loaded
+        assert revived == [1] and engine.num_restarts == 1 and len(FakeLLM.made) == 2
+        assert sorted(FakeLLM.made[1].requests) == sorted([[9, 8], *([i, i + 1] for i in range(5))])
+
+    asyncio.run(main())
+
+
+def test_spent_restarts_and_a_failed_revival_refuse_later_requests(engine):
+    async def main():
+        async def revive() -> None:
+            raise RuntimeError("probe gap 3.1e-1")
+
+        engine.revive = revive
+        FakeLLM.made[0].kill()
+        with pytest.raises(EngineRestartError, match="restart failed: probe gap"):
+            await asyncio.wait_for(engine.generate([1], PARAMS), 10)
+        with pytest.raises(EngineRestartError, match="restart failed"):  # never the unrevived engine
+            await asyncio.wait_for(engine.generate([2], PARAMS), 10)
+        assert FakeLLM.made[1].requests == []
+
+    asyncio.run(main())
+
+
+def test_no_restart_without_an_owner_or_past_max_restarts(engine):
+    async def main():
+        FakeLLM.made[0].kill()
+        with pytest.raises(EngineRestartError, match="nothing can load its weights"):
+            await asyncio.wait_for(engine.generate([1], PARAMS), 10)
+
+    asyncio.run(main())
+
+    cfg = EngineConfig(weight_transfer="rpc", max_restarts=0)
+    fresh = InProcessEngine(FakeLLM(), policy_version=0)  # type: ignore[arg-type]
+    fresh._restart_with = (None, cfg, None)  # type: ignore[assignment]
+
+    async def no_owner_needed() -> None:
+        fresh.revive = lambda: asyncio.sleep(0)
+        FakeLLM.made[-1].kill()
+        with pytest.raises(EngineRestartError, match="max_restarts=0 spent"):
+            await asyncio.wait_for(fresh.generate([1], PARAMS), 10)
+
+    asyncio.run(no_owner_needed())
+    assert inprocess._REVIVING.get() is False

@@ -65,3 +65,27 @@ def test_stop_leaves_other_processes_shared_memory_alone(tmp_path: Path):
     finally:
         mine.close()
         mine.unlink()
+
+
+def test_the_pool_removes_start_up_files_no_process_holds(tmp_path: Path):
+    """A semaphore a server's start-up helper left for the servers' resource tracker (which a SIGKILL
+    takes with it) is removed when the pool stops -- unless some process still maps it."""
+    from multiprocessing import shared_memory
+
+    from megathunder.rollout.engines.server import ServerPool
+
+    orphan = shared_memory.SharedMemory(create=True, size=4096)
+    orphan.close()  # nobody maps it any more; its name stays, as a dead tracker leaves it
+    held = shared_memory.SharedMemory(create=True, size=4096)  # mapped by this live process
+    try:
+        proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True)
+        pool = ServerPool([ServerProcess("http://127.0.0.1:1", proc, tmp_path / "log")])
+        pool.startup_shm = {f"/dev/shm/{orphan.name}", f"/dev/shm/{held.name}"}
+        pool.stop()
+        assert not os.path.exists(f"/dev/shm/{orphan.name}")
+        assert os.path.exists(f"/dev/shm/{held.name}")
+    finally:
+        held.close()
+        held.unlink()
+        if os.path.exists(f"/dev/shm/{orphan.name}"):
+            orphan.unlink()

@@ -99,12 +99,14 @@ class ServerProcess:
         except OSError:
             return ""
 
-    shm: list[str] = field(default_factory=list)  # its /dev/shm files, recorded once it is ready
+    shm: list[str] = field(default_factory=list)  # its /dev/shm files, recorded while it lives
 
     def record_shm(self) -> None:
         """Remember the shared-memory files the server's processes hold (vLLM's message queues and
-        multiprocessing semaphores), so they can be removed if it dies without removing them."""
-        self.shm = sorted(_shm_files_of_group(self.process.pid))
+        multiprocessing semaphores), so they can be removed if it dies without removing them.
+        Called once it is ready and after each weight update (some are made after start-up)."""
+        if self.process.poll() is None:
+            self.shm = sorted(set(self.shm) | _shm_files_of_group(self.process.pid))
 
     def stop(self, timeout_s: float = 30.0) -> None:
         """SIGTERM the server's process group (its id is the pid we started), then SIGKILL; then
@@ -131,15 +133,15 @@ class ServerProcess:
                 os.unlink(path)
 
 
-def _shm_files_of_group(pgid: int) -> set[str]:
-    """/dev/shm files mapped or open in the processes of group ``pgid``."""
+def _shm_files_of_group(pgid: int | None) -> set[str]:
+    """/dev/shm files mapped or open in the processes of group ``pgid`` (None: of any process)."""
     found: set[str] = set()
     for pid in os.listdir("/proc"):
         if not pid.isdigit():
             continue
         try:
             with open(f"/proc/{pid}/stat") as f:
-                if int(f.read().rsplit(")", 1)[1].split()[2]) != pgid:  # field 5: the process group
+                if pgid is not None and int(f.read().rsplit(")", 1)[1].split()[2]) != pgid:  # field 5: the group
                     continue
             with open(f"/proc/{pid}/maps") as f:
                 found.update(line.split(None, 5)[5].strip() for line in f if "/dev/shm/" in line)
@@ -159,6 +161,10 @@ class ServerPool:
     def __init__(self, servers: list[ServerProcess]) -> None:
         self.servers = servers
         self._owner_pid = os.getpid()
+        self.startup_shm: set[str] = set()
+        """/dev/shm files that appeared while the servers started and that none of them holds open
+        (a semaphore of a start-up helper, left for the servers' resource tracker to remove at exit:
+        a SIGKILLed server's tracker dies with it)."""
 
     @property
     def urls(self) -> list[str]:
@@ -170,6 +176,7 @@ class ServerPool:
 
         log_dir = Path(log_dir)
         log_dir.mkdir(parents=True, exist_ok=True)
+        shm_before = _shm_names()
         env = dict(os.environ, VLLM_SERVER_DEV_MODE="1")
         env.pop("VLLM_API_KEY", None)
         try:
@@ -204,6 +211,8 @@ class ServerPool:
             raise
         for server in servers:
             server.record_shm()
+        held = {path for server in servers for path in server.shm}
+        pool.startup_shm = {f"/dev/shm/{name}" for name in _shm_names() - shm_before} - held
         return pool
 
     @staticmethod
@@ -231,6 +240,17 @@ class ServerPool:
             return
         for server in self.servers:
             server.stop()
+        if self.startup_shm:  # left behind only if a server died without its tracker; never one in use
+            for path in self.startup_shm - _shm_files_of_group(None):
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
+
+
+def _shm_names() -> set[str]:
+    try:
+        return set(os.listdir("/dev/shm"))
+    except OSError:
+        return set()
 
 
 class ServerEngine:
@@ -538,6 +558,9 @@ class ServerEngine:
             await load(self._rpc)
             await asyncio.gather(*(finish(server) for server in self.balancer.live))
             self._policy_version = policy_version
+        if self.pool is not None:
+            for server in self.balancer.live:
+                self.pool.servers[server].record_shm()
 
     async def _regroup(self) -> None:
         """Open the transfer groups again with the live servers only (a server was lost: the

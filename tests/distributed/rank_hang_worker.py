@@ -1,0 +1,72 @@
+"""Two learner ranks under the trainer's LearnerService; rank 1 hangs in its third call, or is slow.
+
+    worker.py MODE HEARTBEAT_TIMEOUT_S CALL_TIMEOUT_S FAULT_FILE
+
+MODE ``sigstop``: rank 1 SIGSTOPs itself (its heartbeat thread stops with it); ``spin``: rank 1
+loops forever inside the call (its heartbeat thread lives on); ``slow``: every call of rank 1
+sleeps 2.5 beats and the run ends normally. Before hanging, rank 1 writes the time to FAULT_FILE
+(the test measures detection from it). Run by tests/distributed/test_rank_hang.py.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from megathunder.learner.liveness import HEARTBEAT_S  # noqa: E402
+from megathunder.learner.service import LearnerService  # noqa: E402
+
+NUM_CALLS = 6
+
+
+def main() -> int:
+    mode, heartbeat_timeout_s, call_timeout_s, fault_file = sys.argv[1], float(sys.argv[2]), float(sys.argv[3]), sys.argv[4]
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+
+    def hang() -> None:
+        with open(fault_file, "w") as f:
+            f.write(repr(time.time()))
+            f.flush()
+            os.fsync(f.fileno())
+        if mode == "sigstop":
+            os.kill(os.getpid(), signal.SIGSTOP)
+        while True:  # spin: the step loop is wedged, the heartbeat thread beats on
+            time.sleep(0.05)
+
+    class Endpoint:
+        calls = 0
+
+        def step(self, x: int) -> int:
+            self.calls += 1
+            if rank == 1 and mode == "slow":
+                time.sleep(2.5 * HEARTBEAT_S)
+            elif rank == 1 and self.calls == 3:
+                hang()
+            t = torch.ones(1)
+            dist.all_reduce(t)  # a collective, as every learner step has: rank 0 waits in it
+            return x
+
+    service = LearnerService(Endpoint(), rank, dist.get_world_size(), heartbeat_timeout_s=heartbeat_timeout_s,
+                             call_timeout_s=call_timeout_s)
+    if rank != 0:
+        service.serve()
+        return 0
+    for i in range(NUM_CALLS):
+        service.submit(Endpoint.step, i).result()
+        print(f"CALL {i} done", flush=True)
+    service.stop()
+    print("FINISHED", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,86 @@
+"""A learner rank that hangs stops the run within a bound, with one line naming it.
+
+Rank 1 either SIGSTOPs itself (no failure reaches gloo: its sockets stay open, its heartbeat thread
+stops) or loops forever inside a call (its heartbeat thread lives). Rank 0's watchdog must name it
+and end the process with ``LEARNER_HUNG``; a healthy run whose calls take longer than a beat must
+not trip it. Plain processes, no torchrun (whose agent would end the ranks itself).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from megathunder.learner.liveness import LEARNER_HUNG, STOPS_RESUMABLY
+from tests.distributed.conftest import free_port
+
+WORKER = Path(__file__).with_name("rank_hang_worker.py")
+DETECT_MARGIN_S = 60.0  # process start and a loaded 2-core machine; the bounds themselves are a few seconds
+
+
+def _run(tmp_path: Path, mode: str, heartbeat_timeout_s: float, call_timeout_s: float,
+         timeout: float = 180.0) -> tuple[int, str, float | None, float]:
+    """(rank 0's exit status, its output, when rank 1 hung (None if it did not), when rank 0 exited)."""
+    fault_file = tmp_path / "fault_time"
+    port = free_port()
+    procs: list[subprocess.Popen] = []
+    try:
+        for rank in range(2):
+            env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank),
+                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
+            procs.append(subprocess.Popen(
+                [sys.executable, str(WORKER), mode, str(heartbeat_timeout_s), str(call_timeout_s), str(fault_file)],
+                env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        out0, _ = procs[0].communicate(timeout=timeout)
+        exited = time.time()
+        hung_at = float(fault_file.read_text()) if fault_file.is_file() else None
+        return procs[0].returncode, out0, hung_at, exited
+    finally:
+        for proc in procs:  # a stopped or spinning rank 1 never exits by itself
+            if proc.poll() is None:
+                os.kill(proc.pid, signal.SIGKILL)  # also ends a SIGSTOPped process
+            proc.communicate(timeout=30)
+
+
+def _hung_line(out: str) -> str:
+    lines = [line for line in out.splitlines() if line.startswith("megathunder: learner")]
+    assert len(lines) == 1, out[-3000:]
+    assert lines[0].endswith(STOPS_RESUMABLY), lines[0]
+    return lines[0]
+
+
+def test_a_stopped_rank_is_named_by_its_silent_heartbeat(tmp_path):
+    status, out, hung_at, exited = _run(tmp_path, "sigstop", heartbeat_timeout_s=3, call_timeout_s=0)
+    assert status == LEARNER_HUNG, out[-3000:]
+    line = _hung_line(out)
+    assert "learner call 3 ('step')" in line and "rank 1 hung (no heartbeat for" in line, line
+    assert "rank 0" not in line, line
+    assert hung_at is not None, out[-3000:]
+    detected = exited - hung_at
+    print(f"sigstop: named {detected:.1f} s after the SIGSTOP (heartbeat bound 3 s): {line}")
+    assert detected < 3 + DETECT_MARGIN_S
+
+
+def test_a_rank_wedged_in_its_call_is_named_by_the_call_bound(tmp_path):
+    status, out, hung_at, exited = _run(tmp_path, "spin", heartbeat_timeout_s=30, call_timeout_s=3)
+    assert status == LEARNER_HUNG, out[-3000:]
+    line = _hung_line(out)
+    assert "rank 1 hung (in call 3 ('step') for" in line and "heartbeat alive" in line, line
+    assert "rank 0 hung" not in line, line
+    assert hung_at is not None, out[-3000:]
+    detected = exited - hung_at
+    print(f"spin: named {detected:.1f} s after it wedged (call bound 3 s): {line}")
+    assert detected < 3 + DETECT_MARGIN_S
+
+
+@pytest.mark.parametrize("heartbeat_timeout_s,call_timeout_s", [(10, 10)])
+def test_slow_calls_do_not_trip_the_watchdog(tmp_path, heartbeat_timeout_s, call_timeout_s):
+    status, out, hung_at, _ = _run(tmp_path, "slow", heartbeat_timeout_s, call_timeout_s)
+    assert status == 0 and "FINISHED" in out, out[-3000:]
+    assert "hung" not in out and hung_at is None, out[-3000:]

@@ -160,13 +160,15 @@ class TinyModelConfig(Strict):
 EPISODE_FAULTS = ("crash_verifier", "hang_verifier", "hang_sandbox", "oom_tool")
 """Faults of chosen trajectories' episodes (``trajectories`` of step ``step``)."""
 SERVER_FAULTS = ("kill_server", "hang_server")
+LEARNER_FAULTS = ("kill_learner", "hang_learner")
+"""Faults of a learner rank > 0, fired as the server faults are (``after_trajectories`` of ``step``)."""
 
 
 class ChaosFault(Strict):
     """One fault injected into a run (``megathunder.trainer.chaos``)."""
 
     kind: Literal["fill_disk", "sigusr1", "sigint", "kill_server", "hang_server", "crash_verifier",
-                  "hang_verifier", "hang_sandbox", "oom_tool", "corrupt_journal"]
+                  "hang_verifier", "hang_sandbox", "oom_tool", "corrupt_journal", "kill_learner", "hang_learner"]
     """fill_disk: fill the run directory's file system (the next write fails); sigusr1 / sigint: the
     signal to this process (stop after the step, checkpoint, exit 75); kill_server / hang_server:
     SIGKILL / SIGSTOP rollout server ``server``'s process group (deployment=server, launched here);
@@ -176,12 +178,18 @@ class ChaosFault(Strict):
     ``sandbox.wall_time_s`` / allocates twice ``sandbox.memory_mb``, run after the episode's turns
     (its result must be an error observation; the episode goes on); corrupt_journal: the journal's
     last record (the step's) is torn after the step, and the run stops as a crash would (exit 130,
-    no checkpoint of that step)."""
+    no checkpoint of that step); kill_learner / hang_learner: learner rank ``rank`` SIGKILLs /
+    SIGSTOPs itself as it receives the learner's next message (the run stops: rank 0 names the
+    dead rank, exit 1, or its watchdog the hung one, exit 86, within
+    ``learner.watchdog.heartbeat_timeout_s``; the same command resumes)."""
     step: int = Field(0, ge=0)
     """The optimizer step during (server and episode faults) or after (the others) which it happens."""
     after_trajectories: int = Field(0, ge=0)
     """Server faults: when this many of the step's trajectories have finished."""
     server: int = Field(0, ge=0)
+    rank: int = Field(1, ge=1)
+    """Learner faults: the learner rank that dies or hangs (not 0: rank 0 is the controller, whose
+    loss ends the run on every rank anyway); below the learner's world size (checked at start)."""
     trajectories: list[int] = Field(default_factory=lambda: [0])
     """Episode faults: the trajectory ids (in the step's batch: group g's sample k is g x
     samples_per_prompt + k) whose episodes get the fault."""
@@ -336,6 +344,12 @@ class Config(Strict):
                 if fault.server >= engine.num_servers:
                     raise ValueError(f"chaos.faults.{i}.server: {fault.server} >= rollout.engine.num_servers="
                                      f"{engine.num_servers}")
+            if fault.kind in LEARNER_FAULTS and self.learner.parallel.data_parallel is not None:
+                par = self.learner.parallel  # the world size is known here only when data_parallel is set
+                world = par.tensor_parallel * par.pipeline_parallel * par.context_parallel * par.data_parallel
+                if fault.rank >= world:
+                    raise ValueError(f"chaos.faults.{i}.rank: {fault.rank} >= the learner's world size {world} "
+                                     "(learner.parallel: tensor x pipeline x context x data)")
             if fault.kind in EPISODE_FAULTS:
                 size = self.batch.num_prompts_per_batch * self.batch.samples_per_prompt
                 if max(fault.trajectories) >= size:

@@ -76,7 +76,7 @@ class Trainer:
         self.journal = Journal(out / "journal.jsonl", keep_steps=start_step)
         self.metrics = MetricsLog(out, cfg, keep_steps=start_step)
         self.timeline = Timeline()
-        self.chaos = Chaos(cfg.chaos.faults, out, engine, cfg.sandbox, cfg.verifier)  # none unless configured
+        self.chaos = Chaos(cfg.chaos.faults, out, engine, cfg.sandbox, cfg.verifier, service)  # none unless configured
         if self.chaos.has_episode_faults:
             self.agent_loop.faults = self.chaos
         self._finished_in_step: dict[int, int] = {}

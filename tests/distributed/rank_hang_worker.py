@@ -4,8 +4,11 @@
 
 MODE ``sigstop``: rank 1 SIGSTOPs itself (its heartbeat thread stops with it); ``spin``: rank 1
 loops forever inside the call (its heartbeat thread lives on); ``slow``: every call of rank 1
-sleeps 2.5 beats and the run ends normally. Before hanging, rank 1 writes the time to FAULT_FILE
-(the test measures detection from it). Run by tests/distributed/test_rank_hang.py.
+sleeps 2.5 beats and the run ends normally; ``hang_learner`` / ``kill_learner``: after call 2,
+rank 0 sends rank 1 the chaos fault (``LearnerService.fault``), and rank 1 SIGSTOPs / SIGKILLs
+itself as it receives it. Before the fault, the rank that makes it writes the time to FAULT_FILE
+(the test measures detection from it). Rank 0 exits 3 if it finds a dead rank
+(``LearnerRankLost``). Run by tests/distributed/test_rank_hang.py.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from megathunder.learner.liveness import HEARTBEAT_S  # noqa: E402
-from megathunder.learner.service import LearnerService  # noqa: E402
+from megathunder.learner.service import LearnerRankLost, LearnerService  # noqa: E402
 
 NUM_CALLS = 6
 
@@ -32,11 +35,14 @@ def main() -> int:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
 
-    def hang() -> None:
+    def write_fault_time() -> None:
         with open(fault_file, "w") as f:
             f.write(repr(time.time()))
             f.flush()
             os.fsync(f.fileno())
+
+    def hang() -> None:
+        write_fault_time()
         if mode == "sigstop":
             os.kill(os.getpid(), signal.SIGSTOP)
         while True:  # spin: the step loop is wedged, the heartbeat thread beats on
@@ -49,7 +55,7 @@ def main() -> int:
             self.calls += 1
             if rank == 1 and mode == "slow":
                 time.sleep(2.5 * HEARTBEAT_S)
-            elif rank == 1 and self.calls == 3:
+            elif rank == 1 and self.calls == 3 and mode in ("sigstop", "spin"):
                 hang()
             t = torch.ones(1)
             dist.all_reduce(t)  # a collective, as every learner step has: rank 0 waits in it
@@ -60,9 +66,16 @@ def main() -> int:
     if rank != 0:
         service.serve()
         return 0
-    for i in range(NUM_CALLS):
-        service.submit(Endpoint.step, i).result()
-        print(f"CALL {i} done", flush=True)
+    try:
+        for i in range(NUM_CALLS):
+            if i == 2 and mode in ("hang_learner", "kill_learner"):
+                write_fault_time()
+                service.fault(mode, 1)
+            service.submit(Endpoint.step, i).result()
+            print(f"CALL {i} done", flush=True)
+    except LearnerRankLost as err:
+        print(f"megathunder: {err}", flush=True)
+        os._exit(3)
     service.stop()
     print("FINISHED", flush=True)
     return 0

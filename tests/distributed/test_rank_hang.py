@@ -55,16 +55,29 @@ def _hung_line(out: str) -> str:
     return lines[0]
 
 
-def test_a_stopped_rank_is_named_by_its_silent_heartbeat(tmp_path):
-    status, out, hung_at, exited = _run(tmp_path, "sigstop", heartbeat_timeout_s=3, call_timeout_s=0)
+@pytest.mark.parametrize("mode", ["sigstop", "hang_learner"])
+def test_a_stopped_rank_is_named_by_its_silent_heartbeat(tmp_path, mode):
+    """``sigstop``: rank 1 stops itself inside call 3; ``hang_learner``: the chaos fault, sent
+    between calls 2 and 3, makes it stop as it receives it."""
+    status, out, hung_at, exited = _run(tmp_path, mode, heartbeat_timeout_s=3, call_timeout_s=0)
     assert status == LEARNER_HUNG, out[-3000:]
     line = _hung_line(out)
     assert "learner call 3 ('step')" in line and "rank 1 hung (no heartbeat for" in line, line
     assert "rank 0" not in line, line
     assert hung_at is not None, out[-3000:]
     detected = exited - hung_at
-    print(f"sigstop: named {detected:.1f} s after the SIGSTOP (heartbeat bound 3 s): {line}")
+    print(f"{mode}: named {detected:.1f} s after the SIGSTOP (heartbeat bound 3 s): {line}")
     assert detected < 3 + DETECT_MARGIN_S
+
+
+def test_kill_learner_is_found_by_gloo_and_named_by_the_heartbeats(tmp_path):
+    status, out, killed_at, exited = _run(tmp_path, "kill_learner", heartbeat_timeout_s=30, call_timeout_s=0)
+    assert status == 3, out[-3000:]  # LearnerRankLost, as for any dead rank (test_rank_loss.py)
+    line = [line for line in out.splitlines() if line.startswith("megathunder: learner call")]
+    assert line and "rank 1 (silent" in line[0] and "rank 0 (silent" not in line[0], out[-3000:]
+    assert killed_at is not None, out[-3000:]
+    print(f"kill_learner: named {exited - killed_at:.1f} s after the fault was sent: {line[0]}")
+    assert exited - killed_at < DETECT_MARGIN_S
 
 
 def test_a_rank_wedged_in_its_call_is_named_by_the_call_bound(tmp_path):

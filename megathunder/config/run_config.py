@@ -344,9 +344,10 @@ class Config(Strict):
                 if fault.server >= engine.num_servers:
                     raise ValueError(f"chaos.faults.{i}.server: {fault.server} >= rollout.engine.num_servers="
                                      f"{engine.num_servers}")
-            if fault.kind in LEARNER_FAULTS and self.learner.parallel.data_parallel is not None:
-                par = self.learner.parallel  # the world size is known here only when data_parallel is set
-                world = par.tensor_parallel * par.pipeline_parallel * par.context_parallel * par.data_parallel
+            dp = self.learner.parallel.data_parallel  # the world size is known here only when it is set
+            if fault.kind in LEARNER_FAULTS and dp is not None:
+                par = self.learner.parallel
+                world = par.tensor_parallel * par.pipeline_parallel * par.context_parallel * dp
                 if fault.rank >= world:
                     raise ValueError(f"chaos.faults.{i}.rank: {fault.rank} >= the learner's world size {world} "
                                      "(learner.parallel: tensor x pipeline x context x data)")

@@ -20,8 +20,9 @@ HEARTBEAT_S and, while a learner call is in flight, names
   finished it, with the call each is in and for how long (heartbeat alive: wedged in the step).
 
 A thread cannot interrupt a gloo collective, so the watchdog ends the process: one line on
-stderr, a bounded clean-up (``on_hang``: the trainer closes its rollout engine), then
-``os._exit(LEARNER_HUNG)``. Checkpoints are written atomically, so the same command resumes.
+stderr, a bounded clean-up (``on_hang``: the trainer closes its rollout engine), this process's
+``multiprocessing`` children ended (``os._exit`` skips the exit hook that would: Megatron's
+checkpoint-queue manager would outlive the run), then ``os._exit(LEARNER_HUNG)``. Checkpoints are written atomically, so the same command resumes.
 
 Ages are measured on rank 0's monotonic clock, from when rank 0 saw a key change, never by
 comparing clocks of different hosts.
@@ -29,6 +30,7 @@ comparing clocks of different hosts.
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import sys
 import threading
@@ -207,12 +209,26 @@ class Watchdog:
         cleanup = threading.Thread(target=self.on_hang, name="learner-hang-cleanup", daemon=True)
         cleanup.start()
         cleanup.join(CLEANUP_S)
+        end_children()
         for stream in (sys.stdout, sys.stderr):
             try:
                 stream.flush()
             except Exception:
                 pass
         os._exit(LEARNER_HUNG)
+
+
+def end_children(grace_s: float = 5.0) -> None:
+    """End this process's ``multiprocessing`` children: SIGTERM, then SIGKILL after ``grace_s``."""
+    children = multiprocessing.active_children()
+    for child in children:
+        child.terminate()
+    deadline = time.monotonic() + grace_s
+    for child in children:
+        child.join(max(0.0, deadline - time.monotonic()))
+        if child.is_alive():
+            child.kill()
+            child.join(grace_s)
 
 
 def _where(seen: _Seen, now: float) -> str:

@@ -8,11 +8,14 @@ sleeps 2.5 beats and the run ends normally; ``hang_learner`` / ``kill_learner``:
 rank 0 sends rank 1 the chaos fault (``LearnerService.fault``), and rank 1 SIGSTOPs / SIGKILLs
 itself as it receives it. Before the fault, the rank that makes it writes the time to FAULT_FILE
 (the test measures detection from it). Rank 0 exits 3 if it finds a dead rank
-(``LearnerRankLost``). Run by tests/distributed/test_rank_hang.py.
+(``LearnerRankLost``). Rank 0 starts a ``multiprocessing`` Manager first and prints its pid
+(``CHILD``), as Megatron's checkpoint writer does: the watchdog must not leave it behind. Run by
+tests/distributed/test_rank_hang.py.
 """
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import signal
 import sys
@@ -66,6 +69,8 @@ def main() -> int:
     if rank != 0:
         service.serve()
         return 0
+    manager = multiprocessing.get_context("fork").Manager()
+    print(f"CHILD {manager._process.pid}", flush=True)  # type: ignore[attr-defined]
     try:
         for i in range(NUM_CALLS):
             if i == 2 and mode in ("hang_learner", "kill_learner"):
@@ -75,8 +80,10 @@ def main() -> int:
             print(f"CALL {i} done", flush=True)
     except LearnerRankLost as err:
         print(f"megathunder: {err}", flush=True)
+        manager.shutdown()  # it holds our stdout: the test reads to its end
         os._exit(3)
     service.stop()
+    manager.shutdown()
     print("FINISHED", flush=True)
     return 0
 

@@ -48,6 +48,21 @@ def _run(tmp_path: Path, mode: str, heartbeat_timeout_s: float, call_timeout_s: 
             proc.communicate(timeout=30)
 
 
+def _child_ended(out: str) -> bool:
+    """Whether rank 0's multiprocessing child (a Manager, as Megatron's checkpoint writer starts)
+    is gone; an orphan is reaped by init soon after rank 0 exits (bounded wait)."""
+    pid = int(next(line for line in out.splitlines() if line.startswith("CHILD")).split()[1])
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.2)
+    os.kill(pid, signal.SIGKILL)  # not to leave it behind on this machine either
+    return False
+
+
 def _hung_line(out: str) -> str:
     lines = [line for line in out.splitlines() if line.startswith("megathunder: learner")]
     assert len(lines) == 1, out[-3000:]
@@ -68,6 +83,7 @@ def test_a_stopped_rank_is_named_by_its_silent_heartbeat(tmp_path, mode):
     detected = exited - hung_at
     print(f"{mode}: named {detected:.1f} s after the SIGSTOP (heartbeat bound 3 s): {line}")
     assert detected < 3 + DETECT_MARGIN_S
+    assert _child_ended(out), "rank 0's multiprocessing child outlived it"
 
 
 def test_kill_learner_is_found_by_gloo_and_named_by_the_heartbeats(tmp_path):
@@ -90,6 +106,7 @@ def test_a_rank_wedged_in_its_call_is_named_by_the_call_bound(tmp_path):
     detected = exited - hung_at
     print(f"spin: named {detected:.1f} s after it wedged (call bound 3 s): {line}")
     assert detected < 3 + DETECT_MARGIN_S
+    assert _child_ended(out), "rank 0's multiprocessing child outlived it"
 
 
 @pytest.mark.parametrize("heartbeat_timeout_s,call_timeout_s", [(10, 10)])

@@ -287,7 +287,8 @@ class WatchdogConfig(Strict):
     @classmethod
     def _check_call_timeout(cls, value: float) -> float:
         if 0 < value < 10:
-            raise ValueError(f"0 (off) or at least 10 s, not {value:g} (the slowest healthy call must stay well under it)")
+            raise ValueError(f"0 (off) or at least 10 s, not {value:g} (the slowest healthy call must stay well "
+                             "under it)")
         return value
 
 

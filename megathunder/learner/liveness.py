@@ -22,7 +22,8 @@ HEARTBEAT_S and, while a learner call is in flight, names
 A thread cannot interrupt a gloo collective, so the watchdog ends the process: one line on
 stderr, a bounded clean-up (``on_hang``: the trainer closes its rollout engine), this process's
 ``multiprocessing`` children ended (``os._exit`` skips the exit hook that would: Megatron's
-checkpoint-queue manager would outlive the run), then ``os._exit(LEARNER_HUNG)``. Checkpoints are written atomically, so the same command resumes.
+checkpoint-queue manager would outlive the run), then ``os._exit(LEARNER_HUNG)``. Checkpoints are
+written atomically, so the same command resumes.
 
 Ages are measured on rank 0's monotonic clock, from when rank 0 saw a key change, never by
 comparing clocks of different hosts.
@@ -30,6 +31,7 @@ comparing clocks of different hosts.
 
 from __future__ import annotations
 
+import logging
 import multiprocessing
 import os
 import sys
@@ -39,6 +41,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch.distributed as dist
+
+log = logging.getLogger(__name__)
 
 HEARTBEAT_S = 1.0
 LEARNER_HUNG = 86
@@ -148,11 +152,16 @@ class Watchdog:
         self._stop.set()
 
     def _loop(self) -> None:
+        warned = False
         while not self._stop.wait(HEARTBEAT_S):
             try:
                 self._read()
-            except Exception:  # the store is closing with the process group: nothing left to watch
-                return
+            except Exception as err:  # a store that failed once may answer next time: keep watching
+                if not warned and not self._stop.is_set():
+                    log.warning("learner watchdog: reading the ranks' beats failed (%s); retrying every %g s",
+                                str(err).splitlines()[0][:200] if str(err) else type(err).__name__, HEARTBEAT_S)
+                    warned = True
+                continue
             flight = self.in_flight()
             if flight is None or self._stop.is_set():
                 continue
@@ -166,7 +175,7 @@ class Watchdog:
         keys = [k for r in ranks for k in (alive_key(r), call_key(r))]
         if self.store.check(keys):
             values = dict(zip(keys, self.store.multi_get(keys)))
-        else:  # a rank that has not written yet (it wrote both before the service existed on rank 0)
+        else:  # a rank whose heartbeat has not started yet
             values = {k: self.store.get(k) for k in keys if self.store.check([k])}
         now = time.monotonic()
         for r in ranks:

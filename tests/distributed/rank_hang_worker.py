@@ -34,7 +34,8 @@ NUM_CALLS = 6
 
 
 def main() -> int:
-    mode, heartbeat_timeout_s, call_timeout_s, fault_file = sys.argv[1], float(sys.argv[2]), float(sys.argv[3]), sys.argv[4]
+    mode, fault_file = sys.argv[1], sys.argv[4]
+    heartbeat_timeout_s, call_timeout_s = float(sys.argv[2]), float(sys.argv[3])
     dist.init_process_group("gloo")
     rank = dist.get_rank()
 

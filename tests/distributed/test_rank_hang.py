@@ -34,18 +34,20 @@ def _run(tmp_path: Path, mode: str, heartbeat_timeout_s: float, call_timeout_s: 
         for rank in range(2):
             env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank),
                    "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
-            procs.append(subprocess.Popen(
+            procs.append(subprocess.Popen(  # a session each: the finally ends the rank and any child of it
                 [sys.executable, str(WORKER), mode, str(heartbeat_timeout_s), str(call_timeout_s), str(fault_file)],
-                env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+                env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True))
         out0, _ = procs[0].communicate(timeout=timeout)
         exited = time.time()
         hung_at = float(fault_file.read_text()) if fault_file.is_file() else None
         return procs[0].returncode, out0, hung_at, exited
     finally:
         for proc in procs:  # a stopped or spinning rank 1 never exits by itself
-            if proc.poll() is None:
-                os.kill(proc.pid, signal.SIGKILL)  # also ends a SIGSTOPped process
-            proc.communicate(timeout=30)
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)  # also ends a SIGSTOPped process
+            except ProcessLookupError:  # the rank and every process of its group have ended
+                pass
+            proc.wait(timeout=30)
 
 
 def _child_ended(out: str) -> bool:

@@ -183,9 +183,9 @@ class ChaosFault(Strict):
     dead rank, exit 1, or its watchdog the hung one, exit 86, within
     ``learner.watchdog.heartbeat_timeout_s``; the same command resumes)."""
     step: int = Field(0, ge=0)
-    """The optimizer step during (server and episode faults) or after (the others) which it happens."""
+    """The optimizer step during (server, learner and episode faults) or after (the others) which it happens."""
     after_trajectories: int = Field(0, ge=0)
-    """Server faults: when this many of the step's trajectories have finished."""
+    """Server and learner faults: when this many of the step's trajectories have finished."""
     server: int = Field(0, ge=0)
     rank: int = Field(1, ge=1)
     """Learner faults: the learner rank that dies or hangs (not 0: rank 0 is the controller, whose

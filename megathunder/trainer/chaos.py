@@ -194,7 +194,6 @@ class Chaos:
                     fault.step)
         os.killpg(process.pid, signal.SIGKILL if fault.kind == "kill_server" else signal.SIGSTOP)
 
-
     def _learner(self, fault: ChaosFault) -> None:
         assert self.service is not None, "Chaos(service=...) is given by the trainer"
         log.warning("chaos: %s learner rank %d at step %d", fault.kind, fault.rank, fault.step)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from megathunder.config.base import Strict
 
@@ -265,6 +265,33 @@ class ReferenceModelConfig(Strict):
     """Keep its weights in host memory between uses (GPU only; a no-op on CPU)."""
 
 
+class WatchdogConfig(Strict):
+    """Rank 0's watchdog over the other learner ranks (``megathunder.learner.liveness``; only with
+    more than one rank). While a learner call is in flight it ends the run, in one line naming the
+    rank, when a rank hangs: a process stopped or frozen fails no collective, so without it rank 0
+    would wait for gloo's process-group timeout (30 minutes). The bounds must never be reached by
+    a healthy but slow run: a false alarm stops a run that would have finished."""
+
+    heartbeat_timeout_s: float = Field(30.0, ge=3.0, le=86400.0)
+    """A rank whose heartbeat (a thread of its own, one beat per second) has not changed for this
+    long while a call is in flight hung (SIGSTOP, a frozen machine). At least 3 beats; generous,
+    because a thread of a process that holds Python's lock in a long C call, or one swapping, beats
+    late."""
+    call_timeout_s: float = Field(0.0, ge=0.0, le=604800.0)
+    """A learner call in flight for longer than this names the ranks that have not finished it
+    (wedged in their step while their heartbeat lives). 0: off (gloo's own timeout then ends such a
+    wait). When set, it must exceed the slowest healthy call -- a checkpoint or export of the whole
+    model on a slow file system included -- by a wide margin; at least 10 s."""
+
+    @field_validator("call_timeout_s")
+    @classmethod
+    def _check_call_timeout(cls, value: float) -> float:
+        if 0 < value < 10:
+            raise ValueError(f"0 (off) or at least 10 s, not {value:g} (the slowest healthy call must stay well "
+                             "under it)")
+        return value
+
+
 class MoEConfig(Strict):
     """How a mixture-of-experts student is trained (Megatron's MoE layers; the model's shape is
     ``learner.model``'s, read from config.json). Router losses default to off, so the RL gradient
@@ -319,6 +346,7 @@ class LearnerConfig(Strict):
     optimizer: LearnerOptimizerConfig = LearnerOptimizerConfig()
     reference: ReferenceModelConfig = ReferenceModelConfig()
     moe: MoEConfig = MoEConfig()
+    watchdog: WatchdogConfig = WatchdogConfig()
     seed: int = 1234
     pack_tokens: int = Field(4096, ge=0)
     """The most tokens of one packed micro-batch: a schedule call over several trajectories (the

@@ -162,13 +162,15 @@ EPISODE_FAULTS = ("crash_verifier", "hang_verifier", "hang_sandbox", "oom_tool")
 SERVER_FAULTS = ("kill_server", "hang_server")
 """Faults of the rollout engine, when ``after_trajectories`` of step ``step``'s trajectories have finished."""
 ENGINE_FAULTS = (*SERVER_FAULTS, "kill_engine")
+LEARNER_FAULTS = ("kill_learner", "hang_learner")
+"""Faults of a learner rank > 0, fired as the server faults are (``after_trajectories`` of ``step``)."""
 
 
 class ChaosFault(Strict):
     """One fault injected into a run (``megathunder.trainer.chaos``)."""
 
     kind: Literal["fill_disk", "sigusr1", "sigint", "kill_server", "hang_server", "kill_engine", "crash_verifier",
-                  "hang_verifier", "hang_sandbox", "oom_tool", "corrupt_journal"]
+                  "hang_verifier", "hang_sandbox", "oom_tool", "corrupt_journal", "kill_learner", "hang_learner"]
     """fill_disk: fill the run directory's file system (the next write fails); sigusr1 / sigint: the
     signal to this process (stop after the step, checkpoint, exit 75); kill_server / hang_server:
     SIGKILL / SIGSTOP rollout server ``server``'s process group (deployment=server, launched here);
@@ -180,13 +182,19 @@ class ChaosFault(Strict):
     ``sandbox.wall_time_s`` / allocates twice ``sandbox.memory_mb``, run after the episode's turns
     (its result must be an error observation; the episode goes on); corrupt_journal: the journal's
     last record (the step's) is torn after the step, and the run stops as a crash would (exit 130,
-    no checkpoint of that step)."""
+    no checkpoint of that step); kill_learner / hang_learner: learner rank ``rank`` SIGKILLs /
+    SIGSTOPs itself as it receives the learner's next message (the run stops: rank 0 names the
+    dead rank, exit 1, or its watchdog the hung one, exit 86, within
+    ``learner.watchdog.heartbeat_timeout_s``; the same command resumes)."""
     step: int = Field(0, ge=0)
-    """The optimizer step during (server and episode faults) or after (the others) which it happens."""
+    """The optimizer step during (server, learner and episode faults) or after (the others) which it happens."""
     after_trajectories: int = Field(0, ge=0)
-    """Engine faults (kill_server, hang_server, kill_engine): when this many of the step's
-    trajectories have finished."""
+    """Engine faults (kill_server, hang_server, kill_engine) and learner faults: when this many of the
+    step's trajectories have finished."""
     server: int = Field(0, ge=0)
+    rank: int = Field(1, ge=1)
+    """Learner faults: the learner rank that dies or hangs (not 0: rank 0 is the controller, whose
+    loss ends the run on every rank anyway); below the learner's world size (checked at start)."""
     trajectories: list[int] = Field(default_factory=lambda: [0])
     """Episode faults: the trajectory ids (in the step's batch: group g's sample k is g x
     samples_per_prompt + k) whose episodes get the fault."""
@@ -349,6 +357,13 @@ class Config(Strict):
                     raise ValueError(f"chaos.faults.{i}.kind: kill_engine is survived in place under schedule.mode sync "
                                      f"or thunder with rollout.engine.max_restarts >= 1 (now {self.schedule.mode}, "
                                      f"{engine.max_restarts})")
+            dp = self.learner.parallel.data_parallel  # the world size is known here only when it is set
+            if fault.kind in LEARNER_FAULTS and dp is not None:
+                par = self.learner.parallel
+                world = par.tensor_parallel * par.pipeline_parallel * par.context_parallel * dp
+                if fault.rank >= world:
+                    raise ValueError(f"chaos.faults.{i}.rank: {fault.rank} >= the learner's world size {world} "
+                                     "(learner.parallel: tensor x pipeline x context x data)")
             if fault.kind in EPISODE_FAULTS:
                 size = self.batch.num_prompts_per_batch * self.batch.samples_per_prompt
                 if max(fault.trajectories) >= size:

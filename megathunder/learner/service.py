@@ -23,16 +23,25 @@ about to be free, so work that the queued calls held back (``LearnerEndpoint``: 
 of a run of events) runs then, packed. The flag travels with the call, so all ranks hold and
 release at the same calls.
 
-Failure: every rank writes a heartbeat to the job's store each second. When a collective fails on
-rank 0 (gloo notices a dead peer within a second), it names the ranks whose heartbeat stopped and
-raises ``LearnerRankLost``; the run ends at once, and the last checkpoint (written atomically)
-resumes it. A follower that loses rank 0 exits with a message saying so.
+Failure (``megathunder.learner.liveness``): every rank writes a heartbeat to the job's store each
+second, and the index of the learner call it started and finished as it runs each call. When a
+collective fails on rank 0 (gloo notices a dead peer within a second), it names the ranks whose
+heartbeat stopped and raises ``LearnerRankLost``; the run ends at once, and the last checkpoint
+(written atomically) resumes it. A follower that loses rank 0 exits with a message saying so. A
+rank that hangs fails no collective; rank 0's watchdog thread names it (heartbeat silent for
+``heartbeat_timeout_s``, or a call in flight for over ``call_timeout_s`` that it has not finished)
+and ends the process (``LEARNER_HUNG``).
+
+Chaos (``chaos.faults``: ``kill_learner`` / ``hang_learner``): ``fault`` sends a message of its own
+between two calls; the rank it names SIGKILLs / SIGSTOPs itself on receiving it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import os
+import signal
 import threading
 import time
 from collections.abc import Callable
@@ -42,53 +51,18 @@ from typing import Any, Concatenate, Generic, ParamSpec, TypeVar
 import torch.distributed as dist
 
 from megathunder.learner import cpu_compat
+from megathunder.learner.liveness import CLEANUP_S, LEARNER_HUNG, Heartbeat, InFlight, Watchdog
 
 E = TypeVar("E")  # the endpoint: LearnerEndpoint in training
 P = ParamSpec("P")
 R = TypeVar("R")
 _STOP = "__stop__"
-HEARTBEAT_S = 1.0
+_FAULT = "__chaos_fault__"
+FAULT_SIGNALS = {"kill_learner": signal.SIGKILL, "hang_learner": signal.SIGSTOP}
 
 
 class LearnerRankLost(RuntimeError):
     """A learner rank died or became unreachable; the message names it."""
-
-
-class _Heartbeat:
-    """Each rank stamps ``megathunder/alive/<rank>`` in the process group's store every second."""
-
-    def __init__(self, rank: int, world_size: int) -> None:
-        # The default group's store (torchrun's / our rendezvous'): private but long-stable API.
-        self.store = dist.distributed_c10d._get_default_store()
-        self.rank, self.world_size = rank, world_size
-        self._stop = threading.Event()
-        self._beat()
-        threading.Thread(target=self._loop, name="heartbeat", daemon=True).start()
-
-    def _beat(self) -> None:
-        self.store.set(f"megathunder/alive/{self.rank}", repr(time.time()))
-
-    def _loop(self) -> None:
-        while not self._stop.wait(HEARTBEAT_S):
-            try:
-                self._beat()
-            except Exception:  # the store is gone with rank 0: the collectives report it
-                return
-
-    def silent_ranks(self) -> list[tuple[int, float]]:
-        """(rank, seconds since its last heartbeat) for ranks silent for over 2.5 beats."""
-        time.sleep(2.5 * HEARTBEAT_S)
-        out: list[tuple[int, float]] = []
-        now = time.time()
-        for r in range(self.world_size):
-            key = f"megathunder/alive/{r}"
-            age = now - float(self.store.get(key)) if self.store.check([key]) else float("inf")
-            if age > 2.5 * HEARTBEAT_S:
-                out.append((r, age))
-        return out
-
-    def stop(self) -> None:
-        self._stop.set()
 
 
 @dataclass
@@ -108,16 +82,29 @@ class LearnerService(Generic[E]):
     world_size: int = 1
     spans: list[Span] = field(default_factory=list)
     step_index: int = 0  # the optimizer step the calls belong to (the timeline's spans)
+    heartbeat_timeout_s: float = 30.0
+    """Rank 0's watchdog: a rank whose heartbeat is silent this long while a call is in flight hung."""
+    call_timeout_s: float = 0.0
+    """Rank 0's watchdog: a call in flight this long names the ranks that have not finished it (0: never)."""
+    on_hang: Callable[[], None] | None = None
+    """Rank 0: what the watchdog runs (for at most CLEANUP_S) before it ends the process: the
+    trainer closes its rollout engine. Set it before a call can hang."""
 
     def __post_init__(self) -> None:
         self._pool = concurrent.futures.ThreadPoolExecutor(
             1, thread_name_prefix="learner", initializer=cpu_compat.enable_in_this_thread
         )
         self._group = dist.new_group(backend="gloo") if self.world_size > 1 else None
-        self._heartbeat = _Heartbeat(self.rank, self.world_size) if self.world_size > 1 else None
+        self._heartbeat = Heartbeat(self.rank, self.world_size) if self.world_size > 1 else None
         self._lock = threading.Lock()
         self._queued: set[concurrent.futures.Future] = set()
         self._num_submitted = self._num_started = 0  # calls, for ``more_queued``
+        self._num_calls = 0  # calls executed on this rank: the same index on every rank
+        self._in_flight: InFlight | None = None  # rank 0's, read by the watchdog
+        self._watchdog: Watchdog | None = None
+        if self.rank == 0 and self._heartbeat is not None:
+            self._watchdog = Watchdog(self._heartbeat, lambda: self._in_flight, self.heartbeat_timeout_s,
+                                      self.call_timeout_s, self._on_hang)
 
     # ------------------------------------------------------------------ controller (rank 0)
 
@@ -134,6 +121,19 @@ class LearnerService(Generic[E]):
         future.add_done_callback(self._forget)
         return future
 
+    def fault(self, kind: str, rank: int) -> concurrent.futures.Future[None]:
+        """``chaos.faults``: rank ``rank`` (> 0) SIGKILLs (``kill_learner``) or SIGSTOPs
+        (``hang_learner``) itself when it receives this message, after the calls submitted before
+        it. Not a call: it changes no call's ``more_queued``."""
+        if kind not in FAULT_SIGNALS or not 0 < rank < self.world_size:
+            raise ValueError(f"learner fault {kind!r} of rank {rank}: a kind of {sorted(FAULT_SIGNALS)} and a rank "
+                             f"in 1..{self.world_size - 1}")
+        return self._pool.submit(self._run, _FAULT, (kind, rank), {})
+
+    def _on_hang(self) -> None:
+        if self.on_hang is not None:
+            self.on_hang()
+
     def _forget(self, future: concurrent.futures.Future) -> None:
         with self._lock:
             self._queued.discard(future)
@@ -149,16 +149,22 @@ class LearnerService(Generic[E]):
                 queued = list(self._queued)
             for future in queued:
                 future.cancel()
+        if self._watchdog is not None and self._watchdog.fired.is_set():
+            # The learner thread is stuck in a collective; the watchdog ends the process.
+            time.sleep(2 * CLEANUP_S)
+            os._exit(LEARNER_HUNG)
         if self.world_size > 1:
             try:
                 self._pool.submit(self._run, _STOP, (), {}).result()
             except LearnerRankLost:
                 pass  # already reported by the call that found it
+            if self._watchdog is not None:
+                self._watchdog.stop()
             self._beats.stop()
         self._pool.shutdown(wait=True)
 
     @property
-    def _beats(self) -> _Heartbeat:
+    def _beats(self) -> Heartbeat:
         """The heartbeat, which every rank of a world of more than one process runs."""
         assert self._heartbeat is not None, "no heartbeat in a single-process world"
         return self._heartbeat
@@ -169,14 +175,19 @@ class LearnerService(Generic[E]):
         return box[0]
 
     def _run(self, method: str, args: tuple, kwargs: dict[str, Any]) -> Any:
-        with self._lock:
-            self._num_started += 1
-            more = self._num_submitted > self._num_started  # calls queued behind this one
+        is_call = method not in (_STOP, _FAULT)
+        more = False
+        if is_call:
+            with self._lock:
+                self._num_started += 1
+                more = self._num_submitted > self._num_started  # calls queued behind this one
         if self.world_size == 1:
             return self._execute(method, args, kwargs, more)
+        name = method if is_call else {_STOP: "stop", _FAULT: f"chaos fault {args}"}[method]
+        self._in_flight = InFlight(self._num_calls + 1, name, time.monotonic(), is_call)
         try:
             self._broadcast((method, args, kwargs, more))
-            return None if method == _STOP else self._execute(method, args, kwargs, more)
+            return self._execute(method, args, kwargs, more) if is_call else None
         except RuntimeError as err:  # gloo: a peer closed its connection or timed out
             silent = self._beats.silent_ranks()
             if not silent:
@@ -186,10 +197,16 @@ class LearnerService(Generic[E]):
                 f"learner call '{method}' failed: {who} stopped responding; the run stops now and "
                 f"resumes from its last checkpoint when restarted ({str(err).splitlines()[0][:200]})"
             ) from err
+        finally:
+            self._in_flight = None
 
     def _execute(self, method: str, args: tuple, kwargs: dict[str, Any], more_queued: bool = False) -> Any:
         start = time.monotonic()
         ready_work = getattr(self.endpoint, "ready_work", None)
+        self._num_calls += 1
+        index = self._num_calls
+        if self._heartbeat is not None:  # the step loop's own beat: this rank is in call ``index``
+            self._heartbeat.call_started(index, method)
         try:
             if ready_work is not None:
                 self.endpoint.more_queued = more_queued  # type: ignore[attr-defined]
@@ -198,6 +215,8 @@ class LearnerService(Generic[E]):
                 ready_work()
             return result
         finally:
+            if self._heartbeat is not None:  # finished (or raised): the step loop moved on
+                self._heartbeat.call_finished(index, method)
             with self._lock:
                 self.spans.append(Span(method, start, time.monotonic(), self.step_index))
 
@@ -215,6 +234,11 @@ class LearnerService(Generic[E]):
             if method == _STOP:
                 self._beats.stop()
                 return
+            if method == _FAULT:
+                kind, rank = args
+                if rank == self.rank:  # chaos.faults: this rank dies or hangs, as injected
+                    os.kill(os.getpid(), FAULT_SIGNALS[kind])
+                continue
             self._execute(method, args, kwargs, more)
 
     def forget_spans_before(self, step: int) -> None:

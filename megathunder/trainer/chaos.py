@@ -26,6 +26,13 @@ the step and stops the run as a crash there would (:class:`ChaosStop`, exit 130,
 that step): the same command resumes from the last checkpoint, the CRC drops the torn record and
 the step is run again.
 
+Learner faults (``kill_learner`` / ``hang_learner``) fire as the server faults do: the learner
+service sends rank ``rank`` (> 0) a message of its own between two learner calls, and that rank
+SIGKILLs / SIGSTOPs itself on receiving it (``LearnerService.fault``: the rank may be on another
+node, so it signals itself). The run then stops -- a dead rank fails rank 0's next collective
+(``LearnerRankLost``, exit 1), a stopped one is named by rank 0's watchdog (exit ``LEARNER_HUNG``)
+-- and the same command resumes from the last checkpoint.
+
 What each kind promises (RELIABILITY.md): the rollout-side faults that leave episodes unchanged
 (``kill_server``, ``hang_server``, ``kill_engine``, ``hang_sandbox``, ``oom_tool``) end with the fault-free run's
 parameters; the others (a verifier fault changes rewards; a stop and resume) with the replay of
@@ -43,7 +50,16 @@ import signal
 import time
 from pathlib import Path
 
-from megathunder.config import ENGINE_FAULTS, EPISODE_FAULTS, ChaosFault, SandboxConfig, VerifierConfig
+from megathunder.config import (
+    ENGINE_FAULTS,
+    EPISODE_FAULTS,
+    LEARNER_FAULTS,
+    ChaosFault,
+    ConfigError,
+    SandboxConfig,
+    VerifierConfig,
+)
+from megathunder.learner.service import LearnerService
 from megathunder.rollout.agent_loop import Verify
 from megathunder.rollout.engines.inprocess import InProcessEngine
 from megathunder.rollout.engines.server import ServerEngine
@@ -75,8 +91,10 @@ class ChaosVerifierError(RuntimeError):
 
 class Chaos:
     def __init__(self, faults: list[ChaosFault], out: Path, engine: RolloutEngine,
-                 sandbox: SandboxConfig | None = None, verifier: VerifierConfig | None = None) -> None:
+                 sandbox: SandboxConfig | None = None, verifier: VerifierConfig | None = None,
+                 service: LearnerService | None = None) -> None:
         self.out, self.engine, self.sandbox_cfg, self.verifier_cfg = out, engine, sandbox, verifier
+        self.service = service  # learner faults are sent through it
         record = out / RECORD
         fired = [json.loads(line) for line in record.read_text().splitlines()] if record.is_file() else []
         self.pending = [f for i, f in enumerate(faults) if not any(r["index"] == i for r in fired)]
@@ -89,15 +107,18 @@ class Chaos:
         return bool(self._episode_faults)
 
     def trajectory_finished(self, step: int, num_finished: int) -> None:
-        for fault in self._due(lambda f: f.kind in ENGINE_FAULTS and f.step == step
+        for fault in self._due(lambda f: f.kind in ENGINE_FAULTS + LEARNER_FAULTS and f.step == step
                                and num_finished >= f.after_trajectories):
-            if fault.kind == "kill_engine":
+            if fault.kind in LEARNER_FAULTS:
+                self._learner(fault)
+            elif fault.kind == "kill_engine":
                 self._kill_engine(fault)
             else:
                 self._server(fault)
 
     def after_step(self, step: int) -> None:
-        for fault in self._due(lambda f: f.kind not in ENGINE_FAULTS + EPISODE_FAULTS and f.step == step):
+        for fault in self._due(lambda f: f.kind not in ENGINE_FAULTS + EPISODE_FAULTS + LEARNER_FAULTS
+                               and f.step == step):
             log.warning("chaos: %s after step %d", fault.kind, step)
             if fault.kind == "fill_disk":
                 fill_disk(self.out / FILLER)
@@ -178,6 +199,10 @@ class Chaos:
                     fault.step)
         os.killpg(process.pid, signal.SIGKILL if fault.kind == "kill_server" else signal.SIGSTOP)
 
+    def _learner(self, fault: ChaosFault) -> None:
+        assert self.service is not None, "Chaos(service=...) is given by the trainer"
+        log.warning("chaos: %s learner rank %d at step %d", fault.kind, fault.rank, fault.step)
+        self.service.fault(fault.kind, fault.rank)  # the rank signals itself as it receives it
 
     def _kill_engine(self, fault: ChaosFault) -> None:
         import psutil
@@ -193,6 +218,14 @@ class Chaos:
                 proc.kill()
             except psutil.NoSuchProcess:
                 pass
+
+
+def check_learner_faults(faults: list[ChaosFault], world_size: int) -> None:
+    """Each learner fault's rank exists in this learner world (known only once it is started)."""
+    for i, fault in enumerate(faults):
+        if fault.kind in LEARNER_FAULTS and fault.rank >= world_size:
+            raise ConfigError(f"chaos.faults.{i}.rank: {fault.rank} is not a learner rank other than 0 (the "
+                              f"learner's world has {world_size} rank{'s' if world_size > 1 else ''})")
 
 
 def tear_last_record(path: Path) -> int:

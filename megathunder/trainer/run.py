@@ -40,7 +40,7 @@ from megathunder.rollout.engines import start_engine
 from megathunder.rollout.engines.transfer import StageSenders
 from megathunder.rollout.tasks import build_task
 from megathunder.rollout.tasks.task import Task
-from megathunder.trainer.chaos import ChaosStop
+from megathunder.trainer.chaos import ChaosStop, check_learner_faults
 from megathunder.trainer.interrupt import STOPPED_EARLY, STOPPED_NOW, StopNow, StopSignals
 from megathunder.trainer.schedules import SCHEDULES
 from megathunder.trainer.setup import barrier, build_learner, build_teacher_model, initial_model
@@ -89,6 +89,7 @@ def train(cfg: Config) -> int:
 def _train(cfg: Config, signals: StopSignals) -> int:
     out = prepare_run_dir(cfg)
     pgs = init_distributed(cfg.learner)
+    check_learner_faults(cfg.chaos.faults, pgs.world_size)  # every rank: all stop before any work
     ckpt_dir = out / "checkpoints"
     latest = latest_checkpoint(ckpt_dir) if cfg.run.resume else None
     if pgs.rank == 0:
@@ -112,7 +113,9 @@ def _train(cfg: Config, signals: StopSignals) -> int:
         if pgs.rank == 0:
             print(f"megathunder: resumed from {latest} (step {learner.num_steps})", flush=True)
     start = learner.num_steps
-    service = LearnerService(LearnerEndpoint(learner, ckpt_dir, teacher), pgs.rank, pgs.world_size)
+    watchdog = cfg.learner.watchdog
+    service = LearnerService(LearnerEndpoint(learner, ckpt_dir, teacher), pgs.rank, pgs.world_size,
+                             heartbeat_timeout_s=watchdog.heartbeat_timeout_s, call_timeout_s=watchdog.call_timeout_s)
     if pgs.rank != 0:
         service.serve()
         return 0
@@ -130,6 +133,16 @@ async def _control(cfg: Config, task: Task, out: Path, service: LearnerService[L
     loop, control = asyncio.get_running_loop(), asyncio.current_task()
     assert control is not None
     signals.on_stop_now.append(lambda: loop.call_soon_threadsafe(control.cancel))
+    closed = threading.Event()
+
+    def on_hang() -> None:  # the watchdog found a hung learner rank: close the engine, then it exits
+        try:
+            loop.call_soon_threadsafe(control.cancel)
+        except RuntimeError:  # the loop has already ended
+            return
+        closed.wait()  # bounded by the watchdog (liveness.CLEANUP_S)
+
+    service.on_hang = on_hang
     codec = make_codec(AutoTokenizer.from_pretrained(model_dir), cfg.agent.chat_template, cfg.agent.tool_parser)
     senders = StageSenders(cfg.learner.parallel.pipeline_parallel,  # each stage joins the weight-transfer groups
                            lambda rdv: service.call(LearnerEndpoint.join_weight_transfer, rdv))
@@ -171,3 +184,4 @@ async def _control(cfg: Config, task: Task, out: Path, service: LearnerService[L
             trainer.metrics.close()
             trainer.journal.close()
         await engine.close()
+        closed.set()

@@ -77,7 +77,7 @@ class Trainer:
         self.journal = Journal(out / "journal.jsonl", keep_steps=start_step)
         self.metrics = MetricsLog(out, cfg, keep_steps=start_step)
         self.timeline = Timeline()
-        self.chaos = Chaos(cfg.chaos.faults, out, engine, cfg.sandbox, cfg.verifier)  # none unless configured
+        self.chaos = Chaos(cfg.chaos.faults, out, engine, cfg.sandbox, cfg.verifier, service)  # none unless configured
         if isinstance(engine, InProcessEngine):
             engine.revive = self.revive_engine  # a dead engine core is restarted in place
         if self.chaos.has_episode_faults:

@@ -16,9 +16,13 @@ from megathunder.config import ConfigError, load_config
     ("[{kind: oom_tool, trajectories: []}]", "chaos.faults.0.trajectories", "one or more"),
     ("[{kind: hang_sandbox, trajectories: [-1]}]", "chaos.faults.0.trajectories", ">= 0"),
     ("[{kind: corrupt_journal, step: 1}]", "chaos.faults.0.step", "run.checkpoint_every"),
+    ("[{kind: hang_learner, rank: 0}]", "chaos.faults.0.rank", "greater than or equal to 1"),
+    ("[{kind: kill_learner, rank: 2}]", "chaos.faults.0.rank", "world size 2"),
 ])
 def test_bad_faults_are_refused_by_field(faults, field, words):
     extra = ["rollout.engine.deployment=server", "rollout.engine.num_servers=2"] if "server:" in faults else []
+    if "rank: 2" in faults:  # the learner's world size is known at parse time only with data_parallel
+        extra.append("learner.parallel.data_parallel=2")
     with pytest.raises(ConfigError) as err:
         load_config(None, [f"chaos.faults={faults}", "run.num_steps=3", *extra])
     assert field in str(err.value) and words in str(err.value), str(err.value)
@@ -51,3 +55,44 @@ def test_kill_engine_is_refused_where_it_cannot_be_survived_in_place(overrides, 
 def test_kill_engine_parses_for_the_in_process_engine():
     cfg = load_config(None, ["chaos.faults=[{kind: kill_engine, step: 1, after_trajectories: 3}]", "run.num_steps=2"])
     assert cfg.chaos.faults[0].kind == "kill_engine" and cfg.rollout.engine.max_restarts == 3
+
+
+def test_learner_faults_parse_and_their_rank_is_checked_against_the_started_world(tmp_path):
+    from megathunder.trainer.chaos import check_learner_faults
+
+    cfg = load_config(None, ["chaos.faults=[{kind: hang_learner, step: 1, after_trajectories: 3, rank: 1}]",
+                             "run.num_steps=3"])
+    fault = cfg.chaos.faults[0]
+    assert (fault.kind, fault.rank, fault.after_trajectories) == ("hang_learner", 1, 3)
+    check_learner_faults(cfg.chaos.faults, world_size=2)
+    with pytest.raises(ConfigError) as err:
+        check_learner_faults(cfg.chaos.faults, world_size=1)
+    assert "chaos.faults.0.rank" in str(err.value) and "1 rank)" in str(err.value), str(err.value)
+
+
+class FakeService:
+    def __init__(self) -> None:
+        self.faults: list[tuple[str, int]] = []
+
+    def fault(self, kind: str, rank: int) -> None:
+        self.faults.append((kind, rank))
+
+
+def test_learner_faults_are_sent_once_after_their_trajectories(tmp_path):
+    from megathunder.trainer.chaos import Chaos
+
+    faults = load_config(None, ["chaos.faults=[{kind: kill_learner, step: 1, after_trajectories: 2, rank: 1}, "
+                                "{kind: hang_learner, step: 2, rank: 3}]", "run.num_steps=3"]).chaos.faults
+    service = FakeService()
+    chaos = Chaos(faults, tmp_path, engine=None, service=service)  # type: ignore[arg-type]
+    chaos.trajectory_finished(0, 5)
+    chaos.trajectory_finished(1, 1)
+    chaos.after_step(1)  # learner faults are not the after-step kinds
+    assert service.faults == []
+    chaos.trajectory_finished(1, 2)
+    chaos.trajectory_finished(1, 3)
+    assert service.faults == [("kill_learner", 1)]
+    resumed = Chaos(faults, tmp_path, engine=None, service=service)  # type: ignore[arg-type]
+    resumed.trajectory_finished(1, 2)  # fired once per run directory
+    resumed.trajectory_finished(2, 1)
+    assert service.faults == [("kill_learner", 1), ("hang_learner", 3)]

@@ -10,11 +10,14 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 from tests.cluster.conftest import REPO
 
 GRID = REPO / "tests/cluster/sweep_cpu.yaml"
 
 
+@pytest.mark.slow  # two full jobs; tests/cluster/test_launch.py runs the same launch script on the cluster
 def test_a_two_point_grid_runs_and_produces_the_table(slurm_cluster, tmp_path):
     env = dict(slurm_cluster.client_env(), MT_PYTHON=sys.executable, PYTHONPATH=str(REPO))
     proc = subprocess.run([sys.executable, "-m", "megathunder.cli", "sweep", str(GRID), "--out", str(tmp_path), "--timeout-s", "400",

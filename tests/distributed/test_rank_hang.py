@@ -88,6 +88,7 @@ def test_a_stopped_rank_is_named_by_its_silent_heartbeat(tmp_path, mode):
     assert _child_ended(out), "rank 0's multiprocessing child outlived it"
 
 
+@pytest.mark.slow  # a dead rank is named by test_rank_loss.py; the fault's message path by hang_learner above
 def test_kill_learner_is_found_by_gloo_and_named_by_the_heartbeats(tmp_path):
     status, out, killed_at, exited = _run(tmp_path, "kill_learner", heartbeat_timeout_s=30, call_timeout_s=0)
     assert status == 3, out[-3000:]  # LearnerRankLost, as for any dead rank (test_rank_loss.py)

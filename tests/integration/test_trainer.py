@@ -152,7 +152,9 @@ def test_replay_through_sync_and_thunder_gives_the_live_parameters(base, tmp_pat
     assert max(errors) <= UPDATE_RTOL
 
 
-@pytest.mark.parametrize("layout", ["learner.parallel.tensor_parallel=2", "learner.parallel.data_parallel=2"])
+@pytest.mark.parametrize("layout", [
+    # TP=2's streamed and sync gradients equal one process's in tests/distributed/test_learner.py
+    pytest.param("learner.parallel.tensor_parallel=2", marks=pytest.mark.slow), "learner.parallel.data_parallel=2"])
 def test_replay_on_two_ranks_gives_the_same_parameters(base, tmp_path, layout):
     replay(base, tmp_path / "thunder2", "thunder", 2, layout)
     replay(base, tmp_path / "sync2", "sync", 2, layout)

@@ -29,9 +29,13 @@ def _free_port() -> int:
 MOE_TP2_EP2 = {"tensor_parallel": 2, "sequence_parallel": True, "expert_parallel": 2}
 
 
+SLOW = pytest.mark.slow  # the same path as the others; tests/distributed/test_push.py checks PP and MoE pushes bit for bit
+
+
 @pytest.mark.parametrize("pp,engine_dtype,tied,moe", [
-    (1, "float32", "tied", None), (1, "bfloat16", "untied", None), (2, "float32", "untied", None),
-    (1, "float32", "untied", {}), (1, "float32", "untied", MOE_TP2_EP2)],
+    (1, "float32", "tied", None), (1, "bfloat16", "untied", None),
+    pytest.param(2, "float32", "untied", None, marks=SLOW), pytest.param(1, "float32", "untied", {}, marks=SLOW),
+    (1, "float32", "untied", MOE_TP2_EP2)],
     ids=["one_process_tied_embeddings", "one_process_bf16_engine", "pp2", "moe_one_process", "moe_tp2_ep2"])
 def test_push_after_step_makes_engine_match_learner(tmp_path, pp, engine_dtype, tied, moe):
     """Tied embeddings (SmolLM2, small Llama 3.2 / Qwen2.5): vLLM's output layer shares the

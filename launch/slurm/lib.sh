@@ -259,6 +259,10 @@ mt_train() {  # the learner step (controller on rank 0); checkpoint-and-requeue 
     exit 0
   fi
   mt_log "training: ${cmd[*]}"
+  # rank 0 writes its exit status here: srun's own can be a follower's 143 (killed by
+  # --kill-on-bad-exit while exiting) after rank 0 stopped with 75
+  export MEGATHUNDER_STATUS_FILE="$MT_LOG_DIR/learner.status"
+  rm -f "$MEGATHUNDER_STATUS_FILE"
   "${cmd[@]}" &
   MT_LEARNER_PID=$!
   local traps waited
@@ -269,6 +273,9 @@ mt_train() {  # the learner step (controller on rank 0); checkpoint-and-requeue 
     status=$waited
     ((MT_NUM_USR1 == traps)) && break
   done
+  if ((status != 0)) && [[ "$(cat "$MEGATHUNDER_STATUS_FILE" 2>/dev/null)" == 75 ]]; then
+    status=75  # rank 0 checkpointed and stopped; srun reported a follower killed while it exited
+  fi
   if ((status == 75)); then  # the trainer checkpointed and stopped (SIGUSR1)
     mt_stop_rollout
     mt_log "the trainer saved a checkpoint and stopped; requeueing job $SLURM_JOB_ID (it resumes from checkpoints/latest)"

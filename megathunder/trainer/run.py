@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import shutil
 import sys
 import threading
@@ -123,9 +124,22 @@ def _train(cfg: Config, signals: StopSignals) -> int:
         summary = asyncio.run(_control(cfg, task, out, service, model_dir, start, signals))
     finally:
         service.stop(cancel_pending=signals.now.is_set())
-    if summary == STOPPED_EARLY:
-        return STOPPED_EARLY
-    return 0 if summary is not None else 1
+    status = STOPPED_EARLY if summary == STOPPED_EARLY else 0 if summary is not None else 1
+    report_status(status)
+    return status
+
+
+STATUS_FILE_ENV = "MEGATHUNDER_STATUS_FILE"
+
+
+def report_status(status: int) -> None:
+    """Rank 0 writes the run's exit status to ``$MEGATHUNDER_STATUS_FILE`` (the launch scripts set it)
+    before it exits. A launcher cannot always read it from its step: once rank 0 exits 75 (stopped
+    after a step, checkpointed) srun's --kill-on-bad-exit terminates the ranks still exiting, and
+    the step reports their 143 instead."""
+    path = os.environ.get(STATUS_FILE_ENV)
+    if path:
+        Path(path).write_text(f"{status}\n")
 
 
 async def _control(cfg: Config, task: Task, out: Path, service: LearnerService[LearnerEndpoint], model_dir: Path,

@@ -579,6 +579,7 @@ class GradientLedger:
             self.pool.release([t.pend])
             t.pend = None
             self._num_pending -= 1
+            self._log("pending:freed", t.traj_id)
 
     def _close_group(self, g: _Group) -> None:
         if g.failed:

@@ -37,11 +37,38 @@ declared while the batch is open (``add_group``: DAPO's refill): no quantity of 
 in the batch depends on how many groups it has before it closes (Z and d are taken at close), so
 the update is the batch update on the final set of kept groups, in the order they were declared.
 
+Gradients before the reward (``LedgerConfig.max_pending``): h_i is a function of trajectory i
+alone -- its tokens, masks and logprobs, known when it finishes -- and not of r_i, so it may be
+computed at finish, while the verifier runs, and kept in a *pending* buffer pend_i = h_i. When the
+reward arrives the reward-time path would run that same backward and apply one of three linear
+maps to its result; the ledger applies the same map to pend_i instead:
+
+    group holds a slot:   S_g += pend_i,  R_g += (r_i - b_g) pend_i   (std-free: sink += -c_g (r_i - b_g) pend_i)
+    group closed, kept:   sink += -A_i pend_i                         (the direct-mode backward's -A_i h_i)
+    group dropped:        pend_i is discarded                         (the reward-time path runs nothing)
+
+A trajectory whose group waits for a slot, or whose work is held, keeps pend_i until the path
+above would run its backward, and then uses it. So every term of ``grad L`` gets the coefficient
+it gets without pending buffers, the backward only moved earlier; sums are reassociated, nothing
+else (in fp64 to 1e-10, not bitwise: autograd's ``grad loss_i(A)`` and ``-A * h_i`` round
+differently). q_i: when the group is known kept at finish (no DAPO, no hold, or two distinct
+rewards seen), q_i runs in the same forward as the pending h_i, as it would with the score; when
+the keep flag is still undecided q_i waits, as today, and runs in a pass of its own once the
+group is known kept (at the latest in the closing group's packed ``backward_sum``) -- one more
+forward per trajectory for DAPO / hold groups with reward-free terms, the price of never
+letting q_i reach P for a group that may be dropped. Pending buffers are slot-kind buffers (the
+slots' dtype and placement, one pool) and share ``slot_budget_gb``: K slots at their largest are
+reserved first, pending buffers get the rest (``pending_within_budget``), so the two together
+never exceed the budget. A trajectory that finds no pending buffer free takes the reward-time
+path. Finish-time backwards each need their own gradient, so they run one trajectory at a time,
+also when released from ``hold`` (``backward_sum`` only sums).
+
 Memory: at most K slots (``LedgerConfig.max_group_slots``, lowered to what fits in
 ``slot_budget_gb``), each 2 parameter-sized buffers (1 for std-free variants), plus P (plus P_A for
 batch_std): 2K + 1. Groups that find no free slot wait (their trajectories are kept as data, not
 gradients) and stream directly once closed. K = 0 is group-level streaming, K = None
-per-trajectory streaming for every group. Slot buffers may be bf16 and/or in host memory
+per-trajectory streaming for every group. Plus at most ``max_pending`` pending buffers in force.
+Slot buffers may be bf16 and/or in host memory
 (``megathunder.streaming.buffers``: the same update for either placement; bf16's error bound in
 docs/exactness.md, section 2.7); P and P_A stay in the gradient's dtype on its device.
 

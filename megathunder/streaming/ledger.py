@@ -457,7 +457,8 @@ class GradientLedger:
 
     def _direct_sum(self, members: Sequence[_Traj]) -> None:
         """The direct-mode trajectories among ``members`` (group closed and kept, score not yet
-        in), q_i fused, in one ``backward_sum`` when the backend has it and there are several."""
+        in), q_i fused, in one ``backward_sum`` when the backend has it and there are several. A
+        member with a pending h_i is folded (no backward); its q_i, if still due, joins the sum."""
         backward_sum = getattr(self.backend, "backward_sum", None)
         batchable = [
             m for m in members

@@ -60,8 +60,10 @@ letting q_i reach P for a group that may be dropped. Pending buffers are slot-ki
 slots' dtype and placement, one pool) and share ``slot_budget_gb``: K slots at their largest are
 reserved first, pending buffers get the rest (``pending_within_budget``), so the two together
 never exceed the budget. A trajectory that finds no pending buffer free takes the reward-time
-path. Finish-time backwards each need their own gradient, so they run one trajectory at a time,
-also when released from ``hold`` (``backward_sum`` only sums).
+path; only a trajectory whose reward is still out takes a pending buffer (one whose finish was
+held until after its reward goes the reward-time way, where closing groups are packed).
+Finish-time backwards each need their own gradient, so they run one trajectory at a time, also
+when released from ``hold`` (``backward_sum`` only sums).
 
 Memory: at most K slots (``LedgerConfig.max_group_slots``, lowered to what fits in
 ``slot_budget_gb``), each 2 parameter-sized buffers (1 for std-free variants), plus P (plus P_A for
@@ -510,7 +512,7 @@ class GradientLedger:
                 else:
                     specs.append(LossSpec(advantage=-1.0, reward_free=False))
                     sinks.append("slot")
-            elif t.pend is None and self._pending_free():
+            elif t.pend is None and not t.has_reward and self._pending_free():
                 specs.append(LossSpec(advantage=-1.0, reward_free=False))  # h_i now, its weight later
                 sinks.append("pending")
         wants_reward_free = self._has_reward_free and not t.reward_free_done and "direct+rf" not in sinks

@@ -202,7 +202,7 @@ def test_each_score_backward_runs_once_and_at_finish_when_a_buffer_is_free(model
     log = [(kind, ident) for _, kind, ident in backend.ledger_events]
     pending_passes = {ident for kind, ident in log if kind.startswith("backward:") and "pending" in kind}
     assert len(pending_passes) == result.num_pending_backward
-    assert all(passes[tid][0][0] == -1.0 for tid in pending_passes)
+    assert all(passes[tid][0] == (-1.0, False) for tid in pending_passes)  # A = -1, before the reward
     live, at_finish = 0, set()
     for i, (kind, ident) in enumerate(log):
         if kind == "finished":

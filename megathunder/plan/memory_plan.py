@@ -592,9 +592,11 @@ def _ledger_lines(cfg: Config, rl: RLObjective, p: int, gpu: bool, out: Plan) ->
     if pending is None:  # no budget: one per trajectory of the batch at most
         pending = groups * cfg.batch.samples_per_prompt
     if pending:
-        place = "host" if led.slot_placement == "host" else "device"
-        lines.append(Line("ledger pending", **{place: pending * slot_bytes},
-                          note=f"max_pending = {pending} buffers ({where})"))
+        size, note = pending * slot_bytes, f"max_pending = {pending} buffers ({where})"
+        if led.slot_placement == "host":
+            lines.append(Line("ledger pending", host=size, note=note))
+        else:
+            lines.append(Line("ledger pending", device=size, note=note))
     return lines
 
 

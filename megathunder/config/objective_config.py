@@ -227,6 +227,14 @@ class LedgerConfig(Strict):
     (``GradientLedger.hold`` / ``release``). The same update up to fp32 reassociation; which
     events were held depends on the learner's timing, which the journal does not record, so a
     replay (``megathunder replay``) reproduces such a run within rounding, bitwise only with false."""
+    max_pending: int | None = Field(0, ge=0)
+    """Gradients before the reward: a trajectory's score gradient h_i is computed when it finishes,
+    while its verifier runs, and kept in a *pending* parameter-sized buffer (the slots' dtype and
+    placement) until its reward folds it into its group's slot or into P without a new backward.
+    The most pending buffers at once on each rank: 0 = off (h_i at reward time, as without it);
+    null = as many as ``slot_budget_gb`` leaves after K slots at their largest (unbounded without a
+    budget: up to one per trajectory of the batch). A trajectory finding none takes the
+    reward-time path. Off by default: it adds buffers the budget must be sized for."""
     hold_groups_until_close: bool = False
     """Keep every part of a group's gradient in its slot until all its rewards are in, so a group
     can still be dropped at its last reward (a failed trajectory). Derived: true whenever

@@ -585,6 +585,18 @@ def _ledger_lines(cfg: Config, rl: RLObjective, p: int, gpu: bool, out: Plan) ->
                           note=note + " + fp32 staging"))
     else:
         lines.append(Line("ledger slots", device=slots, note=note))
+    pending = led.max_pending  # gradients before the reward: the budget's rest after K slots
+    if pending != 0 and led.slot_budget_gb is not None:
+        rest = max(int(led.slot_budget_gb * GiB) // slot_bytes - (k or 0) * per_slot, 0)
+        pending = rest if pending is None else min(pending, rest)
+    if pending is None:  # no budget: one per trajectory of the batch at most
+        pending = groups * cfg.batch.samples_per_prompt
+    if pending:
+        size, note = pending * slot_bytes, f"max_pending = {pending} buffers ({where})"
+        if led.slot_placement == "host":
+            lines.append(Line("ledger pending", host=size, note=note))
+        else:
+            lines.append(Line("ledger pending", device=size, note=note))
     return lines
 
 

@@ -7,11 +7,13 @@ this form can plug in.
 
 ``BufferPool`` is the one place these buffers come from, and it counts them and their bytes. Two
 kinds: *accumulators* (P, P_A: the gradient's own dtype, on the gradient's device) and *slot*
-buffers (a group's S_g and R_g), whose dtype and placement are ``ledger.slot_dtype`` /
-``ledger.slot_placement``. Every operation on a slot goes through the pool:
+buffers (a group's S_g and R_g, and a trajectory's pending h_i), whose dtype and placement are
+``ledger.slot_dtype`` / ``ledger.slot_placement``. Every operation on a slot goes through the pool:
 
     slot_write(slot, h, alpha, first)    slot = h  or  slot += alpha * h   (h: the live gradient)
-    fold(acc, slot, alpha)               acc += alpha * slot               (at group close)
+    slot_add(slot, pend, alpha, first)   the same, from a pending buffer   (same dtype, placement)
+    fold(acc, slot, alpha)               acc += alpha * slot               (group close; a pending
+                                                                            h_i into P)
 
 Why the placements give the same update. A device-placed slot runs exactly these two tensor ops.
 A host-placed slot runs the same two ops on the same values, only elsewhere: ``slot_write`` first
@@ -122,6 +124,19 @@ def slots_within_budget(max_slots: int | None, budget_gb: float | None, buffer_b
         return max_slots
     fit = int(budget_gb * 2**30) // (buffers_per_slot * max(buffer_bytes, 1))
     return fit if max_slots is None else min(max_slots, fit)
+
+
+def pending_within_budget(max_pending: int | None, max_slots: int | None, budget_gb: float | None,
+                          buffer_bytes: int, buffers_per_slot: int) -> int | None:
+    """Pending buffers allowed: ``max_pending`` (None = the budget's), lowered to what ``budget_gb``
+    GiB holds after K slots at their largest (``max_slots`` x ``buffers_per_slot`` buffers). Slots
+    and pending buffers share one budget; the slots' share is reserved first, so a slot never finds
+    its buffers taken and the live slot and pending buffers never exceed the budget together."""
+    if max_pending == 0 or budget_gb is None:
+        return max_pending
+    assert max_slots is not None, "internal: a budget bounds K"
+    rest = max(int(budget_gb * 2**30) // max(buffer_bytes, 1) - max_slots * buffers_per_slot, 0)
+    return rest if max_pending is None else min(max_pending, rest)
 
 
 class _HostMover:
@@ -248,6 +263,12 @@ class BufferPool:
             _write(slot, h, alpha, first)
         else:
             self._mover.write(slot, h, alpha, first)
+
+    def slot_add(self, slot: GradBuffer, src: GradBuffer, alpha: float = 1.0, first: bool = False) -> None:
+        """``slot = alpha * src`` (first) or ``slot += alpha * src``, ``src`` another slot-kind buffer
+        (a pending gradient): the same op as ``slot_write``, on buffers of one dtype and placement."""
+        self.sync()
+        _write(slot, src, alpha, first)
 
     def fold(self, acc: GradBuffer, slot: GradBuffer, alpha: float) -> None:
         """``acc += alpha * slot`` (an accumulator, a slot)."""

@@ -37,11 +37,40 @@ declared while the batch is open (``add_group``: DAPO's refill): no quantity of 
 in the batch depends on how many groups it has before it closes (Z and d are taken at close), so
 the update is the batch update on the final set of kept groups, in the order they were declared.
 
+Gradients before the reward (``LedgerConfig.max_pending``): h_i is a function of trajectory i
+alone -- its tokens, masks and logprobs, known when it finishes -- and not of r_i, so it may be
+computed at finish, while the verifier runs, and kept in a *pending* buffer pend_i = h_i. When the
+reward arrives the reward-time path would run that same backward and apply one of three linear
+maps to its result; the ledger applies the same map to pend_i instead:
+
+    group holds a slot:   S_g += pend_i,  R_g += (r_i - b_g) pend_i   (std-free: sink += -c_g (r_i - b_g) pend_i)
+    group closed, kept:   sink += -A_i pend_i                         (the direct-mode backward's -A_i h_i)
+    group dropped:        pend_i is discarded                         (the reward-time path runs nothing)
+
+A trajectory whose group waits for a slot, or whose work is held, keeps pend_i until the path
+above would run its backward, and then uses it. So every term of ``grad L`` gets the coefficient
+it gets without pending buffers, the backward only moved earlier; sums are reassociated, nothing
+else (in fp64 to 1e-10, not bitwise: autograd's ``grad loss_i(A)`` and ``-A * h_i`` round
+differently). q_i: when the group is known kept at finish (no DAPO, no hold, or two distinct
+rewards seen), q_i runs in the same forward as the pending h_i, as it would with the score; when
+the keep flag is still undecided q_i waits, as today, and runs in a pass of its own once the
+group is known kept (at the latest in the closing group's packed ``backward_sum``) -- one more
+forward per trajectory for DAPO / hold groups with reward-free terms, the price of never
+letting q_i reach P for a group that may be dropped. Pending buffers are slot-kind buffers (the
+slots' dtype and placement, one pool) and share ``slot_budget_gb``: K slots at their largest are
+reserved first, pending buffers get the rest (``pending_within_budget``), so the two together
+never exceed the budget. A trajectory that finds no pending buffer free takes the reward-time
+path; only a trajectory whose reward is still out takes a pending buffer (one whose finish was
+held until after its reward goes the reward-time way, where closing groups are packed).
+Finish-time backwards each need their own gradient, so they run one trajectory at a time, also
+when released from ``hold`` (``backward_sum`` only sums).
+
 Memory: at most K slots (``LedgerConfig.max_group_slots``, lowered to what fits in
 ``slot_budget_gb``), each 2 parameter-sized buffers (1 for std-free variants), plus P (plus P_A for
 batch_std): 2K + 1. Groups that find no free slot wait (their trajectories are kept as data, not
 gradients) and stream directly once closed. K = 0 is group-level streaming, K = None
-per-trajectory streaming for every group. Slot buffers may be bf16 and/or in host memory
+per-trajectory streaming for every group. Plus at most ``max_pending`` pending buffers in force.
+Slot buffers may be bf16 and/or in host memory
 (``megathunder.streaming.buffers``: the same update for either placement; bf16's error bound in
 docs/exactness.md, section 2.7); P and P_A stay in the gradient's dtype on its device.
 
@@ -75,7 +104,13 @@ from megathunder.objectives import (
     num_loss_tokens,
     size_coef,
 )
-from megathunder.streaming.buffers import BufferPool, GradBuffer, GradientBackend, slots_within_budget
+from megathunder.streaming.buffers import (
+    BufferPool,
+    GradBuffer,
+    GradientBackend,
+    pending_within_budget,
+    slots_within_budget,
+)
 from megathunder.trajectory import Trajectory
 
 
@@ -93,6 +128,7 @@ class _Traj:
     has_reward: bool = False  # False until its reward event (whose reward may be None: failed)
     score_done: bool = False
     reward_free_done: bool = False
+    pend: GradBuffer | None = None  # h_i computed at finish, waiting for the reward's fold
 
     @property
     def finished_tokens(self) -> int:
@@ -147,6 +183,9 @@ class BatchResult:
     peak_device_bytes: int = 0  # the ledger's buffers at their peak (incl. a host slot's staging)
     peak_host_bytes: int = 0
     max_group_slots: int | None = None  # K in force (ledger.max_group_slots within slot_budget_gb)
+    peak_pending: int = 0  # pending h_i buffers at their peak (counted in peak_buffers too)
+    max_pending: int | None = 0  # pending buffers allowed (ledger.max_pending within the budget's rest)
+    num_pending_backward: int = 0  # trajectories whose score backward ran at finish (pending)
 
 
 class GradientLedger:
@@ -178,6 +217,10 @@ class GradientLedger:
         self._PA: GradBuffer | None = None  # score terms awaiting the batch divisor (batch_std)
         self._num_slots_used = 0
         self.max_slots = self.config.max_group_slots  # K in force; the budget is applied in begin_batch
+        self.max_pending = self.config.max_pending  # pending buffers allowed; likewise
+        self._num_pending = 0
+        self._peak_pending = 0
+        self._num_pending_backward = 0
         self.events: list[tuple[float, str, int]] = []  # (time, kind, id) for timelines
         self._held: list[_Traj] | None = None  # work held back for one packed call (``hold``)
 
@@ -196,7 +239,10 @@ class GradientLedger:
             self._PA = self.pool.acquire()
         self.max_slots = slots_within_budget(self.config.max_group_slots, self.config.slot_budget_gb,
                                              self.pool.slot_bytes(self._P), self.buffers_per_slot)
+        self.max_pending = pending_within_budget(self.config.max_pending, self.max_slots, self.config.slot_budget_gb,
+                                                 self.pool.slot_bytes(self._P), self.buffers_per_slot)
         self._num_slots_used = 0
+        self._num_pending = self._peak_pending = self._num_pending_backward = 0
         self.events = []
         self._log("begin_batch", -1)
 
@@ -254,6 +300,8 @@ class GradientLedger:
                     "update; set ledger.hold_groups_until_close to drop groups on failure"
                 )
             g.failed = True
+            for m in g.members:  # the group leaves the batch: its pending gradients are worthless
+                self._discard_pending(m)
         else:
             reward = float(reward)
             if not math.isfinite(reward):
@@ -308,6 +356,7 @@ class GradientLedger:
         self.release()
         pending = [t.traj_id for t in self._order if t.data is not None and t.group.keep and not t.score_done]
         assert not pending, f"internal: trajectories {pending} were never processed"
+        assert self._num_pending == 0, f"internal: {self._num_pending} pending gradients were never folded"
         kept = [t for t in self._order if t.group.keep]
         z = normaliser([t.finished_tokens for t in kept], self.objective)
         self.pool.sync()
@@ -327,6 +376,9 @@ class GradientLedger:
             peak_device_bytes=self.pool.peak_bytes["device"],
             peak_host_bytes=self.pool.peak_bytes["host"],
             max_group_slots=self.max_slots,
+            peak_pending=self._peak_pending,
+            max_pending=self.max_pending,
+            num_pending_backward=self._num_pending_backward,
         )
         self.pool.release([self._P, self._PA])
         self._P = self._PA = None
@@ -407,18 +459,24 @@ class GradientLedger:
 
     def _direct_sum(self, members: Sequence[_Traj]) -> None:
         """The direct-mode trajectories among ``members`` (group closed and kept, score not yet
-        in), q_i fused, in one ``backward_sum`` when the backend has it and there are several."""
+        in), q_i fused, in one ``backward_sum`` when the backend has it and there are several. A
+        member with a pending h_i is folded (no backward); its q_i, if still due, joins the sum."""
         backward_sum = getattr(self.backend, "backward_sum", None)
         batchable = [
             m for m in members
             if backward_sum is not None and m.group.keep and m.group.closed and self._PA is None
             and m.data is not None and not m.score_done
         ]
+        for m in batchable:  # a pending h_i needs no backward: fold it; only its q_i may still run
+            if m.pend is not None:
+                self._fold_pending_direct(m)
+        batchable = [m for m in batchable if not m.score_done or (self._has_reward_free and not m.reward_free_done)]
         if backward_sum is not None and len(batchable) > 1:
             specs = []
             for m in batchable:
                 fuse = self._has_reward_free and not m.reward_free_done
-                specs.append(LossSpec(advantage=advantage(m.known_reward, m.group.closed_stats), reward_free=fuse))
+                a = None if m.score_done else advantage(m.known_reward, m.group.closed_stats)
+                specs.append(LossSpec(advantage=a, reward_free=fuse))
             self._accumulator.add_(backward_sum([m.data for m in batchable], specs))
             for m in batchable:
                 m.score_done = m.reward_free_done = True
@@ -434,22 +492,32 @@ class GradientLedger:
         if t.data is None or t.num_loss_tokens is None:
             return
         if g.keep is False or g.failed:  # dropped: nothing of it is (or will be) in the update
+            self._discard_pending(t)
             t.score_done = t.reward_free_done = True
             return
         specs: list[LossSpec] = []
         sinks: list[str] = []
         if not t.score_done:
             if g.closed:
-                a = advantage(t.known_reward, g.closed_stats)
-                fuse = self._has_reward_free and not t.reward_free_done and self._PA is None
-                specs.append(LossSpec(advantage=a, reward_free=fuse))
-                sinks.append("direct+rf" if fuse else "direct")
+                if t.pend is not None:
+                    self._fold_pending_direct(t)
+                else:
+                    a = advantage(t.known_reward, g.closed_stats)
+                    fuse = self._has_reward_free and not t.reward_free_done and self._PA is None
+                    specs.append(LossSpec(advantage=a, reward_free=fuse))
+                    sinks.append("direct+rf" if fuse else "direct")
             elif t.reward is not None and self._slot(g) is not None:
-                specs.append(LossSpec(advantage=-1.0, reward_free=False))
-                sinks.append("slot")
+                if t.pend is not None:
+                    self._fold_pending_into_slot(g, t)
+                else:
+                    specs.append(LossSpec(advantage=-1.0, reward_free=False))
+                    sinks.append("slot")
+            elif t.pend is None and not t.has_reward and self._pending_free():
+                specs.append(LossSpec(advantage=-1.0, reward_free=False))  # h_i now, its weight later
+                sinks.append("pending")
         wants_reward_free = self._has_reward_free and not t.reward_free_done and "direct+rf" not in sinks
         if wants_reward_free and g.keep:
-            score_later = not t.score_done and not specs
+            score_later = not t.score_done and not specs and t.pend is None
             if not score_later or self.config.reward_free_terms == "at_finish":
                 specs.append(LossSpec(advantage=None, reward_free=True))
                 sinks.append("rf")
@@ -459,6 +527,12 @@ class GradientLedger:
             if sink == "slot":
                 self._add_to_slot(g, t, grad)
                 t.score_done = True
+            elif sink == "pending":
+                t.pend = self.pool.acquire_slot()
+                self.pool.slot_write(t.pend, grad, first=True)
+                self._num_pending += 1
+                self._peak_pending = max(self._peak_pending, self._num_pending)
+                self._num_pending_backward += 1
             elif sink == "rf":
                 self._accumulator.add_(grad)
                 t.reward_free_done = True
@@ -479,27 +553,63 @@ class GradientLedger:
             self._num_slots_used += 1
         return g.slot
 
-    def _add_to_slot(self, g: _Group, t: _Traj, h: GradBuffer) -> None:
+    def _add_to_slot(self, g: _Group, t: _Traj, h: GradBuffer, pending: bool = False) -> None:
+        """h_i into the group's slot: ``h`` the live gradient, or (``pending``) t's pending buffer."""
         slot = g.slot
         assert slot is not None and t.reward is not None
+        write = self.pool.slot_add if pending else self.pool.slot_write
         if slot.num_processed == 0:
             slot.shift = t.reward if self.reward_shift else 0.0
             slot.S = self.pool.acquire_slot()
-            self.pool.slot_write(slot.S, h, first=True)
+            write(slot.S, h, first=True)
         else:
             assert slot.S is not None
-            self.pool.slot_write(slot.S, h)
+            write(slot.S, h)
         d = t.reward - slot.shift
         if d != 0.0:
             if self._std_free:
                 # c_g is known (depends on the group size only): the R-part goes straight out.
                 c = size_coef(len(g.members), self.objective)
-                self._score_sink.add_(h, alpha=-c * d)
+                if pending:
+                    self.pool.fold(self._score_sink, h, alpha=-c * d)
+                else:
+                    self._score_sink.add_(h, alpha=-c * d)
             else:
                 if slot.R is None:
                     slot.R = self.pool.acquire_slot()
-                self.pool.slot_write(slot.R, h, alpha=d)
+                write(slot.R, h, alpha=d)
         slot.num_processed += 1
+
+    # ------------------------------------------------------------------ pending gradients
+
+    def _pending_free(self) -> bool:
+        """May one more trajectory's h_i be computed now, before its weight is known?"""
+        return self.max_pending is None or self._num_pending < self.max_pending
+
+    def _fold_pending_into_slot(self, g: _Group, t: _Traj) -> None:
+        """S_g += pend_i, R_g += (r_i - b_g) pend_i (std-free: the R-part to the sink): the
+        reward-time path's slot update, on the h_i computed at finish."""
+        assert t.pend is not None
+        self._add_to_slot(g, t, t.pend, pending=True)
+        t.score_done = True
+        self._discard_pending(t)
+        self._log("fold:pending->slot", t.traj_id)
+
+    def _fold_pending_direct(self, t: _Traj) -> None:
+        """Group closed and kept: sink += -A_i pend_i, the direct-mode backward's gradient."""
+        assert t.pend is not None
+        a = advantage(t.known_reward, t.group.closed_stats)
+        self.pool.fold(self._score_sink, t.pend, alpha=-a)
+        t.score_done = True
+        self._discard_pending(t)
+        self._log("fold:pending->direct", t.traj_id)
+
+    def _discard_pending(self, t: _Traj) -> None:
+        if t.pend is not None:
+            self.pool.release([t.pend])
+            t.pend = None
+            self._num_pending -= 1
+            self._log("pending:freed", t.traj_id)
 
     def _close_group(self, g: _Group) -> None:
         if g.failed:

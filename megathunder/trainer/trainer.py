@@ -350,6 +350,8 @@ class Trainer:
             "peak_buffer_bytes": outcome.peak_device_bytes,  # ... their bytes on the learner's device
             "peak_buffer_host_bytes": outcome.peak_host_bytes,  # ... in host memory (ledger.slot_placement)
             "ledger_slots": outcome.max_group_slots,  # K in force (null: unbounded)
+            "peak_pending": outcome.peak_pending,  # pending h_i buffers at their peak (in peak_buffers too)
+            "pending_backward": outcome.num_pending_backward,  # score backwards run at finish (ledger.max_pending)
             **({} if outcome.divergence is None else {_divergence_key(self.cfg): outcome.divergence}),
             "wall_s": wall,
             "gpu_hours": wall * self.service.world_size / 3600.0,  # learner process-hours on CPU

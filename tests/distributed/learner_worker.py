@@ -91,6 +91,7 @@ def equivalence(args) -> None:
     result = ledger.close_batch()
     learner.step()
     out = {"before": before, "stream": full_params(learner), "peak_buffers": result.peak_buffers,
+           "peak_pending": result.peak_pending, "pending_backward": result.num_pending_backward,
            "expert_buffers": _expert_buffers_in_ledger(learner)}
     if args.routing:
         restore(learner, before)

@@ -241,6 +241,24 @@ def test_host_placed_slots_give_the_update_of_device_slots_on_megatron(hf_qwen2,
         assert torch.equal(_flat(host["stream_grad"]), _flat(single["stream_grad"]))
 
 
+@pytest.mark.parametrize("layout", [("2", "1"), ("1", "1")], ids=["tp2", "dp2"])
+def test_pending_gradients_give_the_sync_gradient_on_megatron(hf_qwen2, tmp_path, single, layout):
+    """``ledger.max_pending`` unbounded on Megatron's buffers: every trajectory's h_i is computed at
+    finish into a pending buffer and folded at its reward; the streamed gradient is the
+    batch-synchronous one up to fp32 reassociation (GRAD_TOL), as without pending buffers."""
+    import json
+
+    tp, pp = layout
+    out = tmp_path / "pending.pt"
+    launch(2, "equivalence", "--out", str(out), "--hf", str(hf_qwen2), "--optimizer", "sgd", "--tp", tp, "--pp", pp,
+           "--ledger", json.dumps({"max_pending": None}))
+    run = torch.load(out)
+    assert run["pending_backward"] > 0 and run["peak_pending"] > 0  # rank 0's ledger used them
+    reference = _flat(single["sync_grad"])
+    assert _rel(_flat(run["stream_grad"]), reference) <= GRAD_TOL
+    assert _rel(_flat(run["stream"]), _flat(single["sync"])) <= GRAD_TOL
+
+
 PPO_TOL = 1e-5
 """fp32, 4 SGD steps: each step's gradient agrees with transformers' to ~3e-7 (GRAD_TOL bounds one
 step at 2e-6); the parameter change sums four of them plus their propagation through the loss

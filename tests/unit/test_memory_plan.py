@@ -257,3 +257,24 @@ def test_qwen3_30b_a3b_counts_experts_per_rank_and_per_push():
 def test_expert_layouts_the_model_does_not_allow_are_refused(overrides, expected):
     result = plan_cmd.run_plan(load_config(None, overrides), Machine(world=8))
     assert not result.feasible and result.problems[0].startswith(expected), result.problems
+
+
+def test_pending_buffers_are_planned_within_the_slot_budget():
+    """``ledger.max_pending``: the plan adds the pending buffers the ledger may hold -- the cap, or
+    what the slot budget leaves after K slots (``pending_within_budget``) -- in the slots' placement."""
+    from megathunder.streaming.buffers import pending_within_budget
+
+    base = ["learner.model.hf_checkpoint=" + qwen("32B")]
+    off = plan_cmd.run_plan(load_config(REPO / "launch/slurm/grpo_128gpu.yaml", base), H100)
+    assert "ledger pending" not in {line.part for line in off.lines}  # off by default
+    # K null takes the whole budget (4 slots of S and R): nothing is left for pending buffers
+    full = plan_cmd.run_plan(load_config(REPO / "launch/slurm/grpo_128gpu.yaml", base + ["ledger.max_pending=null"]), H100)
+    assert "ledger pending" not in {line.part for line in full.lines}
+    capped = plan_cmd.run_plan(load_config(REPO / "launch/slurm/grpo_128gpu.yaml", base + ["ledger.max_pending=2", "ledger.max_group_slots=2"]), H100)
+    (line,) = [line for line in capped.lines if line.part == "ledger pending"]
+    buffer = sum(stage_params(shape_of("32B"), 8, 2, 1)) * 4
+    assert line.host == 2 * buffer and line.device == 0  # the shipped config places slots on the host
+    rest = plan_cmd.run_plan(load_config(REPO / "launch/slurm/grpo_128gpu.yaml",
+                                         base + ["ledger.max_pending=null", "ledger.max_group_slots=2"]), H100)
+    (line,) = [line for line in rest.lines if line.part == "ledger pending"]
+    assert line.host == pending_within_budget(None, 2, 64.0, buffer, 2) * buffer > 0

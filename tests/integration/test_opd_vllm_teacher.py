@@ -25,6 +25,7 @@ os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 LOGPROB_ATOL = 1e-4  # vLLM CPU kernels vs transformers, fp32 (as in test_vllm_engine.py)
 
 
+@pytest.mark.slow  # the vLLM teacher, which no training path consumes yet (README)
 def test_vllm_teacher_scores_each_turn_from_the_prefix_cache(tmp_path):
     from transformers import AutoModelForCausalLM
 

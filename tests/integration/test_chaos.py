@@ -64,6 +64,8 @@ def test_a_full_disk_stops_the_run_in_one_line_and_the_same_command_resumes(smal
     assert update_error(out / "sft_model", tmp_path / "sync", out / "final_model") <= UPDATE_RTOL
 
 
+# hang detection and regroup: tests/unit/test_rollout_server_faults.py (SIGSTOPped servers under load)
+@pytest.mark.slow
 def test_a_rollout_server_hung_mid_batch_is_left_out_and_the_run_goes_on(tmp_path):
     """Two vLLM servers; ``hang_server`` SIGSTOPs one while the batch generates. The hang detector
     finds it by progress, its requests finish on the other server with their seeds, and the next push

@@ -192,6 +192,8 @@ def test_eval_report_compares_two_schedules(base, sync_run, tmp_path):
     assert "thunder" in (tmp_path / "time_to_score.md").read_text()
 
 
+# DAPO's refill streamed exactly: tests/unit/test_streaming_exact.py (add_group) and tests/unit/test_refill.py
+@pytest.mark.slow
 def test_dapo_refill_under_thunder_trains_full_batches_and_replays_exactly(base, tmp_path):
     """DAPO's dynamic sampling with refill (``batch.max_refill_groups``) under thunder: every dropped
     group is replaced while the batch streams (``add_group``), so each step trains 4 kept groups; the
@@ -239,6 +241,8 @@ def test_fully_async_schedule_bounds_staleness(base, tmp_path):
     assert all(x["probe_gap"] <= 1e-3 for x in r)
 
 
+# a crash and resume equal to the journal replay: tests/integration/test_chaos.py (corrupt_journal, full disk)
+@pytest.mark.slow
 def test_kill_and_resume_reproduces_the_uninterrupted_parameters(base, tmp_path):
     """SIGKILL the whole run after its step-2 checkpoint, run the same command again: it resumes,
     the journal holds each step once, and the final weights equal a replay of the journal from
@@ -297,6 +301,9 @@ def _wait_for_step(proc: subprocess.Popen, out: Path, step: int) -> None:
         time.sleep(0.2)
 
 
+# the first Ctrl-C is SIGUSR1's stop: tests/cluster/test_launch.py (checkpoint, requeue, resume); the supervised
+# Ctrl-C path: test_a_second_ctrl_c_stops_at_once_and_cleanly
+@pytest.mark.slow
 def test_ctrl_c_finishes_the_step_checkpoints_and_resumes(base, tmp_path):
     """The first Ctrl-C: the step in progress finishes, a checkpoint is saved, the command says how
     to resume and exits 75, leaving no process and no shared-memory segment; the same command then

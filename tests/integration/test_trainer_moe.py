@@ -79,6 +79,8 @@ def test_moe_replay_with_expert_parallelism_gives_the_live_parameters(moe_run, t
         assert update_error(start, tmp_path / mode, live) <= UPDATE_RTOL, mode  # measured 8.8e-6 / 9.4e-6
 
 
+# MoE push + replay in process: the tests above; servers' push: tests/integration/test_chaos.py and test_vllm_engine.py
+@pytest.mark.slow
 def test_moe_on_a_rollout_server_pushes_experts_and_replays_its_routing(tmp_path):
     """The MoE student with its rollouts on a vLLM server (``rollout.engine.deployment=server``): experts
     pushed over the collective path, the server's routing read through ``/collective_rpc`` from the

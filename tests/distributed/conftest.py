@@ -1,11 +1,15 @@
-"""Multi-process learner tests: each test launches ranks with torchrun (gloo on CPU)."""
+"""Multi-process learner tests: each test launches ranks (gloo on CPU), forked from a fork server that imported torch and Megatron once (``forkserver.py``)."""
 
 from __future__ import annotations
 
+import atexit
+import json
 import os
+import select
 import socket
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -23,14 +27,73 @@ def free_port() -> int:
 def launch(nproc: int, mode: str, *args: str, timeout: int = 600, worker: Path = WORKER,
            mode_arg: bool = True) -> None:
     """``worker mode args...`` on ``nproc`` ranks (``mode_arg=False``: a worker without modes;
-    ``mode`` only names the run in errors)."""
+    ``mode`` only names the run in errors): forked from the fork server on CPU (``forkserver.py``:
+    the imports done once), by ``torchrun`` on GPUs or with ``MEGATHUNDER_TEST_TORCHRUN=1``."""
+    argv = [*([mode] if mode_arg else []), *args]
+    if os.environ.get("MEGATHUNDER_TEST_TORCHRUN") == "1" or torch.cuda.is_available():
+        _torchrun(nproc, mode, worker, argv, timeout)
+        return
+    with tempfile.TemporaryDirectory(prefix="mt-launch-") as logs:
+        reply = _ForkServer.get().run(dict(worker=str(worker), argv=argv, nproc=nproc, port=free_port(),
+                                           timeout=timeout, log_dir=logs))
+        if reply["rc"] != 0:
+            outs = []
+            for rank in range(nproc):
+                text = (Path(logs) / f"rank{rank}.out").read_text(errors="replace") if (Path(logs) / f"rank{rank}.out").exists() else ""
+                lines = [line for line in text.splitlines() if "Warning" not in line and "warnings.warn" not in line]
+                outs.append(f"--- rank {rank}:\n" + "\n".join(lines)[-4000:])
+            what = "timed out" if reply["rc"] == 124 else f"failed ({reply['rc']}, rank {reply['rank']})"
+            raise AssertionError(f"{mode} with {nproc} ranks {what}: {reply.get('error', '')}\n" + "\n".join(outs))
+
+
+def _torchrun(nproc: int, mode: str, worker: Path, argv: list[str], timeout: int) -> None:
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
-           f"--master-port={free_port()}", "--master-addr=127.0.0.1", str(worker), *([mode] if mode_arg else []), *args]
+           f"--master-port={free_port()}", "--master-addr=127.0.0.1", str(worker), *argv]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     if proc.returncode != 0:
         tail = "\n".join(line for line in proc.stderr.splitlines() if "Warning" not in line)[-6000:]
         raise AssertionError(f"{mode} with {nproc} ranks failed ({proc.returncode}):\n{tail}")
+
+
+class _ForkServer:
+    """One ``forkserver.py`` process per test session, started at the first launch."""
+
+    _instance: _ForkServer | None = None
+
+    def __init__(self) -> None:
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+        self.proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("forkserver.py"))],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+        ready = self._read(300)
+        assert ready.get("ready"), f"the fork server did not start: {ready}"
+        atexit.register(self.close)
+
+    @classmethod
+    def get(cls) -> _ForkServer:
+        if cls._instance is None or cls._instance.proc.poll() is not None:
+            cls._instance = cls()
+        return cls._instance
+
+    def run(self, job: dict) -> dict:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(job) + "\n")
+        self.proc.stdin.flush()
+        return self._read(job["timeout"] + 60)  # the server enforces the job's timeout itself
+
+    def _read(self, timeout: float) -> dict:
+        assert self.proc.stdout is not None
+        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
+        line = self.proc.stdout.readline() if ready else ""
+        if not line:
+            self.close()
+            raise AssertionError(f"the fork server stopped answering (exit {self.proc.poll()})")
+        return json.loads(line)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
 
 
 def make_hf_checkpoint(path: Path, family: str, tie: bool, seed: int = 0, rope_scaling: dict | None = None) -> Path:

@@ -227,6 +227,11 @@ class LedgerConfig(Strict):
     (``GradientLedger.hold`` / ``release``). The same update up to fp32 reassociation; which
     events were held depends on the learner's timing, which the journal does not record, so a
     replay (``megathunder replay``) reproduces such a run within rounding, bitwise only with false."""
+    pack_window_s: float = Field(0.02, ge=0.0, le=1.0)
+    """With ``pack_ready_work``: an event that reaches an idle learner waits up to this long for the
+    next event before its work runs, so a burst of events (a batch of sequences finishing in one
+    engine step) goes in one packed call instead of a one-trajectory backward pass the rest of the
+    burst waits behind. 0: run at once. Only the timing changes, never what is computed."""
     max_pending: int | None = Field(0, ge=0)
     """Gradients before the reward: a trajectory's score gradient h_i is computed when it finishes,
     while its verifier runs, and kept in a *pending* parameter-sized buffer (the slots' dtype and

@@ -129,6 +129,10 @@ class Batch(abc.ABC):
     def close(self) -> BatchOutcome:
         """Every event is in: leave this rank's share of the batch's gradient in DDP's buffers."""
 
+    def holds_work(self) -> bool:
+        """Does ``hold_work`` hold anything (streamed GRPO with ``ledger.pack_ready_work``)?"""
+        return False
+
     def hold_work(self) -> None:
         """More events are queued behind the next one: hold back the backward passes events make
         due until ``release_work`` (streamed GRPO: ``GradientLedger.hold``), so what is ready
@@ -225,8 +229,11 @@ class GRPOBatch(Batch):
             self.ledger.on_reward(traj_id, reward)
         self.rewards[traj_id] = reward
 
+    def holds_work(self) -> bool:
+        return self.streamed and self.ledger.config.pack_ready_work
+
     def hold_work(self) -> None:
-        if self.streamed and self.ledger.config.pack_ready_work:
+        if self.holds_work():
             self.ledger.hold()
 
     def release_work(self) -> None:
@@ -484,8 +491,11 @@ class OPDGRPOBatch(OPDBatch):
             self.ledger.on_reward(traj_id, reward)
         self.rewards[traj_id] = reward
 
+    def holds_work(self) -> bool:
+        return self.streamer is not None and self.ledger.config.pack_ready_work
+
     def hold_work(self) -> None:
-        if self.streamer is not None and self.ledger.config.pack_ready_work:
+        if self.holds_work():
             self.ledger.hold()
 
     def release_work(self) -> None:

@@ -50,6 +50,9 @@ from megathunder.trajectory import BatchPlan, Trajectory
 class LearnerEndpoint:
     """What a learner rank does for the controller; one instance per rank, called in lockstep."""
 
+    WINDOW_CALLS = ("turn", "finished", "reward")
+    """The event calls, whose backward work may be held for ``ready_work`` (``LearnerService.pack_window_s``)."""
+
     def __init__(self, learner: MegatronLearner, checkpoint_dir: Path, teacher: CachedTeacher | None = None) -> None:
         self.learner, self.checkpoint_dir, self.teacher = learner, checkpoint_dir, teacher
         self._batch: Batch | None = None
@@ -82,6 +85,10 @@ class LearnerEndpoint:
         it runs everything the calls before held back (``Batch.release_work``)."""
         if self._batch is not None:
             self._batch.release_work()
+
+    def packing(self) -> bool:
+        """Would the open batch hold an event's work for ``ready_work`` (thunder with packing on)?"""
+        return self._batch is not None and self._batch.holds_work()
 
     def _batch_for_event(self) -> Batch:
         """The current batch, told to hold its backward work when more calls are queued: a run of

@@ -21,7 +21,12 @@ it when it started (``more_queued``, set on the endpoint before the call). An en
 ``ready_work`` method has it run after each call that had none queued behind it: the learner is
 about to be free, so work that the queued calls held back (``LearnerEndpoint``: backward passes
 of a run of events) runs then, packed. The flag travels with the call, so all ranks hold and
-release at the same calls.
+release at the same calls. With ``pack_window_s`` > 0, an event call (a method the endpoint lists in
+``WINDOW_CALLS``) that finds nothing queued waits up to that long for the next call before it
+decides: events come in bursts (a batch of sequences finishing in one engine step), and a burst's
+first event would otherwise start a one-trajectory backward pass that the rest of the burst waits
+behind. Only events wait, only on an idle learner, and only when packing is on; what is computed
+is the same either way (``GradientLedger.hold``).
 
 Failure (``megathunder.learner.liveness``): every rank writes a heartbeat to the job's store each
 second, and the index of the learner call it started and finished as it runs each call. When a
@@ -86,6 +91,8 @@ class LearnerService(Generic[E]):
     """Rank 0's watchdog: a rank whose heartbeat is silent this long while a call is in flight hung."""
     call_timeout_s: float = 0.0
     """Rank 0's watchdog: a call in flight this long names the ranks that have not finished it (0: never)."""
+    pack_window_s: float = 0.0
+    """Rank 0: how long an event call that finds no call queued behind it waits for one (module docstring)."""
     on_hang: Callable[[], None] | None = None
     """Rank 0: what the watchdog runs (for at most CLEANUP_S) before it ends the process: the
     trainer closes its rollout engine. Set it before a call can hang."""
@@ -97,6 +104,8 @@ class LearnerService(Generic[E]):
         self._group = dist.new_group(backend="gloo") if self.world_size > 1 else None
         self._heartbeat = Heartbeat(self.rank, self.world_size) if self.world_size > 1 else None
         self._lock = threading.Lock()
+        self._submitted = threading.Condition(self._lock)  # notified on each submit (``pack_window_s``)
+        self._window_calls: frozenset[str] = frozenset(getattr(self.endpoint, "WINDOW_CALLS", ()))
         self._queued: set[concurrent.futures.Future] = set()
         self._num_submitted = self._num_started = 0  # calls, for ``more_queued``
         self._num_calls = 0  # calls executed on this rank: the same index on every rank
@@ -115,6 +124,7 @@ class LearnerService(Generic[E]):
             raise TypeError(f"{method!r} is not a method of {type(self.endpoint).__name__}")
         with self._lock:
             self._num_submitted += 1
+            self._submitted.notify_all()
         future = self._pool.submit(self._run, name, args, kwargs)
         with self._lock:
             self._queued.add(future)
@@ -129,6 +139,11 @@ class LearnerService(Generic[E]):
             raise ValueError(f"learner fault {kind!r} of rank {rank}: a kind of {sorted(FAULT_SIGNALS)} and a rank "
                              f"in 1..{self.world_size - 1}")
         return self._pool.submit(self._run, _FAULT, (kind, rank), {})
+
+    def _packing(self) -> bool:
+        """Does the endpoint hold work for ``ready_work`` now (``pack_window_s`` waits only then)?"""
+        packing = getattr(self.endpoint, "packing", None)
+        return bool(packing()) if packing is not None else False
 
     def _on_hang(self) -> None:
         if self.on_hang is not None:
@@ -181,6 +196,9 @@ class LearnerService(Generic[E]):
             with self._lock:
                 self._num_started += 1
                 more = self._num_submitted > self._num_started  # calls queued behind this one
+                if not more and self.pack_window_s > 0 and method in self._window_calls and self._packing():
+                    more = self._submitted.wait_for(lambda: self._num_submitted > self._num_started,
+                                                    timeout=self.pack_window_s)
         if self.world_size == 1:
             return self._execute(method, args, kwargs, more)
         name = method if is_call else {_STOP: "stop", _FAULT: f"chaos fault {args}"}[method]

@@ -116,7 +116,8 @@ def _train(cfg: Config, signals: StopSignals) -> int:
     start = learner.num_steps
     watchdog = cfg.learner.watchdog
     service = LearnerService(LearnerEndpoint(learner, ckpt_dir, teacher), pgs.rank, pgs.world_size,
-                             heartbeat_timeout_s=watchdog.heartbeat_timeout_s, call_timeout_s=watchdog.call_timeout_s)
+                             heartbeat_timeout_s=watchdog.heartbeat_timeout_s, call_timeout_s=watchdog.call_timeout_s,
+                             pack_window_s=cfg.ledger.pack_window_s)
     if pgs.rank != 0:
         service.serve()
         return 0

@@ -43,3 +43,54 @@ def test_calls_queued_behind_others_are_told_and_ready_work_follows_the_last():
     assert rec.seen == [("block", False), ("ready", False),
                         ("event0", True), ("event1", True), ("event2", False), ("ready", False),
                         ("event3", False), ("ready", False)]
+
+
+class Windowed(Recorder):
+    """An endpoint whose ``event`` calls may wait for the next call (``pack_window_s``)."""
+
+    WINDOW_CALLS = ("event",)
+
+    def __init__(self, packing: bool = True) -> None:
+        super().__init__()
+        self._packing = packing
+
+    def packing(self) -> bool:
+        return self._packing
+
+    def done(self) -> None:
+        self.seen.append(("done", self.more_queued))
+
+
+def test_an_event_on_an_idle_learner_waits_for_the_next_call_within_the_window():
+    """Each event may find nothing queued when it starts; within ``pack_window_s`` (60 s here, so
+    the test cannot race it) the next call arrives, and the event is told more is queued. The last
+    call (not an event) never waits."""
+    rec = Windowed()
+    service = LearnerService(rec, pack_window_s=60.0)
+    try:
+        calls = [service.submit(Windowed.event, 0), service.submit(Windowed.event, 1), service.submit(Windowed.done)]
+        for f in calls:
+            f.result(timeout=30)  # well within the window: each event was woken by the next call
+    finally:
+        service.stop()
+    assert rec.seen == [("event0", True), ("event1", True), ("done", False), ("ready", False)]
+
+
+def test_the_window_ends_at_its_bound_and_only_events_of_a_packing_batch_wait():
+    """Nothing follows: the event runs after the window with nothing queued. A call not in
+    ``WINDOW_CALLS``, or any call while the batch does not pack, never waits (a 60 s window would
+    show as a 60 s call: each must finish well within it)."""
+    rec = Windowed()
+    service = LearnerService(rec, pack_window_s=0.05)
+    try:
+        service.submit(Windowed.event, 0).result(timeout=30)
+    finally:
+        service.stop()
+    assert rec.seen == [("event0", False), ("ready", False)]
+    for endpoint, method in ((Windowed(), Windowed.ready_work), (Windowed(packing=False), Windowed.event)):
+        service = LearnerService(endpoint, pack_window_s=60.0)
+        try:
+            args = (0,) if method is Windowed.event else ()
+            service.submit(method, *args).result(timeout=30)  # would take 60 s if it waited
+        finally:
+            service.stop()

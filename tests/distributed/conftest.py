@@ -39,7 +39,8 @@ def launch(nproc: int, mode: str, *args: str, timeout: int = 600, worker: Path =
         if reply["rc"] != 0:
             outs = []
             for rank in range(nproc):
-                text = (Path(logs) / f"rank{rank}.out").read_text(errors="replace") if (Path(logs) / f"rank{rank}.out").exists() else ""
+                log = Path(logs) / f"rank{rank}.out"
+                text = log.read_text(errors="replace") if log.exists() else ""
                 lines = [line for line in text.splitlines() if "Warning" not in line and "warnings.warn" not in line]
                 outs.append(f"--- rank {rank}:\n" + "\n".join(lines)[-4000:])
             what = "timed out" if reply["rc"] == 124 else f"failed ({reply['rc']}, rank {reply['rank']})"

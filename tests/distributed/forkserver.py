@@ -64,7 +64,11 @@ def _child(worker: str, argv: list[str], rank: int, nproc: int, port: int, log_p
         runpy.run_path(worker, run_name="__main__")
         code = 0
     except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        if isinstance(e.code, int) or e.code is None:
+            code = e.code or 0
+        else:  # sys.exit("message"): printed, exit 1, as the interpreter does
+            print(e.code, file=sys.stderr)
+            code = 1
     except BaseException:
         traceback.print_exc()
         code = 1
@@ -77,7 +81,8 @@ def _child(worker: str, argv: list[str], rank: int, nproc: int, port: int, log_p
             os._exit(code)
 
 
-def _kill(pids: dict[int, int]) -> None:
+def _kill(*pids: int) -> None:
+    """SIGKILL each rank's process group (the rank and everything it started)."""
     for pid in pids:
         try:
             os.killpg(pid, signal.SIGKILL)
@@ -87,20 +92,19 @@ def _kill(pids: dict[int, int]) -> None:
 
 def run(job: dict) -> dict:
     nproc, deadline = int(job["nproc"]), time.monotonic() + float(job["timeout"])
-    pids: dict[int, int] = {}
+    live: dict[int, int] = {}  # pid -> rank, of the ranks still running
     for rank in range(nproc):
         pid = os.fork()
         if pid == 0:
             _child(job["worker"], list(job["argv"]), rank, nproc, int(job["port"]),
                    os.path.join(job["log_dir"], f"rank{rank}.out"))
-        pids[pid] = rank
+        live[pid] = rank
     failed: tuple[int, int] | None = None  # (rank, code)
-    live = dict(pids)
     while live:
         pid, status = os.waitpid(-1, os.WNOHANG)
         if pid == 0:
             if time.monotonic() > deadline:
-                _kill(live)
+                _kill(*live)
                 for p in list(live):
                     os.waitpid(p, 0)
                 return {"rc": 124, "rank": None}
@@ -110,10 +114,10 @@ def run(job: dict) -> dict:
             continue
         rank = live.pop(pid)
         code = os.waitstatus_to_exitcode(status)
-        _kill({pid: rank})  # whatever the rank left behind in its process group
+        _kill(pid)  # whatever the rank left behind in its process group
         if code != 0 and failed is None:
             failed = (rank, code)
-            _kill(live)  # as torchrun: one failed rank ends the job
+            _kill(*live)  # as torchrun: one failed rank ends the job
     return {"rc": 0, "rank": None} if failed is None else {"rc": failed[1] if failed[1] > 0 else 1, "rank": failed[0]}
 
 

@@ -1,6 +1,7 @@
 """``megathunder bench chaos``: the chaos soak. The quickstart, shortened, once without faults and
-then ``--runs`` times with one random fault each (``chaos.faults``, seeded by ``--seed``), each run
-a real ``megathunder train`` (vLLM, the Megatron learner, the local sandbox).
+then ``--runs`` times with one random fault each (``chaos.faults``, seeded by ``--seed``; the kinds
+drawn in rounds, each kind once per round, so every kind is covered), each run a real
+``megathunder train`` (vLLM, the Megatron learner, the local sandbox).
 
 A run that stops (exit 75 after a signal, 130 after a torn journal, 1 with the one-line full-disk
 error: the filler is deleted first, as a user frees space) is resumed by the same command, up to
@@ -11,8 +12,9 @@ largest parameter difference from what its claim says the run must equal
 (RELIABILITY.md, "Fault injection"):
 
 - the fault-free run of the same deployment (``kill_server``, ``hang_server``, ``kill_engine``,
-  ``hang_sandbox``, ``oom_tool``: the same episodes token for token): ``update_rel`` = ||(w - w0) - (w_ref - w0)|| /
-  ||w_ref - w0|| from the same warm start w0, and the largest absolute parameter difference;
+  ``hang_engine``, ``hang_sandbox``, ``oom_tool``: the same episodes token for token): ``update_rel``
+  = ||(w - w0) - (w_ref - w0)|| / ||w_ref - w0|| from the same warm start w0, and the largest
+  absolute parameter difference;
 - the replay of the run's own journal through ``megathunder replay`` (``sync``) for the others
   (their rewards differ from the fault-free run's by design, or they stopped and resumed).
 
@@ -49,7 +51,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from megathunder.config import ENGINE_FAULTS, EPISODE_FAULTS, SERVER_FAULTS
+from megathunder.config import ENGINE_FAULTS, EPISODE_FAULTS, IN_PROCESS_FAULTS, SERVER_FAULTS
 
 ROOT = Path(__file__).resolve().parents[2]
 UPDATE_RTOL = 1e-3  # tests/integration/test_trainer.py: fp32 summation order, 60x below a wrong batch
@@ -63,6 +65,7 @@ BASE = ["eval.every_n_steps=0", "run.progress=false", "run.wandb=disabled", "run
         "learner.optimizer.name=sgd", "learner.optimizer.lr=1e-2", "learner.optimizer.use_distributed_optimizer=false",
         "verifier.timeout_s=2", "sandbox.wall_time_s=2", "sandbox.memory_mb=256"]
 SERVERS = ["rollout.engine.deployment=server", "rollout.engine.num_servers=2", "rollout.engine.stall_timeout_s=5"]
+STALL = ["rollout.engine.stall_timeout_s=5"]  # hang_engine: a stopped engine core is found in 5 s
 FILLER = ".chaos_fill"
 
 
@@ -95,7 +98,7 @@ def _random_fault(kind: str, rng: random.Random, steps: int, batch: int) -> dict
     if kind in SERVER_FAULTS:
         return {"kind": kind, "step": rng.randrange(steps), "after_trajectories": rng.randrange(batch - 2),
                 "server": rng.randrange(2)}
-    if kind == "kill_engine":
+    if kind in IN_PROCESS_FAULTS:
         return {"kind": kind, "step": rng.randrange(steps), "after_trajectories": rng.randrange(batch - 2)}
     if kind in EPISODE_FAULTS:
         return {"kind": kind, "step": rng.randrange(steps),
@@ -267,12 +270,16 @@ def plan(args: argparse.Namespace, root: Path) -> tuple[list[Run], list[Run]]:
     kinds = [k for k in args.kinds if k != "fill_disk" or os.geteuid() == 0]
     batch = 16
     common = [f"run.num_steps={args.steps}", f"sft.num_steps={args.sft_steps}", *BASE, *args.overrides]
-    runs = []
+    runs, drawn = [], list[str]()
     for i in range(args.runs):
-        kind = rng.choice(kinds)
+        if not drawn:  # rounds: every kind once per round, in a random order (each kind is covered)
+            drawn = rng.sample(kinds, len(kinds))
+        kind = drawn.pop()
         fault = _random_fault(kind, rng, args.steps, batch)
         deployment = "server" if kind in SERVER_FAULTS else "in_process"
         extra = [*SERVERS, f"rollout.engine.base_port={args.base_port + 10 * (i + 2)}"] if deployment == "server" else []
+        if kind == "hang_engine":
+            extra = STALL
         out = root / f"run{i:03d}_{kind}"
         mount = None
         if kind == "fill_disk":
@@ -332,7 +339,7 @@ def print_table(result: dict) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="megathunder bench chaos", description=__doc__.split("\n\n")[0])
-    p.add_argument("--runs", type=int, default=10, help="chaos runs (one random fault each)")
+    p.add_argument("--runs", type=int, default=10, help="chaos runs (one random fault each; kinds in rounds, each once per round)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--kinds", nargs="+", choices=KINDS, default=list(KINDS))
     p.add_argument("--steps", type=int, default=2, help="optimizer steps per run (>= 2)")

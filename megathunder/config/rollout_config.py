@@ -94,9 +94,12 @@ class EngineConfig(Strict):
     has more than this many requests in flight above the least loaded one."""
     startup_timeout_s: float = Field(600.0, gt=0)
     stall_timeout_s: float = Field(300.0, gt=0)
-    """deployment=server: a server with requests in flight that answers none and generates no
-    token (vLLM's /metrics) for this long is hung -- treated as dead, its requests sent again to
-    live servers with the same seeds."""
+    """Hang detection by progress. deployment=server: a server with requests in flight that answers
+    none and generates no token (vLLM's /metrics) for this long is hung -- treated as dead, its
+    requests sent again to live servers with the same seeds. deployment=in_process: an engine core
+    with requests in flight that computes no token for this long (outside a weight update) is
+    hung -- SIGKILLed and started again in place (``max_restarts``), its requests re-sent with their
+    seeds."""
     request_timeout_s: float = Field(3600.0, gt=0)
     max_restarts: int = Field(3, ge=0)
     """deployment=in_process: how many times per run an engine whose engine core died (killed, out of

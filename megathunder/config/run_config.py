@@ -161,7 +161,9 @@ EPISODE_FAULTS = ("crash_verifier", "hang_verifier", "hang_sandbox", "oom_tool")
 """Faults of chosen trajectories' episodes (``trajectories`` of step ``step``)."""
 SERVER_FAULTS = ("kill_server", "hang_server")
 """Faults of the rollout engine, when ``after_trajectories`` of step ``step``'s trajectories have finished."""
-ENGINE_FAULTS = (*SERVER_FAULTS, "kill_engine")
+IN_PROCESS_FAULTS = ("kill_engine", "hang_engine")
+"""Faults of the in-process engine, fired as the server faults are; survived by a restart in place."""
+ENGINE_FAULTS = (*SERVER_FAULTS, *IN_PROCESS_FAULTS)
 LEARNER_FAULTS = ("kill_learner", "hang_learner")
 """Faults of a learner rank > 0, fired as the server faults are (``after_trajectories`` of ``step``)."""
 
@@ -169,13 +171,15 @@ LEARNER_FAULTS = ("kill_learner", "hang_learner")
 class ChaosFault(Strict):
     """One fault injected into a run (``megathunder.trainer.chaos``)."""
 
-    kind: Literal["fill_disk", "sigusr1", "sigint", "kill_server", "hang_server", "kill_engine", "crash_verifier",
+    kind: Literal["fill_disk", "sigusr1", "sigint", "kill_server", "hang_server", "kill_engine", "hang_engine",
+                  "crash_verifier",
                   "hang_verifier", "hang_sandbox", "oom_tool", "corrupt_journal", "kill_learner", "hang_learner"]
     """fill_disk: fill the run directory's file system (the next write fails); sigusr1 / sigint: the
     signal to this process (stop after the step, checkpoint, exit 75); kill_server / hang_server:
     SIGKILL / SIGSTOP rollout server ``server``'s process group (deployment=server, launched here);
-    kill_engine: SIGKILL the in-process engine's engine core and its workers (deployment=in_process;
-    restarted in place, ``rollout.engine.max_restarts``);
+    kill_engine / hang_engine: SIGKILL / SIGSTOP the in-process engine's engine core and its workers
+    (deployment=in_process; restarted in place, ``rollout.engine.max_restarts``: the stopped one once
+    its requests made no progress for ``rollout.engine.stall_timeout_s``);
     crash_verifier / hang_verifier: the verifier of ``trajectories`` raises / sleeps past
     ``verifier.timeout_s`` (-> ``verifier.on_failure``); hang_sandbox / oom_tool: a ``bash`` tool call
     in the episode's sandbox (a local one built for it when the task has none) that sleeps past
@@ -189,7 +193,7 @@ class ChaosFault(Strict):
     step: int = Field(0, ge=0)
     """The optimizer step during (server, learner and episode faults) or after (the others) which it happens."""
     after_trajectories: int = Field(0, ge=0)
-    """Engine faults (kill_server, hang_server, kill_engine) and learner faults: when this many of the
+    """Engine faults (kill_server, hang_server, kill_engine, hang_engine) and learner faults: when this many of the
     step's trajectories have finished."""
     server: int = Field(0, ge=0)
     rank: int = Field(1, ge=1)
@@ -349,14 +353,14 @@ class Config(Strict):
                 if fault.server >= engine.num_servers:
                     raise ValueError(f"chaos.faults.{i}.server: {fault.server} >= rollout.engine.num_servers="
                                      f"{engine.num_servers}")
-            if fault.kind == "kill_engine":
+            if fault.kind in IN_PROCESS_FAULTS:
                 if engine.deployment != "in_process":
-                    raise ValueError(f"chaos.faults.{i}.kind: kill_engine needs rollout.engine.deployment=in_process "
-                                     "(kill_server kills a server)")
+                    raise ValueError(f"chaos.faults.{i}.kind: {fault.kind} needs rollout.engine.deployment=in_process "
+                                     f"({fault.kind.replace('engine', 'server')} is a server's)")
                 if self.schedule.mode not in ("sync", "thunder") or engine.max_restarts == 0:
-                    raise ValueError(f"chaos.faults.{i}.kind: kill_engine is survived in place under schedule.mode sync "
-                                     f"or thunder with rollout.engine.max_restarts >= 1 (now {self.schedule.mode}, "
-                                     f"{engine.max_restarts})")
+                    raise ValueError(f"chaos.faults.{i}.kind: {fault.kind} is survived in place under schedule.mode "
+                                     f"sync or thunder with rollout.engine.max_restarts >= 1 (now "
+                                     f"{self.schedule.mode}, {engine.max_restarts})")
             dp = self.learner.parallel.data_parallel  # the world size is known here only when it is set
             if fault.kind in LEARNER_FAULTS and dp is not None:
                 par = self.learner.parallel

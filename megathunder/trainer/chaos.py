@@ -2,16 +2,17 @@
 at a chosen moment of a real run, so recovery can be tried rather than trusted.
 
 Each fault fires once, at the step it names: engine faults (``kill_server``: SIGKILL,
-``hang_server``: SIGSTOP of a launched rollout server's process group; ``kill_engine``: SIGKILL of
-the in-process engine's engine core and workers) when ``after_trajectories`` of the step's
-trajectories have finished, while the rest of the batch is still generating; the
-others after the step's records are written (``fill_disk``: a file in the run directory grows
-until the file system is full, so the next write -- journal, metrics, checkpoint -- meets a real
-ENOSPC; ``sigusr1`` / ``sigint``: the signal to this process, which stops after the step with a
-checkpoint). What the run then does is the recovery under test: servers' requests move to live
-ones with their seeds (the same episodes), a dead in-process engine is started again with the
-learner's weights and its requests re-sent with their seeds (the same episodes), a full disk stops the run with one line and an intact
-last checkpoint, a signal stops it resumably.
+``hang_server``: SIGSTOP of a launched rollout server's process group; ``kill_engine`` /
+``hang_engine``: SIGKILL / SIGSTOP of the in-process engine's engine core and workers) when
+``after_trajectories`` of the step's trajectories have finished, while the rest of the batch is
+still generating; the others after the step's records are written (``fill_disk``: a file in the
+run directory grows until the file system is full, so the next write -- journal, metrics,
+checkpoint -- meets a real ENOSPC; ``sigusr1`` / ``sigint``: the signal to this process, which
+stops after the step with a checkpoint). What the run then does is the recovery under test:
+servers' requests move to live ones with their seeds (the same episodes), a dead in-process engine
+(a stopped one: once it made no progress for ``rollout.engine.stall_timeout_s``) is started again
+with the learner's weights and its requests re-sent with their seeds (the same episodes), a full
+disk stops the run with one line and an intact last checkpoint, a signal stops it resumably.
 
 Episode faults hit the episodes of chosen trajectories (``trajectories`` of step ``step``;
 ``megathunder.rollout.agent_loop.EpisodeFaults``): ``crash_verifier`` / ``hang_verifier`` replace
@@ -34,9 +35,9 @@ node, so it signals itself). The run then stops -- a dead rank fails rank 0's ne
 -- and the same command resumes from the last checkpoint.
 
 What each kind promises (RELIABILITY.md): the rollout-side faults that leave episodes unchanged
-(``kill_server``, ``hang_server``, ``kill_engine``, ``hang_sandbox``, ``oom_tool``) end with the fault-free run's
-parameters; the others (a verifier fault changes rewards; a stop and resume) with the replay of
-the run's own journal.
+(``kill_server``, ``hang_server``, ``kill_engine``, ``hang_engine``, ``hang_sandbox``, ``oom_tool``)
+end with the fault-free run's parameters; the others (a verifier fault changes rewards; a stop and
+resume) with the replay of the run's own journal.
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ from pathlib import Path
 from megathunder.config import (
     ENGINE_FAULTS,
     EPISODE_FAULTS,
+    IN_PROCESS_FAULTS,
     LEARNER_FAULTS,
     ChaosFault,
     ConfigError,
@@ -111,8 +113,8 @@ class Chaos:
                                and num_finished >= f.after_trajectories):
             if fault.kind in LEARNER_FAULTS:
                 self._learner(fault)
-            elif fault.kind == "kill_engine":
-                self._kill_engine(fault)
+            elif fault.kind in IN_PROCESS_FAULTS:
+                self._engine(fault)
             else:
                 self._server(fault)
 
@@ -204,20 +206,13 @@ class Chaos:
         log.warning("chaos: %s learner rank %d at step %d", fault.kind, fault.rank, fault.step)
         self.service.fault(fault.kind, fault.rank)  # the rank signals itself as it receives it
 
-    def _kill_engine(self, fault: ChaosFault) -> None:
-        import psutil
-
+    def _engine(self, fault: ChaosFault) -> None:
         engine = self.engine
         assert isinstance(engine, InProcessEngine), "checked by the config"
-        procs = [psutil.Process(pid) for pid in engine.engine_core_pids()]
-        procs += [child for proc in procs for child in proc.children(recursive=True)]  # its workers
-        log.warning("chaos: kill_engine at step %d: SIGKILL the engine core and its workers (pids %s)", fault.step,
-                    [p.pid for p in procs])
-        for proc in procs:
-            try:
-                proc.kill()
-            except psutil.NoSuchProcess:
-                pass
+        sig = signal.SIGKILL if fault.kind == "kill_engine" else signal.SIGSTOP
+        pids = engine.signal_core(sig)
+        log.warning("chaos: %s at step %d: %s to the engine core and its workers (pids %s)", fault.kind, fault.step,
+                    signal.Signals(sig).name, pids)
 
 
 def check_learner_faults(faults: list[ChaosFault], world_size: int) -> None:

@@ -40,21 +40,23 @@ def test_episode_and_journal_faults_parse():
     assert cfg.chaos.faults[0].trajectories == [0, 31] and cfg.chaos.faults[1].kind == "corrupt_journal"
 
 
+@pytest.mark.parametrize("kind", ["kill_engine", "hang_engine"])
 @pytest.mark.parametrize("overrides,words", [
     (["rollout.engine.deployment=server"], "deployment=in_process"),
     (["schedule.mode=async", "objective.tis=token"], "sync or thunder"),
     (["rollout.engine.max_restarts=0"], "max_restarts >= 1"),
 ])
-def test_kill_engine_is_refused_where_it_cannot_be_survived_in_place(overrides, words):
+def test_in_process_engine_faults_are_refused_where_they_cannot_be_survived_in_place(kind, overrides, words):
     with pytest.raises(ConfigError) as err:
-        load_config(None, ["chaos.faults=[{kind: kill_engine, step: 0, after_trajectories: 3}]", "run.num_steps=2",
+        load_config(None, [f"chaos.faults=[{{kind: {kind}, step: 0, after_trajectories: 3}}]", "run.num_steps=2",
                            *overrides])
     assert "chaos.faults.0.kind" in str(err.value) and words in str(err.value), str(err.value)
 
 
-def test_kill_engine_parses_for_the_in_process_engine():
-    cfg = load_config(None, ["chaos.faults=[{kind: kill_engine, step: 1, after_trajectories: 3}]", "run.num_steps=2"])
-    assert cfg.chaos.faults[0].kind == "kill_engine" and cfg.rollout.engine.max_restarts == 3
+@pytest.mark.parametrize("kind", ["kill_engine", "hang_engine"])
+def test_in_process_engine_faults_parse_for_the_in_process_engine(kind):
+    cfg = load_config(None, [f"chaos.faults=[{{kind: {kind}, step: 1, after_trajectories: 3}}]", "run.num_steps=2"])
+    assert cfg.chaos.faults[0].kind == kind and cfg.rollout.engine.max_restarts == 3
 
 
 def test_learner_faults_parse_and_their_rank_is_checked_against_the_started_world(tmp_path):

@@ -32,8 +32,11 @@ class FakeLLM:
         FakeLLM.made.append(self)
 
     @classmethod
-    def from_engine_args(cls, args) -> FakeLLM:
+    def from_engine_args(cls, args, stat_loggers=()) -> FakeLLM:
         return cls()
+
+    def get_num_unfinished_requests(self) -> int:
+        return 0
 
     def kill(self) -> None:
         self.dead = True

@@ -12,6 +12,12 @@ weight-transfer groups with the learner's stage senders (as a server pool does w
 server), and lets its owner load the current weights into it (``revive``: the trainer pushes the
 learner's weights and checks them with the probe) before the cut-off requests go again with
 their seeds -- the same tokens, as from a server that took over a dead one's requests.
+
+An engine core that hangs (a stopped process, a wedged worker) fails nothing, so it is found by
+progress: vLLM reports each engine step's tokens to a stat logger of ours (``Progress``, through
+``AsyncLLM``'s ``stat_loggers``, its documented extension point), and an engine with requests in
+flight that computed no token for ``EngineConfig.stall_timeout_s`` outside a weight update is hung.
+Its engine core and workers are SIGKILLed, and the death is survived as above.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import contextvars
 import itertools
 import json
 import logging
+import signal
 import time
 from collections.abc import Awaitable, Callable, Hashable, Sequence
 from typing import TYPE_CHECKING, TypeVar
@@ -69,6 +76,37 @@ def vllm_sampling_params(params: SamplingParams):
     )
 
 
+class Progress:
+    """When the engine last computed a token (or a prompt): vLLM calls ``record`` with each engine
+    step's stats on the loop that runs the requests."""
+
+    def __init__(self) -> None:
+        self.at = time.monotonic()
+
+    def mark(self) -> None:
+        self.at = time.monotonic()
+
+    def stat_logger(self):
+        """A per-engine stat logger factory for ``AsyncLLM.from_engine_args(stat_loggers=[...])``."""
+        from vllm.v1.metrics.loggers import StatLoggerBase
+
+        progress = self
+
+        class ProgressLogger(StatLoggerBase):
+            def __init__(self, vllm_config, engine_index: int = 0) -> None:
+                pass
+
+            def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx: int = 0) -> None:
+                if iteration_stats is not None and (iteration_stats.num_generation_tokens
+                                                    or iteration_stats.num_prompt_tokens):
+                    progress.mark()
+
+            def log_engine_initialized(self) -> None:
+                pass
+
+        return ProgressLogger
+
+
 class InProcessEngine:
     """One ``AsyncLLM``; implements ``megathunder.rollout.types.RolloutEngine``."""
 
@@ -85,6 +123,7 @@ class InProcessEngine:
         self._restart_with: tuple[AsyncEngineArgs, EngineConfig, StageSenders | None] | None = None  # set by start
         self._restarting: asyncio.Future[None] | None = None
         self._restart_failed: str | None = None  # why the engine in place is not to be used
+        self._watcher: asyncio.Task[None] | None = None  # hang detection of the engine in place
 
     @property
     def _llm(self) -> AsyncLLM:
@@ -101,19 +140,23 @@ class InProcessEngine:
 
         kwargs = {"use_tqdm_on_load": console.verbose(), **engine_kwargs(cfg)}  # no loading bar unless -v
         args = AsyncEngineArgs(model=str(model_path), **kwargs)
-        engine = cls(AsyncLLM.from_engine_args(args), policy_version)
+        progress = Progress()
+        engine = cls(AsyncLLM.from_engine_args(args, stat_loggers=[progress.stat_logger()]), policy_version)
         engine._restart_with = (args, cfg, senders)
         # no local holds the AsyncLLM: vLLM keeps this frame alive, and close() must free it
         try:
-            await engine._prepare(cfg, senders)
+            await engine._prepare(cfg, senders, progress)
         except BaseException:
             await engine.close()
             raise
         return engine
 
-    async def _prepare(self, cfg: EngineConfig, senders: StageSenders | None, port: int | None = None) -> None:
-        """A new ``AsyncLLM``'s set-up: version stamp, frozen start-up heap, routing recorder, and
-        the weight-transfer groups (``port``: another than the configured one, for a restart)."""
+    async def _prepare(self, cfg: EngineConfig, senders: StageSenders | None, progress: Progress,
+                       port: int | None = None) -> None:
+        """A new ``AsyncLLM``'s set-up: its hang detection, version stamp, frozen start-up heap,
+        routing recorder, and the weight-transfer groups (``port``: another than the configured one,
+        for a restart)."""
+        self._watcher = asyncio.ensure_future(self._watch(self._llm, progress, cfg.stall_timeout_s))
         await self._llm.update_weight_version(str(self._policy_version))
         await self._llm.collective_rpc("megathunder_freeze_gc")
         if cfg.record_routing:
@@ -121,6 +164,31 @@ class InProcessEngine:
         if port is not None and isinstance(cfg.weight_transfer, CollectiveTransfer):
             cfg = cfg.model_copy(update={"weight_transfer": cfg.weight_transfer.model_copy(update={"port": port})})
         self.transfer = await open_transfer(cfg, [self._rpc], senders)
+
+    async def _watch(self, llm: AsyncLLM, progress: Progress, stall_timeout_s: float) -> None:
+        """Hang detection (module docstring): SIGKILL ``llm``'s engine core once it has had requests
+        in flight and computed no token for ``stall_timeout_s``; its requests then see it die. Time
+        in a weight update, with nothing in flight, or while this loop itself was blocked (a late
+        tick: tokens may be waiting unread) does not count."""
+        period = min(5.0, stall_timeout_s / 4)
+        unfinished = llm.get_num_unfinished_requests
+        tick = time.monotonic()
+        while True:
+            await asyncio.sleep(period)
+            if self.llm is not llm:  # closed or replaced
+                return
+            now, last = time.monotonic(), tick
+            tick = now
+            if now - last > 2 * period or self._update_lock.locked() or not unfinished():
+                progress.mark()
+                continue
+            stalled = now - progress.at
+            if stalled >= stall_timeout_s:
+                log.warning("the in-process vLLM engine computed no token for %.0f s with %d requests in flight "
+                            "(rollout.engine.stall_timeout_s=%g): hung; SIGKILL its engine core and workers",
+                            stalled, unfinished(), stall_timeout_s)
+                self.signal_core(signal.SIGKILL)
+                return
 
     # ------------------------------------------------------------------ restart in place
 
@@ -170,8 +238,9 @@ class InProcessEngine:
         self.transfer = None  # its groups had the dead workers in them: dropped unused
         token = _REVIVING.set(True)
         try:
-            self.llm = AsyncLLM.from_engine_args(args)
-            await self._prepare(cfg, senders, port=0)  # a new store on an ephemeral port
+            progress = Progress()
+            self.llm = AsyncLLM.from_engine_args(args, stat_loggers=[progress.stat_logger()])
+            await self._prepare(cfg, senders, progress, port=0)  # a new store on an ephemeral port
             await self.revive()  # the learner's current weights, checked by the probe
         except BaseException as err:  # never sample from a half-revived engine
             self._restart_failed = f"the in-process vLLM engine died and its restart failed: {err}"
@@ -182,12 +251,31 @@ class InProcessEngine:
                     time.monotonic() - started, self._policy_version)
 
     def engine_core_pids(self) -> list[int]:
-        """The engine core processes (``chaos.faults`` kill_engine kills them)."""
+        """The engine core processes."""
         manager = self._llm.engine_core.resources.engine_manager
         return [] if manager is None else [proc.pid for proc in manager.processes if proc.pid is not None]
 
+    def signal_core(self, sig: int) -> list[int]:
+        """Send ``sig`` to the engine core processes and their workers (a hung engine: SIGKILL;
+        ``chaos.faults`` kill_engine / hang_engine: SIGKILL / SIGSTOP); returns their pids."""
+        import psutil
+
+        procs = [psutil.Process(pid) for pid in self.engine_core_pids()]
+        procs += [child for proc in procs for child in proc.children(recursive=True)]  # its workers
+        for proc in procs:
+            try:
+                proc.send_signal(sig)
+            except psutil.NoSuchProcess:
+                pass
+        return [proc.pid for proc in procs]
+
     async def _rpc(self, call: WeightLoadCall) -> list:
         return await self._llm.collective_rpc(call.method, args=call.args, kwargs=call.kwargs)
+
+    def generating(self) -> bool:
+        """Has the engine requests in flight? (Safe from another thread: it reads a count.)"""
+        llm = self.llm
+        return llm is not None and llm.get_num_unfinished_requests() > 0
 
     @property
     def policy_version(self) -> int:
@@ -295,6 +383,8 @@ class InProcessEngine:
                     await transfer.close(self._rpc)
         finally:
             llm, self.llm = self.llm, None
+            if self._watcher is not None:
+                self._watcher.cancel()
             if llm is not None:
                 llm.shutdown()
 

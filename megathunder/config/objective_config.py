@@ -232,6 +232,13 @@ class LedgerConfig(Strict):
     next event before its work runs, so a burst of events (a batch of sequences finishing in one
     engine step) goes in one packed call instead of a one-trajectory backward pass the rest of the
     burst waits behind. 0: run at once. Only the timing changes, never what is computed."""
+    hold_while_generating: Literal["in_process", "never"] = "in_process"
+    """With ``pack_window_s`` > 0: where the rollout engine generates on the learner's own cores or
+    devices (in_process: ``rollout.engine.deployment=in_process``), an event's window stays open
+    while any sequence is still generating, so no backward pass takes compute from them; the held
+    work goes in one packed call when the next event comes or generation pauses (tool calls,
+    verifiers, the batch's end). never: the window is ``pack_window_s`` alone. Only the timing
+    changes, never what is computed."""
     max_pending: int | None = Field(0, ge=0)
     """Gradients before the reward: a trajectory's score gradient h_i is computed when it finishes,
     while its verifier runs, and kept in a *pending* parameter-sized buffer (the slots' dtype and

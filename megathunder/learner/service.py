@@ -26,7 +26,10 @@ release at the same calls. With ``pack_window_s`` > 0, an event call (a method t
 decides: events come in bursts (a batch of sequences finishing in one engine step), and a burst's
 first event would otherwise start a one-trajectory backward pass that the rest of the burst waits
 behind. Only events wait, only on an idle learner, and only when packing is on; what is computed
-is the same either way (``GradientLedger.hold``).
+is the same either way (``GradientLedger.hold``). With ``generating`` set (the trainer sets it when
+the rollout engine computes on the learner's own cores or devices: ``ledger.hold_while_generating``),
+the window stays open past ``pack_window_s`` while it returns true: a backward pass started then
+would take compute from the sequences still generating, and the work goes packed once they pause.
 
 Failure (``megathunder.learner.liveness``): every rank writes a heartbeat to the job's store each
 second, and the index of the learner call it started and finished as it runs each call. When a
@@ -64,6 +67,8 @@ R = TypeVar("R")
 _STOP = "__stop__"
 _FAULT = "__chaos_fault__"
 FAULT_SIGNALS = {"kill_learner": signal.SIGKILL, "hang_learner": signal.SIGSTOP}
+GENERATING_POLL_S = 0.005
+"""How often a pack window kept open by ``LearnerService.generating`` asks again."""
 
 
 class LearnerRankLost(RuntimeError):
@@ -93,6 +98,9 @@ class LearnerService(Generic[E]):
     """Rank 0's watchdog: a call in flight this long names the ranks that have not finished it (0: never)."""
     pack_window_s: float = 0.0
     """Rank 0: how long an event call that finds no call queued behind it waits for one (module docstring)."""
+    generating: Callable[[], bool] | None = None
+    """Rank 0: is the rollout engine generating on the learner's cores or devices now? An event's
+    pack window stays open while it is (module docstring). Called from the learner thread."""
     on_hang: Callable[[], None] | None = None
     """Rank 0: what the watchdog runs (for at most CLEANUP_S) before it ends the process: the
     trainer closes its rollout engine. Set it before a call can hang."""
@@ -144,6 +152,19 @@ class LearnerService(Generic[E]):
         """Does the endpoint hold work for ``ready_work`` now (``pack_window_s`` waits only then)?"""
         packing = getattr(self.endpoint, "packing", None)
         return bool(packing()) if packing is not None else False
+
+    def _wait_for_next_call(self) -> bool:
+        """(``_lock`` held) An event's pack window: whether the next call arrived within
+        ``pack_window_s``, or while ``generating()`` held after it (asked every GENERATING_POLL_S)."""
+        def arrived() -> bool:
+            return self._num_submitted > self._num_started
+
+        if self._submitted.wait_for(arrived, timeout=self.pack_window_s):
+            return True
+        while self.generating is not None and self.generating():
+            if self._submitted.wait_for(arrived, timeout=GENERATING_POLL_S):
+                return True
+        return False
 
     def _on_hang(self) -> None:
         if self.on_hang is not None:
@@ -197,8 +218,7 @@ class LearnerService(Generic[E]):
                 self._num_started += 1
                 more = self._num_submitted > self._num_started  # calls queued behind this one
                 if not more and self.pack_window_s > 0 and method in self._window_calls and self._packing():
-                    more = self._submitted.wait_for(lambda: self._num_submitted > self._num_started,
-                                                    timeout=self.pack_window_s)
+                    more = self._wait_for_next_call()
         if self.world_size == 1:
             return self._execute(method, args, kwargs, more)
         name = method if is_call else {_STOP: "stop", _FAULT: f"chaos fault {args}"}[method]

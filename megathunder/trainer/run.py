@@ -38,6 +38,7 @@ from megathunder.learner.service import LearnerService
 from megathunder.learner.teacher import build_teacher
 from megathunder.rollout.chat_template import make_codec
 from megathunder.rollout.engines import start_engine
+from megathunder.rollout.engines.inprocess import InProcessEngine
 from megathunder.rollout.engines.transfer import StageSenders
 from megathunder.rollout.tasks import build_task
 from megathunder.rollout.tasks.task import Task
@@ -163,6 +164,8 @@ async def _control(cfg: Config, task: Task, out: Path, service: LearnerService[L
                            lambda rdv: service.call(LearnerEndpoint.join_weight_transfer, rdv))
     engine = await start_engine(cfg.rollout.engine, model_dir, log_dir=out / "logs", policy_version=start,
                                 senders=senders)
+    if isinstance(engine, InProcessEngine) and cfg.ledger.hold_while_generating == "in_process":
+        service.generating = engine.generating  # it generates on the learner's own cores or devices
     trainer = None
     try:
         trainer = Trainer(cfg, out, service, engine, codec, task, start)

@@ -130,3 +130,43 @@ def test_verifier_sandbox_and_journal_faults_in_a_real_run_equal_its_journal_rep
     assert sorted(fired) == ["corrupt_journal", "crash_verifier", "hang_sandbox", "hang_verifier", "oom_tool"]
     replay(out, tmp_path / "sync", "sync")
     assert update_error(out / "sft_model", tmp_path / "sync", out / "final_model") <= UPDATE_RTOL
+
+
+# the learner kinds' fast checks: tests/distributed/test_rank_hang.py, test_rank_loss.py (the fault sent, the
+# rank dying or stopping, rank 0 naming it) and tests/unit/test_chaos_config.py; this is the real run (~8 min)
+@pytest.mark.slow
+def test_learner_ranks_killed_and_hung_in_a_real_run_stop_it_and_it_resumes_to_its_journal_replay(tmp_path):
+    """Two learner ranks under torchrun (DP = 2), vLLM, 3 steps, a checkpoint after each. Step 1:
+    rank 1 SIGKILLs itself (``kill_learner``); the run stops (rank 0 names the dead rank, or
+    torchrun ends it first). The same command resumes from step 1's start; step 2: rank 1
+    SIGSTOPs itself (``hang_learner``), rank 0's watchdog names it within
+    ``heartbeat_timeout_s`` and the run stops again. The same command resumes once more, fires
+    neither fault again, and its final parameters equal the replay of its journal from the start
+    (one process, sync)."""
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+           "-m", "megathunder.cli", "train", str(ROOT / "configs/quickstart.yaml"), f"run.output_dir={out}", *SMALL,
+           "eval.every_n_steps=0", "sft.num_steps=4", "run.wandb=disabled", "ledger.pack_ready_work=false",
+           "run.num_steps=3", "run.checkpoint_every=1", "learner.watchdog.heartbeat_timeout_s=5",
+           "chaos.faults=[{kind: kill_learner, step: 1, after_trajectories: 4, rank: 1}, "
+           "{kind: hang_learner, step: 2, after_trajectories: 4, rank: 1}]"]
+
+    def run() -> subprocess.CompletedProcess:
+        return subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=900, cwd=ROOT)
+
+    killed = run()
+    assert killed.returncode != 0, killed.stdout[-2000:] + killed.stderr[-3000:]
+    assert (out / "checkpoints" / "latest").read_text().strip() == "step_1", killed.stderr[-3000:]
+    assert [json.loads(line)["kind"] for line in (out / "chaos.jsonl").read_text().splitlines()] == ["kill_learner"]
+
+    hung = run()
+    assert hung.returncode != 0, hung.stdout[-2000:] + hung.stderr[-3000:]
+    assert "rank 1 hung (no heartbeat for" in hung.stderr, hung.stderr[-3000:]
+    assert (out / "checkpoints" / "latest").read_text().strip() == "step_2"
+
+    done = run()
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    assert "chaos:" not in done.stderr  # neither fault fired again
+    assert [r["step"] for r in rows(out)] == [0, 1, 2]
+    replay(out, tmp_path / "sync", "sync")
+    assert update_error(out / "sft_model", tmp_path / "sync", out / "final_model") <= UPDATE_RTOL

@@ -85,6 +85,39 @@ def test_an_event_on_an_idle_learner_waits_for_the_next_call_within_the_window(w
     assert rec.seen[0] == ("event0", told)
 
 
+def _started(service: LearnerService, calls: int) -> None:
+    deadline = time.monotonic() + 30
+    while service._num_started < calls:
+        assert time.monotonic() < deadline, "the call never started"
+        time.sleep(0.001)
+
+
+def test_the_window_stays_open_while_the_engine_generates_and_closes_when_it_stops():
+    """``generating`` (the in-process engine has sequences in flight) keeps an event's window open
+    far past ``pack_window_s`` (1 ms): the next call, submitted only after the window's own bound,
+    still finds the event waiting and it is told more is queued. When generation stops with no
+    call behind it, the window closes (the event runs with nothing queued; bounded by the poll)."""
+    rec = Windowed()
+    generating = threading.Event()
+    generating.set()
+    service = LearnerService(rec, pack_window_s=0.001, generating=generating.is_set)
+    try:
+        first = service.submit(Windowed.event, 0)
+        _started(service, 1)
+        time.sleep(0.05)  # 50 x the window: only ``generating`` can still hold it open
+        rest = service.submit(Windowed.done)
+        for f in (first, rest):
+            f.result(timeout=30)
+        assert rec.seen[0] == ("event0", True)
+        second = service.submit(Windowed.event, 1)
+        _started(service, 3)
+        generating.clear()  # the engine's sequences finished: nothing follows the event
+        second.result(timeout=30)
+    finally:
+        service.stop()
+    assert rec.seen[-2:] == [("event1", False), ("ready", False)]
+
+
 def test_the_window_ends_at_its_bound_and_only_events_of_a_packing_batch_wait():
     """Nothing follows: the event runs after the window with nothing queued. A call not in
     ``WINDOW_CALLS``, or any call while the batch does not pack, never waits (a 60 s window would

@@ -116,6 +116,7 @@ class LearnerService(Generic[E]):
         self._window_calls: frozenset[str] = frozenset(getattr(self.endpoint, "WINDOW_CALLS", ()))
         self._queued: set[concurrent.futures.Future] = set()
         self._num_submitted = self._num_started = 0  # calls, for ``more_queued``
+        self._num_wakes = 0  # messages that are not calls (a fault, stop): they end a pack window too
         self._num_calls = 0  # calls executed on this rank: the same index on every rank
         self._in_flight: InFlight | None = None  # rank 0's, read by the watchdog
         self._watchdog: Watchdog | None = None
@@ -146,7 +147,15 @@ class LearnerService(Generic[E]):
         if kind not in FAULT_SIGNALS or not 0 < rank < self.world_size:
             raise ValueError(f"learner fault {kind!r} of rank {rank}: a kind of {sorted(FAULT_SIGNALS)} and a rank "
                              f"in 1..{self.world_size - 1}")
+        self._wake()
         return self._pool.submit(self._run, _FAULT, (kind, rank), {})
+
+    def _wake(self) -> None:
+        """A message that is not a call is queued: an event's pack window ends (the event is not
+        told more is queued; its work runs before the message)."""
+        with self._lock:
+            self._num_wakes += 1
+            self._submitted.notify_all()
 
     def _packing(self) -> bool:
         """Does the endpoint hold work for ``ready_work`` now (``pack_window_s`` waits only then)?"""
@@ -156,14 +165,19 @@ class LearnerService(Generic[E]):
     def _wait_for_next_call(self) -> bool:
         """(``_lock`` held) An event's pack window: whether the next call arrived within
         ``pack_window_s``, or while ``generating()`` held after it (asked every GENERATING_POLL_S)."""
+        wakes = self._num_wakes
+
         def arrived() -> bool:
             return self._num_submitted > self._num_started
 
-        if self._submitted.wait_for(arrived, timeout=self.pack_window_s):
-            return True
+        def ended() -> bool:
+            return arrived() or self._num_wakes != wakes
+
+        if self._submitted.wait_for(ended, timeout=self.pack_window_s):
+            return arrived()
         while self.generating is not None and self.generating():
-            if self._submitted.wait_for(arrived, timeout=GENERATING_POLL_S):
-                return True
+            if self._submitted.wait_for(ended, timeout=GENERATING_POLL_S):
+                return arrived()
         return False
 
     def _on_hang(self) -> None:
@@ -180,6 +194,7 @@ class LearnerService(Generic[E]):
     def stop(self, cancel_pending: bool = False) -> None:
         """Stop every rank's service after the calls submitted so far (``cancel_pending``: after
         the call running now; the rest are dropped)."""
+        self._wake()
         if cancel_pending:  # queued calls never reach any rank: the ranks stay in step
             with self._lock:
                 queued = list(self._queued)

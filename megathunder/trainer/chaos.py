@@ -3,12 +3,13 @@ at a chosen moment of a real run, so recovery can be tried rather than trusted.
 
 Each fault fires once, at the step it names: engine faults (``kill_server``: SIGKILL,
 ``hang_server``: SIGSTOP of a launched rollout server's process group; ``kill_engine`` /
-``hang_engine``: SIGKILL / SIGSTOP of the in-process engine's engine core and workers) when
-``after_trajectories`` of the step's trajectories have finished, while the rest of the batch is
-still generating; the others after the step's records are written (``fill_disk``: a file in the
-run directory grows until the file system is full, so the next write -- journal, metrics,
-checkpoint -- meets a real ENOSPC; ``sigusr1`` / ``sigint``: the signal to this process, which
-stops after the step with a checkpoint). What the run then does is the recovery under test:
+``hang_engine``: SIGKILL / SIGSTOP of the in-process engine's engine core and workers, once it has
+requests in flight: ``InProcessEngine.inject``) when ``after_trajectories`` of the step's
+trajectories have finished, while the rest of the batch is still generating; the others after
+the step's records are written (``fill_disk``: a file in the run directory grows until the file
+system is full, so the next write -- journal, metrics, checkpoint -- meets a real ENOSPC;
+``sigusr1`` / ``sigint``: the signal to this process, which stops after the step with a
+checkpoint). What the run then does is the recovery under test:
 servers' requests move to live ones with their seeds (the same episodes), a dead in-process engine
 (a stopped one: once it made no progress for ``rollout.engine.stall_timeout_s``) is started again
 with the learner's weights and its requests re-sent with their seeds (the same episodes), a full
@@ -209,10 +210,8 @@ class Chaos:
     def _engine(self, fault: ChaosFault) -> None:
         engine = self.engine
         assert isinstance(engine, InProcessEngine), "checked by the config"
-        sig = signal.SIGKILL if fault.kind == "kill_engine" else signal.SIGSTOP
-        pids = engine.signal_core(sig)
-        log.warning("chaos: %s at step %d: %s to the engine core and its workers (pids %s)", fault.kind, fault.step,
-                    signal.Signals(sig).name, pids)
+        log.warning("chaos: %s at step %d", fault.kind, fault.step)
+        engine.inject(signal.SIGKILL if fault.kind == "kill_engine" else signal.SIGSTOP)  # while requests are in flight
 
 
 def check_learner_faults(faults: list[ChaosFault], world_size: int) -> None:

@@ -1,9 +1,10 @@
 """Hang detection of the in-process engine (``InProcessEngine._watch``): an engine core with
-requests in flight that computes no token for ``rollout.engine.stall_timeout_s`` is SIGKILLed (its
+requests in flight that reports no step for ``rollout.engine.stall_timeout_s`` is SIGKILLed (its
 requests then see it die, and the restart in place of ``tests/unit/test_engine_restart.py``
-follows); time inside a weight update or with nothing in flight never counts. vLLM reports each
-engine step's tokens to ``Progress``'s stat logger. The real engine, SIGSTOPped mid-batch:
-``tests/integration/test_bench_chaos.py`` (hang_engine)."""
+follows); time inside a weight update or with nothing in flight never counts, and a dead engine is
+left alone. vLLM reports each engine step to ``Progress``'s stat logger. ``inject`` (the chaos
+faults) signals the core only while requests are in flight outside a weight update. The real
+engine, SIGSTOPped mid-batch: ``tests/integration/test_bench_chaos.py`` (hang_engine)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import signal
 import time
 from types import SimpleNamespace
 
-from vllm.v1.metrics.stats import IterationStats
+from vllm.v1.metrics.stats import IterationStats, SchedulerStats
 
 from megathunder.rollout.engines.inprocess import InProcessEngine, Progress
 
@@ -24,6 +25,7 @@ class StuckLLM:
 
     def __init__(self, unfinished: int) -> None:
         self.unfinished = unfinished
+        self.errored = False
 
     def get_num_unfinished_requests(self) -> int:
         return self.unfinished
@@ -45,15 +47,53 @@ def watched(unfinished: int) -> tuple[InProcessEngine, StuckLLM, list[int]]:
 
 def test_a_stalled_engine_core_is_killed():
     engine, llm, signals = watched(unfinished=3)
-    progress = Progress()
 
     async def main() -> float:
+        progress = Progress()
         start = time.monotonic()
         await asyncio.wait_for(engine._watch(llm, progress, STALL_S), 60)  # type: ignore[arg-type]
         return time.monotonic() - start
 
     assert asyncio.run(main()) >= STALL_S
     assert signals == [signal.SIGKILL]
+
+
+def test_a_dead_engine_is_left_alone():
+    """vLLM marked it dead (its requests fail by themselves; a refused restart leaves it in place):
+    the watcher ends without signalling anything."""
+    engine, llm, signals = watched(unfinished=3)
+    llm.errored = True
+
+    async def main() -> None:
+        await asyncio.wait_for(engine._watch(llm, Progress(), STALL_S), 60)  # type: ignore[arg-type]
+
+    asyncio.run(main())
+    assert signals == []
+
+
+def test_chaos_signals_go_only_while_requests_are_in_flight_outside_an_update():
+    """``inject`` on an idle engine, then inside a weight update with requests in flight (the
+    drain of ``pause_generation``): nothing is sent; once requests are in flight outside the
+    update, the signal goes, once."""
+    engine, llm, signals = watched(unfinished=0)
+
+    async def main() -> None:
+        engine.llm = llm  # type: ignore[assignment]
+        engine.inject(signal.SIGSTOP)
+        await asyncio.sleep(0.05)
+        assert signals == []
+        async with engine._update_lock:
+            llm.unfinished = 2
+            await asyncio.sleep(0.05)
+            assert signals == []
+        assert engine._injecting is not None
+        await asyncio.wait_for(engine._injecting, 60)
+
+    asyncio.run(main())
+    assert signals == [signal.SIGSTOP]
+    engine2, _, signals2 = watched(unfinished=1)
+    engine2.inject(signal.SIGKILL)  # in flight now: at once
+    assert signals2 == [signal.SIGKILL] and engine2._injecting is None
 
 
 def test_nothing_in_flight_or_a_weight_update_never_counts_as_a_stall():
@@ -80,14 +120,17 @@ def test_nothing_in_flight_or_a_weight_update_never_counts_as_a_stall():
     assert signals == [signal.SIGKILL]
 
 
-def test_progress_marks_only_steps_that_computed_tokens():
+def test_progress_marks_the_steps_the_engine_reports():
     progress = Progress()
     logger = progress.stat_logger()(SimpleNamespace(), 0)
     progress.at = before = time.monotonic() - 100.0
-    logger.record(None, None)  # stats without outputs
-    logger.record(None, IterationStats())  # a step that computed nothing
+    logger.record(None, None)  # nothing reported
+    logger.record(None, IterationStats())  # outputs that computed nothing
     assert progress.at == before
     stats = IterationStats()
     stats.num_generation_tokens = 4
     logger.record(None, stats)
+    assert progress.at > before + 99.0
+    progress.at = before
+    logger.record(SchedulerStats(), None)  # a step's scheduler snapshot (a prefill chunk: no output yet)
     assert progress.at > before + 99.0

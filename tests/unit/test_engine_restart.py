@@ -38,6 +38,10 @@ class FakeLLM:
     def get_num_unfinished_requests(self) -> int:
         return 0
 
+    @property
+    def errored(self) -> bool:
+        return self.dead
+
     def kill(self) -> None:
         self.dead = True
         self.release.set()

@@ -114,8 +114,20 @@ def test_the_window_stays_open_while_the_engine_generates_and_closes_when_it_sto
         generating.clear()  # the engine's sequences finished: nothing follows the event
         second.result(timeout=30)
     finally:
+        generating.clear()
         service.stop()
     assert rec.seen[-2:] == [("event1", False), ("ready", False)]
+
+
+def test_stop_ends_a_window_held_open_by_generation():
+    """A message that is not a call (stop, a learner fault) ends the window: the event runs with
+    nothing queued, then the service stops, though the engine still generates."""
+    rec = Windowed()
+    service = LearnerService(rec, pack_window_s=0.001, generating=lambda: True)
+    first = service.submit(Windowed.event, 0)
+    _started(service, 1)
+    service.stop()  # returns only after the event ran: the window did not outlast it
+    assert first.done() and rec.seen == [("event0", False), ("ready", False)]
 
 
 def test_the_window_ends_at_its_bound_and_only_events_of_a_packing_batch_wait():

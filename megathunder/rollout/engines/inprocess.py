@@ -14,10 +14,12 @@ learner's weights and checks them with the probe) before the cut-off requests go
 their seeds -- the same tokens, as from a server that took over a dead one's requests.
 
 An engine core that hangs (a stopped process, a wedged worker) fails nothing, so it is found by
-progress: vLLM reports each engine step's tokens to a stat logger of ours (``Progress``, through
-``AsyncLLM``'s ``stat_loggers``, its documented extension point), and an engine with requests in
-flight that computed no token for ``EngineConfig.stall_timeout_s`` outside a weight update is hung.
-Its engine core and workers are SIGKILLed, and the death is survived as above.
+progress: vLLM reports each engine step to a stat logger of ours (``Progress``, through
+``AsyncLLM``'s ``stat_loggers``; vLLM warns that the stats classes may change, and
+tests/unit/test_engine_hang.py pins the fields read), and an engine with requests in flight that
+reported no step for ``EngineConfig.stall_timeout_s`` outside a weight update is hung. Its engine
+core and workers are SIGKILLed, and the death is survived as above. Not covered: a core that hangs
+inside a weight update (the engine paused, nothing in flight) blocks that update.
 """
 
 from __future__ import annotations
@@ -77,8 +79,9 @@ def vllm_sampling_params(params: SamplingParams):
 
 
 class Progress:
-    """When the engine last computed a token (or a prompt): vLLM calls ``record`` with each engine
-    step's stats on the loop that runs the requests."""
+    """When the engine core last reported a step: vLLM calls ``record`` with each engine step's
+    stats (a scheduler snapshot, and the tokens of the requests that got outputs) on the loop that
+    runs the requests. A stopped or wedged core reports nothing."""
 
     def __init__(self) -> None:
         self.at = time.monotonic()
@@ -97,9 +100,9 @@ class Progress:
                 pass
 
             def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx: int = 0) -> None:
-                if iteration_stats is not None and (iteration_stats.num_generation_tokens
-                                                    or iteration_stats.num_prompt_tokens):
-                    progress.mark()
+                if scheduler_stats is not None or (iteration_stats is not None and (
+                        iteration_stats.num_generation_tokens or iteration_stats.num_prompt_tokens)):
+                    progress.mark()  # a step: tokens computed, or a prefill chunk's scheduler snapshot
 
             def log_engine_initialized(self) -> None:
                 pass
@@ -124,6 +127,7 @@ class InProcessEngine:
         self._restarting: asyncio.Future[None] | None = None
         self._restart_failed: str | None = None  # why the engine in place is not to be used
         self._watcher: asyncio.Task[None] | None = None  # hang detection of the engine in place
+        self._injecting: asyncio.Task[None] | None = None  # ``inject``: a signal waiting for requests in flight
 
     @property
     def _llm(self) -> AsyncLLM:
@@ -167,15 +171,19 @@ class InProcessEngine:
 
     async def _watch(self, llm: AsyncLLM, progress: Progress, stall_timeout_s: float) -> None:
         """Hang detection (module docstring): SIGKILL ``llm``'s engine core once it has had requests
-        in flight and computed no token for ``stall_timeout_s``; its requests then see it die. Time
+        in flight and reported no step for ``stall_timeout_s``; its requests then see it die. Time
         in a weight update, with nothing in flight, or while this loop itself was blocked (a late
-        tick: tokens may be waiting unread) does not count."""
+        tick: steps may be waiting unread) does not count. Ends with its engine (closed, replaced,
+        or dead: a dead one's requests fail by themselves)."""
         period = min(5.0, stall_timeout_s / 4)
         unfinished = llm.get_num_unfinished_requests
+
+        def dead() -> bool:
+            return llm.errored
         tick = time.monotonic()
         while True:
             await asyncio.sleep(period)
-            if self.llm is not llm:  # closed or replaced
+            if self.llm is not llm or dead():  # closed, replaced, or dead
                 return
             now, last = time.monotonic(), tick
             tick = now
@@ -260,14 +268,41 @@ class InProcessEngine:
         ``chaos.faults`` kill_engine / hang_engine: SIGKILL / SIGSTOP); returns their pids."""
         import psutil
 
-        procs = [psutil.Process(pid) for pid in self.engine_core_pids()]
-        procs += [child for proc in procs for child in proc.children(recursive=True)]  # its workers
+        procs = []
+        for pid in self.engine_core_pids():
+            try:
+                core = psutil.Process(pid)
+                procs += [core, *core.children(recursive=True)]  # its workers
+            except psutil.NoSuchProcess:
+                pass
         for proc in procs:
             try:
                 proc.send_signal(sig)
             except psutil.NoSuchProcess:
                 pass
         return [proc.pid for proc in procs]
+
+    def inject(self, sig: int) -> None:
+        """``chaos.faults`` kill_engine / hang_engine: ``sig`` to the engine core while requests are
+        in flight and no weight update runs -- now if so, else as soon as it is (the next request:
+        under sync and thunder the probe's, or the next batch's). A fault on an idle engine would
+        meet the next weight update instead, which is not survived in place."""
+        def ready() -> bool:
+            return self.generating() and not self._update_lock.locked()
+
+        async def when_ready() -> None:
+            while not ready():
+                await asyncio.sleep(0.002)
+            pids = self.signal_core(sig)
+            log.warning("chaos: %s to the engine core and its workers (pids %s)", signal.Signals(sig).name, pids)
+
+        if ready():
+            pids = self.signal_core(sig)
+            log.warning("chaos: %s to the engine core and its workers (pids %s)", signal.Signals(sig).name, pids)
+        else:
+            log.warning("chaos: the engine has no request in flight; %s goes with its next one",
+                        signal.Signals(sig).name)
+            self._injecting = asyncio.ensure_future(when_ready())
 
     async def _rpc(self, call: WeightLoadCall) -> list:
         return await self._llm.collective_rpc(call.method, args=call.args, kwargs=call.kwargs)
@@ -383,8 +418,9 @@ class InProcessEngine:
                     await transfer.close(self._rpc)
         finally:
             llm, self.llm = self.llm, None
-            if self._watcher is not None:
-                self._watcher.cancel()
+            for task in (self._watcher, self._injecting):
+                if task is not None:
+                    task.cancel()
             if llm is not None:
                 llm.shutdown()
 

@@ -9,8 +9,14 @@ so a crash mid-save never leaves a directory that looks complete; ``latest`` nam
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import multiprocessing
+import os
 import shutil
+import signal
+import sys
+import threading
+from multiprocessing.managers import SyncManager
 from pathlib import Path
 
 import torch
@@ -80,7 +86,8 @@ def _adam_step_kept_out_of_param_state(optimizer):
                 state["step"] = state["step"].clone()
 
 
-_manager = None
+_manager: SyncManager | None = None
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 def _forked_results_queue() -> None:
@@ -88,13 +95,29 @@ def _forked_results_queue() -> None:
     collects their results through a queue served by a ``multiprocessing`` Manager, which it starts
     with ``spawn`` at the first save: a fresh interpreter that imports this program's modules (~3 s
     of CPU) and is joined at exit (~3 s). A manager forked from this process serves the same queue
-    without either cost (forking is what the writers already do); Megatron uses the queue it finds."""
+    without either cost (forking is what the writers already do); Megatron uses the queue it finds.
+    It dies with the thread that forked it (``_die_with_parent``)."""
     global _manager
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
     if filesystem_async._results_queue is None:
-        _manager = multiprocessing.get_context("fork").Manager()
+        _manager = SyncManager(ctx=multiprocessing.get_context("fork"))
+        _manager.start(_die_with_parent, (threading.get_native_id(),))
         filesystem_async._results_queue = _manager.Queue()
+
+
+def _die_with_parent(parent_thread: int) -> None:
+    """In the forked manager, first: it is SIGKILLed when the thread that forked it ends (Linux's
+    parent-death signal; the thread that saves checkpoints lives as long as the learner). A rank
+    killed outright (``kill_learner``, the OOM killer) runs no exit hook that would stop it, and
+    the orphan would live on holding the launcher's stdout/stderr pipes (found by the real-run
+    test of the learner faults: the launcher never saw the job end)."""
+    if not sys.platform.startswith("linux"):
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if not os.path.exists(f"/proc/{os.getppid()}/task/{parent_thread}"):  # it ended before prctl
+        os._exit(0)
 
 
 def save_checkpoint(learner: MegatronLearner, root: str | Path) -> Path:

@@ -192,7 +192,7 @@ class InProcessEngine:
                 continue
             stalled = now - progress.at
             if stalled >= stall_timeout_s:
-                log.warning("the in-process vLLM engine computed no token for %.0f s with %d requests in flight "
+                log.warning("the in-process vLLM engine reported no step for %.0f s with %d requests in flight "
                             "(rollout.engine.stall_timeout_s=%g): hung; SIGKILL its engine core and workers",
                             stalled, unfinished(), stall_timeout_s)
                 self.signal_core(signal.SIGKILL)
@@ -290,15 +290,17 @@ class InProcessEngine:
         def ready() -> bool:
             return self.generating() and not self._update_lock.locked()
 
-        async def when_ready() -> None:
-            while not ready():
-                await asyncio.sleep(0.002)
+        def fire() -> None:
             pids = self.signal_core(sig)
             log.warning("chaos: %s to the engine core and its workers (pids %s)", signal.Signals(sig).name, pids)
 
+        async def when_ready() -> None:
+            while not ready():
+                await asyncio.sleep(0.002)
+            fire()
+
         if ready():
-            pids = self.signal_core(sig)
-            log.warning("chaos: %s to the engine core and its workers (pids %s)", signal.Signals(sig).name, pids)
+            fire()
         else:
             log.warning("chaos: the engine has no request in flight; %s goes with its next one",
                         signal.Signals(sig).name)

@@ -71,12 +71,13 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
     from megathunder.diskspace import DiskFullError
     from megathunder.learner.service import LearnerRankLost
+    from megathunder.rollout.engines.inprocess import EngineRestartError, EngineUpdateError
     from megathunder.rollout.engines.server import ServerError
     from megathunder.trainer.run import train
 
     try:
         return train(cfg)
-    except (LearnerRankLost, DiskFullError, ServerError) as err:
+    except (LearnerRankLost, DiskFullError, ServerError, EngineRestartError, EngineUpdateError) as err:
         print(f"megathunder: {err}", file=sys.stderr, flush=True)
         return 1
 

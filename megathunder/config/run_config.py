@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal, get_args
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from megathunder.config.base import Strict, default_tag
 from megathunder.config.learner_config import LearnerConfig, LearnerOptimizerConfig, check_experts_divide_model
@@ -195,6 +195,11 @@ class ChaosFault(Strict):
     after_trajectories: int = Field(0, ge=0)
     """Engine faults (kill_server, hang_server, kill_engine, hang_engine) and learner faults: when this many of the
     step's trajectories have finished."""
+    during: Literal["generation", "weight_update"] = "generation"
+    """kill_engine / hang_engine: ``generation`` -- while requests are in flight outside a weight
+    update (survived in place); ``weight_update`` -- as the weight update after that moment begins
+    (the step's push: not survived in place; the update fails, the run stops in one line, exit 1,
+    and the same command resumes from the last checkpoint)."""
     server: int = Field(0, ge=0)
     rank: int = Field(1, ge=1)
     """Learner faults: the learner rank that dies or hangs (not 0: rank 0 is the controller, whose
@@ -202,6 +207,14 @@ class ChaosFault(Strict):
     trajectories: list[int] = Field(default_factory=lambda: [0])
     """Episode faults: the trajectory ids (in the step's batch: group g's sample k is g x
     samples_per_prompt + k) whose episodes get the fault."""
+
+    @field_validator("during")
+    @classmethod
+    def _check_during(cls, value: str, info: ValidationInfo) -> str:
+        kind = info.data.get("kind")
+        if value != "generation" and kind not in IN_PROCESS_FAULTS:
+            raise ValueError(f"{value} is for {' and '.join(IN_PROCESS_FAULTS)} (not {kind})")
+        return value
 
     @field_validator("trajectories")
     @classmethod

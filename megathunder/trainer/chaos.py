@@ -210,8 +210,8 @@ class Chaos:
     def _engine(self, fault: ChaosFault) -> None:
         engine = self.engine
         assert isinstance(engine, InProcessEngine), "checked by the config"
-        log.warning("chaos: %s at step %d", fault.kind, fault.step)
-        engine.inject(signal.SIGKILL if fault.kind == "kill_engine" else signal.SIGSTOP)  # while requests are in flight
+        log.warning("chaos: %s at step %d (during %s)", fault.kind, fault.step, fault.during.replace("_", " "))
+        engine.inject(signal.SIGKILL if fault.kind == "kill_engine" else signal.SIGSTOP, during=fault.during)
 
 
 def check_learner_faults(faults: list[ChaosFault], world_size: int) -> None:

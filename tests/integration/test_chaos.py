@@ -132,6 +132,36 @@ def test_verifier_sandbox_and_journal_faults_in_a_real_run_equal_its_journal_rep
     assert update_error(out / "sft_model", tmp_path / "sync", out / "final_model") <= UPDATE_RTOL
 
 
+# the fast checks: tests/unit/test_engine_hang.py (each update call guarded: a hung core killed after the stall
+# timeout, a dead one failing the pending call, a long load timed only while a process is stopped); ~3-5 min here
+@pytest.mark.slow
+def test_an_engine_core_hung_or_killed_inside_a_weight_update_stops_the_run_in_one_line_and_it_resumes(tmp_path):
+    """The in-process engine's core is SIGSTOPped as step 1's weight push begins (``hang_engine``,
+    ``during: weight_update``): its pause never answers; after ``stall_timeout_s`` the core is
+    SIGKILLed and the run stops in one line (exit 1) instead of waiting forever. The same command
+    resumes; as step 2's push begins the core is SIGKILLed (``kill_engine``): the update fails at
+    once, one line again. The same command resumes a second time, fires neither fault again, and
+    its final parameters equal the replay of its journal from the start."""
+    out = tmp_path / "run"
+    args = ("run.num_steps=3", "run.checkpoint_every=1", "rollout.engine.stall_timeout_s=3",
+            "chaos.faults=[{kind: hang_engine, step: 1, during: weight_update}, "
+            "{kind: kill_engine, step: 2, during: weight_update}]")
+    for why in ("hung", "died"):
+        stopped = _quick(out, *args)
+        assert stopped.returncode == 1, stopped.stdout[-2000:] + stopped.stderr[-5000:]
+        ours = [line for line in stopped.stderr.splitlines() if line.startswith("megathunder: ")]
+        assert len(ours) == 1 and f"engine {why} inside a weight update (pause)" in ours[0], stopped.stderr[-3000:]
+        assert "Traceback" not in stopped.stderr, stopped.stderr[-5000:]
+    done = _quick(out, *args)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    assert "chaos:" not in done.stderr  # neither fault fired again
+    assert [r["step"] for r in rows(out)] == [0, 1, 2]
+    fired = [json.loads(line)["kind"] for line in (out / "chaos.jsonl").read_text().splitlines()]
+    assert fired == ["hang_engine", "kill_engine"]
+    replay(out, tmp_path / "sync", "sync")
+    assert update_error(out / "sft_model", tmp_path / "sync", out / "final_model") <= UPDATE_RTOL
+
+
 # the learner kinds' fast checks: tests/distributed/test_rank_hang.py, test_rank_loss.py (the fault sent, the
 # rank dying or stopping, rank 0 naming it) and tests/unit/test_chaos_config.py; this is the real run (~8 min)
 @pytest.mark.slow

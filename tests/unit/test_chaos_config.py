@@ -18,6 +18,8 @@ from megathunder.config import ConfigError, load_config
     ("[{kind: corrupt_journal, step: 1}]", "chaos.faults.0.step", "run.checkpoint_every"),
     ("[{kind: hang_learner, rank: 0}]", "chaos.faults.0.rank", "greater than or equal to 1"),
     ("[{kind: kill_learner, rank: 2}]", "chaos.faults.0.rank", "world size 2"),
+    ("[{kind: hang_sandbox, during: weight_update}]", "chaos.faults.0.during", "kill_engine and hang_engine"),
+    ("[{kind: hang_engine, during: push}]", "chaos.faults.0.during", "generation"),
 ])
 def test_bad_faults_are_refused_by_field(faults, field, words):
     extra = ["rollout.engine.deployment=server", "rollout.engine.num_servers=2"] if "server:" in faults else []

@@ -3,8 +3,11 @@ requests in flight that reports no step for ``rollout.engine.stall_timeout_s`` i
 requests then see it die, and the restart in place of ``tests/unit/test_engine_restart.py``
 follows); time inside a weight update or with nothing in flight never counts, and a dead engine is
 left alone. vLLM reports each engine step to ``Progress``'s stat logger. ``inject`` (the chaos
-faults) signals the core only while requests are in flight outside a weight update. The real
-engine, SIGSTOPped mid-batch: ``tests/integration/test_bench_chaos.py`` (hang_engine)."""
+faults) signals the core only while requests are in flight outside a weight update. Inside a
+weight update each call is guarded (``_guarded``): a core that dies or hangs under it fails the
+update with ``EngineUpdateError`` instead of leaving it pending forever. The real engine,
+SIGSTOPped mid-batch: ``tests/integration/test_bench_chaos.py`` (hang_engine); SIGSTOPped and
+SIGKILLed as a weight update begins: ``tests/integration/test_chaos.py``."""
 
 from __future__ import annotations
 
@@ -13,11 +16,20 @@ import signal
 import time
 from types import SimpleNamespace
 
+import pytest
+
 from vllm.v1.metrics.stats import IterationStats, SchedulerStats
 
-from megathunder.rollout.engines.inprocess import InProcessEngine, Progress
+from megathunder.rollout.engines.inprocess import EngineUpdateError, InProcessEngine, Progress
 
 STALL_S = 0.2  # the watcher ticks every STALL_S / 4
+
+
+@pytest.fixture
+def ckpt(tmp_path):
+    """A checkpoint directory to load (never read: the fake engines answer no load)."""
+    (tmp_path / "model.safetensors").touch()
+    return str(tmp_path)
 
 
 class StuckLLM:
@@ -29,6 +41,12 @@ class StuckLLM:
 
     def get_num_unfinished_requests(self) -> int:
         return self.unfinished
+
+    async def pause_generation(self, **kwargs) -> None:  # a stopped core never answers a control call
+        await asyncio.Event().wait()
+
+    async def collective_rpc(self, *args, **kwargs) -> list:
+        raise AssertionError("no call may reach an engine that died")
 
 
 def watched(unfinished: int) -> tuple[InProcessEngine, StuckLLM, list[int]]:
@@ -134,3 +152,84 @@ def test_progress_marks_the_steps_the_engine_reports():
     progress.at = before
     logger.record(SchedulerStats(), None)  # a step's scheduler snapshot (a prefill chunk: no output yet)
     assert progress.at > before + 99.0
+
+
+def test_a_weight_update_on_a_hung_core_fails_after_the_stall_timeout(ckpt):
+    """The core stops as the update begins: its pause never answers. After ``stall_timeout_s`` with
+    no step reported the core is SIGKILLed and the update fails in one error naming the call --
+    vLLM would otherwise leave the pause pending forever."""
+    engine, llm, signals = watched(unfinished=0)
+
+    async def main() -> float:
+        watcher = asyncio.ensure_future(engine._watch(llm, engine._progress, STALL_S))  # type: ignore[arg-type]
+        start = time.monotonic()
+        with pytest.raises(EngineUpdateError, match=r"hung inside a weight update \(pause\)"):
+            await asyncio.wait_for(engine.update_weights(ckpt, policy_version=1), 60)
+        await asyncio.wait_for(watcher, 60)
+        return time.monotonic() - start
+
+    assert asyncio.run(main()) >= STALL_S
+    assert signals == [signal.SIGKILL] and engine.policy_version == 0
+
+
+def test_a_core_that_dies_under_a_weight_update_call_fails_it(ckpt):
+    """Dead (vLLM marks it ``errored``) while the call is pending: the call fails at the watcher's
+    next tick, nothing is signalled, and no later call (close's included) is sent to it."""
+    engine, llm, signals = watched(unfinished=0)
+    engine.transfer = SimpleNamespace(close=None)  # type: ignore[assignment]  # close() must not use it
+
+    async def main() -> None:
+        watcher = asyncio.ensure_future(engine._watch(llm, engine._progress, 4 * STALL_S))  # type: ignore[arg-type]
+        update = asyncio.ensure_future(engine.update_weights(ckpt, policy_version=1))
+        await asyncio.sleep(0.05)
+        assert not update.done()
+        llm.errored = True
+        with pytest.raises(EngineUpdateError, match=r"died inside a weight update \(pause\)"):
+            await asyncio.wait_for(update, 60)
+        await asyncio.wait_for(watcher, 60)
+        with pytest.raises(EngineUpdateError, match="died"):  # a dead engine: at once, nothing sent
+            await engine._guarded("load", engine._rpc(None))  # type: ignore[arg-type]
+        llm.shutdown = lambda: None  # type: ignore[attr-defined]
+        await asyncio.wait_for(engine.close(), 60)
+
+    asyncio.run(main())
+    assert signals == []
+
+
+@pytest.mark.parametrize("stopped", [False, True])
+def test_a_long_load_is_timed_only_while_an_engine_process_is_stopped(stopped):
+    """A running engine may be receiving a large model for longer than the stall timeout (a wedged
+    transfer fails at the transfer groups' own timeout); a stopped one never will."""
+    engine, llm, signals = watched(unfinished=0)
+    engine._core_stopped = lambda: stopped  # type: ignore[method-assign]
+
+    async def main() -> None:
+        watcher = asyncio.ensure_future(engine._watch(llm, engine._progress, STALL_S))  # type: ignore[arg-type]
+        async with engine._update_lock:
+            load = asyncio.ensure_future(engine._guarded("load", asyncio.sleep(8 * STALL_S, "loaded")))
+            if stopped:
+                with pytest.raises(EngineUpdateError, match=r"hung inside a weight update \(load\)"):
+                    await asyncio.wait_for(load, 60)
+            else:
+                assert await asyncio.wait_for(load, 60) == "loaded"
+        watcher.cancel()
+
+    asyncio.run(main())
+    assert signals == ([signal.SIGKILL] if stopped else [])
+
+
+def test_chaos_during_a_weight_update_fires_as_the_next_update_begins(ckpt):
+    engine, llm, signals = watched(unfinished=3)  # requests in flight: a generation fault would go now
+    engine.signal_core = lambda sig: signals.append(sig) or [1234]  # type: ignore[method-assign]
+
+    async def main() -> None:
+        engine.inject(signal.SIGSTOP, during="weight_update")
+        await asyncio.sleep(0.02)
+        assert signals == []
+        update = asyncio.ensure_future(engine.update_weights(ckpt, policy_version=1))
+        await asyncio.sleep(0.02)
+        assert signals == [signal.SIGSTOP] and engine._update_call is not None  # before its pause returned
+        update.cancel()
+
+    asyncio.run(main())
+    assert engine._armed is None

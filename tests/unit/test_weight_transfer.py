@@ -239,3 +239,32 @@ def test_frames_are_received_one_ahead_of_the_loader_in_order(monkeypatch):
     assert next(frames)[0] == ("ok", 0)
     with pytest.raises(RuntimeError, match="the sender went away"):
         next(frames)
+
+
+def test_a_cancelled_receive_cancels_both_sides():
+    """A weight update's guard cancels the load when the engine died or hung under it
+    (``InProcessEngine._guarded``): the workers' RPC and the senders' broadcast are cancelled with
+    it, not left running unawaited."""
+    transfer = WeightTransfer.__new__(WeightTransfer)
+    transfer.last_received = {}
+
+    async def main() -> None:
+        never = asyncio.Event()
+
+        async def rpc(call) -> list:
+            await never.wait()
+            return []
+
+        async def send() -> None:
+            await never.wait()
+
+        receive = asyncio.ensure_future(transfer.receive(rpc, send))
+        await asyncio.sleep(0.01)
+        receive.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await receive
+        for _ in range(3):
+            await asyncio.sleep(0)
+        assert [t for t in asyncio.all_tasks() if t is not asyncio.current_task()] == []
+
+    asyncio.run(main())

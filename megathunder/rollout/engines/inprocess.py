@@ -18,14 +18,23 @@ progress: vLLM reports each engine step to a stat logger of ours (``Progress``, 
 ``AsyncLLM``'s ``stat_loggers``; vLLM warns that the stats classes may change, and
 tests/unit/test_engine_hang.py pins the fields read), and an engine with requests in flight that
 reported no step for ``EngineConfig.stall_timeout_s`` outside a weight update is hung. Its engine
-core and workers are SIGKILLed, and the death is survived as above. Not covered: a core that hangs
-inside a weight update (the engine paused, nothing in flight) blocks that update.
+core and workers are SIGKILLed, and the death is survived as above.
+
+Inside a weight update (the engine paused) a death or a hang is not survived in place: the update
+fails with ``EngineUpdateError`` and the run stops, resumable from its last checkpoint. vLLM never
+fails a control call (a utility call: pause, load, prefix-cache reset, version stamp) pending on a
+core that died -- it would wait forever -- so each call of an update is guarded (``_guarded``): it
+fails once the engine is dead, or once it has been pending with no step reported for
+``stall_timeout_s`` (then the core and workers are SIGKILLed first). The load itself is only held
+to that while an engine process is stopped (SIGSTOP): a running one may be receiving a large model,
+and a wedged transfer fails its senders at the transfer groups' own timeout.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextvars
+import dataclasses
 import itertools
 import json
 import logging
@@ -57,6 +66,19 @@ for the revival they are part of."""
 
 class EngineRestartError(RuntimeError):
     """The engine died and could not be started again (restarts spent, or the restart failed)."""
+
+
+class EngineUpdateError(RuntimeError):
+    """The engine died or hung inside a weight update (not survived in place: the run stops)."""
+
+
+@dataclasses.dataclass
+class _UpdateCall:
+    """The pending call of a weight update (``InProcessEngine._guarded``)."""
+
+    what: str
+    since: float
+    lost: asyncio.Future[str]  # set by the watcher: why the engine is gone
 
 
 
@@ -128,6 +150,10 @@ class InProcessEngine:
         self._restart_failed: str | None = None  # why the engine in place is not to be used
         self._watcher: asyncio.Task[None] | None = None  # hang detection of the engine in place
         self._injecting: asyncio.Task[None] | None = None  # ``inject``: a signal waiting for requests in flight
+        self._armed: int | None = None  # ``inject(during="weight_update")``: a signal for the next update's start
+        self._update_call: _UpdateCall | None = None
+        self._gone: str | None = None  # why the engine in place will never answer (died, hung): set by _watch
+        self._progress = Progress()  # the engine in place's (``_prepare``)
 
     @property
     def _llm(self) -> AsyncLLM:
@@ -160,6 +186,7 @@ class InProcessEngine:
         """A new ``AsyncLLM``'s set-up: its hang detection, version stamp, frozen start-up heap,
         routing recorder, and the weight-transfer groups (``port``: another than the configured one,
         for a restart)."""
+        self._progress, self._gone = progress, None
         self._watcher = asyncio.ensure_future(self._watch(self._llm, progress, cfg.stall_timeout_s))
         await self._llm.update_weight_version(str(self._policy_version))
         await self._llm.collective_rpc("megathunder_freeze_gc")
@@ -172,22 +199,40 @@ class InProcessEngine:
     async def _watch(self, llm: AsyncLLM, progress: Progress, stall_timeout_s: float) -> None:
         """Hang detection (module docstring): SIGKILL ``llm``'s engine core once it has had requests
         in flight and reported no step for ``stall_timeout_s``; its requests then see it die. Time
-        in a weight update, with nothing in flight, or while this loop itself was blocked (a late
-        tick: steps may be waiting unread) does not count. Ends with its engine (closed, replaced,
+        with nothing in flight, or while this loop itself was blocked (a late tick: steps may be
+        waiting unread) does not count. Inside a weight update the pending call is what is timed
+        (``_guarded``), and a dead or hung engine fails it. Ends with its engine (closed, replaced,
         or dead: a dead one's requests fail by themselves)."""
         period = min(5.0, stall_timeout_s / 4)
         unfinished = llm.get_num_unfinished_requests
-
-        def dead() -> bool:
-            return llm.errored
         tick = time.monotonic()
         while True:
             await asyncio.sleep(period)
-            if self.llm is not llm or dead():  # closed, replaced, or dead
+            if self.llm is not llm:  # closed or replaced
+                return
+            if llm.errored:  # dead
+                self._lose_update("died")
                 return
             now, last = time.monotonic(), tick
             tick = now
-            if now - last > 2 * period or self._update_lock.locked() or not unfinished():
+            if now - last > 2 * period:
+                progress.mark()
+                continue
+            if self._update_lock.locked():
+                call = self._update_call
+                if call is None or (call.what == "load" and not self._core_stopped()):
+                    progress.mark()
+                    continue
+                stalled = now - max(progress.at, call.since)
+                if stalled >= stall_timeout_s:
+                    log.warning("the in-process vLLM engine did not answer a weight update's %s for %.0f s and reported "
+                                "no step (rollout.engine.stall_timeout_s=%g): hung; SIGKILL its engine core and "
+                                "workers", call.what, stalled, stall_timeout_s)
+                    self.signal_core(signal.SIGKILL)
+                    self._lose_update("hung")
+                    return
+                continue
+            if not unfinished():
                 progress.mark()
                 continue
             stalled = now - progress.at
@@ -197,6 +242,41 @@ class InProcessEngine:
                             stalled, unfinished(), stall_timeout_s)
                 self.signal_core(signal.SIGKILL)
                 return
+
+    def _lose_update(self, why: str) -> None:
+        self._gone = why
+        call = self._update_call
+        if call is not None and not call.lost.done():
+            call.lost.set_result(why)
+
+    async def _guarded(self, what: str, call: Awaitable[T]) -> T:
+        """One call of a weight update, failed with ``EngineUpdateError`` if the engine is dead or
+        dies or hangs under it (``_watch``): vLLM would leave it pending forever."""
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        def lost(why: str) -> EngineUpdateError:
+            return EngineUpdateError(f"the in-process vLLM engine {why} inside a weight update ({what}): not survived "
+                                     "in place; the run stops, and the same command resumes from the last checkpoint")
+        if self._gone is not None or self._llm.errored:
+            if asyncio.iscoroutine(call):
+                call.close()  # never to be awaited
+            raise lost(self._gone or "died")
+        task = asyncio.ensure_future(call)
+        pending = self._update_call = _UpdateCall(what, time.monotonic(), asyncio.get_running_loop().create_future())
+        try:
+            await asyncio.wait((task, pending.lost), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            self._update_call = None
+            answered = task.done()
+            if not answered:  # the engine is gone (or the update cancelled): it would never answer
+                task.cancel()
+        if not answered:
+            raise lost(pending.lost.result())
+        self._progress.mark()  # an answer is progress: the clock of the next stall starts here
+        try:
+            return task.result()
+        except EngineDeadError as err:
+            raise lost("died") from err
 
     # ------------------------------------------------------------------ restart in place
 
@@ -263,9 +343,8 @@ class InProcessEngine:
         manager = self._llm.engine_core.resources.engine_manager
         return [] if manager is None else [proc.pid for proc in manager.processes if proc.pid is not None]
 
-    def signal_core(self, sig: int) -> list[int]:
-        """Send ``sig`` to the engine core processes and their workers (a hung engine: SIGKILL;
-        ``chaos.faults`` kill_engine / hang_engine: SIGKILL / SIGSTOP); returns their pids."""
+    def _core_processes(self) -> list:
+        """The engine core processes and their workers (psutil)."""
         import psutil
 
         procs = []
@@ -275,6 +354,26 @@ class InProcessEngine:
                 procs += [core, *core.children(recursive=True)]  # its workers
             except psutil.NoSuchProcess:
                 pass
+        return procs
+
+    def _core_stopped(self) -> bool:
+        """Is an engine core process or worker stopped (SIGSTOP, a debugger)?"""
+        import psutil
+
+        for proc in self._core_processes():
+            try:
+                if proc.status() in (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP):
+                    return True
+            except psutil.NoSuchProcess:
+                pass
+        return False
+
+    def signal_core(self, sig: int) -> list[int]:
+        """Send ``sig`` to the engine core processes and their workers (a hung engine: SIGKILL;
+        ``chaos.faults`` kill_engine / hang_engine: SIGKILL / SIGSTOP); returns their pids."""
+        import psutil
+
+        procs = self._core_processes()
         for proc in procs:
             try:
                 proc.send_signal(sig)
@@ -282,25 +381,31 @@ class InProcessEngine:
                 pass
         return [proc.pid for proc in procs]
 
-    def inject(self, sig: int) -> None:
-        """``chaos.faults`` kill_engine / hang_engine: ``sig`` to the engine core while requests are
-        in flight and no weight update runs -- now if so, else as soon as it is (the next request:
-        under sync and thunder the probe's, or the next batch's). A fault on an idle engine would
-        meet the next weight update instead, which is not survived in place."""
+    def _fire(self, sig: int) -> None:
+        pids = self.signal_core(sig)
+        log.warning("chaos: %s to the engine core and its workers (pids %s)", signal.Signals(sig).name, pids)
+
+    def inject(self, sig: int, during: str = "generation") -> None:
+        """``chaos.faults`` kill_engine / hang_engine. ``during="generation"``: ``sig`` to the engine
+        core while requests are in flight and no weight update runs -- now if so, else as soon as it
+        is (the next request: under sync and thunder the probe's, or the next batch's); a fault on
+        an idle engine would meet the next weight update instead. ``during="weight_update"``: as the
+        next weight update begins (its pause the first call to meet it)."""
+        if during == "weight_update":
+            log.warning("chaos: %s goes to the engine core as its next weight update begins", signal.Signals(sig).name)
+            self._armed = sig
+            return
+
         def ready() -> bool:
             return self.generating() and not self._update_lock.locked()
-
-        def fire() -> None:
-            pids = self.signal_core(sig)
-            log.warning("chaos: %s to the engine core and its workers (pids %s)", signal.Signals(sig).name, pids)
 
         async def when_ready() -> None:
             while not ready():
                 await asyncio.sleep(0.002)
-            fire()
+            self._fire(sig)
 
         if ready():
-            fire()
+            self._fire(sig)
         else:
             log.warning("chaos: the engine has no request in flight; %s goes with its next one",
                         signal.Signals(sig).name)
@@ -399,12 +504,16 @@ class InProcessEngine:
         """
         load = weight_loader(weights, self.transfer)
         async with self._update_lock:
-            await self._llm.pause_generation(mode="wait", clear_cache=False)
-            await load(self._rpc)
-            await self.reset_prefix_cache()
-            await self._llm.update_weight_version(str(policy_version))
+            if self._armed is not None:  # chaos: a fault inside the update
+                sig, self._armed = self._armed, None
+                self._fire(sig)
+            llm = self._llm
+            await self._guarded("pause", llm.pause_generation(mode="wait", clear_cache=False))
+            await self._guarded("load", load(self._rpc))
+            await self._guarded("prefix-cache reset", self.reset_prefix_cache())
+            await self._guarded("version stamp", llm.update_weight_version(str(policy_version)))
             self._policy_version = policy_version
-            await self._llm.resume_generation()
+            await self._guarded("resume", llm.resume_generation())
 
     async def reset_prefix_cache(self) -> None:
         if not await self._llm.reset_prefix_cache():
@@ -414,7 +523,8 @@ class InProcessEngine:
         """Stop the engine core; dropping the last reference here keeps vLLM's ``__del__`` from
         running again at interpreter exit, when its module globals are already gone."""
         try:
-            if self.transfer is not None and self.llm is not None:
+            if self.transfer is not None and self.llm is not None and self._gone is None and not self.llm.errored:
+                # (a dead or hung engine would never answer)
                 async with self._update_lock:  # an update in flight finishes on the groups first
                     transfer, self.transfer = self.transfer, None
                     await transfer.close(self._rpc)

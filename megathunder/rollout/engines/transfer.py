@@ -487,7 +487,13 @@ class WeightTransfer:
         receiving = asyncio.ensure_future(rpc(WeightLoadCall("megathunder_receive_stream")))
         self.last_received = {}
         sending = asyncio.ensure_future(send())
-        done, _ = await asyncio.wait((receiving, sending), return_when=asyncio.FIRST_EXCEPTION)
+        try:
+            done, _ = await asyncio.wait((receiving, sending), return_when=asyncio.FIRST_EXCEPTION)
+        except asyncio.CancelledError:  # the engine is gone (a weight update's guard): neither is awaited again
+            for task in (receiving, sending):
+                task.cancel()
+                task.add_done_callback(lambda t: t.cancelled() or t.exception())  # retrieved: no "never retrieved"
+            raise
         if sending in done and sending.exception() is not None and receiving not in done:
             # a sender fails when a worker's end of the group goes: the worker's error says why
             await asyncio.wait((receiving,), timeout=RECEIVER_ERROR_GRACE_S)

@@ -40,10 +40,16 @@ class LaunchedJob:
         return f"job {self.job_id} {self.state} {self.exit_code} after {self.seconds:.0f} s:\n{self.output()}\n{logs}"
 
 
+HEALTH_TIMEOUT_S = 600
+"""How long the launch script waits for the servers' /health (``MT_HEALTH_TIMEOUT_S``): generous,
+since a vLLM server on a busy 2-core machine can take minutes to start; a job that fails fast
+fails well before it (the tests assert below it: not waited out)."""
+
+
 def mt_env(cluster, tmp: Path, **extra: str) -> dict[str, str]:
     port = slurm_local._free_ports(1)[0]
     return dict(cluster.client_env(), **CPU_LAYOUT, MT_CONFIG=str(CPU_CONFIG), MT_PYTHON=sys.executable,
-                MT_SERVER_PORT=str(port), MT_LOG_DIR=str(tmp / "logs"), MT_HEALTH_TIMEOUT_S="240",
+                MT_SERVER_PORT=str(port), MT_LOG_DIR=str(tmp / "logs"), MT_HEALTH_TIMEOUT_S=str(HEALTH_TIMEOUT_S),
                 OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", **extra)
 
 

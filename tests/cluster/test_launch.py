@@ -15,7 +15,7 @@ import subprocess
 import time
 
 from tests.cluster.conftest import REPO
-from tests.cluster.launch_jobs import mt_env, submit, wait_for
+from tests.cluster.launch_jobs import HEALTH_TIMEOUT_S, mt_env, submit, wait_for
 
 SCRIPT = "launch/slurm/grpo_128gpu.sh"
 NUM_STEPS = 8
@@ -56,8 +56,9 @@ def test_grpo_job_trains_on_two_nodes_checkpoints_on_sigusr1_requeues_and_resume
     job = submit(slurm_cluster, SCRIPT, env, tmp_path / "job.out")
     t0 = time.monotonic()
     metrics = run_dir / "metrics.jsonl"
-    # training has begun (a step is done): the time limit is "near"
-    wait_for(slurm_cluster, job, 240, until=lambda info: metrics.is_file() and metrics.read_text().strip()
+    # training has begun (a step is done): the time limit is "near". Bounded by the servers' start
+    # (at most HEALTH_TIMEOUT_S) plus the learner's and one step: ~60-90 s quiet, over 240 s loaded
+    wait_for(slurm_cluster, job, HEALTH_TIMEOUT_S + 300, until=lambda info: metrics.is_file() and metrics.read_text().strip()
              or info.get("JobState") not in ("PENDING", "RUNNING"))
     assert job.state == "RUNNING", job.describe()
     slurm_cluster.run_client("scancel", "--signal=USR1", "--batch", str(job.job_id))
@@ -67,7 +68,7 @@ def test_grpo_job_trains_on_two_nodes_checkpoints_on_sigusr1_requeues_and_resume
     # at once: a restart within the second of the requeue carries a credential the nodes still
     # count as revoked ("Killing non-startable batch job: Job credential revoked", seen in CI).
     slurm_cluster.run_client("scontrol", "update", f"JobId={job.job_id}", "StartTime=now+3", check=False)
-    wait_for(slurm_cluster, job, 600, t0=t0)  # both attempts: ~150 s on a quiet machine, over 300 s on a busy one
+    wait_for(slurm_cluster, job, 2 * HEALTH_TIMEOUT_S + 600, t0=t0)  # both attempts: ~150 s quiet, over 300 s busy
     print(job.describe())
     assert (job.state, job.exit_code) == ("COMPLETED", "0:0"), job.describe()
 
@@ -101,14 +102,14 @@ def test_a_rollout_server_that_cannot_start_fails_the_job_naming_it(slurm_cluste
     env = mt_env(slurm_cluster, tmp_path, MT_ROLLOUT_MODEL=str(tmp_path / "no-such-model"),
                  MT_OVERRIDES=f"run.output_dir={tmp_path / 'run'}")
     job = submit(slurm_cluster, SCRIPT, env, tmp_path / "job.out")
-    wait_for(slurm_cluster, job, 120)
+    wait_for(slurm_cluster, job, HEALTH_TIMEOUT_S)
     print(job.describe())
     assert job.state == "FAILED" and job.exit_code == "1:0", job.describe()
     out = job.output()
     assert "megathunder launch: FAILED: rollout server on node1: exited with status 2 before it was healthy" in out
     assert f"rollout server: model {tmp_path / 'no-such-model'} has no config.json" in out
     assert "training: srun" not in out
-    assert job.seconds < 60, job.seconds
+    assert job.seconds < HEALTH_TIMEOUT_S, job.seconds  # its exit was seen: the health timeout not waited out
 
 
 def test_a_layout_that_does_not_divide_the_learner_world_fails_the_job_naming_it(slurm_cluster, tmp_path):
@@ -117,7 +118,7 @@ def test_a_layout_that_does_not_divide_the_learner_world_fails_the_job_naming_it
     env = mt_env(slurm_cluster, tmp_path,
                  MT_OVERRIDES=f"run.output_dir={tmp_path / 'run'} learner.parallel.data_parallel=3")
     job = submit(slurm_cluster, SCRIPT, env, tmp_path / "job.out")
-    wait_for(slurm_cluster, job, 120)
+    wait_for(slurm_cluster, job, HEALTH_TIMEOUT_S)
     print(job.describe())
     assert job.state == "FAILED" and job.exit_code == "1:0", job.describe()
     out = job.output()
@@ -125,7 +126,7 @@ def test_a_layout_that_does_not_divide_the_learner_world_fails_the_job_naming_it
     assert "learner.parallel.data_parallel: 3, but world size 2" in out
     assert "healthy" not in out  # no server was waited for
     assert "training: srun" not in out
-    assert job.seconds < 60, job.seconds
+    assert job.seconds < HEALTH_TIMEOUT_S, job.seconds
 
 
 def test_opd_dry_run_trains_opd_with_the_teacher_and_an_optional_teacher_pool(tmp_path):

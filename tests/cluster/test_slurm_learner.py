@@ -76,6 +76,12 @@ def test_learner_steps_across_and_within_nodes_equal_one_process(slurm_cluster, 
         assert max(errs.values()) <= TOL, (layout, errs)
 
 
+NOT_WAITED_S = 600
+"""A job that must fail fast: ~20-40 s here quiet, minutes when the machine is busy; what it must not
+do is wait out a timeout -- the rendezvous store's 30 minutes -- so the bound sits far below that,
+not near the quiet figure (a bound of 60 s failed under load)."""
+
+
 @pytest.mark.parametrize("when", ["before_rendezvous", "after_rendezvous"])
 def test_a_task_that_dies_ends_the_job_quickly(slurm_cluster, hf_ckpt, tmp_path, when):
     """Task 1 dies while task 0 waits for it: in the rendezvous (task 1 never starts python: without
@@ -89,7 +95,7 @@ def test_a_task_that_dies_ends_the_job_quickly(slurm_cluster, hf_ckpt, tmp_path,
                                    str(tmp_path / "missing-ckpt"))
         why = "learner.model.hf_checkpoint: no config.json in"
     job = run_job(slurm_cluster, tmp_path, f"{SRUN} bash -c 'if [ \"$SLURM_PROCID\" = 1 ]; then {bad}; "
-                                           f"else exec {good}; fi'", TWO_NODES, timeout=120)
+                                           f"else exec {good}; fi'", TWO_NODES, timeout=NOT_WAITED_S)
     print(job.output)
     assert job.state == "FAILED" and job.exit_code != "0:0", job.output
     # task 1's failure is named; task 0 is killed by srun, or (after the rendezvous) may see the
@@ -98,17 +104,17 @@ def test_a_task_that_dies_ends_the_job_quickly(slurm_cluster, hf_ckpt, tmp_path,
     assert why in job.output, job.output
     if when == "before_rendezvous":
         assert "srun: error: node2: task 1: Exited with exit code 3" in job.output, job.output
-    assert job.seconds < 60, job.seconds
+    assert job.seconds < NOT_WAITED_S, job.seconds  # the store timeout (30 min) was not waited out
 
 
 def test_a_wrong_layout_fails_before_training_naming_the_field(slurm_cluster, hf_ckpt, tmp_path):
     cmd = worker_cmd("equivalence", "--out", str(tmp_path / "x.pt"), "--hf", str(hf_ckpt), "--tp", "4")
-    job = run_job(slurm_cluster, tmp_path, f"{SRUN} {cmd}", TWO_NODES, timeout=120)
+    job = run_job(slurm_cluster, tmp_path, f"{SRUN} {cmd}", TWO_NODES, timeout=NOT_WAITED_S)
     print(job.output)
     assert job.state == "FAILED", job.output
     assert "learner.parallel: world size 2 is not a multiple of tensor_parallel x pipeline_parallel = 4 x 1" \
         in job.output, job.output
-    assert job.seconds < 60, job.seconds
+    assert job.seconds < NOT_WAITED_S, job.seconds
 
 
 def test_python_without_srun_in_a_two_task_job_is_not_a_silent_singleton(slurm_cluster, hf_ckpt, tmp_path):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -285,12 +286,35 @@ def _run_children(supervisor_pid: int) -> list[int]:
     return alive
 
 
-def _start_interactive(out: Path, *args: str) -> subprocess.Popen:
-    """``megathunder train`` as a person starts it (supervised: no launcher in the environment)."""
+def _start_interactive(out: Path, *args: str, shm: Path | None = None) -> subprocess.Popen:
+    """``megathunder train`` as a person starts it (supervised: no launcher in the environment).
+    ``shm``: as root, the run sees this directory as its /dev/shm (a mount namespace of its own,
+    as the chaos soak's runs), so what it leaves there is its own, not another job's on the machine."""
     cmd = [sys.executable, "-m", "megathunder.cli", "train", str(ROOT / "configs/quickstart.yaml"),
            f"run.output_dir={out}", *SMALL, *args]
+    if shm is not None:
+        shm.mkdir(parents=True, exist_ok=True)
+        shm.chmod(0o1777)
+        # unshare and sh exec in turn: the pid stays the run's (signals reach it)
+        cmd = ["unshare", "--mount", "--propagation", "private", "sh", "-c", 'mount --bind "$0" /dev/shm && exec "$@"',
+               str(shm), *cmd]
     env = {k: v for k, v in ENV.items() if k not in ("RANK", "LOCAL_RANK", "SLURM_PROCID", "MEGATHUNDER_SUPERVISE")}
     return subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+class ShmLeaks:
+    """What a run leaves in /dev/shm: its own private one where it can have one (root, unshare),
+    else the machine's entries new since the start (which another job's may join)."""
+
+    def __init__(self, tmp_path: Path) -> None:
+        private = os.geteuid() == 0 and shutil.which("unshare") is not None
+        self.dir = tmp_path / "shm" if private else None
+        self.before = set() if private else set(os.listdir("/dev/shm"))
+
+    def left(self) -> set[str]:
+        if self.dir is not None:
+            return set(os.listdir(self.dir))
+        return set(os.listdir("/dev/shm")) - self.before
 
 
 def _wait_for_step(proc: subprocess.Popen, out: Path, step: int) -> None:
@@ -310,8 +334,8 @@ def test_ctrl_c_finishes_the_step_checkpoints_and_resumes(base, tmp_path):
     continues from the checkpoint and trains each step once."""
     out = tmp_path / "run"
     args = ["run.num_steps=4", *warm(base)]
-    shm_before = set(os.listdir("/dev/shm"))
-    proc = _start_interactive(out, *args)
+    shm = ShmLeaks(tmp_path)
+    proc = _start_interactive(out, *args, shm=shm.dir)
     _wait_for_step(proc, out, 0)
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=300)
@@ -321,7 +345,7 @@ def test_ctrl_c_finishes_the_step_checkpoints_and_resumes(base, tmp_path):
     stopped = len(rows(out))
     assert 1 <= stopped < 4 and (out / "checkpoints" / "latest").read_text().strip() == f"step_{stopped}"
     assert _run_children(proc.pid) == []
-    assert set(os.listdir("/dev/shm")) - shm_before == set()
+    assert shm.left() == set()
     resumed = train(out, *args)
     assert "resumed from" in resumed.stdout + resumed.stderr
     assert [x["step"] for x in rows(out)] == [0, 1, 2, 3]
@@ -329,8 +353,8 @@ def test_ctrl_c_finishes_the_step_checkpoints_and_resumes(base, tmp_path):
 
 def test_a_second_ctrl_c_stops_at_once_and_cleanly(base, tmp_path):
     out = tmp_path / "run"
-    shm_before = set(os.listdir("/dev/shm"))
-    proc = _start_interactive(out, "run.num_steps=50", *warm(base))
+    shm = ShmLeaks(tmp_path)
+    proc = _start_interactive(out, "run.num_steps=50", *warm(base), shm=shm.dir)
     _wait_for_step(proc, out, 0)
     proc.send_signal(signal.SIGINT)
     time.sleep(0.2)
@@ -342,4 +366,4 @@ def test_a_second_ctrl_c_stops_at_once_and_cleanly(base, tmp_path):
     assert "Traceback" not in err and "stopped now" in err, err[-3000:]
     assert len(rows(out)) < 50
     assert _run_children(proc.pid) == []
-    assert set(os.listdir("/dev/shm")) - shm_before == set()
+    assert shm.left() == set()

@@ -154,72 +154,112 @@ def test_progress_marks_the_steps_the_engine_reports():
     assert progress.at > before + 99.0
 
 
-def test_a_weight_update_on_a_hung_core_fails_after_the_stall_timeout(ckpt):
+def guarded(unfinished: int = 0) -> tuple[InProcessEngine, StuckLLM, list[int]]:
+    """An engine whose control calls are timed at ``STALL_S`` (``_guarded`` polls by itself)."""
+    engine, llm, signals = watched(unfinished)
+    engine._stall_timeout_s = STALL_S
+    return engine, llm, signals
+
+
+class Transfer:
+    """The engine's transfer groups: closing them must send the engine nothing once it is gone."""
+
+    def __init__(self) -> None:
+        self.abandoned = False
+
+    async def close(self, rpc) -> None:
+        raise AssertionError("an RPC to an engine that is gone")
+
+    def abandon(self) -> None:
+        self.abandoned = True
+
+
+def test_a_weight_update_on_a_hung_core_fails_after_the_stall_timeout_and_close_sends_it_nothing(ckpt):
     """The core stops as the update begins: its pause never answers. After ``stall_timeout_s`` with
     no step reported the core is SIGKILLed and the update fails in one error naming the call --
-    vLLM would otherwise leave the pause pending forever."""
-    engine, llm, signals = watched(unfinished=0)
+    vLLM would otherwise leave the pause pending forever. A close() that was waiting for the update
+    then leaves the engine alone (only what this process holds is closed)."""
+    engine, llm, signals = guarded()
+    engine.transfer = transfer = Transfer()  # type: ignore[assignment]
+    llm.shutdown = lambda: None  # type: ignore[attr-defined]
 
     async def main() -> float:
-        watcher = asyncio.ensure_future(engine._watch(llm, engine._progress, STALL_S))  # type: ignore[arg-type]
         start = time.monotonic()
+        update = asyncio.ensure_future(engine.update_weights(ckpt, policy_version=1))
+        await asyncio.sleep(0)
+        closing = asyncio.ensure_future(engine.close())  # waits for the update's lock
         with pytest.raises(EngineUpdateError, match=r"hung inside a weight update \(pause\)"):
-            await asyncio.wait_for(engine.update_weights(ckpt, policy_version=1), 60)
-        await asyncio.wait_for(watcher, 60)
+            await asyncio.wait_for(update, 60)
+        await asyncio.wait_for(closing, 60)
         return time.monotonic() - start
 
     assert asyncio.run(main()) >= STALL_S
-    assert signals == [signal.SIGKILL] and engine.policy_version == 0
+    assert signals == [signal.SIGKILL] and engine.policy_version == 0 and transfer.abandoned
 
 
-def test_a_core_that_dies_under_a_weight_update_call_fails_it(ckpt):
-    """Dead (vLLM marks it ``errored``) while the call is pending: the call fails at the watcher's
-    next tick, nothing is signalled, and no later call (close's included) is sent to it."""
-    engine, llm, signals = watched(unfinished=0)
-    engine.transfer = SimpleNamespace(close=None)  # type: ignore[assignment]  # close() must not use it
+def test_a_core_that_dies_under_a_control_call_fails_it(ckpt):
+    """Dead (vLLM marks it ``errored``) while the pause is pending: the call fails within a poll
+    period, nothing is signalled, and no later call is sent to it."""
+    engine, llm, signals = guarded()
+    engine._stall_timeout_s = 60.0  # the death, not the clock, must fail it
 
     async def main() -> None:
-        watcher = asyncio.ensure_future(engine._watch(llm, engine._progress, 4 * STALL_S))  # type: ignore[arg-type]
         update = asyncio.ensure_future(engine.update_weights(ckpt, policy_version=1))
         await asyncio.sleep(0.05)
         assert not update.done()
         llm.errored = True
         with pytest.raises(EngineUpdateError, match=r"died inside a weight update \(pause\)"):
             await asyncio.wait_for(update, 60)
-        await asyncio.wait_for(watcher, 60)
         with pytest.raises(EngineUpdateError, match="died"):  # a dead engine: at once, nothing sent
-            await engine._guarded("load", engine._rpc(None))  # type: ignore[arg-type]
-        llm.shutdown = lambda: None  # type: ignore[attr-defined]
-        await asyncio.wait_for(engine.close(), 60)
+            await engine._guarded("inside a weight update (load)", engine._rpc(None))  # type: ignore[arg-type]
 
     asyncio.run(main())
     assert signals == []
 
 
-@pytest.mark.parametrize("stopped", [False, True])
-def test_a_long_load_is_timed_only_while_an_engine_process_is_stopped(stopped):
+def test_a_long_load_is_left_alone_while_the_engine_runs():
     """A running engine may be receiving a large model for longer than the stall timeout (a wedged
-    transfer fails at the transfer groups' own timeout); a stopped one never will."""
-    engine, llm, signals = watched(unfinished=0)
-    engine._core_stopped = lambda: stopped  # type: ignore[method-assign]
+    transfer fails at the transfer groups' own timeout)."""
+    engine, llm, signals = guarded()
+    engine._core_stopped = lambda: False  # type: ignore[method-assign]
+
+    async def main() -> str:
+        return await engine._guarded("load", asyncio.sleep(8 * STALL_S, "loaded"), timed=False)
+
+    assert asyncio.run(main()) == "loaded"
+    assert signals == []
+
+
+def test_a_load_on_a_stopped_engine_fails_after_the_stall_timeout():
+    engine, llm, signals = guarded()
+    engine._core_stopped = lambda: True  # type: ignore[method-assign]
+
+    async def main() -> None:
+        with pytest.raises(EngineUpdateError, match=r"hung inside a weight update \(load\)"):
+            await asyncio.wait_for(engine._guarded("inside a weight update (load)", asyncio.Event().wait(),
+                                                   timed=False), 60)
+
+    asyncio.run(main())
+    assert signals == [signal.SIGKILL]
+
+
+def test_the_watcher_leaves_a_guarded_call_to_its_guard():
+    """Requests in flight and no step, but a control call pending (a pause draining them): the
+    watcher neither kills nor marks progress; the guard's own clock decides."""
+    engine, llm, signals = watched(unfinished=2)
 
     async def main() -> None:
         watcher = asyncio.ensure_future(engine._watch(llm, engine._progress, STALL_S))  # type: ignore[arg-type]
-        async with engine._update_lock:
-            load = asyncio.ensure_future(engine._guarded("load", asyncio.sleep(8 * STALL_S, "loaded")))
-            if stopped:
-                with pytest.raises(EngineUpdateError, match=r"hung inside a weight update \(load\)"):
-                    await asyncio.wait_for(load, 60)
-            else:
-                assert await asyncio.wait_for(load, 60) == "loaded"
+        engine._guarding = 1
+        await asyncio.sleep(6 * STALL_S)
+        assert signals == [] and not watcher.done()
         watcher.cancel()
 
     asyncio.run(main())
-    assert signals == ([signal.SIGKILL] if stopped else [])
 
 
 def test_chaos_during_a_weight_update_fires_as_the_next_update_begins(ckpt):
-    engine, llm, signals = watched(unfinished=3)  # requests in flight: a generation fault would go now
+    engine, llm, signals = guarded(unfinished=3)  # requests in flight: a generation fault would go now
     engine.signal_core = lambda sig: signals.append(sig) or [1234]  # type: ignore[method-assign]
 
     async def main() -> None:
@@ -228,7 +268,7 @@ def test_chaos_during_a_weight_update_fires_as_the_next_update_begins(ckpt):
         assert signals == []
         update = asyncio.ensure_future(engine.update_weights(ckpt, policy_version=1))
         await asyncio.sleep(0.02)
-        assert signals == [signal.SIGSTOP] and engine._update_call is not None  # before its pause returned
+        assert signals == [signal.SIGSTOP] and engine._guarding == 1  # before its pause returned
         update.cancel()
 
     asyncio.run(main())

@@ -21,20 +21,20 @@ reported no step for ``EngineConfig.stall_timeout_s`` outside a weight update is
 core and workers are SIGKILLed, and the death is survived as above.
 
 Inside a weight update (the engine paused) a death or a hang is not survived in place: the update
-fails with ``EngineUpdateError`` and the run stops, resumable from its last checkpoint. vLLM never
-fails a control call (a utility call: pause, load, prefix-cache reset, version stamp) pending on a
-core that died -- it would wait forever -- so each call of an update is guarded (``_guarded``): it
-fails once the engine is dead, or once it has been pending with no step reported for
-``stall_timeout_s`` (then the core and workers are SIGKILLed first). The load itself is only held
-to that while an engine process is stopped (SIGSTOP): a running one may be receiving a large model,
-and a wedged transfer fails its senders at the transfer groups' own timeout.
+fails with ``EngineUpdateError`` and the run stops in one line, resumable from its last checkpoint.
+vLLM never fails a control call (a utility call: pause, load, prefix-cache reset, version stamp)
+pending on a core that died -- it would wait forever -- so every control call of an update, of the
+engine's start-up and of its close is guarded (``_guarded``): it fails once the engine is dead, or
+once it has been pending with no step reported for ``stall_timeout_s`` (the core and workers then
+SIGKILLed). A load, and the opening of the transfer groups, are timed only while an engine process
+is stopped (SIGSTOP): a running engine may be receiving a large model for longer, and a wedged
+transfer fails its senders at the transfer groups' own timeout.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextvars
-import dataclasses
 import itertools
 import json
 import logging
@@ -69,17 +69,8 @@ class EngineRestartError(RuntimeError):
 
 
 class EngineUpdateError(RuntimeError):
-    """The engine died or hung inside a weight update (not survived in place: the run stops)."""
-
-
-@dataclasses.dataclass
-class _UpdateCall:
-    """The pending call of a weight update (``InProcessEngine._guarded``)."""
-
-    what: str
-    since: float
-    lost: asyncio.Future[str]  # set by the watcher: why the engine is gone
-
+    """The engine died or hung inside a control call: a weight update's, or its start-up's (not
+    survived in place: the run stops)."""
 
 
 def vllm_sampling_params(params: SamplingParams):
@@ -151,9 +142,11 @@ class InProcessEngine:
         self._watcher: asyncio.Task[None] | None = None  # hang detection of the engine in place
         self._injecting: asyncio.Task[None] | None = None  # ``inject``: a signal waiting for requests in flight
         self._armed: int | None = None  # ``inject(during="weight_update")``: a signal for the next update's start
-        self._update_call: _UpdateCall | None = None
-        self._gone: str | None = None  # why the engine in place will never answer (died, hung): set by _watch
+        self._guarding = 0  # guarded control calls pending (``_guarded`` times them, not ``_watch``)
+        self._gone: str | None = None  # why the engine in place will never answer (died, hung)
+        self._unfinished_update = False  # an update failed or was cancelled: close() sends nothing more
         self._progress = Progress()  # the engine in place's (``_prepare``)
+        self._stall_timeout_s = 300.0  # EngineConfig.stall_timeout_s (``_prepare``)
 
     @property
     def _llm(self) -> AsyncLLM:
@@ -186,23 +179,25 @@ class InProcessEngine:
         """A new ``AsyncLLM``'s set-up: its hang detection, version stamp, frozen start-up heap,
         routing recorder, and the weight-transfer groups (``port``: another than the configured one,
         for a restart)."""
-        self._progress, self._gone = progress, None
+        self._progress, self._gone, self._stall_timeout_s = progress, None, cfg.stall_timeout_s
         self._watcher = asyncio.ensure_future(self._watch(self._llm, progress, cfg.stall_timeout_s))
-        await self._llm.update_weight_version(str(self._policy_version))
-        await self._llm.collective_rpc("megathunder_freeze_gc")
+        llm = self._llm
+        await self._guarded("while starting (version stamp)", llm.update_weight_version(str(self._policy_version)))
+        await self._guarded("while starting (heap freeze)", llm.collective_rpc("megathunder_freeze_gc"))
         if cfg.record_routing:
-            await self._llm.collective_rpc("megathunder_routing_start")
+            await self._guarded("while starting (routing recorder)", llm.collective_rpc("megathunder_routing_start"))
         if port is not None and isinstance(cfg.weight_transfer, CollectiveTransfer):
             cfg = cfg.model_copy(update={"weight_transfer": cfg.weight_transfer.model_copy(update={"port": port})})
-        self.transfer = await open_transfer(cfg, [self._rpc], senders)
+        self.transfer = await self._guarded("while starting (opening the weight-transfer groups)",
+                                            open_transfer(cfg, [self._rpc], senders), timed=False)
 
     async def _watch(self, llm: AsyncLLM, progress: Progress, stall_timeout_s: float) -> None:
         """Hang detection (module docstring): SIGKILL ``llm``'s engine core once it has had requests
         in flight and reported no step for ``stall_timeout_s``; its requests then see it die. Time
-        with nothing in flight, or while this loop itself was blocked (a late tick: steps may be
-        waiting unread) does not count. Inside a weight update the pending call is what is timed
-        (``_guarded``), and a dead or hung engine fails it. Ends with its engine (closed, replaced,
-        or dead: a dead one's requests fail by themselves)."""
+        inside a weight update (its control calls are timed by ``_guarded``), with nothing in
+        flight, or while this loop itself was blocked (a late tick: steps may be waiting unread)
+        does not count. Ends with its engine: closed, replaced, dead (a dead one's requests fail
+        by themselves), or hung and killed."""
         period = min(5.0, stall_timeout_s / 4)
         unfinished = llm.get_num_unfinished_requests
         tick = time.monotonic()
@@ -210,29 +205,14 @@ class InProcessEngine:
             await asyncio.sleep(period)
             if self.llm is not llm:  # closed or replaced
                 return
-            if llm.errored:  # dead
-                self._lose_update("died")
+            if llm.errored:
+                self._gone = "died"
                 return
             now, last = time.monotonic(), tick
             tick = now
-            if now - last > 2 * period:
-                progress.mark()
+            if self._guarding:  # a control call pending: _guarded times it by the same clock
                 continue
-            if self._update_lock.locked():
-                call = self._update_call
-                if call is None or (call.what == "load" and not self._core_stopped()):
-                    progress.mark()
-                    continue
-                stalled = now - max(progress.at, call.since)
-                if stalled >= stall_timeout_s:
-                    log.warning("the in-process vLLM engine did not answer a weight update's %s for %.0f s and reported "
-                                "no step (rollout.engine.stall_timeout_s=%g): hung; SIGKILL its engine core and "
-                                "workers", call.what, stalled, stall_timeout_s)
-                    self.signal_core(signal.SIGKILL)
-                    self._lose_update("hung")
-                    return
-                continue
-            if not unfinished():
+            if now - last > 2 * period or self._update_lock.locked() or not unfinished():
                 progress.mark()
                 continue
             stalled = now - progress.at
@@ -240,43 +220,59 @@ class InProcessEngine:
                 log.warning("the in-process vLLM engine reported no step for %.0f s with %d requests in flight "
                             "(rollout.engine.stall_timeout_s=%g): hung; SIGKILL its engine core and workers",
                             stalled, unfinished(), stall_timeout_s)
+                self._gone = "hung"
                 self.signal_core(signal.SIGKILL)
                 return
 
-    def _lose_update(self, why: str) -> None:
-        self._gone = why
-        call = self._update_call
-        if call is not None and not call.lost.done():
-            call.lost.set_result(why)
-
-    async def _guarded(self, what: str, call: Awaitable[T]) -> T:
-        """One call of a weight update, failed with ``EngineUpdateError`` if the engine is dead or
-        dies or hangs under it (``_watch``): vLLM would leave it pending forever."""
+    async def _guarded(self, what: str, call: Awaitable[T], *, timed: bool = True) -> T:
+        """A control call to the engine in place (``what``: where, for the error), failed with
+        ``EngineUpdateError`` once the engine is dead, or once it has been pending with no step
+        reported for ``stall_timeout_s`` (``timed=False``: only while an engine process is stopped)
+        -- then its core and workers are SIGKILLed first. vLLM would leave it pending forever."""
         from vllm.v1.engine.exceptions import EngineDeadError
 
-        def lost(why: str) -> EngineUpdateError:
-            return EngineUpdateError(f"the in-process vLLM engine {why} inside a weight update ({what}): not survived "
-                                     "in place; the run stops, and the same command resumes from the last checkpoint")
-        if self._gone is not None or self._llm.errored:
+        def failure(why: str) -> EngineUpdateError:
+            return EngineUpdateError(f"the in-process vLLM engine {why} {what}: not survived in place; the run stops, "
+                                     "and the same command resumes from the last checkpoint")
+        llm, progress, bound = self._llm, self._progress, self._stall_timeout_s
+        if self._gone is not None or llm.errored:
             if asyncio.iscoroutine(call):
                 call.close()  # never to be awaited
-            raise lost(self._gone or "died")
+            raise failure(self._gone or "died")
+        period = min(5.0, bound / 4)
         task = asyncio.ensure_future(call)
-        pending = self._update_call = _UpdateCall(what, time.monotonic(), asyncio.get_running_loop().create_future())
+        since = tick = time.monotonic()
+        why = None
+        self._guarding += 1
         try:
-            await asyncio.wait((task, pending.lost), return_when=asyncio.FIRST_COMPLETED)
+            while why is None:
+                await asyncio.wait((task,), timeout=period)
+                if task.done():
+                    break
+                now, last = time.monotonic(), tick
+                tick = now
+                if llm.errored or self._gone is not None:
+                    why = self._gone or "died"
+                elif now - last > 2 * period:  # this loop was blocked: steps may be waiting unread
+                    since = now
+                elif now - max(progress.at, since) >= bound and (timed or self._core_stopped()):
+                    log.warning("the in-process vLLM engine did not answer %s for %.0f s and reported no step "
+                                "(rollout.engine.stall_timeout_s=%g): hung; SIGKILL its engine core and workers",
+                                what, now - max(progress.at, since), bound)
+                    why = self._gone = "hung"
+                    if self.llm is llm:
+                        self.signal_core(signal.SIGKILL)
         finally:
-            self._update_call = None
-            answered = task.done()
-            if not answered:  # the engine is gone (or the update cancelled): it would never answer
+            self._guarding -= 1
+            if not task.done():  # the engine is gone (or the caller cancelled): it would never answer
                 task.cancel()
-        if not answered:
-            raise lost(pending.lost.result())
-        self._progress.mark()  # an answer is progress: the clock of the next stall starts here
+        if why is not None:
+            raise failure(why)
+        progress.mark()  # an answer is progress: the clock of the next stall starts here
         try:
             return task.result()
         except EngineDeadError as err:
-            raise lost("died") from err
+            raise failure("died") from err
 
     # ------------------------------------------------------------------ restart in place
 
@@ -312,9 +308,11 @@ class InProcessEngine:
 
         assert self._restart_with is not None, "set by InProcessEngine.start"
         args, cfg, senders = self._restart_with
-        if self.revive is None or self.num_restarts >= cfg.max_restarts or cfg.record_routing:
+        updating = self._update_lock.locked()  # requests draining into a weight update (async schedules)
+        if self.revive is None or self.num_restarts >= cfg.max_restarts or cfg.record_routing or updating:
             why = ("nothing can load its weights" if self.revive is None else "routing replay records what "
-                   "it computed" if cfg.record_routing else f"rollout.engine.max_restarts={cfg.max_restarts} spent")
+                   "it computed" if cfg.record_routing else "it died inside a weight update" if updating
+                   else f"rollout.engine.max_restarts={cfg.max_restarts} spent")
             self._restart_failed = (f"the in-process vLLM engine died and is not restarted ({why}); the run stops "
                                     "and the same command resumes from the last checkpoint")
             raise EngineRestartError(self._restart_failed)
@@ -357,12 +355,12 @@ class InProcessEngine:
         return procs
 
     def _core_stopped(self) -> bool:
-        """Is an engine core process or worker stopped (SIGSTOP, a debugger)?"""
+        """Is an engine core process or worker stopped (SIGSTOP; not a debugger's tracing stop)?"""
         import psutil
 
         for proc in self._core_processes():
             try:
-                if proc.status() in (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP):
+                if proc.status() == psutil.STATUS_STOPPED:
                     return True
             except psutil.NoSuchProcess:
                 pass
@@ -508,26 +506,36 @@ class InProcessEngine:
                 sig, self._armed = self._armed, None
                 self._fire(sig)
             llm = self._llm
-            await self._guarded("pause", llm.pause_generation(mode="wait", clear_cache=False))
-            await self._guarded("load", load(self._rpc))
-            await self._guarded("prefix-cache reset", self.reset_prefix_cache())
-            await self._guarded("version stamp", llm.update_weight_version(str(policy_version)))
-            self._policy_version = policy_version
-            await self._guarded("resume", llm.resume_generation())
+            try:
+                await self._guarded("inside a weight update (pause)", llm.pause_generation(mode="wait", clear_cache=False))
+                await self._guarded("inside a weight update (load)", load(self._rpc), timed=False)
+                await self._guarded("inside a weight update (prefix-cache reset)", self._reset_prefix_cache(llm))
+                await self._guarded("inside a weight update (version stamp)", llm.update_weight_version(str(policy_version)))
+                self._policy_version = policy_version
+                await self._guarded("inside a weight update (resume)", llm.resume_generation())
+            except BaseException:
+                self._unfinished_update = True  # paused, mid-load, or gone: close() sends it nothing more
+                raise
 
     async def reset_prefix_cache(self) -> None:
-        if not await self._llm.reset_prefix_cache():
+        await self._reset_prefix_cache(self._llm)
+
+    @staticmethod
+    async def _reset_prefix_cache(llm: AsyncLLM) -> None:
+        if not await llm.reset_prefix_cache():
             raise RuntimeError("vLLM refused to reset its prefix cache (blocks still in use)")
 
     async def close(self) -> None:
         """Stop the engine core; dropping the last reference here keeps vLLM's ``__del__`` from
         running again at interpreter exit, when its module globals are already gone."""
         try:
-            if self.transfer is not None and self.llm is not None and self._gone is None and not self.llm.errored:
-                # (a dead or hung engine would never answer)
+            if self.transfer is not None and self.llm is not None:
                 async with self._update_lock:  # an update in flight finishes on the groups first
                     transfer, self.transfer = self.transfer, None
-                    await transfer.close(self._rpc)
+                    if self._gone is None and not self._unfinished_update and not self.llm.errored:
+                        await self._guarded("while closing (the weight-transfer groups)", transfer.close(self._rpc))
+                    else:  # a dead, hung or half-updated engine: only what this process holds
+                        transfer.abandon()
         finally:
             llm, self.llm = self.llm, None
             for task in (self._watcher, self._injecting):

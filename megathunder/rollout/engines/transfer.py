@@ -490,6 +490,8 @@ class WeightTransfer:
         try:
             done, _ = await asyncio.wait((receiving, sending), return_when=asyncio.FIRST_EXCEPTION)
         except asyncio.CancelledError:  # the engine is gone (a weight update's guard): neither is awaited again
+            # (only the asyncio side: a sender thread, or the learner's ranks, stay in their broadcast until
+            # it fails -- at once over gloo when the workers are killed -- or until the groups' timeout)
             for task in (receiving, sending):
                 task.cancel()
                 task.add_done_callback(lambda t: t.cancelled() or t.exception())  # retrieved: no "never retrieved"
@@ -526,8 +528,12 @@ class WeightTransfer:
         try:
             await rpc(WeightLoadCall("megathunder_transfer_close"))
         finally:
-            if self.local is not None:
-                self.local.close()
+            self.abandon()
+
+    def abandon(self) -> None:
+        """Close only what this process holds (the engine's workers are gone or cannot be asked)."""
+        if self.local is not None:
+            self.local.close()
 
 
 async def open_transfer(cfg: EngineConfig, engines: Sequence[Rpc], senders: StageSenders | None) -> WeightTransfer | None:

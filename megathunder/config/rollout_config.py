@@ -99,7 +99,9 @@ class EngineConfig(Strict):
     requests sent again to live servers with the same seeds. deployment=in_process: an engine core
     with requests in flight that computes no token for this long (outside a weight update) is
     hung -- SIGKILLed and started again in place (``max_restarts``), its requests re-sent with their
-    seeds."""
+    seeds; a control call (a weight update's, the engine's start-up's) pending this long with no
+    step is hung too -- SIGKILLed, and the run stops in one line, resumable (a load only while an
+    engine process is stopped)."""
     request_timeout_s: float = Field(3600.0, gt=0)
     max_restarts: int = Field(3, ge=0)
     """deployment=in_process: how many times per run an engine whose engine core died (killed, out of

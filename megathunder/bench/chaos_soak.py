@@ -4,7 +4,8 @@ drawn in rounds, each kind once per round, so every kind is covered), each run a
 ``megathunder train`` (vLLM, the Megatron learner, the local sandbox).
 
 A run that stops (exit 75 after a signal, 130 after a torn journal, 1 with the one-line full-disk
-error: the filler is deleted first, as a user frees space) is resumed by the same command, up to
+error -- the filler is deleted first, as a user frees space -- or with the engine's one line after a
+fault inside a weight update) is resumed by the same command, up to
 ``--max-resumes`` times. Per run: survived in place (exit 0 at once) / stopped and resumed / lost
 (anything else: a traceback, a hang past ``--run-timeout`` -- then the attempt's process group and
 every process carrying its tag are SIGKILLed -- a claim broken); per fault kind, the
@@ -58,7 +59,9 @@ UPDATE_RTOL = 1e-3  # tests/integration/test_trainer.py: fp32 summation order, 6
 TAG_ENV = "MEGATHUNDER_CHAOS_SOAK"
 FAULT_FREE_CLAIM = ENGINE_FAULTS + ("hang_sandbox", "oom_tool")
 STOP_KINDS = ("sigusr1", "sigint", "fill_disk", "corrupt_journal")
-KINDS = (*ENGINE_FAULTS, *EPISODE_FAULTS, *STOP_KINDS)
+UPDATE_KINDS = ("kill_engine_update", "hang_engine_update")
+"""kill_engine / hang_engine with ``during: weight_update``: the run stops in one line (exit 1), resumable."""
+KINDS = (*ENGINE_FAULTS, *UPDATE_KINDS, *EPISODE_FAULTS, *STOP_KINDS)
 BASE = ["eval.every_n_steps=0", "run.progress=false", "run.wandb=disabled", "run.checkpoint_every=1",
         "ledger.pack_ready_work=false", "batch.num_prompts_per_batch=4", "batch.samples_per_prompt=4",
         "agent.max_concurrent_episodes=16", "sandbox.num_uids=16", "rollout.temperature=0.8",
@@ -95,6 +98,9 @@ def _env(tag: str) -> dict[str, str]:
 
 
 def _random_fault(kind: str, rng: random.Random, steps: int, batch: int) -> dict:
+    if kind in UPDATE_KINDS:  # the weight push after the step (before its records and checkpoint)
+        return {"kind": kind.removesuffix("_update"), "step": rng.randrange(steps),
+                "after_trajectories": rng.randrange(batch - 2), "during": "weight_update"}
     if kind in SERVER_FAULTS:
         return {"kind": kind, "step": rng.randrange(steps), "after_trajectories": rng.randrange(batch - 2),
                 "server": rng.randrange(2)}
@@ -214,8 +220,8 @@ def execute(run: Run, args: argparse.Namespace) -> Run:
         if proc.returncode == 0:
             break
         lines = [line for line in proc.stderr.splitlines() if line.startswith("megathunder: ")]
-        stopped = proc.returncode in (75, 130) or (proc.returncode == 1 and lines
-                                                   and "no space left on device" in lines[-1])
+        stopped = proc.returncode in (75, 130) or (proc.returncode == 1 and lines and any(
+            words in lines[-1] for words in ("no space left on device", "inside a weight update")))
         if not stopped or "Traceback" in proc.stderr:
             run.error = (lines[-1] if lines else proc.stderr.strip()[-800:]) or f"exit {proc.returncode}"
             break
@@ -278,7 +284,7 @@ def plan(args: argparse.Namespace, root: Path) -> tuple[list[Run], list[Run]]:
         fault = _random_fault(kind, rng, args.steps, batch)
         deployment = "server" if kind in SERVER_FAULTS else "in_process"
         extra = [*SERVERS, f"rollout.engine.base_port={args.base_port + 10 * (i + 2)}"] if deployment == "server" else []
-        if kind == "hang_engine":
+        if kind in ("hang_engine", "hang_engine_update"):
             extra = STALL
         out = root / f"run{i:03d}_{kind}"
         mount = None

@@ -35,6 +35,8 @@ def ckpt(tmp_path):
 class StuckLLM:
     """An engine with ``unfinished`` requests in flight that never computes a token."""
 
+    engine_core = SimpleNamespace(resources=SimpleNamespace(engine_manager=None))  # no processes to look at
+
     def __init__(self, unfinished: int) -> None:
         self.unfinished = unfinished
         self.errored = False

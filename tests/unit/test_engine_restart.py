@@ -9,6 +9,7 @@ The real engine: ``tests/integration/test_bench_chaos.py`` (kill_engine in a rea
 from __future__ import annotations
 
 import asyncio
+import signal
 from types import SimpleNamespace
 
 import pytest
@@ -25,6 +26,8 @@ class FakeLLM:
     request in flight and every later one raise EngineDeadError."""
 
     made: list[FakeLLM] = []
+
+    engine_core = SimpleNamespace(resources=SimpleNamespace(engine_manager=None))  # no processes to look at
 
     def __init__(self) -> None:
         self.dead, self.release, self.loaded = False, asyncio.Event(), False
@@ -58,6 +61,15 @@ class FakeLLM:
 
     async def update_weight_version(self, version: str) -> None:
         pass
+
+    async def pause_generation(self, **kwargs) -> None:
+        pass
+
+    async def resume_generation(self) -> None:
+        pass
+
+    async def reset_prefix_cache(self) -> bool:
+        return True
 
     async def collective_rpc(self, method, args=(), kwargs=None):
         return []
@@ -143,3 +155,47 @@ def test_no_restart_without_an_owner_or_past_max_restarts(engine):
 
     asyncio.run(no_owner_needed())
     assert inprocess._REVIVING.get() is False
+
+
+def test_an_engine_found_dead_as_a_weight_update_begins_is_restarted_first(engine, tmp_path):
+    """The core died after its last requests had finished (a kill_engine that lands as the batch
+    ends): no request sees it, so the next weight update does. Nothing is lost: the engine is
+    started again in place and revived (the owner's current weights), and the update then goes to
+    the new engine -- instead of the update failing on a dead one and the run stopping."""
+    (tmp_path / "model.safetensors").touch()
+
+    async def main():
+        revived = []
+
+        async def revive() -> None:
+            revived.append(len(FakeLLM.made))
+            FakeLLM.made[-1].loaded = True
+
+        engine.revive = revive
+        FakeLLM.made[0].kill()
+        await asyncio.wait_for(engine.update_weights(str(tmp_path), policy_version=1), 10)
+        assert revived == [2] and engine.num_restarts == 1 and engine.llm is FakeLLM.made[1]
+        assert engine.policy_version == 1
+
+    asyncio.run(main())
+
+
+def test_an_engine_found_stopped_as_a_weight_update_begins_is_killed_and_restarted_first(engine, tmp_path):
+    """A SIGSTOP that landed as the batch's last requests finished: at the next update the engine's
+    processes are stopped (it could answer nothing), so it is SIGKILLed and restarted in place
+    first, as a dead one -- not left to fail the update's pause after the stall timeout."""
+    (tmp_path / "model.safetensors").touch()
+    signals = []
+    engine._core_stopped = lambda: True  # type: ignore[method-assign]
+    engine.signal_core = lambda sig: signals.append(sig) or []  # type: ignore[method-assign]
+
+    async def main():
+        async def revive() -> None:
+            engine._core_stopped = lambda: False  # type: ignore[method-assign]  # the new engine runs
+
+        engine.revive = revive
+        await asyncio.wait_for(engine.update_weights(str(tmp_path), policy_version=1), 10)
+        assert engine.num_restarts == 1 and engine.llm is FakeLLM.made[1] and engine.policy_version == 1
+
+    asyncio.run(main())
+    assert signals == [signal.SIGKILL]

@@ -494,12 +494,23 @@ class InProcessEngine:
         return decode_routing(results[0])  # every TP worker routes alike: the first's
 
     async def update_weights(self, weights: WeightSource, policy_version: int) -> None:
-        """Drain in-flight requests, load, reset the prefix cache, stamp the version, resume.
+        """Drain in-flight requests, load, reset the prefix cache, stamp the version, resume (an
+        engine found dead first is restarted in place, as a request would find it).
 
         New requests wait while paused; requests already running finish on the old weights, so
         every completion has exactly one version. If loading fails the engine stays paused:
         better no tokens than tokens from half-loaded weights.
         """
+        if not _REVIVING.get() and self._gone is None and self._core_stopped():  # it could answer nothing
+            log.warning("the in-process vLLM engine is stopped as a weight update begins: hung; SIGKILL its engine "
+                        "core and workers")
+            self._gone = "hung"
+            self.signal_core(signal.SIGKILL)
+        if not _REVIVING.get() and (self._gone is not None or self._llm.errored):
+            # it died or stopped between requests (the last ones finished before it did, or none was in
+            # flight): nothing is lost, so it is started again first -- its revival loads the owner's
+            # current weights, these -- and the update then goes to the new engine as to any
+            await self._restart(self._llm)
         load = weight_loader(weights, self.transfer)
         async with self._update_lock:
             if self._armed is not None:  # chaos: a fault inside the update

@@ -1,0 +1,27 @@
+"""``megathunder bench chaos``'s plan: every kind it draws is a valid ``chaos.faults`` entry of its
+deployment, the engine faults inside a weight update included (they stop the run: resumed)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+from megathunder.bench.chaos_soak import KINDS, STALL, UPDATE_KINDS, plan
+from megathunder.config import load_config
+
+
+def test_every_kind_drawn_is_a_valid_fault_of_its_deployment(tmp_path: Path):
+    kinds = [k for k in KINDS if k != "fill_disk" or os.geteuid() == 0]  # fill_disk mounts a tmpfs: root only
+    args = argparse.Namespace(seed=5, kinds=list(KINDS), runs=2 * len(kinds), steps=2, sft_steps=4, overrides=[],
+                              base_port=31000)
+    refs, runs = plan(args, tmp_path)
+    assert sorted(r.kind for r in runs) == sorted(2 * kinds)  # in rounds: each kind twice
+    for run in runs:
+        [fault] = load_config(None, run.overrides).chaos.faults
+        if run.kind in UPDATE_KINDS:
+            assert (fault.kind, fault.during) == (run.kind.removesuffix("_update"), "weight_update")
+            assert run.deployment == "in_process" and fault.step < 2
+        if run.kind in ("hang_engine", "hang_engine_update"):
+            assert set(STALL) <= set(run.overrides)
+    assert refs[0].kind == "none"

@@ -200,12 +200,15 @@ class InProcessEngine:
         by themselves), or hung and killed."""
         period = min(5.0, stall_timeout_s / 4)
         unfinished = llm.get_num_unfinished_requests
+
+        def dead() -> bool:
+            return llm.errored
         tick = time.monotonic()
         while True:
             await asyncio.sleep(period)
             if self.llm is not llm:  # closed or replaced
                 return
-            if llm.errored:
+            if dead():
                 self._gone = "died"
                 return
             now, last = time.monotonic(), tick

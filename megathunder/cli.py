@@ -27,6 +27,7 @@ BENCHMARKS = {
     "load": "megathunder.bench.weight_load",
     "routing": "megathunder.bench.routing_gap",
     "chaos": "megathunder.bench.chaos_soak",
+    "peers": "megathunder.bench.peers",
 }
 
 

@@ -35,7 +35,7 @@ from megathunder.rollout.agent_loop import Refill, build_agent_loop
 from megathunder.rollout.chat import ChatCodec
 from megathunder.rollout.engines.inprocess import InProcessEngine
 from megathunder.rollout.episode import Episode, RolloutEvent, trained_reward
-from megathunder.rollout.tasks.split import InstanceDrawError, training_instances
+from megathunder.rollout.tasks.split import InstanceDrawError, step_instances
 from megathunder.rollout.tasks.task import Task, TaskInstance
 from megathunder.rollout.types import RolloutEngine, RoutingSource, SamplingParams, StreamedWeights, WeightSource
 from megathunder.trainer.journal import Journal
@@ -100,8 +100,7 @@ class Trainer:
     def instances(self, step: int, num: int | None = None) -> list[TaskInstance]:
         """Step ``step``'s prompts (``num``, default ``batch.num_prompts_per_batch``): distinct,
         reproducible, never from the evaluation split; a longer draw extends a shorter one."""
-        return training_instances(self.cfg, self.task, num or self.cfg.batch.num_prompts_per_batch,
-                                  seed=self.cfg.run.seed * 1_000_003 + step)
+        return step_instances(self.cfg, self.task, step, num)
 
     async def rollout(self, step: int, stream: bool = False) -> list[Episode]:
         """One batch of episodes (group g = instance g), dropped groups replaced when

@@ -79,3 +79,10 @@ def training_instances(cfg: Config, task: Task, num: int, seed: int) -> list[Tas
     ev = cfg.eval
     held_out = False if ev.split == "held_out" else None
     return draw_instances(task, num, seed, held_out=held_out, heldout_fraction=ev.heldout_fraction)
+
+
+def step_instances(cfg: Config, task: Task, step: int, num: int | None = None) -> list[TaskInstance]:
+    """Training step ``step``'s prompts (``num``, default ``batch.num_prompts_per_batch``): the
+    trainer's draw, also used by ``megathunder bench peers`` to give a peer the same prompts."""
+    return training_instances(cfg, task, num or cfg.batch.num_prompts_per_batch,
+                              seed=cfg.run.seed * 1_000_003 + step)

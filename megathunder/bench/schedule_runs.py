@@ -6,6 +6,8 @@ model), one after the other on the same machine. Workloads:
 - ``quickstart``: the arithmetic quickstart (one turn, no tools, instant verifier);
 - ``tools``: the multi-turn calculator task with ``--tool-latency`` seconds per tool call and
   ``--verifier-latency`` seconds per reward (stand-ins for sandboxes and test suites);
+- ``verifier``: the quickstart's task with ``--slow-verifier-latency`` seconds per reward (default
+  3 s, like a test suite): the verifier, not generation or the learner, sets the pace;
 - ``swe_local``: the shipped SWE-style set in the local sandbox, real tools and the SWE-bench
   grading (with ``--config configs/swe_local.yaml``, which sets its limits).
 
@@ -33,8 +35,18 @@ WORKLOADS = {
     "quickstart": ["task.name=arithmetic", "agent.max_turns=1"],
     "tools": ["task.name=calculator", "task.max_operand=9", "agent.max_turns=5", "agent.max_new_tokens_per_turn=40",
               "agent.max_total_tokens=800", "rollout.engine.max_model_len=1024"],
+    "verifier": ["task.name=arithmetic", "agent.max_turns=1"],
     "swe_local": ["task.name=swe_local"],
 }
+
+
+def _latencies(name: str, args) -> tuple[float, float]:
+    """(tool, verifier) seconds added to every call on workload ``name``."""
+    if name == "tools":
+        return args.tool_latency, args.verifier_latency
+    if name == "verifier":
+        return 0.0, args.slow_verifier_latency
+    return 0.0, 0.0
 
 
 def _train(config: str, out: Path, overrides: list[str]) -> dict:
@@ -47,10 +59,10 @@ def _train(config: str, out: Path, overrides: list[str]) -> dict:
 
 
 def run_workload(name: str, args, root: Path) -> dict:
+    tool_s, verifier_s = _latencies(name, args)
     common = [*WORKLOADS[name], f"run.num_steps={args.steps}", "run.progress=false", "run.wandb=disabled",
               "run.checkpoint_every=0", "objective.tis=token", "eval.every_n_steps=0",
-              f"agent.added_tool_latency_s={args.tool_latency if name == 'tools' else 0}",
-              f"agent.added_verifier_latency_s={args.verifier_latency if name == 'tools' else 0}",
+              f"agent.added_tool_latency_s={tool_s}", f"agent.added_verifier_latency_s={verifier_s}",
               f"batch.num_prompts_per_batch={args.prompts}", f"batch.samples_per_prompt={args.samples}",
               *args.overrides]
     results, warm = {}, [f"sft.num_steps={args.sft_steps}"]
@@ -87,7 +99,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompts", type=int, default=8)
     p.add_argument("--samples", type=int, default=4)
     p.add_argument("--tool-latency", type=float, default=0.5)
-    p.add_argument("--verifier-latency", type=float, default=1.0)
+    p.add_argument("--verifier-latency", type=float, default=1.0, help="per reward on the tools workload")
+    p.add_argument("--slow-verifier-latency", type=float, default=3.0, help="per reward on the verifier workload")
     p.add_argument("--out", default=None, help="keep the runs here (default: a temporary folder)")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="applied to every run")
     args = p.parse_args(argv)

@@ -1,5 +1,6 @@
-"""``megathunder bench peers``: megathunder's sync and thunder runs beside the simplest peer, TRL's
-``GRPOTrainer``, on the same workload, in one invocation.
+"""Sync and thunder beside the simplest peer, TRL's GRPOTrainer, on the same workload.
+
+``megathunder bench peers`` runs the three one after the other in one invocation.
 
 Same model (the run's own warm-started model, or ``learner.model.hf_checkpoint``), the same prompts
 at every step (the trainer's draw, ``step_instances``), samples per prompt, completion length,

@@ -27,7 +27,7 @@ def _reward(outcome: float | Verdict) -> float:
 def main(spec_path: str) -> int:
     import torch
     from datasets import Dataset
-    from transformers import AutoTokenizer, TrainerCallback
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
     from megathunder.bench.peers import trl_arguments
@@ -72,7 +72,10 @@ def main(spec_path: str) -> int:
     tokenizer = AutoTokenizer.from_pretrained(spec["model"])
     args = GRPOConfig(output_dir=str(out / "trl_output"), max_steps=spec["steps"], use_cpu=not torch.cuda.is_available(),
                       **trl_arguments(cfg))
-    trainer = GRPOTrainer(model=spec["model"], reward_funcs=reward, args=args, train_dataset=data,
+    # loaded here, not by name: TRL resolves a name through config.architectures, which a model
+    # imported from GGUF (megathunder import-gguf) does not record
+    model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.float32)
+    trainer = GRPOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=data,
                           processing_class=tokenizer, callbacks=[clock])
     trainer.train()
     (out / "trl.json").write_text(json.dumps({"step_s": clock.step_s, "reward_mean": clock.reward_mean,

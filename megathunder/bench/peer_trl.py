@@ -24,6 +24,13 @@ def _reward(outcome: float | Verdict) -> float:
     return float(outcome.reward if isinstance(outcome, Verdict) else outcome)
 
 
+async def _verify_all(task, instances: list, texts: list[str]) -> list[float]:
+    """The task's own verifier on each completion's text, in one event loop for the whole batch."""
+    outcomes = await asyncio.gather(*(task.verify(inst, cast(Any, SimpleNamespace(final_text=t)), None)
+                                      for inst, t in zip(instances, texts)))
+    return [_reward(o) for o in outcomes]
+
+
 def main(spec_path: str) -> int:
     import torch
     from datasets import Dataset
@@ -48,8 +55,7 @@ def main(spec_path: str) -> int:
     def reward(prompts, completions, instance, **_) -> list[float]:
         texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
         clock.instances.append(list(instance))
-        return [_reward(asyncio.run(task.verify(by_id[i], cast(Any, SimpleNamespace(final_text=t)), None)))
-                for i, t in zip(instance, texts)]
+        return asyncio.run(_verify_all(task, [by_id[i] for i in instance], texts))
 
     class Clock(TrainerCallback):
         def __init__(self) -> None:

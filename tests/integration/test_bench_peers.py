@@ -10,14 +10,11 @@ import subprocess
 import sys
 from collections import Counter
 
-import pytest
 
 from megathunder.config import load_config
 from megathunder.rollout.tasks import build_task
 from megathunder.rollout.tasks.split import step_instances
 from tests.integration.test_trainer import ENV, ROOT
-
-pytest.importorskip("trl")
 
 STEPS, PROMPTS, SAMPLES = 2, 3, 2
 

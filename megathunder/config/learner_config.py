@@ -358,6 +358,15 @@ class LearnerConfig(Strict):
     (one forward and backward's launches, a pipeline stage hand-off) for activation memory, which
     grows with the tokens of one micro-batch (the local spec's unfused attention also with rows x
     length^2 scores). Context parallelism: ignored (one trajectory per micro-batch)."""
+    loss_logits_only: bool = True
+    """Training passes compute the output layer (the LM head: logits, log-softmax, entropy) only at
+    the targets the loss reads -- each trajectory's loss-mask positions -- not at its prompt, tool
+    outputs or pads. Exact: no other position's logit enters a loss, and the hidden states below the
+    head are computed as before; the selected rows' GEMM is the full one's rows, equal up to fp32
+    rounding. It saves the head's FLOPs at those positions (a 49k vocabulary on a 135M model is 21%
+    of the forward-backward, most positions being prompt) and the [tokens, vocab / TP] logits they
+    would hold, which dominate activation memory at long contexts. Forward-only scoring (the probe,
+    reference and old logprobs) computes every position. Context parallelism: ignored (off)."""
 
     @model_validator(mode="after")
     def _check(self) -> LearnerConfig:

@@ -40,6 +40,17 @@ hand-off's full shape first, so no row padding is needed. Under SP the padded le
 multiple of TP as before (the batch dimension is not split). Under CP the sequence gather is per
 trajectory, so CP falls back to one trajectory per micro-batch.
 
+Logits at the loss's targets only (``learner.loss_logits_only``, training passes). The output
+layer's input, [T_max, b, h] on the last stage, is cut to the rows at the micro-batch's loss-mask
+targets, [n, 1, h], by a pre-hook on the layer for the duration of one forward (``_LossRows``);
+``_loss_func`` computes their logprobs and puts each trajectory's back at its positions, zeros
+elsewhere, with no path to the graph there. Exact: every loss reads its terms through its effective
+mask, a subset of the loss mask, with ``torch.where``, so what sits at the other positions never
+reaches a loss or a gradient; and the rows the head sees are the same hidden states. Under sequence
+parallelism the layer's input is a sequence shard: the hook gathers it first and runs the layer
+without its SP gather for that call, so each rank's input gradient is still the TP sum of its own
+positions (``_LossRows``).
+
 Router losses (``learner.moe.aux_loss_coeff`` / ``z_loss_coeff``). Each micro-batch's rows get
 their trajectories' router-loss weights just before its forward (``router_weights``: the pass's
 weight of each trajectory, 0 in a score-only pass; ``megathunder.learner.router_losses`` derives
@@ -52,6 +63,7 @@ forward (``megathunder.learner.routing_replay``).
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterator, Sequence
 from functools import partial
 
@@ -83,6 +95,7 @@ def run_schedule(
     temperature: float = 1.0,
     pack_tokens: int = 0,
     router_weights: Sequence[float] | None = None,
+    loss_logits_only: bool = False,
 ) -> list[dict]:
     """One Megatron forward(-backward) schedule call over ``items``, several trajectories packed
     into each micro-batch.
@@ -97,7 +110,10 @@ def run_schedule(
     stage, one dict per trajectory (in ``items`` order) with its detached ``logp`` (and
     ``entropy``); nothing on other stages. ``router_weights``: each trajectory's weight of a
     MoE model's router losses in this call (``megathunder.learner.router_losses``; None: a call
-    that trains none, e.g. forward-only).
+    that trains none, e.g. forward-only). ``loss_logits_only``: the output layer only at each
+    trajectory's loss-mask targets (``learner.loss_logits_only``); the logprobs (and entropies)
+    ``loss_fn`` sees and the reports hold are zero at every other target. Not under context
+    parallelism.
     """
     device = pgs.device
     dims = pgs.dims
@@ -106,6 +122,7 @@ def run_schedule(
     index = iter(groups)
     replay = schedule_replay(ddp_model, items, pgs)  # learner.moe.routing_replay
     router_losses = schedule_router_losses(ddp_model, [t.tokens.numel() - 1 for t in items], router_weights, pgs)
+    head = _LossRows.of(ddp_model, pgs) if loss_logits_only and dims.cp == 1 else None
 
     def forward_step(data_iterator, model):
         ks = next(data_iterator)
@@ -126,11 +143,21 @@ def run_schedule(
 
             local = get_batch_on_this_cp_rank({"tokens": inputs, "labels": labels, "position_ids": positions}, pgs.cp)
             inputs, labels, positions = local["tokens"], local["labels"], local["position_ids"]
-        output = model(inputs, positions, attention_mask=None)
-        return output, partial(_loss_func, ks, labels)
+        if head is None:
+            return model(inputs, positions, attention_mask=None), partial(_loss_func, ks, labels, None)
+        targets = [items[k].loss_mask.nonzero().squeeze(-1).to(device) for k in ks]
+        with head.select(targets, len(ks)):
+            output = model(inputs, positions, attention_mask=None)
+        return output, partial(_loss_func, ks, labels, targets)
 
-    def _loss_func(ks, labels, output):
+    def _loss_func(ks, labels, targets, output):
+        if targets is not None:  # output: [1, n, v / tp], the rows at each trajectory's targets in turn
+            labels = torch.cat([labels[row, t] for row, t in enumerate(targets)])[None]
         logps, entropies = vocab_parallel_logprobs(output, labels, pgs.tp, need_entropy, temperature)
+        if targets is not None:
+            lengths = [items[k].tokens.numel() - 1 for k in ks]
+            logps = _at_targets(logps[0], targets, lengths)
+            entropies = None if entropies is None else _at_targets(entropies[0], targets, lengths)
         losses, reports = [], []
         for row, k in enumerate(ks):
             logp, entropy = logps[row], None if entropies is None else entropies[row]
@@ -171,6 +198,66 @@ def run_schedule(
         if router_losses is not None:
             router_losses.close()
     return [report for reports in out for report in reports]
+
+
+def _at_targets(flat: torch.Tensor, targets: Sequence[torch.Tensor], lengths: Sequence[int]) -> list[torch.Tensor]:
+    """Values at the rows' targets in turn, [n] -> one [length] tensor per row holding them at its
+    targets and zeros (off the graph) elsewhere."""
+    rows, start = [], 0
+    for positions, length in zip(targets, lengths, strict=True):
+        part = flat[start : start + positions.numel()]
+        start += positions.numel()
+        rows.append(flat.new_zeros(length).index_put((positions,), part))
+    return rows
+
+
+class _LossRows:
+    """The last stage's output layer, restricted for one forward to the rows at the loss's targets
+    (``learner.loss_logits_only``): a forward pre-hook replaces its input [s, b, h] (a sequence
+    shard under SP) with [n, 1, h], the rows (position t, row r) of ``select``'s targets in order.
+
+    Under SP the layer runs without its own sequence gather for that call. Its input gradient is
+    then all-reduced over TP by the layer (``copy_to_tensor_model_parallel_region``: each rank's
+    vocabulary shard contributes a part), so the hook's gather must hand back only this rank's
+    positions of that sum (``tensor_parallel_output_grad=False``), not reduce-scatter it again:
+    together the same TP sum of each rank's own positions the SP layer's reduce-scatter gives."""
+
+    def __init__(self, layer: torch.nn.Module, pgs: ProcessGroups) -> None:
+        self.layer, self.pgs = layer, pgs
+
+    @classmethod
+    def of(cls, ddp_model: torch.nn.Module, pgs: ProcessGroups) -> _LossRows | None:
+        """The hook for this rank's model chunk; None off the last pipeline stage (no output layer)."""
+        from megatron.core.utils import get_attr_wrapped_model
+
+        if not pgs.is_last_stage:
+            return None
+        return cls(get_attr_wrapped_model(ddp_model, "output_layer"), pgs)
+
+    @contextlib.contextmanager
+    def select(self, targets: Sequence[torch.Tensor], rows: int) -> Iterator[None]:
+        index = torch.cat([t * rows + r for r, t in enumerate(targets)])  # into [s * b], s-major
+        sequence_parallel = bool(getattr(self.layer, "sequence_parallel", False))
+
+        def pre_hook(_module, args, kwargs):
+            hidden = args[0]
+            if sequence_parallel:  # the whole sequence first (its backward: this rank's positions)
+                from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+
+                hidden = gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=False,
+                                                              group=self.pgs.tp)
+            hidden = hidden.reshape(-1, hidden.shape[-1]).index_select(0, index).unsqueeze(1)
+            return (hidden, *args[1:]), kwargs
+
+        handle = self.layer.register_forward_pre_hook(pre_hook, with_kwargs=True)
+        if sequence_parallel:
+            self.layer.sequence_parallel = False
+        try:
+            yield
+        finally:
+            handle.remove()
+            if sequence_parallel:
+                self.layer.sequence_parallel = True
 
 
 def padded_length(num_targets: int, multiple: int) -> int:
@@ -220,9 +307,11 @@ class MegatronBackend:
     """``GradientBackend`` over a Megatron ``DistributedDataParallel`` model chunk."""
 
     def __init__(self, ddp_model: DistributedDataParallel, pgs: ProcessGroups, objective: RLObjective | None,
-                 temperature: float = 1.0, pack_tokens: int = 0, router_losses: bool = False) -> None:
+                 temperature: float = 1.0, pack_tokens: int = 0, router_losses: bool = False,
+                 loss_logits_only: bool = False) -> None:
         self.ddp = ddp_model
         self.pack_tokens = pack_tokens  # learner.pack_tokens: backward_sum's micro-batches
+        self.loss_logits_only = loss_logits_only  # learner.loss_logits_only: the head at the loss's targets
         self.pgs = pgs
         self.objective = objective
         self.temperature = temperature  # the sampling temperature: logprobs of softmax(z / T)
@@ -250,7 +339,8 @@ class MegatronBackend:
             self.ddp.zero_grad_buffer()
             with self.ddp.no_sync():
                 run_schedule(self.ddp, self.pgs, [traj], loss, need_entropy=objective.entropy_coef > 0,
-                             temperature=self.temperature, router_weights=self._router_weights([traj], [spec]))
+                             temperature=self.temperature, router_weights=self._router_weights([traj], [spec]),
+                             loss_logits_only=self.loss_logits_only)
             self.num_backward += 1
             yield self.live
 
@@ -265,6 +355,7 @@ class MegatronBackend:
                 lambda k, logp, ent: trajectory_loss(logp, ent, trajs[k], specs[k], objective),
                 need_entropy=objective.entropy_coef > 0, temperature=self.temperature,
                 pack_tokens=self.pack_tokens, router_weights=self._router_weights(trajs, specs),
+                loss_logits_only=self.loss_logits_only,
             )
         self.num_backward += len(trajs)
         return self.live

@@ -326,7 +326,7 @@ def _reward_terms(learner: MegatronLearner, batch: Sequence[Trajectory], advanta
                 learner.ddp, learner.pgs, items,
                 lambda k, logp, ent: trajectory_loss(logp, ent, items[k], specs[k], objective, old_logp_T=olds[k]),
                 need_entropy=objective.entropy_coef > 0, temperature=learner.temperature,
-                pack_tokens=learner.cfg.pack_tokens,
+                pack_tokens=learner.cfg.pack_tokens, loss_logits_only=learner.cfg.loss_logits_only,
                 router_weights=[router_loss_weight(t, s, objective) for t, s in zip(items, specs, strict=True)],
             )
     return mine

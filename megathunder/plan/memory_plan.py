@@ -526,7 +526,9 @@ def _rank_lines(cfg: Config, shape: ModelShape, act: ActivationModel, stage: int
                            f"recompute {recompute}, "
                            f"{'SP, ' if act.sp else ''}{act.attention} attention"))
     if stored["logits"]:
-        lines.append(Line("logits", device=micro * stored["logits"], note="fp32 logprob tensors [s, V/tp]"))
+        lines.append(Line("logits", device=micro * stored["logits"],
+                          note="fp32 logprob tensors [s, V/tp] at every position: an upper bound "
+                               "(learner.loss_logits_only keeps the loss's targets only)"))
     if rl is not None and rl.kl_coef > 0:
         offload = learner.reference.offload_to_cpu and gpu
         lines.append(Line("reference", device=0 if offload else p * e, host=p * e if offload else 0,

@@ -55,7 +55,7 @@ def sft_step(learner: MegatronLearner, batch: list[Trajectory]) -> float:
 
         with learner.ddp.no_sync():  # the warm start trains the cross-entropy only: MoE router losses weigh 0
             out = run_schedule(learner.ddp, pgs, mine, loss, need_entropy=False, pack_tokens=learner.cfg.pack_tokens,
-                               router_weights=[0.0] * len(mine))
+                               router_weights=[0.0] * len(mine), loss_logits_only=learner.cfg.loss_logits_only)
         if pgs.is_last_stage:
             total = -sum(float((o["logp"].cpu() * t.loss_mask).sum()) for o, t in zip(out, mine))
     learner.step()

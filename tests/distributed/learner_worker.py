@@ -145,8 +145,9 @@ def routing_record(args) -> None:
 
 
 def packing(args) -> None:
-    """Each path unpacked (pack_tokens 0) and packed (``--pack``), from the same weights; the
-    gradients DP-reduced (``finalize_model_grads``, no step), gathered on rank 0."""
+    """Each path unpacked (pack_tokens 0) with the output layer at every position, and packed
+    (``--pack``) with it at the loss's targets only (``learner.loss_logits_only``), from the same
+    weights; the gradients DP-reduced (``finalize_model_grads``, no step), gathered on rank 0."""
     from megatron.core.distributed import finalize_model_grads
 
     from megathunder.learner.parallel import from_last_stage
@@ -175,6 +176,7 @@ def packing(args) -> None:
     out: dict = {"groups": pack_micro_batches([t.tokens.numel() - 1 for t in mine], args.pack)}
     for name, pack in (("unpacked", 0), ("packed", args.pack)):
         learner.cfg.pack_tokens = learner.backend.pack_tokens = pack
+        learner.cfg.loss_logits_only = learner.backend.loss_logits_only = pack > 0
         if objective.kl_coef > 0:
             learner.fill_ref_logprobs(batch)
         out[f"{name}_logp"] = from_last_stage(pgs, learner.token_logprobs(batch))

@@ -318,6 +318,10 @@ def test_ppo_epochs_and_minibatches_match_the_published_loop(hf_qwen2, tmp_path,
 # gradients' GEMMs sum a micro-batch's tokens in one call instead of one trajectory's at a time, the
 # same kind of reordering GRAD_TOL bounds between layouts (observed 1.1e-7 to 1.5e-7 on the four
 # layouts). Logprobs are per-row forward values (no sum over trajectories): a few ulp of fp32 apart.
+# The packed run also computes the output layer only at the loss's targets
+# (``learner.loss_logits_only``; under SP through its own all-gather / reduce-scatter pair), the
+# unpacked one at every position: the head's rows are the same hidden states, its weight gradient
+# the same products summed over fewer (zero) rows, so the same tolerance holds.
 LOGP_TOL = 4e-6  # 4 ulp of fp32 at |logp| < 8 (vocabulary 64: logp ~ -4); observed 4.8e-7 (1 ulp)
 PACK_OBJECTIVE = ('{"kl_coef": 0.1, "entropy_coef": 0.01, "advantage": "rloo", "loss_agg": "seq_mean_token_mean"}')
 
@@ -326,7 +330,8 @@ PACK_OBJECTIVE = ('{"kl_coef": 0.1, "entropy_coef": 0.01, "advantage": "rloo", "
                                     (2, "1", "2", {}), (2, "1", "1", {})], ids=["single", "tp2_sp", "pp2", "dp2"])
 def test_packed_micro_batches_give_the_unpacked_gradient(hf_qwen2, tmp_path, layout):
     """The sync gradient (``grpo_gradient``), the summed backward (``backward_sum``) and token logprobs
-    (the reference model's included), packed vs one trajectory per micro-batch, on every layout."""
+    (the reference model's included), packed with logits at the loss's targets only vs one
+    trajectory per micro-batch with logits everywhere, on every layout."""
     import json
 
     nproc, tp, pp, learner = layout

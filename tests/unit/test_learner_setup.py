@@ -96,3 +96,36 @@ def test_vocab_parallel_logprobs_single_rank_match_log_softmax(temperature):
     g1 = torch.autograd.grad((logp.sum() + entropy.sum()), logits)[0]
     g2 = torch.autograd.grad((ref.gather(-1, targets[:, None]).sum() - (ref.exp() * ref).sum()), logits)[0]
     torch.testing.assert_close(g1, g2)
+
+
+def test_cpu_adam_takes_torchs_fused_kernel_with_the_same_update():
+    """Without TE/Apex megatron-core steps with torch's Adam(W), whose CPU default is the
+    single-tensor loop; ``_fused_torch_adam`` switches the wrapped optimizer to the fused kernel.
+    Same update: one fp32 step from the same state agrees to a few ulp (the fused arithmetic rounds
+    once per element where the loop rounds per operation)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from megathunder.learner.learner import _fused_torch_adam
+
+    torch.manual_seed(0)
+    start = [torch.randn(64, 32), torch.randn(32)]
+    grads = [torch.randn_like(p) * 1e-3 for p in start]
+
+    def stepped(fused: bool) -> list[torch.Tensor]:
+        params = [torch.nn.Parameter(p.clone()) for p in start]
+        opt = torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01)
+        if fused:
+            _fused_torch_adam(SimpleNamespace(chained_optimizers=[SimpleNamespace(optimizer=opt)]))
+            assert all(g["fused"] and not g["foreach"] for g in opt.param_groups)
+        for _ in range(3):
+            for p, g in zip(params, grads):
+                p.grad = g.clone()
+            opt.step()
+        return [p.detach() for p in params]
+
+    loop, fused = stepped(False), stepped(True)
+    assert not torch.equal(loop[0], start[0])  # the steps moved the weights
+    for a, b in zip(loop, fused, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)

@@ -42,6 +42,11 @@ def _args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--pack-tokens", type=int, default=None,
                    help="learner.pack_tokens (default: the config's; 0: one trajectory per micro-batch)")
+    p.add_argument("--loss-logits-only", choices=["true", "false"], default=None,
+                   help="learner.loss_logits_only (default: the config's, true): the output layer only at the "
+                        "loss's targets")
+    p.add_argument("--loss-tokens", type=int, default=None,
+                   help="loss-mask targets per trajectory, its last ones (default: all but the first 16)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     p.add_argument("--layer-spec", choices=["local", "transformer_engine"], default="local")
     p.add_argument("--fp8", choices=["e4m3", "hybrid"], default=None)
@@ -95,6 +100,7 @@ def main(argv: Sequence[str]) -> int:
         "precision": {"params_dtype": args.dtype, "layer_spec": args.layer_spec, "fp8": args.fp8},
         "optimizer": {"lr": 1e-6},
         **({} if args.pack_tokens is None else {"pack_tokens": args.pack_tokens}),
+        **({} if args.loss_logits_only is None else {"loss_logits_only": args.loss_logits_only == "true"}),
     })
     objective = GRPOObjective(advantage="grpo")
     pgs = init_distributed(cfg)
@@ -105,7 +111,7 @@ def main(argv: Sequence[str]) -> int:
     for t in batch:
         t.tokens = torch.randint(0, args.vocab_size, (args.seq_len + 1,))
         t.loss_mask = torch.ones(args.seq_len, dtype=torch.bool)
-        t.loss_mask[:16] = False
+        t.loss_mask[: args.seq_len - args.loss_tokens if args.loss_tokens is not None else 16] = False
         t.rollout_logprobs = t.ref_logprobs = None
         t.truncated = False
     rewards = [float(rng.random() < 0.5) for _ in batch]
@@ -150,6 +156,7 @@ def main(argv: Sequence[str]) -> int:
         "device": torch.cuda.get_device_name() if pgs.device.type == "cuda" else "cpu",
         "dtype": args.dtype, "layer_spec": args.layer_spec, "fp8": args.fp8,
         "num_params": num_params, "tokens_per_step": tokens, "pack_tokens": cfg.pack_tokens,
+        "loss_logits_only": cfg.loss_logits_only,
         "step_s": {k: round(v, 4) for k, v in median.items()},
         "ratio_thunder_K0_vs_sync": round(median["thunder_K0"] / median["sync"], 4),
         "ratio_thunder_Kinf_vs_sync": round(median["thunder_Kinf"] / median["sync"], 4),

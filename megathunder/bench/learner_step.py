@@ -51,7 +51,10 @@ def _args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--layer-spec", choices=["local", "transformer_engine"], default="local")
     p.add_argument("--fp8", choices=["e4m3", "hybrid"], default=None)
     p.add_argument("--peak-tflops", type=float, default=None, help="device peak for MFU (default: by GPU name)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.loss_tokens is not None and not 1 <= args.loss_tokens <= args.seq_len:
+        p.error(f"--loss-tokens: between 1 and --seq-len ({args.seq_len}); got {args.loss_tokens}")
+    return args
 
 
 def _relaunch(args: argparse.Namespace, argv: Sequence[str]) -> int:
@@ -105,13 +108,14 @@ def main(argv: Sequence[str]) -> int:
     objective = GRPOObjective(advantage="grpo")
     pgs = init_distributed(cfg)
     learner = MegatronLearner.build(cfg, objective, pgs)
+    prompt_len = 16 if args.loss_tokens is None else args.seq_len - args.loss_tokens  # untrained targets
     rng = random.Random(0)
     batch = syn.random_batch(rng, [args.group_size] * args.num_groups, args.vocab_size, args.seq_len + 1,
                              empty_prob=0.0)
     for t in batch:
         t.tokens = torch.randint(0, args.vocab_size, (args.seq_len + 1,))
         t.loss_mask = torch.ones(args.seq_len, dtype=torch.bool)
-        t.loss_mask[: args.seq_len - args.loss_tokens if args.loss_tokens is not None else 16] = False
+        t.loss_mask[:prompt_len] = False
         t.rollout_logprobs = t.ref_logprobs = None
         t.truncated = False
     rewards = [float(rng.random() < 0.5) for _ in batch]

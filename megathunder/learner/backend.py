@@ -73,6 +73,8 @@ import torch.nn.functional as F
 from megatron.core.distributed import DistributedDataParallel
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+from megatron.core.utils import get_attr_wrapped_model
 
 from megathunder.config import RLObjective
 from megathunder.learner.logprobs import vocab_parallel_logprobs
@@ -228,8 +230,6 @@ class _LossRows:
     @classmethod
     def of(cls, ddp_model: torch.nn.Module, pgs: ProcessGroups) -> _LossRows | None:
         """The hook for this rank's model chunk; None off the last pipeline stage (no output layer)."""
-        from megatron.core.utils import get_attr_wrapped_model
-
         if not pgs.is_last_stage:
             return None
         return cls(get_attr_wrapped_model(ddp_model, "output_layer"), pgs)
@@ -242,8 +242,6 @@ class _LossRows:
         def pre_hook(_module, args, kwargs):
             hidden = args[0]
             if sequence_parallel:  # the whole sequence first (its backward: this rank's positions)
-                from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
-
                 hidden = gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=False,
                                                               group=self.pgs.tp)
             hidden = hidden.reshape(-1, hidden.shape[-1]).index_select(0, index).unsqueeze(1)

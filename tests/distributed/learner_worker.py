@@ -92,7 +92,9 @@ def equivalence(args) -> None:
     learner.step()
     out = {"before": before, "stream": full_params(learner), "peak_buffers": result.peak_buffers,
            "peak_pending": result.peak_pending, "pending_backward": result.num_pending_backward,
-           "expert_buffers": _expert_buffers_in_ledger(learner)}
+           "expert_buffers": _expert_buffers_in_ledger(learner),
+           "fused_adam": [all(g.get("fused") for g in inner.optimizer.param_groups)  # CPU: _fused_torch_adam
+                          for inner in getattr(learner.optimizer, "chained_optimizers", [learner.optimizer])]}
     if args.routing:
         restore(learner, before)
         out["logp"] = from_last_stage(pgs, learner.token_logprobs(batch))

@@ -119,22 +119,63 @@ class BenchEndpoint:
                 p.add_(torch.randint(0, 2, p.shape, generator=g, dtype=p.dtype).mul_(2).sub_(1), alpha=size)
 
     def link_bandwidth(self, nbytes: int, repeats: int = 3) -> float:
-        """Bytes per second of a gloo broadcast from rank 0 to rank 1 (best of ``repeats``)."""
-        import torch
+        """Bytes per second of a gloo broadcast from rank 0 to rank 1 (best of ``repeats``); a
+        one-rank learner measures it between two processes of its own."""
         import torch.distributed as dist
 
+        if dist.get_world_size() < 2:
+            return _two_process_bandwidth(nbytes, repeats)
         group = dist.new_group([0, 1], backend="gloo")
-        best = float("inf")
-        if self.pgs.rank in (0, 1):
-            flat = torch.empty(nbytes // 4, dtype=torch.float32)
-            for _ in range(repeats):
-                dist.barrier(group=group)
-                t0 = time.perf_counter()
-                dist.broadcast(flat, src=0, group=group)
-                best = min(best, time.perf_counter() - t0)
+        best = _timed_broadcasts(group, nbytes, repeats) if self.pgs.rank in (0, 1) else float("inf")
         box = [nbytes / best if best != float("inf") else 0.0]
         dist.broadcast_object_list(box, src=0)
         return float(box[0])
+
+
+def _timed_broadcasts(group, nbytes: int, repeats: int) -> float:
+    """The fastest of ``repeats`` broadcasts of ``nbytes`` from the group's first rank (seconds)."""
+    import torch
+    import torch.distributed as dist
+
+    flat = torch.empty(nbytes // 4, dtype=torch.float32)
+    best = float("inf")
+    for _ in range(repeats):
+        dist.barrier(group=group)
+        t0 = time.perf_counter()
+        dist.broadcast(flat, src=dist.get_global_rank(group, 0), group=group)
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def _bandwidth_rank(rank: int, store_path: str, nbytes: int, repeats: int, out) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=2)
+    try:
+        best = _timed_broadcasts(dist.group.WORLD, nbytes, repeats)
+        if rank == 0:
+            out.put(nbytes / best)
+    finally:
+        dist.destroy_process_group()
+
+
+def _two_process_bandwidth(nbytes: int, repeats: int) -> float:
+    """The gloo link between two fresh processes on this host (a one-rank learner has no peer)."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    with tempfile.TemporaryDirectory(prefix="mt_bw_") as tmp:
+        procs = [ctx.Process(target=_bandwidth_rank, args=(r, f"{tmp}/store", nbytes, repeats, out)) for r in (0, 1)]
+        for p in procs:
+            p.start()
+        try:
+            return float(out.get(timeout=120))
+        finally:
+            for p in procs:
+                p.join(timeout=30)
+                if p.is_alive():
+                    p.kill()
 
 
 def _rank(args: argparse.Namespace) -> None:

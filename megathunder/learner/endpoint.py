@@ -127,14 +127,16 @@ class LearnerEndpoint:
         learner = self.learner
         return gather_to_rank0(learner.model, learner.model_cfg, learner.pgs, learner.offset)
 
-    def score(self, tokens: list[int], prompt_len: int, routed_experts: torch.Tensor | None = None) -> torch.Tensor:
-        """The learner's logprobs of ``tokens[prompt_len:]`` given what precedes them (every rank);
-        ``routed_experts``: replay the engine's routing (``learner.moe.routing_replay``)."""
+    def score(self, tokens: list[int], prompt_len: int, routed_experts: torch.Tensor | None = None,
+              temperature: float | None = None) -> torch.Tensor:
+        """The learner's logprobs of ``tokens[prompt_len:]`` given what precedes them (every rank),
+        at the sampling temperature or ``temperature``; ``routed_experts``: replay the engine's
+        routing (``learner.moe.routing_replay``)."""
         mask = torch.zeros(len(tokens) - 1, dtype=torch.bool)
         mask[prompt_len - 1 :] = True
         traj = Trajectory(traj_id=-1, group_id=-1, tokens=torch.tensor(tokens), loss_mask=mask,
                           routed_experts=routed_experts)
-        out = self.learner.token_logprobs([traj])
+        out = self.learner.token_logprobs([traj], temperature=temperature)
         return from_last_stage(self.learner.pgs, None if out is None else out[0][prompt_len - 1 :])
 
     def checkpoint(self) -> str:

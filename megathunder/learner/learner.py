@@ -160,9 +160,10 @@ class MegatronLearner:
 
     @torch.no_grad()
     def token_logprobs(self, trajs: Sequence[Trajectory], need_entropy: bool = False,
-                       use_reference: bool = False) -> list[torch.Tensor] | None:
-        """Per-target logprobs at the sampling temperature on the last pipeline stage (None on other
-        stages); the reference model's too (a KL between the two tempered policies)."""
+                       use_reference: bool = False, temperature: float | None = None) -> list[torch.Tensor] | None:
+        """Per-target logprobs at the sampling temperature (or ``temperature``: the probe's 1) on the
+        last pipeline stage (None on other stages); the reference model's too (a KL between the two
+        tempered policies)."""
         if not trajs:
             return []
         if use_reference:
@@ -174,7 +175,8 @@ class MegatronLearner:
         if offloaded:
             model.to(self.pgs.device)
         out = run_schedule(model, self.pgs, list(trajs), lambda k, logp, ent: logp.sum() * 0,
-                           need_entropy=need_entropy, forward_only=True, temperature=self.temperature,
+                           need_entropy=need_entropy, forward_only=True,
+                           temperature=self.temperature if temperature is None else temperature,
                            pack_tokens=self.cfg.pack_tokens)
         if offloaded:
             model.to("cpu")

@@ -26,6 +26,9 @@ class SamplingParams:
     seed: int | None = None
     ignore_eos: bool = False  # benchmarks: generate exactly max_new_tokens
     priority: int = 0  # lower is served first; non-zero needs rollout.engine.scheduling != fifo
+    prompt_logprobs_from: int | None = None  # also score the prompt from this position (the probe):
+    # logprobs of softmax(logits) (temperature 1) in ``Completion.prompt_logprobs``, computed in the
+    # prefill without reading the prefix cache
 
 
 FinishReason = Literal["stop", "length", "abort"]
@@ -40,6 +43,8 @@ class Completion:
     # the distribution actually sampled, after temperature/top-p/top-k: EngineConfig.logprobs_mode)
     finish_reason: FinishReason  # "stop": EOS or a stop token (returned last)
     policy_version: int  # weights version that produced every token (-1: aborted before any token)
+    prompt_logprobs: list[float] | None = None  # SamplingParams.prompt_logprobs_from: the prompt's
+    # tokens from there on, each given the tokens before it
 
 
 @dataclass(frozen=True)

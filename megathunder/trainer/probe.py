@@ -1,20 +1,27 @@
 """The zero-staleness probe: two checks that vLLM samples from the weights being trained.
 
-After every weight push vLLM samples ``schedule.probe_tokens`` tokens at the run's temperature and
-the learner scores the same tokens.
+After every weight push vLLM scores a fixed token sequence -- the probe's prompt and a
+continuation of ``schedule.probe_tokens`` tokens that vLLM sampled once, at the run's temperature,
+when the probe was calibrated -- in one prefill, and samples one token after it (``engine_probe``):
+the logprobs of the continuation and of that token, of softmax(logits) (temperature 1: vLLM's
+prompt logprobs apply no sampling processor). The learner scores the same tokens at temperature 1.
+One prefill instead of ``probe_tokens`` decode steps: on SmolLM2-135M on a CPU ~0.25 s instead of
+~1.7 s a push (BENCHMARKS.md, "the probe").
 
-1. **vLLM moved with the learner.** Every push ends with the same probe request (same prompt, same
-   seed, the prefix cache reset): an engine that kept its weights samples the same tokens with
-   bit-identical logprobs. So if vLLM's tokens and logprobs are exactly the previous push's while
-   the learner's logprobs of those tokens changed, the push did not load the new weights -- whatever
-   the numerics, bf16 included. (Requests batched alongside the probe, or a prefix cache that could
-   not be reset because requests are in flight -- fully_async --, can change vLLM's low bits: that
-   makes the check miss a stale push, never stop a good run.)
+1. **vLLM moved with the learner.** Every push ends with the same probe request (same tokens, same
+   seed, no cached prefix read -- vLLM reads none for a request that asks for prompt logprobs): an
+   engine that kept its weights computes bit-identical logprobs and samples the same token. So if
+   vLLM's tokens and logprobs are exactly the previous push's while the learner's logprobs of
+   them changed, the push did not load the new weights -- whatever the numerics, bf16 included.
+   (Requests batched alongside the probe -- fully_async -- can change vLLM's low bits: that makes
+   the check miss a stale push, never stop a good run.)
 2. **vLLM agrees with the learner, up to numerics.** The gap of a push is the largest per-token
-   |logprob difference|: other kernels, other summation orders and, with bf16, rounding. Right after
-   engine start both sides hold the same weights, and ``schedule.probe_calibration_probes`` probes
-   (different tokens each) give the noise floor f0, the largest gap numerics alone caused. A push
-   fails when
+   |logprob difference|: other kernels, other summation orders and, with bf16, rounding. When the
+   probe is calibrated both sides hold the same weights, and ``schedule.probe_calibration_probes``
+   continuations (sampled with other seeds) are each compared twice: the probe's way (scored, at
+   temperature 1) and the rollout's way (vLLM's logprobs of its own samples at the run's temperature
+   against the learner's softmax(logits / T): the decode path and the temperature the learner
+   trains at). The largest of these gaps is the noise floor f0. A push fails when
 
        gap > tau = max(schedule.probe_tolerance, schedule.probe_noise_margin * f0)
 
@@ -32,7 +39,8 @@ the learner scores the same tokens.
    does. The tolerance of every push is reported with its gap (``probe_tolerance`` in metrics.jsonl).
 
 A floor above ``schedule.probe_max_noise_floor`` is not numerics: the engine and the learner compute
-different models (RoPE, vocabulary, layout), and the run stops at its first push.
+different models (RoPE, vocabulary, layout) or sample at different temperatures, and the run stops
+at its first push.
 """
 from __future__ import annotations
 
@@ -41,8 +49,10 @@ from dataclasses import dataclass
 
 import torch
 
+from megathunder.rollout.types import RolloutEngine, SamplingParams
 
-PROBE_SEED = 0  # the seed of the probe request every push ends with (check 1)
+
+PROBE_SEED = 0  # the seed of the probe's continuation and of the request every push ends with (check 1)
 PROBE_SESSION = "probe"  # its session: servers' routing is read from the one that served it
 
 
@@ -97,3 +107,26 @@ def engine_kept_its_weights(previous: ProbeSample | None, current: ProbeSample) 
     if previous is None or previous.tokens != current.tokens or previous.engine_logprobs != current.engine_logprobs:
         return False
     return not torch.equal(previous.learner_logprobs, current.learner_logprobs)
+
+
+@dataclass(frozen=True)
+class EngineProbe:
+    """vLLM's side of one probe: the tokens after the prompt (the continuation, then the token
+    sampled after it), their logprobs at temperature 1, and the policy version that computed them."""
+
+    tokens: list[int]
+    logprobs: list[float]
+    policy_version: int
+
+
+async def engine_probe(engine: RolloutEngine, prompt: Sequence[int], continuation: Sequence[int],
+                       seed: int = PROBE_SEED) -> EngineProbe:
+    """One request: ``prompt + continuation`` scored in one prefill (no cached prefix read) and one
+    token sampled after it, all at temperature 1."""
+    params = SamplingParams(max_new_tokens=1, temperature=1.0, seed=seed, ignore_eos=True,
+                            prompt_logprobs_from=len(prompt))
+    out = await engine.generate(list(prompt) + list(continuation), params, session_id=PROBE_SESSION)
+    if out.prompt_logprobs is None:
+        raise RuntimeError(f"{type(engine).__name__} returned no prompt logprobs (SamplingParams.prompt_logprobs_from)")
+    return EngineProbe(list(continuation) + list(out.token_ids), list(out.prompt_logprobs) + list(out.logprobs),
+                       out.policy_version)

@@ -37,7 +37,8 @@ from megathunder.rollout.engines.inprocess import InProcessEngine
 from megathunder.rollout.episode import Episode, RolloutEvent, trained_reward
 from megathunder.rollout.tasks.split import InstanceDrawError, step_instances
 from megathunder.rollout.tasks.task import Task, TaskInstance
-from megathunder.rollout.types import RolloutEngine, RoutingSource, SamplingParams, StreamedWeights, WeightSource
+from megathunder.rollout.types import (Completion, RolloutEngine, RoutingSource, SamplingParams, StreamedWeights,
+                                       WeightSource)
 from megathunder.trainer.journal import Journal
 from megathunder.trainer.metrics import MetricsLog
 from megathunder.trainer.chaos import Chaos
@@ -48,6 +49,7 @@ from megathunder.trainer.probe import (
     ProbeTolerance,
     StaleWeightsError,
     engine_kept_its_weights,
+    engine_probe,
     max_logprob_gap,
 )
 from megathunder.trainer.timeline import Timeline
@@ -91,6 +93,7 @@ class Trainer:
         sched = cfg.schedule
         self.probe_tolerance = ProbeTolerance(sched.probe_tolerance, sched.probe_noise_margin)
         self._last_probe: ProbeSample | None = None
+        self._probe_continuation: list[int] | None = None  # the tokens every push's probe scores
         self.eval_set: list[TaskInstance] | None = None
         self.bar: tqdm | None = None
         self._streaming = False  # thunder: route the rollout's events to the learner
@@ -215,7 +218,9 @@ class Trainer:
         stats = await self._load_weights()
         self.last_push = {"push_s": time.monotonic() - start, "push_bytes": stats.get("payload_bytes", float("nan")),
                           "push_changed_fraction": stats.get("changed_fraction", float("nan"))}
+        probe_start = time.monotonic()
         gap = self.last_probe_gap = await self.probe()
+        self.last_push["probe_s"] = time.monotonic() - probe_start
         self.timeline.add_sync(start, time.monotonic(), self.version)
         return gap
 
@@ -244,7 +249,7 @@ class Trainer:
             raise RuntimeError(f"schedule.mode={self.cfg.schedule.mode}: the learner's weights may be ahead of the "
                                "policy the batch is sampled from")
         await self._load_weights()  # a dense push: the senders' sparse baseline went with the old groups
-        sample = await self._probe_sample(seed=PROBE_SEED)
+        sample = await self._probe_sample()
         gap = self._gap(sample)
         if gap > self.probe_tolerance.value:
             raise StaleWeightsError(f"the restarted engine's logprobs differ from the learner's by {gap:.3e} (> "
@@ -253,25 +258,19 @@ class Trainer:
 
     async def probe(self) -> float:
         """Check that vLLM samples from the weights just pushed (``megathunder.trainer.probe``):
-        calibrate the noise floor at engine start; afterwards vLLM must have moved with the learner
-        and agree with it up to the numerics. Returns the push's gap."""
-        sched = self.cfg.schedule
-        if sched.probe_tokens == 0:
+        calibrate the noise floor the first time, when both sides hold the same weights; afterwards
+        vLLM must have moved with the learner and agree with it up to the numerics. Returns the
+        push's gap."""
+        if self.cfg.schedule.probe_tokens == 0:
             return float("nan")
-        if self.probe_tolerance.floor is None:  # engine start: both sides hold the same weights
-            gaps = [self._gap(await self._probe_sample(seed=1 + k)) for k in range(sched.probe_calibration_probes)]
-            self.probe_tolerance.calibrate(gaps)
-            if max(gaps) > sched.probe_max_noise_floor:
-                raise StaleWeightsError(
-                    f"on the same weights vLLM's logprobs differ from the learner's by {max(gaps):.3e} (> "
-                    f"schedule.probe_max_noise_floor={sched.probe_max_noise_floor:g}): not numerics; the engine "
-                    "and the learner compute different models (RoPE scaling, vocabulary, layout?)")
-        sample, previous = await self._probe_sample(seed=PROBE_SEED), self._last_probe
+        if self.probe_tolerance.floor is None:
+            await self._calibrate_probe()
+        sample, previous = await self._probe_sample(), self._last_probe
         unchanged = self.last_push.get("push_changed_fraction") == 0.0  # no weight moved in the inference dtype
         if previous is not None and not unchanged and engine_kept_its_weights(previous, sample):
             moved = float((sample.learner_logprobs - previous.learner_logprobs).abs().max())
             raise StaleWeightsError(
-                f"after the weight sync of policy version {self.version}: vLLM sampled the previous push's probe "
+                f"after the weight sync of policy version {self.version}: vLLM computed the previous push's probe "
                 f"bit for bit while the learner's logprobs of it moved by {moved:.3e}; the engine is not "
                 "sampling from the weights being trained")
         self._last_probe = sample
@@ -285,28 +284,54 @@ class Trainer:
         self.probe_tolerance.accept(gap)
         return gap
 
-    async def _probe_sample(self, seed: int) -> ProbeSample:
-        prompt = self.codec.prompt_ids(self.task.messages(self.instances(0)[0]), self.task.tool_schemas())
+    async def _calibrate_probe(self) -> None:
+        """The noise floor, on the same weights: each calibration continuation scored the probe's
+        way, and its own sampled logprobs (the decode path, at the run's temperature) against the
+        learner's. A floor above ``probe_max_noise_floor`` is not numerics."""
+        sched = self.cfg.schedule
+        prompt = self._probe_prompt()
+        gaps = []
+        for k in range(sched.probe_calibration_probes):
+            draw = await self._draw_continuation(seed=1 + k)
+            tempered = await self.service.call(LearnerEndpoint.score, prompt + draw.token_ids, len(prompt))
+            gaps += [max_logprob_gap(draw.logprobs, tempered), self._gap(await self._probe_sample(draw.token_ids))]
+        self.probe_tolerance.calibrate(gaps)
+        if max(gaps) > sched.probe_max_noise_floor:
+            raise StaleWeightsError(
+                f"on the same weights vLLM's logprobs differ from the learner's by {max(gaps):.3e} (> "
+                f"schedule.probe_max_noise_floor={sched.probe_max_noise_floor:g}): not numerics; the engine "
+                "and the learner compute different models (RoPE scaling, vocabulary, layout, temperature?)")
+
+    def _probe_prompt(self) -> list[int]:
+        return list(self.codec.prompt_ids(self.task.messages(self.instances(0)[0]), self.task.tool_schemas()))
+
+    async def _draw_continuation(self, seed: int) -> Completion:
+        """``schedule.probe_tokens`` tokens vLLM samples after the probe's prompt at the run's temperature."""
         params = SamplingParams(max_new_tokens=self.cfg.schedule.probe_tokens, temperature=self.cfg.rollout.temperature,
                                 seed=seed, ignore_eos=True)
-        try:  # the same request computes the same way every time (a cached prefix would change low bits)
-            await self.engine.reset_prefix_cache()
-        except RuntimeError:  # requests in flight (fully_async): check 1 may then miss a stale push, never stop a good run
-            pass
-        out = await self.engine.generate(prompt, params, session_id=PROBE_SESSION)
+        return await self.engine.generate(self._probe_prompt(), params, session_id=PROBE_SESSION)
+
+    async def _probe_sample(self, continuation: Sequence[int] | None = None) -> ProbeSample:
+        """vLLM's and the learner's logprobs (temperature 1) of the probe's tokens: ``continuation``,
+        or the one every push is probed with (drawn with ``PROBE_SEED`` the first time)."""
+        if continuation is None:
+            if self._probe_continuation is None:
+                self._probe_continuation = (await self._draw_continuation(seed=PROBE_SEED)).token_ids
+            continuation = self._probe_continuation
+        prompt = self._probe_prompt()
+        out = await engine_probe(self.engine, prompt, continuation)
         if out.policy_version != self.version:
             raise StaleWeightsError(f"after the weight sync of policy version {self.version}: vLLM sampled with "
                                     f"version {out.policy_version}")
-        tokens = list(prompt) + list(out.token_ids)
+        tokens = prompt + out.tokens
         routing = self.agent_loop.routing
+        routed = None
         if routing is not None:  # replayed, as training does; the gap without replay is reported beside it
             routed = torch.from_numpy((await routing.routed_experts(tokens, session_id=PROBE_SESSION)).copy())
-            own = await self.service.call(LearnerEndpoint.score, tokens, len(prompt))
+            own = await self.service.call(LearnerEndpoint.score, tokens, len(prompt), None, 1.0)
             self.last_probe_gap_own_routing = max_logprob_gap(out.logprobs, own)
-            learner_logp = await self.service.call(LearnerEndpoint.score, tokens, len(prompt), routed)
-        else:
-            learner_logp = await self.service.call(LearnerEndpoint.score, tokens, len(prompt))
-        return ProbeSample(tuple(out.token_ids), tuple(out.logprobs), learner_logp)
+        learner_logp = await self.service.call(LearnerEndpoint.score, tokens, len(prompt), routed, 1.0)
+        return ProbeSample(tuple(out.tokens), tuple(out.logprobs), learner_logp)
 
     @staticmethod
     def _gap(sample: ProbeSample) -> float:

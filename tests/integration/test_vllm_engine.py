@@ -333,6 +333,24 @@ def test_logprobs_equal_transformers_forward(runner, hf_model, temperature):
     assert max_logprob_error(hf_model, ps, out, temperature) > STALE_MIN_ERROR
 
 
+def test_the_probe_request_scores_its_prompt_as_transformers_does(runner, hf_model):
+    """The zero-staleness probe's request (``trainer.probe.engine_probe``): prompt + continuation in
+    one prefill, vLLM's logprobs of the continuation (temperature 1, no cached prefix read) and of
+    one token sampled after it, equal to a transformers forward; the same request again repeats
+    them bit for bit (check 1 rests on that)."""
+    from megathunder.trainer.probe import engine_probe
+
+    hf_model.load_state_dict(runner.state)
+    prompt, continuation = prompts(2, 24, seed=8)
+    runner.generate_many([prompt + continuation], SamplingParams(max_new_tokens=4))  # its blocks now cached
+    first = runner.run(engine_probe(runner.engine, prompt, continuation, seed=3))
+    again = runner.run(engine_probe(runner.engine, prompt, continuation, seed=3))
+    assert first.tokens[:-1] == continuation and len(first.logprobs) == len(continuation) + 1
+    assert (first.tokens, first.logprobs) == (again.tokens, again.logprobs)
+    error = (torch.tensor(first.logprobs) - hf_logprobs(hf_model, prompt, first.tokens)).abs().max().item()
+    assert error <= LOGPROB_ATOL
+
+
 def test_update_from_memory_then_from_path(runner, hf_model, base_state, tmp_path):
     ps = prompts(4, 30, seed=4)
     new = perturbed(base_state, seed=10)

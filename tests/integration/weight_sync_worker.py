@@ -39,6 +39,7 @@ from megathunder.trainer.probe import (  # noqa: E402
     ProbeSample,
     ProbeTolerance,
     engine_kept_its_weights,
+    engine_probe,
     max_logprob_gap,
 )
 from megathunder.trajectory import batch_plan  # noqa: E402
@@ -57,12 +58,17 @@ async def push_weights(service: Service, engine: RolloutEngine, policy_version: 
     return stats
 
 
-async def probe(service: Service, engine: RolloutEngine, prompt: list[int], num_tokens: int, seed: int) -> ProbeSample:
-    """The trainer's probe: the engine samples (no cached prefix), the learner scores the same tokens."""
-    await engine.reset_prefix_cache()
-    out = await engine.generate(prompt, SamplingParams(max_new_tokens=num_tokens, seed=seed, ignore_eos=True))
-    learner_logp = await service.call(LearnerEndpoint.score, prompt + list(out.token_ids), len(prompt))
-    return ProbeSample(tuple(out.token_ids), tuple(out.logprobs), learner_logp)
+async def probe(service: Service, engine: RolloutEngine, prompt: list[int], continuation: list[int]) -> ProbeSample:
+    """The trainer's probe: vLLM scores prompt + continuation in one prefill and samples one token
+    after it, the learner scores the same tokens (both at temperature 1)."""
+    out = await engine_probe(engine, prompt, continuation)
+    learner_logp = await service.call(LearnerEndpoint.score, prompt + out.tokens, len(prompt), None, 1.0)
+    return ProbeSample(tuple(out.tokens), tuple(out.logprobs), learner_logp)
+
+
+async def draw(engine: RolloutEngine, prompt: list[int], seed: int) -> list[int]:
+    """A continuation to probe with: 48 tokens vLLM samples after the prompt."""
+    return (await engine.generate(prompt, SamplingParams(max_new_tokens=48, seed=seed, ignore_eos=True))).token_ids
 
 
 def gap(sample: ProbeSample) -> float:
@@ -81,10 +87,11 @@ async def control(workdir: Path, model_dir: Path, service: Service, learner: Meg
     out: dict = {}
     try:
         tolerance = ProbeTolerance(minimum=1e-3, margin=ScheduleConfig().probe_noise_margin)  # the trainer's defaults
-        gaps = [gap(await probe(service, engine, prompt, 48, seed)) for seed in range(1, 4)]  # same weights
-        tolerance.calibrate(gaps)
+        gaps = [gap(await probe(service, engine, prompt, await draw(engine, prompt, seed))) for seed in range(1, 4)]
+        tolerance.calibrate(gaps)  # same weights
         out["gap_initial"], out["tolerance"] = max(gaps), tolerance.value
-        before = await probe(service, engine, prompt, 48, PROBE_SEED)
+        continuation = await draw(engine, prompt, PROBE_SEED)
+        before = await probe(service, engine, prompt, continuation)
 
         rng = random.Random(0)
         batch = syn.random_batch(rng, [4, 4], learner.model_cfg.vocab_size, 64, torch.float32, empty_prob=0.0)
@@ -97,12 +104,12 @@ async def control(workdir: Path, model_dir: Path, service: Service, learner: Meg
         await service.call(LearnerEndpoint.close)
         await service.call(LearnerEndpoint.step)
 
-        stale = await probe(service, engine, prompt, 48, PROBE_SEED)  # the engine still holds the old weights
+        stale = await probe(service, engine, prompt, continuation)  # the engine still holds the old weights
         out["gap_stale"] = gap(stale)
         out["stale_detected"] = engine_kept_its_weights(before, stale)
 
         out["push"] = await push_weights(service, engine, policy_version=1)
-        fresh = await probe(service, engine, prompt, 48, PROBE_SEED)
+        fresh = await probe(service, engine, prompt, continuation)
         out["policy_version"] = engine.policy_version
         out["kept_after_sync"] = engine_kept_its_weights(before, fresh)
         out["gap_after_sync"] = gap(fresh)

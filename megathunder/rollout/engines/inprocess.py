@@ -48,7 +48,7 @@ import numpy as np
 from megathunder import console
 from megathunder.config import CollectiveTransfer, EngineConfig
 from megathunder.rollout.engines.routing_capture import decode as decode_routing
-from megathunder.rollout.engines.common import engine_kwargs, finish_reason, single_version
+from megathunder.rollout.engines.common import engine_kwargs, finish_reason, scored_prompt, single_version
 from megathunder.rollout.engines.rpc import WeightLoadCall
 from megathunder.rollout.engines.transfer import StageSenders, WeightTransfer, open_transfer, weight_loader
 from megathunder.rollout.types import Completion, SamplingParams, WeightSource
@@ -86,9 +86,11 @@ def vllm_sampling_params(params: SamplingParams):
         stop_token_ids=list(params.stop_token_ids),
         ignore_eos=params.ignore_eos,
         logprobs=0,
+        prompt_logprobs=None if params.prompt_logprobs_from is None else 0,  # vLLM then reads no cached prefix
         detokenize=False,
         output_kind=vllm.sampling_params.RequestOutputKind.FINAL_ONLY,
     )
+
 
 
 class Progress:
@@ -454,6 +456,7 @@ class InProcessEngine:
             logprobs=logprobs,
             finish_reason=finish_reason(seq.finish_reason),
             policy_version=single_version(seq.weight_versions, len(token_ids), request_id),
+            prompt_logprobs=scored_prompt(prompt_token_ids, params, final.prompt_logprobs, lambda lp: lp.logprob),
         )
 
     async def prompt_logprobs(self, token_ids: Sequence[int], start: int) -> tuple[list[float], int]:

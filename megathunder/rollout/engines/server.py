@@ -48,7 +48,7 @@ import numpy as np
 from megathunder.config import EngineConfig
 from megathunder.rollout.engines.auth import MIDDLEWARE, read_api_key
 from megathunder.rollout.engines.balancer import LeastOutstandingBalancer, NoLiveServerError
-from megathunder.rollout.engines.common import engine_kwargs, finish_reason, single_version
+from megathunder.rollout.engines.common import engine_kwargs, finish_reason, scored_prompt, single_version
 from megathunder.rollout.engines.routing_capture import decode as decode_routing
 from megathunder.rollout.engines.rpc import WeightLoadCall
 from megathunder.rollout.engines.transfer import StageSenders, WeightTransfer, open_transfer, weight_loader
@@ -506,6 +506,8 @@ class ServerEngine:
                 "detokenize": False,
             },
         }
+        if params.prompt_logprobs_from is not None:  # vLLM then reads no cached prefix
+            body["sampling_params"]["prompt_logprobs"] = 0
         if params.priority:  # a server without priority scheduling refuses any other value than 0
             body["priority"] = params.priority
         out = await self._post_routed(session_id, "/inference/v1/generate", body)
@@ -519,6 +521,8 @@ class ServerEngine:
             logprobs=[c["logprob"] for c in content],
             finish_reason=finish_reason(choice.get("finish_reason")),
             policy_version=single_version(choice.get("weight_versions"), len(token_ids), request_id),
+            prompt_logprobs=scored_prompt(prompt_token_ids, params, out.get("prompt_logprobs"),
+                                          lambda lp: lp["logprob"], keys=str),  # JSON keys are strings
         )
 
     async def routed_experts(self, token_ids: Sequence[int], session_id: Hashable | None = None) -> np.ndarray:

@@ -1,0 +1,63 @@
+"""The probe's request (``megathunder.trainer.probe.engine_probe``) and how both deployments read
+vLLM's prompt logprobs (``megathunder.rollout.engines.common.scored_prompt``)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from megathunder.rollout.engines.common import scored_prompt
+from megathunder.rollout.types import Completion, SamplingParams
+from megathunder.trainer.probe import PROBE_SESSION, engine_probe
+
+
+class Recorder:
+    """An engine that answers the probe's request as vLLM would and records what it was asked."""
+
+    def __init__(self) -> None:
+        self.asked: list[tuple[list[int], SamplingParams, object]] = []
+
+    async def generate(self, prompt_token_ids, params, *, session_id=None) -> Completion:
+        self.asked.append((list(prompt_token_ids), params, session_id))
+        start = params.prompt_logprobs_from
+        scored = [-0.1 * t for t in prompt_token_ids[start:]]
+        return Completion([7], [-0.7], "length", policy_version=3, prompt_logprobs=scored)
+
+
+def test_the_probe_scores_prompt_and_continuation_in_one_request_at_temperature_one():
+    engine = Recorder()
+    out = asyncio.run(engine_probe(engine, [1, 2, 3], [4, 5], seed=11))
+    (tokens, params, session), = engine.asked
+    assert tokens == [1, 2, 3, 4, 5] and session == PROBE_SESSION
+    assert (params.max_new_tokens, params.temperature, params.seed, params.prompt_logprobs_from) == (1, 1.0, 11, 3)
+    assert (params.top_p, params.top_k) == (1.0, -1)  # nothing processes the distribution
+    assert out.tokens == [4, 5, 7] and out.logprobs == pytest.approx([-0.4, -0.5, -0.7]) and out.policy_version == 3
+
+
+def test_an_engine_without_prompt_logprobs_is_a_clear_error():
+    class NoScores:
+        async def generate(self, prompt_token_ids, params, *, session_id=None) -> Completion:
+            return Completion([7], [-0.7], "length", policy_version=0)
+
+    with pytest.raises(RuntimeError, match="NoScores returned no prompt logprobs"):
+        asyncio.run(engine_probe(NoScores(), [1, 2], [3]))  # type: ignore[arg-type]
+
+
+class Lp:
+    def __init__(self, logprob: float) -> None:
+        self.logprob = logprob
+
+
+def test_prompt_logprobs_are_read_from_vllms_objects_and_from_its_json():
+    params = SamplingParams(max_new_tokens=1, prompt_logprobs_from=2)
+    prompt = [5, 6, 7, 8]
+    objects = [None, {6: Lp(-1.0)}, {7: Lp(-2.0), 1: Lp(-0.1)}, {8: Lp(-3.0)}]
+    assert scored_prompt(prompt, params, objects, lambda lp: lp.logprob) == [-2.0, -3.0]
+    as_json = [None, {"6": {"logprob": -1.0}}, {"7": {"logprob": -2.0}, "1": {"logprob": -0.1}}, {"8": {"logprob": -3.0}}]
+    assert scored_prompt(prompt, params, as_json, lambda lp: lp["logprob"], keys=str) == [-2.0, -3.0]
+    assert scored_prompt(prompt, SamplingParams(max_new_tokens=1), None, lambda lp: lp) is None  # not asked
+    with pytest.raises(RuntimeError, match="cached prefix"):  # vLLM leaves positions read from the cache empty
+        scored_prompt(prompt, params, [None, None, None, {8: Lp(-3.0)}], lambda lp: lp.logprob)
+    with pytest.raises(RuntimeError, match="returned 3 entries"):
+        scored_prompt(prompt, params, objects[:3], lambda lp: lp.logprob)

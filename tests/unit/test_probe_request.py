@@ -50,14 +50,12 @@ class Lp:
 
 
 def test_prompt_logprobs_are_read_from_vllms_objects_and_from_its_json():
-    params = SamplingParams(max_new_tokens=1, prompt_logprobs_from=2)
     prompt = [5, 6, 7, 8]
     objects = [None, {6: Lp(-1.0)}, {7: Lp(-2.0), 1: Lp(-0.1)}, {8: Lp(-3.0)}]
-    assert scored_prompt(prompt, params, objects, lambda lp: lp.logprob) == [-2.0, -3.0]
+    assert scored_prompt(prompt, 2, objects, lambda lp: lp.logprob) == [-2.0, -3.0]
     as_json = [None, {"6": {"logprob": -1.0}}, {"7": {"logprob": -2.0}, "1": {"logprob": -0.1}}, {"8": {"logprob": -3.0}}]
-    assert scored_prompt(prompt, params, as_json, lambda lp: lp["logprob"], keys=str) == [-2.0, -3.0]
-    assert scored_prompt(prompt, SamplingParams(max_new_tokens=1), None, lambda lp: lp) is None  # not asked
+    assert scored_prompt(prompt, 2, as_json, lambda lp: lp["logprob"], keys=str) == [-2.0, -3.0]
     with pytest.raises(RuntimeError, match="cached prefix"):  # vLLM leaves positions read from the cache empty
-        scored_prompt(prompt, params, [None, None, None, {8: Lp(-3.0)}], lambda lp: lp.logprob)
+        scored_prompt(prompt, 2, [None, None, None, {8: Lp(-3.0)}], lambda lp: lp.logprob)
     with pytest.raises(RuntimeError, match="returned 3 entries"):
-        scored_prompt(prompt, params, objects[:3], lambda lp: lp.logprob)
+        scored_prompt(prompt, 2, objects[:3], lambda lp: lp.logprob)

@@ -6,7 +6,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from megathunder.config import EngineConfig
-from megathunder.rollout.types import FinishReason, SamplingParams
+from megathunder.rollout.types import FinishReason
 
 EXTENSION_CLS = "megathunder.rollout.engines.worker_extension.MegathunderWorkerExtension"
 """Passed to vLLM as ``worker_extension_cls`` (``--worker-extension-cls`` for servers)."""
@@ -68,14 +68,11 @@ def _on_cpu() -> bool:
     return current_platform.is_cpu()
 
 
-def scored_prompt(prompt_token_ids: Sequence[int], params: SamplingParams,
-                  entries: Sequence[Mapping[Any, Any] | None] | None, logprob_of: Callable[[Any], float],
-                  keys: Callable[[int], Any] = int) -> list[float] | None:
-    """``Completion.prompt_logprobs`` from vLLM's per-position entries (None at position 0; each
-    maps ``keys(token id)`` -> its logprob, read by ``logprob_of``), or None when none were asked for."""
-    start = params.prompt_logprobs_from
-    if start is None:
-        return None
+def scored_prompt(prompt_token_ids: Sequence[int], start: int, entries: Sequence[Mapping[Any, Any] | None] | None,
+                  logprob_of: Callable[[Any], float], keys: Callable[[int], Any] = int) -> list[float]:
+    """``Completion.prompt_logprobs`` (``SamplingParams.prompt_logprobs_from`` = ``start``) from
+    vLLM's per-position entries (None at position 0; each maps ``keys(token id)`` -> its logprob,
+    read by ``logprob_of``)."""
     if not 1 <= start <= len(prompt_token_ids) or entries is None or len(entries) != len(prompt_token_ids):
         raise RuntimeError(f"prompt logprobs from {start} of a {len(prompt_token_ids)}-token prompt: the engine "
                            f"returned {None if entries is None else len(entries)} entries")

@@ -456,7 +456,8 @@ class InProcessEngine:
             logprobs=logprobs,
             finish_reason=finish_reason(seq.finish_reason),
             policy_version=single_version(seq.weight_versions, len(token_ids), request_id),
-            prompt_logprobs=scored_prompt(prompt_token_ids, params, final.prompt_logprobs, lambda lp: lp.logprob),
+            prompt_logprobs=None if params.prompt_logprobs_from is None else scored_prompt(
+                prompt_token_ids, params.prompt_logprobs_from, final.prompt_logprobs, lambda lp: lp.logprob),
         )
 
     async def prompt_logprobs(self, token_ids: Sequence[int], start: int) -> tuple[list[float], int]:

@@ -521,8 +521,9 @@ class ServerEngine:
             logprobs=[c["logprob"] for c in content],
             finish_reason=finish_reason(choice.get("finish_reason")),
             policy_version=single_version(choice.get("weight_versions"), len(token_ids), request_id),
-            prompt_logprobs=scored_prompt(prompt_token_ids, params, out.get("prompt_logprobs"),
-                                          lambda lp: lp["logprob"], keys=str),  # JSON keys are strings
+            prompt_logprobs=None if params.prompt_logprobs_from is None else scored_prompt(
+                prompt_token_ids, params.prompt_logprobs_from, out.get("prompt_logprobs"), lambda lp: lp["logprob"],
+                keys=str),  # JSON keys are strings
         )
 
     async def routed_experts(self, token_ids: Sequence[int], session_id: Hashable | None = None) -> np.ndarray:

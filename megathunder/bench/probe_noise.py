@@ -3,11 +3,14 @@
 The zero-staleness probe (``megathunder.trainer.probe``) stops a run when a push leaves vLLM's
 logprobs further from the learner's than numerics explain. This measures the numerics: a tiny
 random Qwen2 (or ``--model``) in the Megatron learner and in an in-process vLLM engine, the weights
-pushed as in training; ``--probes`` probes of ``--tokens`` tokens each at ``--temperature``, on the
-initial weights and after each of ``--updates`` pushed weight updates (random perturbations of
-relative size ``--update-scale``). Per engine dtype it reports the calibration floor (the max of the
-first ``--calibration`` probes), the largest gap / floor ratio of every later probe (the margin the
-tolerance needs), and the gap a push that did not happen leaves (the next update's, unpushed).
+pushed as in training; ``--probes`` continuations of ``--tokens`` tokens each sampled at
+``--temperature``, on the initial weights and after each of ``--updates`` pushed weight updates
+(random perturbations of relative size ``--update-scale``), each compared the trainer's two ways
+(vLLM's logprobs of its samples at T; the continuation scored in one prefill at T = 1). Per engine
+dtype it reports the calibration floor as the trainer sets it (the max of both ways over the first
+``--calibration`` continuations, and each way's own), the largest gap / floor ratio of every later
+probe (scored, as every push's probe is: the margin the tolerance needs), and the gap a push that
+did not happen leaves (the next update's, unpushed).
 Prints a table, then one JSON object as the last line.
 """
 
@@ -31,7 +34,7 @@ async def _measure(model_dir: Path, engine_dtype: str, params_dtype: str, args: 
     from megathunder.learner.push import gather_to_rank0
     from megathunder.rollout.engines import start_engine
     from megathunder.rollout.types import SamplingParams
-    from megathunder.trainer.probe import max_logprob_gap
+    from megathunder.trainer.probe import engine_probe, max_logprob_gap
     from megathunder.trajectory import Trajectory
 
     cfg = LearnerConfig.model_validate({"precision": {"params_dtype": params_dtype},
@@ -43,15 +46,22 @@ async def _measure(model_dir: Path, engine_dtype: str, params_dtype: str, args: 
                                 model_dir, log_dir=args.log_dir)  # one process: the gathered weights by rpc
     prompt = list(range(5, 45))
 
-    async def probe(seed: int) -> float:
+    def learner_logp(tokens: list[int], temperature: float) -> torch.Tensor:
+        t = torch.tensor(tokens)
+        mask = torch.zeros(t.numel() - 1, dtype=torch.bool)
+        mask[len(prompt) - 1:] = True
+        logp = learner.token_logprobs([Trajectory(-1, -1, t, mask)], temperature=temperature)
+        assert logp is not None
+        return logp[0][len(prompt) - 1:]
+
+    async def probe(seed: int) -> tuple[float, float]:
+        """The trainer's two ways on one continuation: vLLM's logprobs of its own samples at T
+        (calibration's decode path), and the continuation scored in one prefill at T = 1 (a push's probe)."""
         out = await engine.generate(prompt, SamplingParams(max_new_tokens=args.tokens, temperature=args.temperature,
                                                            seed=seed, ignore_eos=True))
-        tokens = torch.tensor(prompt + list(out.token_ids))
-        mask = torch.zeros(tokens.numel() - 1, dtype=torch.bool)
-        mask[len(prompt) - 1:] = True
-        logp = learner.token_logprobs([Trajectory(-1, -1, tokens, mask)])
-        assert logp is not None
-        return max_logprob_gap(out.logprobs, logp[0][len(prompt) - 1:])
+        sampled = max_logprob_gap(out.logprobs, learner_logp(prompt + list(out.token_ids), args.temperature))
+        scored = await engine_probe(engine, prompt, out.token_ids, seed=seed)
+        return sampled, max_logprob_gap(scored.logprobs, learner_logp(prompt + scored.tokens, 1.0))
 
     def full_weights() -> list[tuple[str, torch.Tensor]]:
         weights = gather_to_rank0(learner.model, learner.model_cfg, learner.pgs, learner.offset)
@@ -77,13 +87,19 @@ async def _measure(model_dir: Path, engine_dtype: str, params_dtype: str, args: 
             after += [await probe(10_000 * (update + 1) + seed) for seed in range(args.probes // 2)]
     finally:
         await engine.close()
-    floor = max(same[: args.calibration])
-    later = same[args.calibration:] + after
+    calibration = [gap for pair in same[: args.calibration] for gap in pair]  # the trainer's floor: both ways
+    floor = max(calibration)
+    pushes = [scored for _, scored in same[args.calibration:]]  # every later probe is scored in one prefill
+    after_scored = [scored for _, scored in after]
+    later = pushes + after_scored
     return {"engine_dtype": engine_dtype, "params_dtype": params_dtype, "floor": floor,
-            "median_gap": float(torch.tensor(same).median()), "max_ratio": max(later) / floor if later else 0.0,
-            "max_ratio_same_weights": max(same[args.calibration:]) / floor if len(same) > args.calibration else 0.0,
-            "max_ratio_after_updates": max(after) / floor if after else 0.0,
-            "min_stale_gap": min(stale) if stale else float("nan"),
+            "floor_sampled": max(g for g, _ in same[: args.calibration]),
+            "floor_scored": max(g for _, g in same[: args.calibration]),
+            "median_gap": float(torch.tensor([g for _, g in same]).median()),
+            "max_ratio": max(later) / floor if later else 0.0,
+            "max_ratio_same_weights": max(pushes) / floor if pushes else 0.0,
+            "max_ratio_after_updates": max(after_scored) / floor if after_scored else 0.0,
+            "min_stale_gap": min(g for _, g in stale) if stale else float("nan"),
             "num_probes": len(same) + len(after)}
 
 
@@ -111,9 +127,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             results.append(asyncio.run(_measure(model_dir, dtype, args.params_dtype, args)))
     print(f"\nprobe noise: learner {args.params_dtype}, {args.tokens} tokens per probe at T={args.temperature}, "
           f"calibration on {args.calibration} probes, updates of relative size {args.update_scale:g}")
-    print(f"{'engine':<9} {'floor':>9} {'median':>9} {'max ratio':>10} {'same w.':>8} {'updated':>8} {'stale min':>10}")
+    print(f"{'engine':<9} {'floor':>9} {'sampled':>9} {'scored':>9} {'median':>9} {'max ratio':>10} {'same w.':>8} "
+          f"{'updated':>8} {'stale min':>10}")
     for r in results:
-        print(f"{r['engine_dtype']:<9} {r['floor']:>9.2e} {r['median_gap']:>9.2e} {r['max_ratio']:>10.2f} "
-              f"{r['max_ratio_same_weights']:>8.2f} {r['max_ratio_after_updates']:>8.2f} {r['min_stale_gap']:>10.2e}")
+        print(f"{r['engine_dtype']:<9} {r['floor']:>9.2e} {r['floor_sampled']:>9.2e} {r['floor_scored']:>9.2e} "
+              f"{r['median_gap']:>9.2e} {r['max_ratio']:>10.2f} {r['max_ratio_same_weights']:>8.2f} "
+              f"{r['max_ratio_after_updates']:>8.2f} {r['min_stale_gap']:>10.2e}")
     print(json.dumps({"bench": "probe", "rows": results}))
     return 0

@@ -7,10 +7,11 @@ pushed as in training; ``--probes`` continuations of ``--tokens`` tokens each sa
 ``--temperature``, on the initial weights and after each of ``--updates`` pushed weight updates
 (random perturbations of relative size ``--update-scale``), each compared the trainer's two ways
 (vLLM's logprobs of its samples at T; the continuation scored in one prefill at T = 1). Per engine
-dtype it reports the calibration floor as the trainer sets it (the max of both ways over the first
-``--calibration`` continuations, and each way's own), the largest gap / floor ratio of every later
-probe (scored, as every push's probe is: the margin the tolerance needs), and the gap a push that
-did not happen leaves (the next update's, unpushed).
+dtype it reports the calibration floor as the trainer sets it (the max scored gap of the first
+``--calibration`` continuations), their sampled gaps' max / floor (the trainer's temperature check
+needs it under the margin), the largest gap / floor ratio of every later probe (scored, as every
+push's probe is: the margin the tolerance needs), and the gap a push that did not happen leaves
+(the next update's, unpushed).
 Prints a table, then one JSON object as the last line.
 """
 
@@ -87,14 +88,12 @@ async def _measure(model_dir: Path, engine_dtype: str, params_dtype: str, args: 
             after += [await probe(10_000 * (update + 1) + seed) for seed in range(args.probes // 2)]
     finally:
         await engine.close()
-    calibration = [gap for pair in same[: args.calibration] for gap in pair]  # the trainer's floor: both ways
-    floor = max(calibration)
+    floor = max(scored for _, scored in same[: args.calibration])  # the trainer's floor
     pushes = [scored for _, scored in same[args.calibration:]]  # every later probe is scored in one prefill
     after_scored = [scored for _, scored in after]
     later = pushes + after_scored
     return {"engine_dtype": engine_dtype, "params_dtype": params_dtype, "floor": floor,
-            "floor_sampled": max(g for g, _ in same[: args.calibration]),
-            "floor_scored": max(g for _, g in same[: args.calibration]),
+            "sampled_ratio": max(g for g, _ in same[: args.calibration]) / floor,  # the temperature check's
             "median_gap": float(torch.tensor([g for _, g in same]).median()),
             "max_ratio": max(later) / floor if later else 0.0,
             "max_ratio_same_weights": max(pushes) / floor if pushes else 0.0,
@@ -127,11 +126,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             results.append(asyncio.run(_measure(model_dir, dtype, args.params_dtype, args)))
     print(f"\nprobe noise: learner {args.params_dtype}, {args.tokens} tokens per probe at T={args.temperature}, "
           f"calibration on {args.calibration} probes, updates of relative size {args.update_scale:g}")
-    print(f"{'engine':<9} {'floor':>9} {'sampled':>9} {'scored':>9} {'median':>9} {'max ratio':>10} {'same w.':>8} "
+    print(f"{'engine':<9} {'floor':>9} {'sampled':>8} {'median':>9} {'max ratio':>10} {'same w.':>8} "
           f"{'updated':>8} {'stale min':>10}")
     for r in results:
-        print(f"{r['engine_dtype']:<9} {r['floor']:>9.2e} {r['floor_sampled']:>9.2e} {r['floor_scored']:>9.2e} "
-              f"{r['median_gap']:>9.2e} {r['max_ratio']:>10.2f} {r['max_ratio_same_weights']:>8.2f} "
-              f"{r['max_ratio_after_updates']:>8.2f} {r['min_stale_gap']:>10.2e}")
+        print(f"{r['engine_dtype']:<9} {r['floor']:>9.2e} {r['sampled_ratio']:>8.2f} {r['median_gap']:>9.2e} "
+              f"{r['max_ratio']:>10.2f} {r['max_ratio_same_weights']:>8.2f} {r['max_ratio_after_updates']:>8.2f} "
+              f"{r['min_stale_gap']:>10.2e}")
     print(json.dumps({"bench": "probe", "rows": results}))
     return 0

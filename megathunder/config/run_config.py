@@ -65,13 +65,14 @@ class ScheduleConfig(Strict):
     """fully_async: a group whose oldest turn was sampled more than this many optimizer steps
     before the step that would train on it is dropped (and logged)."""
     probe_tokens: int = Field(16, ge=0)
-    """Zero-staleness probe after each weight sync: tokens sampled by the engine and scored by the
-    learner (0: off)."""
+    """Zero-staleness probe after each weight sync: the length of the continuation the engine samples
+    once and then scores after every push in one prefill, as the learner does (0: off)."""
     probe_tolerance: float = Field(1e-3, gt=0)
     """The smallest tolerance of the probe: a push is stale when its largest per-token |logprob gap|
     exceeds max(probe_tolerance, probe_noise_margin * the noise floor) (``megathunder.trainer.probe``)."""
     probe_calibration_probes: int = Field(3, ge=1)
-    """Probes on the initial weights (the same on both sides) that measure the noise floor."""
+    """Continuations on the first pushed weights (the same on both sides), scored as a push's probe
+    is, that measure the noise floor; each is also compared as sampled, at the run's temperature."""
     probe_noise_margin: float = Field(10.0, ge=1)
     """How many times the noise floor a gap may reach (measured: the largest later gap was 3.2x the
     floor over 300 probes with a bf16 engine, 2.6x with fp32: BENCHMARKS.md, "probe noise")."""

@@ -285,22 +285,31 @@ class Trainer:
         return gap
 
     async def _calibrate_probe(self) -> None:
-        """The noise floor, on the same weights: each calibration continuation scored the probe's
-        way, and its own sampled logprobs (the decode path, at the run's temperature) against the
-        learner's. A floor above ``probe_max_noise_floor`` is not numerics."""
+        """The noise floor, on the same weights: other continuations scored the probe's way. A floor
+        above ``probe_max_noise_floor`` is not numerics. Then the decode path, once: vLLM's logprobs
+        of its own samples against the learner's at the run's temperature (of the unscaled logits
+        under ``logprobs_mode: raw_logprobs``) must be within the tolerance too."""
         sched = self.cfg.schedule
         prompt = self._probe_prompt()
-        gaps = []
+        processed = self.cfg.rollout.engine.logprobs_mode == "processed_logprobs"
+        sampled_at = self.cfg.rollout.temperature if processed else 1.0
+        scored, sampled = [], []
         for k in range(sched.probe_calibration_probes):
             draw = await self._draw_continuation(seed=1 + k)
-            tempered = await self.service.call(LearnerEndpoint.score, prompt + draw.token_ids, len(prompt))
-            gaps += [max_logprob_gap(draw.logprobs, tempered), self._gap(await self._probe_sample(draw.token_ids))]
-        self.probe_tolerance.calibrate(gaps)
-        if max(gaps) > sched.probe_max_noise_floor:
+            scored.append(self._gap(await self._probe_sample(draw.token_ids)))
+            learner = await self.service.call(LearnerEndpoint.score, prompt + draw.token_ids, len(prompt), None, sampled_at)
+            sampled.append(max_logprob_gap(draw.logprobs, learner))
+        self.probe_tolerance.calibrate(scored)
+        if max(scored) > sched.probe_max_noise_floor:
             raise StaleWeightsError(
-                f"on the same weights vLLM's logprobs differ from the learner's by {max(gaps):.3e} (> "
+                f"on the same weights vLLM's logprobs differ from the learner's by {max(scored):.3e} (> "
                 f"schedule.probe_max_noise_floor={sched.probe_max_noise_floor:g}): not numerics; the engine "
-                "and the learner compute different models (RoPE scaling, vocabulary, layout, temperature?)")
+                "and the learner compute different models (RoPE scaling, vocabulary, layout?)")
+        if max(sampled) > self.probe_tolerance.value:
+            raise StaleWeightsError(
+                f"vLLM's logprobs of its own samples differ from the learner's softmax(logits / {sampled_at:g}) by "
+                f"{max(sampled):.3e} (> the probe's tolerance {self.probe_tolerance.value:.3e}) while its scores of "
+                "the same tokens agree: the engine samples another distribution than the one trained (temperature?)")
 
     def _probe_prompt(self) -> list[int]:
         return list(self.codec.prompt_ids(self.task.messages(self.instances(0)[0]), self.task.tool_schemas()))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+import torch
 
 from megathunder.rollout.engines.common import scored_prompt
 from megathunder.rollout.types import Completion, SamplingParams
@@ -59,3 +60,52 @@ def test_prompt_logprobs_are_read_from_vllms_objects_and_from_its_json():
         scored_prompt(prompt, 2, [None, None, None, {8: Lp(-3.0)}], lambda lp: lp.logprob)
     with pytest.raises(RuntimeError, match="returned 3 entries"):
         scored_prompt(prompt, 2, objects[:3], lambda lp: lp.logprob)
+
+
+class TemperedService:
+    """The learner of a fake model whose logit of token t is -t / 10: its logprob of t at temperature
+    T is taken as -t / (10 T) (the score call ``Trainer`` makes: tokens, prompt length, routing, T)."""
+
+    async def call(self, fn, tokens, prompt_len, routed=None, temperature=None):
+        return torch.tensor([-0.1 * t / temperature for t in tokens[prompt_len:]], dtype=torch.float64)
+
+
+class TemperedEngine:
+    """The same fake model in the engine: samples at ``sample_temperature``, scores (prompt logprobs)
+    at temperature 1, as vLLM does."""
+
+    def __init__(self, sample_temperature: float) -> None:
+        self.sample_temperature = sample_temperature
+
+    async def generate(self, prompt_token_ids, params, *, session_id=None) -> Completion:
+        start = params.prompt_logprobs_from
+        if start is not None:  # the probe's request
+            return Completion([7], [-0.7], "length", 0, prompt_logprobs=[-0.1 * t for t in prompt_token_ids[start:]])
+        tokens = [3 + (params.seed + k) % 5 for k in range(params.max_new_tokens)]
+        return Completion(tokens, [-0.1 * t / self.sample_temperature for t in tokens], "length", 0)
+
+
+def _calibrated_trainer(engine_samples_at: float, *overrides: str):
+    from types import SimpleNamespace
+
+    from megathunder.config import load_config
+    from megathunder.trainer.probe import ProbeTolerance
+    from megathunder.trainer.trainer import Trainer
+
+    trainer = Trainer.__new__(Trainer)  # only what the probe's calibration reads
+    trainer.cfg = load_config(None, ["rollout.temperature=0.8", *overrides])
+    trainer.service, trainer.engine = TemperedService(), TemperedEngine(engine_samples_at)
+    trainer.agent_loop, trainer.version = SimpleNamespace(routing=None), 0
+    trainer._probe_continuation, trainer._probe_prompt = None, lambda: [1, 2, 3]
+    trainer.probe_tolerance = ProbeTolerance(1e-3, 10.0)
+    asyncio.run(trainer._calibrate_probe())
+    return trainer
+
+
+def test_calibration_stops_an_engine_that_samples_at_another_temperature():
+    from megathunder.trainer.probe import StaleWeightsError
+
+    assert _calibrated_trainer(0.8).probe_tolerance.floor <= 1e-15  # the fake's scores agree up to rounding
+    _calibrated_trainer(1.0, "rollout.engine.logprobs_mode=raw_logprobs")  # raw: of the unscaled logits
+    with pytest.raises(StaleWeightsError, match="samples another distribution"):
+        _calibrated_trainer(1.0)  # its samples' logprobs are of T = 1, the learner trains T = 0.8

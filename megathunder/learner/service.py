@@ -29,7 +29,10 @@ behind. Only events wait, only on an idle learner, and only when packing is on; 
 is the same either way (``GradientLedger.hold``). With ``generating`` set (the trainer sets it when
 the rollout engine computes on the learner's own cores or devices: ``ledger.hold_while_generating``),
 the window stays open past ``pack_window_s`` while it returns true: a backward pass started then
-would take compute from the sequences still generating, and the work goes packed once they pause.
+would take compute from the sequences still generating, and the work goes packed once they pause --
+after one more ``pack_window_s``: the sequences of generation's last steps are still on their way
+to the learner when the engine stops (on SmolLM2 the first of them would start a pass over half
+the batch that the other half then waited behind: BENCHMARKS.md, "the generation tail").
 
 Failure (``megathunder.learner.liveness``): every rank writes a heartbeat to the job's store each
 second, and the index of the learner call it started and finished as it runs each call. When a
@@ -164,7 +167,8 @@ class LearnerService(Generic[E]):
 
     def _wait_for_next_call(self) -> bool:
         """(``_lock`` held) An event's pack window: whether the next call arrived within
-        ``pack_window_s``, or while ``generating()`` held after it (asked every GENERATING_POLL_S)."""
+        ``pack_window_s``, or while ``generating()`` held after it (asked every GENERATING_POLL_S)
+        and ``pack_window_s`` after it stopped."""
         wakes = self._num_wakes
 
         def arrived() -> bool:
@@ -175,9 +179,13 @@ class LearnerService(Generic[E]):
 
         if self._submitted.wait_for(ended, timeout=self.pack_window_s):
             return arrived()
+        held = False
         while self.generating is not None and self.generating():
+            held = True
             if self._submitted.wait_for(ended, timeout=GENERATING_POLL_S):
                 return arrived()
+        if held:  # generation ended: the sequences of its last steps reach the learner as a burst now
+            return self._submitted.wait_for(ended, timeout=self.pack_window_s) and arrived()
         return False
 
     def _on_hang(self) -> None:

@@ -119,6 +119,32 @@ def test_the_window_stays_open_while_the_engine_generates_and_closes_when_it_sto
     assert rec.seen[-2:] == [("event1", False), ("ready", False)]
 
 
+def test_when_generation_ends_the_window_waits_once_more_for_the_burst_it_releases():
+    """The engine's last sequences reach the learner just after it stops generating: the window
+    held open by ``generating`` waits ``pack_window_s`` once more after it turns false, and the
+    call that arrives then finds the event waiting. ``generating`` itself starts that call on
+    another thread the moment it first answers false: the call needs the service's lock, which the
+    window releases only when it waits, so it arrives during that wait and never before."""
+    rec = Windowed()
+    answers = iter([True, False])
+    follow: list[threading.Thread] = []
+
+    def generating() -> bool:
+        now = next(answers, False)
+        if not now and not follow:  # the burst generation's end releases
+            follow.append(threading.Thread(target=lambda: service.submit(Windowed.done)))
+            follow[0].start()
+        return now
+
+    service = LearnerService(rec, pack_window_s=1.0, generating=generating)
+    try:
+        service.submit(Windowed.event, 0).result(timeout=30)
+        follow[0].join(timeout=30)
+    finally:
+        service.stop()
+    assert rec.seen[0] == ("event0", True)
+
+
 def test_stop_ends_a_window_held_open_by_generation():
     """A message that is not a call (stop, a learner fault) ends the window: the event runs with
     nothing queued, then the service stops, though the engine still generates."""

@@ -237,8 +237,9 @@ class LedgerConfig(Strict):
     devices (in_process: ``rollout.engine.deployment=in_process``), an event's window stays open
     while any sequence is still generating, so no backward pass takes compute from them; the held
     work goes in one packed call when the next event comes or generation pauses (tool calls,
-    verifiers, the batch's end). never: the window is ``pack_window_s`` alone. Only the timing
-    changes, never what is computed."""
+    verifiers, the batch's end) and ``pack_window_s`` more has passed (the sequences of the last
+    engine steps arrive just after it stops). never: the window is ``pack_window_s`` alone. Only
+    the timing changes, never what is computed."""
     max_pending: int | None = Field(0, ge=0)
     """Gradients before the reward: a trajectory's score gradient h_i is computed when it finishes,
     while its verifier runs, and kept in a *pending* parameter-sized buffer (the slots' dtype and

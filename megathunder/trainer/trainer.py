@@ -297,7 +297,9 @@ class Trainer:
         for k in range(sched.probe_calibration_probes):
             draw = await self._draw_continuation(seed=1 + k)
             scored.append(self._gap(await self._probe_sample(draw.token_ids)))
-            learner = await self.service.call(LearnerEndpoint.score, prompt + draw.token_ids, len(prompt), None, sampled_at)
+            tokens = prompt + draw.token_ids  # the probe's prefill computed (and routed) every position
+            learner = await self.service.call(LearnerEndpoint.score, tokens, len(prompt), await self._routed(tokens),
+                                              sampled_at)
             sampled.append(max_logprob_gap(draw.logprobs, learner))
         self.probe_tolerance.calibrate(scored)
         if max(scored) > sched.probe_max_noise_floor:
@@ -333,14 +335,19 @@ class Trainer:
             raise StaleWeightsError(f"after the weight sync of policy version {self.version}: vLLM sampled with "
                                     f"version {out.policy_version}")
         tokens = prompt + out.tokens
-        routing = self.agent_loop.routing
-        routed = None
-        if routing is not None:  # replayed, as training does; the gap without replay is reported beside it
-            routed = torch.from_numpy((await routing.routed_experts(tokens, session_id=PROBE_SESSION)).copy())
+        routed = await self._routed(tokens)
+        if routed is not None:  # replayed, as training does; the gap without replay is reported beside it
             own = await self.service.call(LearnerEndpoint.score, tokens, len(prompt), None, 1.0)
             self.last_probe_gap_own_routing = max_logprob_gap(out.logprobs, own)
         learner_logp = await self.service.call(LearnerEndpoint.score, tokens, len(prompt), routed, 1.0)
         return ProbeSample(tuple(out.tokens), tuple(out.logprobs), learner_logp)
+
+    async def _routed(self, tokens: list[int]) -> torch.Tensor | None:
+        """Routing replay: the experts vLLM's probe request routed ``tokens`` to (None without it)."""
+        routing = self.agent_loop.routing
+        if routing is None:
+            return None
+        return torch.from_numpy((await routing.routed_experts(tokens, session_id=PROBE_SESSION)).copy())
 
     @staticmethod
     def _gap(sample: ProbeSample) -> float:

@@ -38,12 +38,8 @@ def main() -> None:
         n = body["sampling_params"]["max_tokens"]
         ids = [(sum(body["token_ids"]) + k) % 97 for k in range(n)]
         served["n"] += 1
-        scored = None  # vLLM's JSON: None at position 0, then {str(token id): {"logprob": ...}}
-        if body["sampling_params"].get("prompt_logprobs") is not None:
-            scored = [None] + [{str(t): {"logprob": -0.02 * (t + 1), "rank": 1}} for t in body["token_ids"][1:]]
         return web.json_response({
             "port": port,
-            "prompt_logprobs": scored,
             "choices": [{
                 "token_ids": ids,
                 "logprobs": {"content": [{"token_id": t, "logprob": -0.01 * (t + 1)} for t in ids]},

@@ -248,6 +248,15 @@ class LedgerConfig(Strict):
     null = as many as ``slot_budget_gb`` leaves after K slots at their largest (unbounded without a
     budget: up to one per trajectory of the batch). A trajectory finding none takes the
     reward-time path. Off by default: it adds buffers the budget must be sized for."""
+    per_turn_scores: Literal["off", "recompute", "kv_adjoint", "forward_early"] = "off"
+    """Per-turn score gradients (thunder, ``objective.kind: grpo``, multi-turn episodes): a
+    trajectory's h_i is computed turn by turn, each model turn's part while its tool call runs, into
+    a pending buffer (``max_pending``; none free: the trajectory takes the finish-time path), so at
+    its finish only the adjoint sweep is left (``megathunder.streaming.grpo_turns``). The value is the
+    strategy, as OPD's ``objective.strategy``; kv_adjoint and forward_early need
+    ``learner.precision.core_attention=past_kv``. Needs ``objective.tis: none`` and a ``loss_agg``
+    whose per-trajectory weight is 1 (not seq_mean_token_mean); no pipeline / context / sequence
+    parallelism, no MoE. off: h_i at finish or reward time."""
     hold_groups_until_close: bool = False
     """Keep every part of a group's gradient in its slot until all its rewards are in, so a group
     can still be dropped at its last reward (a failed trajectory). Derived: true whenever

@@ -454,6 +454,41 @@ class Config(Strict):
         return self
 
     @model_validator(mode="after")
+    def _check_per_turn_scores(self) -> Config:
+        """Per-turn score gradients: what ``megathunder.streaming.grpo_turns`` can stream exactly."""
+        strategy = self.ledger.per_turn_scores
+        if strategy == "off" or self.schedule.mode != "thunder":  # only thunder streams a batch's gradient
+            return self
+        obj, par = self.objective, self.learner.parallel
+        field = f"ledger.per_turn_scores: {strategy}"
+        if obj.kind != "grpo":
+            raise ValueError(f"{field} streams GRPO's score term; objective.kind={obj.kind} (opd_grpo's turns "
+                             "already stream its KL term; use off)")
+        assert isinstance(obj, RLObjective)
+        if self.ledger.max_pending == 0:
+            raise ValueError(f"{field} accumulates each trajectory's h_i in a pending buffer; "
+                             "ledger.max_pending is 0 (set a number, or null for the budget's)")
+        if obj.tis != "none":
+            raise ValueError(f"{field}: objective.tis {obj.tis} weights tokens by the engine's logprobs, which "
+                             "the turn event does not carry; use tis: none")
+        if obj.loss_agg == "seq_mean_token_mean":
+            raise ValueError(f"{field}: objective.loss_agg seq_mean_token_mean weights a trajectory by 1 / its "
+                             "length, unknown before it ends; use token_mean, seq_mean_token_sum or "
+                             "seq_mean_token_sum_norm")
+        for name, value in (("pipeline_parallel", par.pipeline_parallel), ("context_parallel", par.context_parallel)):
+            if value > 1:
+                raise ValueError(f"learner.parallel.{name}: {field} forwards each turn as one model call; use 1")
+        if par.sequence_parallel:
+            raise ValueError(f"learner.parallel.sequence_parallel: {field} forwards each turn segment as one "
+                             "model call of its own length; use false")
+        if strategy != "recompute" and self.learner.precision.core_attention != "past_kv":
+            raise ValueError(f"{field} needs learner.precision.core_attention=past_kv")
+        if self.learner.model.is_moe or (self.run.init_model == "tiny" and self.run.tiny_model.num_experts):
+            raise ValueError(f"{field}: a MoE model's router losses and routing replay do not run in a turn's "
+                             "forward; use off")
+        return self
+
+    @model_validator(mode="after")
     def _check_experts(self) -> Config:
         """The expert layout against the model the run builds, where it is known before any file is
         read: the tiny model (``run.init_model: tiny``) or ``learner.model``'s own sizes."""

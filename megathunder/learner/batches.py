@@ -44,6 +44,7 @@ from megathunder.objectives import LossSpec, normaliser, num_loss_tokens, router
 from megathunder.objectives.opd import opd_normaliser
 from megathunder.objectives.ppo import update_plan
 from megathunder.streaming.buffers import GradBuffer
+from megathunder.streaming.grpo_turns import ScoreTurns
 from megathunder.streaming.ledger import BatchResult, GradientLedger
 from megathunder.streaming.opd_grpo import IntoAccumulator
 from megathunder.streaming.opd_turns import (
@@ -184,7 +185,9 @@ def new_batch(learner: MegatronLearner, teacher: CachedTeacher | None, plan: Bat
 
 
 class GRPOBatch(Batch):
-    """GRPO and its variants: streamed through the gradient ledger, or ``grpo_gradient`` at close."""
+    """GRPO and its variants: streamed through the gradient ledger, or ``grpo_gradient`` at close.
+    Streamed with ``ledger.per_turn_scores``, each turn's part of h_i runs at the turn
+    (``megathunder.streaming.grpo_turns``); the trajectory's owner is then claimed at its first turn."""
 
     def __init__(self, learner: MegatronLearner, plan: BatchPlan, streamed: bool) -> None:
         super().__init__(learner, plan, streamed)
@@ -195,11 +198,21 @@ class GRPOBatch(Batch):
         self.dropped: set[int] = set()  # groups excluded (a failed trajectory)
         self._num_sync_passes = 0
         learner.backend.num_backward = 0
+        self.turns: ScoreTurns | None = None
         if streamed:
             self.ledger.begin_batch(plan)
+            strategy = self.ledger.config.per_turn_scores
+            if strategy != "off":
+                seg = MegatronSegmentModel(learner.ddp, learner.pgs, learner.temperature)
+                self.turns = ScoreTurns(self.ledger, seg, learner.backend.live, strategy=strategy)
 
     def passes(self) -> int:
-        return self.learner.backend.num_backward + self._num_sync_passes
+        turn_passes = self.turns.stats["backward_calls"] if self.turns is not None else 0
+        return self.learner.backend.num_backward + self._num_sync_passes + turn_passes
+
+    def on_turn(self, traj_id: int, tokens: list[int], start: int, end: int) -> None:
+        if self.turns is not None and start < end and self.owners.claim(traj_id, end - start):
+            self.turns.on_turn(traj_id, tokens, start, end)
 
     def add_group(self, group_id: int, traj_ids: list[int]) -> None:
         if self.streamed:
@@ -217,6 +230,8 @@ class GRPOBatch(Batch):
         if not self.streamed:
             self.trajs[traj.traj_id] = traj  # the batch path needs every trajectory's size
         elif mine:
+            if self.turns is not None:
+                self.turns.on_finished(traj)  # its h_i complete (the adjoint sweep), or given back
             self.ledger.on_finished(traj)
         else:
             self.ledger.on_remote_finished(traj.traj_id, n)

@@ -65,6 +65,14 @@ held until after its reward goes the reward-time way, where closing groups are p
 Finish-time backwards each need their own gradient, so they run one trajectory at a time, also
 when released from ``hold`` (``backward_sum`` only sums).
 
+Per-turn score gradients (``LedgerConfig.per_turn_scores``, ``megathunder.streaming.grpo_turns``):
+h_i is a sum over the trajectory's model turns, so it can be accumulated into pend_i turn by turn,
+before the trajectory even finishes. ``begin_turns`` takes the pending buffer at the first turn
+(the same budget and count as above; none free: the trajectory takes the finish-time path),
+``turn_buffer`` is where each turn's part goes (None once its group was dropped: a failed
+groupmate), ``drop_turns`` gives it back when the turns streamed do not make up the loss mask.
+At ``on_finished`` a buffer so filled is pend_i, and everything above applies unchanged.
+
 Memory: at most K slots (``LedgerConfig.max_group_slots``, lowered to what fits in
 ``slot_budget_gb``), each 2 parameter-sized buffers (1 for std-free variants), plus P (plus P_A for
 batch_std): 2K + 1. Groups that find no free slot wait (their trajectories are kept as data, not
@@ -128,7 +136,7 @@ class _Traj:
     has_reward: bool = False  # False until its reward event (whose reward may be None: failed)
     score_done: bool = False
     reward_free_done: bool = False
-    pend: GradBuffer | None = None  # h_i computed at finish, waiting for the reward's fold
+    pend: GradBuffer | None = None  # h_i computed at finish (or turn by turn), waiting for the reward's fold
 
     @property
     def finished_tokens(self) -> int:
@@ -186,6 +194,7 @@ class BatchResult:
     peak_pending: int = 0  # pending h_i buffers at their peak (counted in peak_buffers too)
     max_pending: int | None = 0  # pending buffers allowed (ledger.max_pending within the budget's rest)
     num_pending_backward: int = 0  # trajectories whose score backward ran at finish (pending)
+    num_turn_scores: int = 0  # trajectories whose h_i was computed turn by turn (ledger.per_turn_scores)
 
 
 class GradientLedger:
@@ -221,6 +230,7 @@ class GradientLedger:
         self._num_pending = 0
         self._peak_pending = 0
         self._num_pending_backward = 0
+        self._num_turn_scores = 0
         self.events: list[tuple[float, str, int]] = []  # (time, kind, id) for timelines
         self._held: list[_Traj] | None = None  # work held back for one packed call (``hold``)
 
@@ -242,7 +252,7 @@ class GradientLedger:
         self.max_pending = pending_within_budget(self.config.max_pending, self.max_slots, self.config.slot_budget_gb,
                                                  self.pool.slot_bytes(self._P), self.buffers_per_slot)
         self._num_slots_used = 0
-        self._num_pending = self._peak_pending = self._num_pending_backward = 0
+        self._num_pending = self._peak_pending = self._num_pending_backward = self._num_turn_scores = 0
         self.events = []
         self._log("begin_batch", -1)
 
@@ -271,8 +281,34 @@ class GradientLedger:
             )
         t.data = traj
         t.num_loss_tokens = num_loss_tokens(traj, self.objective)
+        if t.pend is not None:  # accumulated turn by turn: it is h_i now
+            self._num_turn_scores += 1
         self._log("finished", traj.traj_id)
         self._advance(t)
+
+    def begin_turns(self, traj_id: int) -> GradBuffer | None:
+        """A pending buffer for a trajectory that has not finished, its h_i to be accumulated turn
+        by turn (zeroed; slot kind); None when none is free or its group was dropped."""
+        t = self._lookup(traj_id, "turn")
+        if t.num_loss_tokens is not None or t.pend is not None:
+            raise LedgerError(f"trajectory {traj_id}: begin_turns after its finish or a second time")
+        if t.group.failed or not self._pending_free():
+            return None
+        self._take_pending(t)
+        self._log("pending:turns", traj_id)
+        return t.pend
+
+    def turn_buffer(self, traj_id: int) -> GradBuffer | None:
+        """The buffer ``begin_turns`` gave, while the ledger still holds it for the trajectory."""
+        return self._lookup(traj_id, "turn").pend
+
+    def drop_turns(self, traj_id: int) -> None:
+        """Give back a trajectory's turn buffer before its finish: its turns did not make up its
+        loss mask, so its h_i comes from the finish- or reward-time path instead."""
+        t = self._lookup(traj_id, "turn")
+        if t.num_loss_tokens is not None:
+            raise LedgerError(f"trajectory {traj_id}: drop_turns after its finish")
+        self._discard_pending(t)
 
     def on_remote_finished(self, traj_id: int, num_loss_tokens: int) -> None:
         """A trajectory owned by another data-parallel rank finished (its size counts in Z)."""
@@ -379,6 +415,7 @@ class GradientLedger:
             peak_pending=self._peak_pending,
             max_pending=self.max_pending,
             num_pending_backward=self._num_pending_backward,
+            num_turn_scores=self._num_turn_scores,
         )
         self.pool.release([self._P, self._PA])
         self._P = self._PA = None
@@ -528,10 +565,7 @@ class GradientLedger:
                 self._add_to_slot(g, t, grad)
                 t.score_done = True
             elif sink == "pending":
-                t.pend = self.pool.acquire_slot()
-                self.pool.slot_write(t.pend, grad, first=True)
-                self._num_pending += 1
-                self._peak_pending = max(self._peak_pending, self._num_pending)
+                self.pool.slot_write(self._take_pending(t), grad, first=True)
                 self._num_pending_backward += 1
             elif sink == "rf":
                 self._accumulator.add_(grad)
@@ -585,6 +619,12 @@ class GradientLedger:
     def _pending_free(self) -> bool:
         """May one more trajectory's h_i be computed now, before its weight is known?"""
         return self.max_pending is None or self._num_pending < self.max_pending
+
+    def _take_pending(self, t: _Traj) -> GradBuffer:
+        t.pend = self.pool.acquire_slot()
+        self._num_pending += 1
+        self._peak_pending = max(self._peak_pending, self._num_pending)
+        return t.pend
 
     def _fold_pending_into_slot(self, g: _Group, t: _Traj) -> None:
         """S_g += pend_i, R_g += (r_i - b_g) pend_i (std-free: the R-part to the sink): the

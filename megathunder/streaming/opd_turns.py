@@ -329,6 +329,16 @@ class TurnStreamer:
             self.num_cached -= 1
         self._finished_counts.append(t.num_trained)
 
+    def drop_trajectory(self, traj_id: int) -> None:
+        """Forget an open trajectory without its reverse sweep (what its turns added stays where
+        it went; the caller discards that)."""
+        t = self._open.pop(traj_id, None)
+        if t is None:
+            return
+        self.teacher.release(traj_id)
+        if t.holds_state:
+            self.num_cached -= 1
+
     @property
     def finished_counts(self) -> list[int]:
         """Trained-token counts of the trajectories finished since the last ``finish_batch``."""

@@ -97,6 +97,8 @@ class Trainer:
         self.eval_set: list[TaskInstance] | None = None
         self.bar: tqdm | None = None
         self._streaming = False  # thunder: route the rollout's events to the learner
+        # turn events reach the learner: per-turn distillation, or GRPO's per-turn score gradients
+        self._turns_stream = cfg.objective.needs_teacher or cfg.ledger.per_turn_scores != "off"
 
     # ------------------------------------------------------------------ rollout
 
@@ -149,7 +151,7 @@ class Trainer:
             self.chaos.trajectory_finished(self.version, self._finished_in_step[self.version])
         if not self._streaming:
             return
-        if event.kind == "turn_finished" and self.cfg.objective.needs_teacher:  # its tool call starts now
+        if event.kind == "turn_finished" and self._turns_stream:  # its tool call starts now
             p = event.payload
             self.service.submit(LearnerEndpoint.turn, event.traj_id, p["token_ids"], p["start"], p["end"])
         elif event.kind == "trajectory_finished":
@@ -392,6 +394,7 @@ class Trainer:
             "ledger_slots": outcome.max_group_slots,  # K in force (null: unbounded)
             "peak_pending": outcome.peak_pending,  # pending h_i buffers at their peak (in peak_buffers too)
             "pending_backward": outcome.num_pending_backward,  # score backwards run at finish (ledger.max_pending)
+            "turn_scores": outcome.num_turn_scores,  # trajectories whose h_i ran turn by turn (ledger.per_turn_scores)
             **({} if outcome.divergence is None else {_divergence_key(self.cfg): outcome.divergence}),
             "wall_s": wall,
             "gpu_hours": wall * self.service.world_size / 3600.0,  # learner process-hours on CPU

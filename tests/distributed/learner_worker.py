@@ -85,13 +85,17 @@ def equivalence(args) -> None:
     before = full_params(learner)
 
     ledger = learner.ledger
-    ledger.begin_batch(batch_plan(batch))
-    syn.feed_events(ledger, batch, rewards, events, owner=lambda t: owner[t.traj_id] == dp_rank,
-                    num_loss_tokens=learner.num_loss_tokens)
-    result = ledger.close_batch()
+    if args.ledger_turns:  # per-turn score gradients: GRPOBatch's events, owners claimed at first turns
+        result, owner = _turn_events_batch(learner, batch, rewards, args.seed)
+    else:
+        ledger.begin_batch(batch_plan(batch))
+        syn.feed_events(ledger, batch, rewards, events, owner=lambda t: owner[t.traj_id] == dp_rank,
+                        num_loss_tokens=learner.num_loss_tokens)
+        result = ledger.close_batch()
     learner.step()
     out = {"before": before, "stream": full_params(learner), "peak_buffers": result.peak_buffers,
            "peak_pending": result.peak_pending, "pending_backward": result.num_pending_backward,
+           "turn_scores": getattr(result, "num_turn_scores", 0),
            "expert_buffers": _expert_buffers_in_ledger(learner),
            "fused_adam": [all(g.get("fused") for g in inner.optimizer.param_groups)  # CPU: _fused_torch_adam
                           for inner in getattr(learner.optimizer, "chained_optimizers", [learner.optimizer])]}
@@ -122,6 +126,29 @@ def equivalence(args) -> None:
     if pgs.rank == 0:
         torch.save(out, args.out)
     destroy_distributed()
+
+
+def _turn_events_batch(learner: MegatronLearner, batch, rewards, seed: int):
+    """The streamed batch through ``GRPOBatch`` with turn events (``ledger.per_turn_scores``): every
+    trajectory's turns (its loss mask's runs) interleaved at random with other trajectories' turns,
+    finishes and rewards. Returns the close's outcome and each trajectory's DP owner."""
+    from megathunder.learner.batches import GRPOBatch
+    from megathunder.trajectory import turn_spans
+
+    rng = random.Random(seed + 1)
+    queues = [[("turn", t.traj_id, k) for k in range(len(turn_spans(t)))]
+              + [("finished", t.traj_id, -1), ("reward", t.traj_id, -1)] for t in batch]
+    gb = GRPOBatch(learner, batch_plan(batch), streamed=True)
+    while any(queues):
+        kind, tid, k = rng.choice([q for q in queues if q]).pop(0)
+        if kind == "turn":
+            start, end = turn_spans(batch[tid])[k]
+            gb.on_turn(tid, batch[tid].tokens[:end].tolist(), start, end)
+        elif kind == "finished":
+            gb.on_finished(batch[tid])
+        else:
+            gb.on_reward(tid, rewards[tid])
+    return gb.close(), [gb.owners.owner[t.traj_id] for t in batch]
 
 
 def routing_record(args) -> None:
@@ -359,6 +386,8 @@ def main() -> None:
                    "routing_record file")
     p.add_argument("--router-parts", action="store_true", help="equivalence: also the batch gradient with the "
                    "MoE router's aux loss alone and its z-loss alone")
+    p.add_argument("--ledger-turns", action="store_true", help="equivalence: stream through GRPOBatch with turn "
+                   "events (set ledger.per_turn_scores in --ledger)")
     p.add_argument("--ledger", default="{}", help="JSON LedgerConfig fields besides max_group_slots (equivalence)")
     args = p.parse_args()
     {"equivalence": equivalence, "checkpoint_save": checkpoint_save, "checkpoint_resume": checkpoint_resume,

@@ -262,6 +262,35 @@ def test_pending_gradients_give_the_sync_gradient_on_megatron(hf_qwen2, tmp_path
     assert _rel(_flat(run["stream"]), _flat(single["sync"])) <= GRAD_TOL
 
 
+TURN_LAYOUTS = {  # name: (processes, --tp, strategy)
+    "single_kv_adjoint": (1, "1", "kv_adjoint"),
+    "single_recompute": (1, "1", "recompute"),
+    "dp2_kv_adjoint": (2, "1", "kv_adjoint"),
+    "tp2_forward_early": (2, "2", "forward_early"),
+}
+
+
+@pytest.mark.parametrize("layout", [pytest.param(k, marks=pytest.mark.slow) if k.startswith("tp2") else k
+                                    for k in TURN_LAYOUTS])
+def test_per_turn_score_gradients_give_the_sync_gradient_on_megatron(hf_qwen2, tmp_path, single, layout):
+    """``ledger.per_turn_scores`` on Megatron (``GRPOBatch`` with turn events, segment forwards on
+    past K/V, DP owners claimed at first turns): every trajectory's h_i accumulates turn by turn in
+    a pending buffer; the streamed gradient is the batch-synchronous one up to fp32 reassociation
+    (GRAD_TOL), as the fp64 unit tests show exactly (tests/unit/test_score_turns.py)."""
+    import json
+
+    procs, tp, strategy = TURN_LAYOUTS[layout]
+    out = tmp_path / "turns.pt"
+    launch(procs, "equivalence", "--out", str(out), "--hf", str(hf_qwen2), "--optimizer", "sgd", "--tp", tp,
+           "--learner", json.dumps({"precision": {"core_attention": "past_kv"}}), "--ledger-turns",
+           "--ledger", json.dumps({"max_pending": None, "per_turn_scores": strategy}))
+    run = torch.load(out)
+    assert run["turn_scores"] > 0  # rank 0's ledger took h_i turn by turn
+    reference = _flat(single["sync_grad"])
+    assert _rel(_flat(run["stream_grad"]), reference) <= GRAD_TOL
+    assert _rel(_flat(run["stream"]), _flat(single["sync"])) <= GRAD_TOL
+
+
 PPO_TOL = 1e-5
 """fp32, 4 SGD steps: each step's gradient agrees with transformers' to ~3e-7 (GRAD_TOL bounds one
 step at 2e-6); the parameter change sums four of them plus their propagation through the loss

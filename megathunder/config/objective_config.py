@@ -254,7 +254,7 @@ class LedgerConfig(Strict):
     a pending buffer (``max_pending``; none free: the trajectory takes the finish-time path), so at
     its finish only the adjoint sweep is left (``megathunder.streaming.grpo_turns``). The value is the
     strategy, as OPD's ``objective.strategy``; kv_adjoint and forward_early need
-    ``learner.precision.core_attention=past_kv``. Needs ``objective.tis: none`` and a ``loss_agg``
+    ``learner.precision.core_attention=past_kv``. Needs ``objective.tis`` none or token and a ``loss_agg``
     whose per-trajectory weight is 1 (not seq_mean_token_mean); no pipeline / context / sequence
     parallelism, no MoE. off: h_i at finish or reward time."""
     hold_groups_until_close: bool = False

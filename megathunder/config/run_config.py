@@ -468,9 +468,9 @@ class Config(Strict):
         if self.ledger.max_pending == 0:
             raise ValueError(f"{field} accumulates each trajectory's h_i in a pending buffer; "
                              "ledger.max_pending is 0 (set a number, or null for the budget's)")
-        if obj.tis != "none":
-            raise ValueError(f"{field}: objective.tis {obj.tis} weights tokens by the engine's logprobs, which "
-                             "the turn event does not carry; use tis: none")
+        if obj.tis == "sequence":
+            raise ValueError(f"{field}: objective.tis sequence weights every token by the whole trajectory's "
+                             "ratio, unknown before it ends; use token or none")
         if obj.loss_agg == "seq_mean_token_mean":
             raise ValueError(f"{field}: objective.loss_agg seq_mean_token_mean weights a trajectory by 1 / its "
                              "length, unknown before it ends; use token_mean, seq_mean_token_sum or "

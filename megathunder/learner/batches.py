@@ -113,8 +113,10 @@ class Batch(abc.ABC):
         raise ConfigError(f"batch.max_refill_groups: objective.kind={self.learner.objective.kind} has no groups "
                           "to drop, so none to refill")
 
-    def on_turn(self, traj_id: int, tokens: list[int], start: int, end: int) -> None:
-        """Turn ``tokens[start:end]`` of a trajectory was generated (``tokens``: the trajectory so far)."""
+    def on_turn(self, traj_id: int, tokens: list[int], start: int, end: int,
+                logprobs: list[float] | None = None) -> None:
+        """Turn ``tokens[start:end]`` of a trajectory was generated (``tokens``: the trajectory so far;
+        ``logprobs``: the engine's, of the turn's tokens)."""
 
     @abc.abstractmethod
     def on_finished(self, traj: Trajectory) -> None:
@@ -210,9 +212,10 @@ class GRPOBatch(Batch):
         turn_passes = self.turns.stats["backward_calls"] if self.turns is not None else 0
         return self.learner.backend.num_backward + self._num_sync_passes + turn_passes
 
-    def on_turn(self, traj_id: int, tokens: list[int], start: int, end: int) -> None:
+    def on_turn(self, traj_id: int, tokens: list[int], start: int, end: int,
+                logprobs: list[float] | None = None) -> None:
         if self.turns is not None and start < end and self.owners.claim(traj_id, end - start):
-            self.turns.on_turn(traj_id, tokens, start, end)
+            self.turns.on_turn(traj_id, tokens, start, end, logprobs)
 
     def add_group(self, group_id: int, traj_ids: list[int]) -> None:
         if self.streamed:
@@ -374,7 +377,8 @@ class OPDBatch(Batch):
     def passes(self) -> int:
         return self.streamer.stats["backward_calls"] if self.streamer is not None else len(self.mine)
 
-    def on_turn(self, traj_id: int, tokens: list[int], start: int, end: int) -> None:
+    def on_turn(self, traj_id: int, tokens: list[int], start: int, end: int,
+                logprobs: list[float] | None = None) -> None:
         if self.streamer is None or start == end or not self.owners.claim(traj_id, end - start):
             return
         if traj_id not in self.fed:

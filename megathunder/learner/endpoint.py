@@ -29,7 +29,8 @@ learner rank, the owner of the trajectory doing its backward passes)::
                                   (learner/push.py; weight_transfer=rpc: gather_weights, all on rank 0)
     Trainer.probe                 engine.generate, then service.call(LearnerEndpoint.score, ...)
 
-OPD adds ``turn`` (a model turn was generated: its gradient while its tool call runs).
+OPD, and GRPO with ``ledger.per_turn_scores``, add ``turn`` (a model turn was generated: its
+gradient while its tool call runs).
 """
 
 from __future__ import annotations
@@ -69,9 +70,10 @@ class LearnerEndpoint:
         """One more group joins the open batch (DAPO's refill of a dropped group), before any of its events."""
         self._current().add_group(group_id, traj_ids)
 
-    def turn(self, traj_id: int, tokens: list[int], start: int, end: int) -> None:
-        """Turn ``tokens[start:end]`` of a trajectory was generated; its tool call starts now."""
-        self._current().on_turn(traj_id, tokens, start, end)
+    def turn(self, traj_id: int, tokens: list[int], start: int, end: int, logprobs: list[float] | None = None) -> None:
+        """Turn ``tokens[start:end]`` of a trajectory was generated (``logprobs``: the engine's, of
+        its tokens); its tool call starts now."""
+        self._current().on_turn(traj_id, tokens, start, end, logprobs)
 
     def finished(self, traj: Trajectory) -> None:
         self._batch_for_event().on_finished(traj)

@@ -35,6 +35,7 @@ def replay(cfg: Config, run_dir: Path, learner: MegatronLearner, num_steps: int 
     """Apply the journal's steps (all, or the first ``num_steps``) to ``learner``; returns how many.
     ``teacher``: OPD's (``objective.kind: opd`` or ``opd_grpo``)."""
     streamed = cfg.schedule.mode == "thunder"
+    turns = teacher is not None or (streamed and cfg.ledger.per_turn_scores != "off")  # the run streamed turns
     done = 0
     for step, entries, _ in completed_steps(run_dir / "journal.jsonl"):
         if num_steps is not None and done >= num_steps:
@@ -45,10 +46,11 @@ def replay(cfg: Config, run_dir: Path, learner: MegatronLearner, num_steps: int 
         events = [(e.t_finished, 0, "finished", e) for e in entries] + [(e.t_reward, 1, "reward", e) for e in entries]
         for _, _, kind, e in sorted(events, key=lambda ev: (ev[0], ev[1], ev[3].traj.traj_id)):
             if kind == "finished":
-                if teacher is not None:
-                    tokens = e.traj.tokens.tolist()
+                if turns:
+                    tokens, engine = e.traj.tokens.tolist(), e.traj.rollout_logprobs
                     for start, end in turn_spans(e.traj):
-                        batch.on_turn(e.traj.traj_id, tokens[:end], start, end)
+                        logprobs = None if engine is None else engine[start - 1 : end - 1].tolist()
+                        batch.on_turn(e.traj.traj_id, tokens[:end], start, end, logprobs)
                 batch.on_finished(e.traj)
             else:
                 batch.on_reward(e.traj.traj_id, e.reward)

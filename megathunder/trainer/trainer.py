@@ -153,7 +153,8 @@ class Trainer:
             return
         if event.kind == "turn_finished" and self._turns_stream:  # its tool call starts now
             p = event.payload
-            self.service.submit(LearnerEndpoint.turn, event.traj_id, p["token_ids"], p["start"], p["end"])
+            self.service.submit(LearnerEndpoint.turn, event.traj_id, p["token_ids"], p["start"], p["end"],
+                                p["logprobs"])
         elif event.kind == "trajectory_finished":
             self.service.submit(LearnerEndpoint.finished, event.payload["episode"].to_trajectory())
         elif event.kind == "reward":

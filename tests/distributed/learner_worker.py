@@ -143,7 +143,8 @@ def _turn_events_batch(learner: MegatronLearner, batch, rewards, seed: int):
         kind, tid, k = rng.choice([q for q in queues if q]).pop(0)
         if kind == "turn":
             start, end = turn_spans(batch[tid])[k]
-            gb.on_turn(tid, batch[tid].tokens[:end].tolist(), start, end)
+            engine = batch[tid].rollout_logprobs[start - 1 : end - 1].tolist()
+            gb.on_turn(tid, batch[tid].tokens[:end].tolist(), start, end, engine)
         elif kind == "finished":
             gb.on_finished(batch[tid])
         else:

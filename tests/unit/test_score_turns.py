@@ -4,8 +4,9 @@ when the turn ends, accumulated in the trajectory's pending buffer, folded in at
 The update is the batch-synchronous one (fp64, 1e-10 relative) for every advantage, aggregation it
 allows, K, pending limit and per-turn strategy, under random interleavings of turns, finishes and
 rewards across trajectories, with failed trajectories (a groupmate's turn buffer dropped mid-way),
-DAPO, KL/entropy, overlong filtering (turns that no longer make up the loss mask: the finish-time
-path takes over) and ready-work packing. A trajectory streamed by turns never runs a score backward
+DAPO, KL/entropy, token TIS (the engine logprobs come with each turn; a turn whose logprobs are not
+the trajectory's sends it down the finish-time path), overlong filtering (turns that no longer make
+up the loss mask: likewise) and ready-work packing. A trajectory streamed by turns never runs a score backward
 of its own.
 """
 
@@ -47,7 +48,8 @@ def episode_events(rng: random.Random, batch, skip_turn_prob: float) -> list[tup
     return order
 
 
-def run_turns(model, batch, rewards, objective, ledger_cfg, events, strategy, *, packed, failed=None, queued=None):
+def run_turns(model, batch, rewards, objective, ledger_cfg, events, strategy, *, packed, failed=None, queued=None,
+              corrupt=frozenset()):
     inner = summing_backend(model, objective) if packed else TorchBackend(model, objective)
     backend = CountingBackend(inner)
     ledger = GradientLedger(backend, objective, ledger_cfg)
@@ -62,7 +64,10 @@ def run_turns(model, batch, rewards, objective, ledger_cfg, events, strategy, *,
             ledger.hold()
         if kind == "turn":
             start, end = turn_spans(traj)[index]
-            turns.on_turn(tid, traj.tokens[:end].tolist(), start, end)
+            engine = traj.rollout_logprobs[start - 1 : end - 1].tolist()
+            if tid in corrupt and index == 0:
+                engine[0] += 0.5  # the turn event's logprobs are not the trajectory's
+            turns.on_turn(tid, traj.tokens[:end].tolist(), start, end, engine)
             if ledger.turn_buffer(tid) is not None:
                 streamed_turns.add(tid)
         elif kind == "finished":
@@ -86,7 +91,9 @@ def model64():
 def test_per_turn_score_gradients_give_the_batch_update_fp64(model64, case):
     advantage, loss_agg, slots, strategy = GRID[case]
     rng, batch, rewards = make_case(31000 + case, torch.float64, REWARD_KINDS[case % 4])
-    objective = random_objective(rng, advantage, loss_agg).model_copy(update={"tis": "none"})
+    objective = random_objective(rng, advantage, loss_agg)
+    if objective.tis == "sequence":
+        objective = objective.model_copy(update={"tis": "none"})
     hold = rng.random() < 0.4
     ledger_cfg = LedgerConfig(
         max_group_slots=slots, max_pending=rng.choice([1, 2, 3, None, None]), hold_groups_until_close=hold,
@@ -97,8 +104,9 @@ def test_per_turn_score_gradients_give_the_batch_update_fp64(model64, case):
     events = episode_events(rng, batch, skip_turn_prob=rng.choice([0.0, 0.0, 0.2]))
     packed = rng.random() < 0.5
     queued = [rng.random() < 0.6 for _ in events] if packed else None
+    corrupt = {t.traj_id for t in batch if rng.random() < 0.1}
     streamed, result, _, _ = run_turns(model64, batch, rewards, objective, ledger_cfg, events, strategy,
-                                       packed=packed, failed=failed, queued=queued)
+                                       packed=packed, failed=failed, queued=queued, corrupt=corrupt)
     reference = kept_reference(model64, batch, rewards, objective, failed)
     if reference is None:
         assert result.num_kept_groups == 0 and streamed.abs().max() == 0
@@ -153,7 +161,8 @@ def test_objectives_a_turn_cannot_stream_are_refused():
     rng = random.Random(0)
     base = random_objective(rng, "grpo", "token_mean").model_copy(update={"tis": "none"})
     check_streamable(base)
-    for update in ({"tis": "token"}, {"loss_agg": "seq_mean_token_mean"}):
+    check_streamable(base.model_copy(update={"tis": "token"}))
+    for update in ({"tis": "sequence"}, {"loss_agg": "seq_mean_token_mean"}):
         with pytest.raises(ValueError, match="per-turn"):
             check_streamable(base.model_copy(update=update))
 
@@ -167,8 +176,8 @@ def test_per_turn_scores_config_is_checked_by_name():
         load_config(None, thunder)
     with pytest.raises(ConfigError, match="ledger.per_turn_scores: kv_adjoint needs learner.precision.core_attention"):
         load_config(None, [*thunder, "ledger.max_pending=4"])
-    with pytest.raises(ConfigError, match="objective.tis token"):
-        load_config(None, [*thunder, "ledger.max_pending=4", past_kv, "objective.tis=token"])
+    with pytest.raises(ConfigError, match="objective.tis sequence"):
+        load_config(None, [*thunder, "ledger.max_pending=4", past_kv, "objective.tis=sequence"])
     with pytest.raises(ConfigError, match="seq_mean_token_mean"):
         load_config(None, [*thunder, "ledger.max_pending=4", past_kv, "objective.loss_agg=seq_mean_token_mean"])
     with pytest.raises(ConfigError, match="learner.parallel.pipeline_parallel: ledger.per_turn_scores"):

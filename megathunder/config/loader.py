@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, get_args, get_origin
@@ -10,6 +11,25 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from megathunder.config.run_config import Config, check_paths
+
+
+class _Loader(yaml.SafeLoader):
+    """YAML 1.2's booleans: only true / false. PyYAML follows YAML 1.1, where off, on, yes and no
+    are booleans too, so ``sandbox.cgroup: off`` or ``ledger.per_turn_scores=off`` would reach the
+    config as False instead of the option's name."""
+
+
+_Loader.yaml_implicit_resolvers = {
+    first: [(tag, regexp) for tag, regexp in resolvers if tag != "tag:yaml.org,2002:bool"]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+_Loader.add_implicit_resolver("tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"),
+                              list("tTfF"))
+
+
+def load_yaml(text: str | bytes) -> Any:
+    """YAML as configs are read (``_Loader``: YAML 1.2 booleans)."""
+    return yaml.load(text, Loader=_Loader)  # noqa: S506 -- a SafeLoader
 
 
 class ConfigError(ValueError):
@@ -24,7 +44,7 @@ def parse_overrides(overrides: Sequence[str]) -> dict[str, Any]:
         if not sep or not key or any(not part for part in key.split(".")):
             raise ConfigError(f"override {item!r}: expected dotted.key=value")
         try:
-            value = yaml.safe_load(raw) if raw else ""
+            value = load_yaml(raw) if raw else ""
         except (yaml.YAMLError, RecursionError) as exc:
             raise ConfigError(f"{key}: cannot parse value {raw!r}: {_one_line(exc)}") from None
         node = tree
@@ -124,7 +144,7 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = (), *
         if not path.is_file():
             raise ConfigError(f"config file not found: {path}")
         try:
-            loaded = yaml.safe_load(path.read_bytes().decode("utf-8"))
+            loaded = load_yaml(path.read_bytes().decode("utf-8"))
         except UnicodeDecodeError as exc:
             raise ConfigError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
         except (yaml.YAMLError, RecursionError) as exc:

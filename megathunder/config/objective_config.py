@@ -257,6 +257,11 @@ class LedgerConfig(Strict):
     ``learner.precision.core_attention=past_kv``. Needs ``objective.tis`` none or token and a ``loss_agg``
     whose per-trajectory weight is 1 (not seq_mean_token_mean); no pipeline / context / sequence
     parallelism, no MoE. off: h_i at finish or reward time."""
+    max_turn_streams: int | None = Field(None, ge=1)
+    """With ``per_turn_scores`` kv_adjoint or forward_early: the most trajectories streamed by turns
+    at once on each rank, each keeping its segments' graphs (activations) until it ends; one that
+    starts beyond it takes the finish-time path. null: bounded by the pending buffers and by
+    ``agent.max_concurrent_episodes`` (what ``megathunder plan`` counts)."""
     hold_groups_until_close: bool = False
     """Keep every part of a group's gradient in its slot until all its rewards are in, so a group
     can still be dropped at its last reward (a failed trajectory). Derived: true whenever

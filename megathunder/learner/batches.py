@@ -206,7 +206,8 @@ class GRPOBatch(Batch):
             strategy = self.ledger.config.per_turn_scores
             if strategy != "off":
                 seg = MegatronSegmentModel(learner.ddp, learner.pgs, learner.temperature)
-                self.turns = ScoreTurns(self.ledger, seg, learner.backend.live, strategy=strategy)
+                self.turns = ScoreTurns(self.ledger, seg, learner.backend.live, strategy=strategy,
+                                        max_streams=self.ledger.config.max_turn_streams)
 
     def passes(self) -> int:
         turn_passes = self.turns.stats["backward_calls"] if self.turns is not None else 0

@@ -28,6 +28,9 @@ the experts' share of each push, which moves every expert once.)
     reference             P e, or in host memory with learner.reference.offload_to_cpu
     teacher, OPD state    the teacher's P_T e; per kept trajectory its K/V cache and the student's
                           retained segment graphs (objective.max_cached_trajectories)
+    turn streams          per-turn score gradients (ledger.per_turn_scores kv_adjoint or
+                          forward_early): per trajectory streamed by turns, its retained segment
+                          graphs (ledger.max_turn_streams, max_pending, episodes in flight)
     weight push           each stage's sender: two buckets + its largest parameter gathered over TP,
                           in the engine's dtype (+ its shards as last pushed with sparse patches);
                           rpc: the serialised model on rank 0
@@ -519,6 +522,7 @@ def _rank_lines(cfg: Config, shape: ModelShape, act: ActivationModel, stage: int
     rl = obj if isinstance(obj, RLObjective) else None
     if cfg.schedule.mode == "thunder" and rl is not None:
         lines.extend(_ledger_lines(cfg, rl, p, gpu, out))
+        lines.extend(_turn_stream_lines(cfg, shape, act, tp, e, s))
     stored = act.stage_bytes(s, shape.layers // pp, stage == 0, stage == pp - 1)
     recompute = learner.activations.recompute
     lines.append(Line("activations", device=micro * stored["layers"] + rows * stored["backward"],
@@ -600,6 +604,23 @@ def _ledger_lines(cfg: Config, rl: RLObjective, p: int, gpu: bool, out: Plan) ->
         else:
             lines.append(Line("ledger pending", device=size, note=note))
     return lines
+
+
+def _turn_stream_lines(cfg: Config, shape: ModelShape, act: ActivationModel, tp: int, e: int, s: int) -> list[Line]:
+    """Per-turn score gradients with a K/V strategy: each trajectory streamed by turns keeps its
+    segments' graphs until it ends, as OPD's kept trajectories do (``ledger.max_turn_streams``, else
+    bounded by the pending buffers and the episodes in flight)."""
+    led = cfg.ledger
+    if led.per_turn_scores in ("off", "recompute"):
+        return []
+    bounds = [cfg.agent.max_concurrent_episodes, cfg.batch.num_prompts_per_batch * cfg.batch.samples_per_prompt]
+    bounds += [b for b in (led.max_turn_streams, led.max_pending) if b is not None]
+    kept = min(bounds)
+    student = act.stage_bytes(s, shape.layers, True, True)
+    kv = shape.layers * 2 * max(shape.kv_heads // tp, 1) * shape.head_dim * e
+    per_traj = student["layers"] + student["logits"] + cfg.agent.max_turns * s * kv  # + past K/V copies, gradients
+    return [Line("turn streams", device=kept * per_traj,
+                 note=f"{kept} x retained segment graphs ({led.per_turn_scores}); the rest at finish")]
 
 
 def _distill_lines(cfg: Config, obj: DistillObjective, shape: ModelShape, act: ActivationModel, tp: int, e: int,

@@ -27,8 +27,9 @@ What the turns cover is checked, not assumed: at finish the turns streamed must 
 trajectory's effective loss mask (a truncated trajectory under ``overlong_filter`` has none; an
 engine that closed a turn with a masked token is fine, since its turn span never held it), and
 under TIS the engine logprobs the turns used must be the trajectory's, bit for bit. If not, the buffer is given back and h_i comes from the finish-time path, so a mismatch costs time,
-never the update. A trajectory that found no pending buffer free at its first turn, or whose group
-was dropped meanwhile (a failed groupmate), is not streamed further.
+never the update. A trajectory that found no pending buffer free at its first turn (or, with a K/V strategy, found
+``max_streams`` trajectories already holding their segment graphs), or whose group was dropped
+meanwhile (a failed groupmate), is not streamed further.
 
 The reward-free terms q_i (KL, entropy) are not split by turn: the ledger runs them in a pass of
 their own once the group is known kept, as it does for any pending h_i.
@@ -115,12 +116,13 @@ class ScoreTurns:
     just before ``GradientLedger.on_finished(traj)``."""
 
     def __init__(self, ledger: GradientLedger, segment_model: SegmentModel, live: GradBuffer,
-                 strategy: Strategy = "kv_adjoint", max_cached: int | None = None) -> None:
+                 strategy: Strategy = "kv_adjoint", max_streams: int | None = None) -> None:
         check_streamable(ledger.objective)
         self.ledger = ledger
         self.objective = ledger.objective
         self._into = _IntoPending(segment_model, live, ledger.pool)
-        self.streamer = _ScoreStreamer(self._into, _NoTeacher(), strategy=strategy, max_cached=max_cached)
+        self.streamer = _ScoreStreamer(self._into, _NoTeacher(), strategy=strategy)
+        self.max_streams = None if strategy == "recompute" else max_streams  # recompute keeps no state
         self.streamer.objective = self.objective
         self._fed: dict[int, _Fed] = {}
         self._declined: set[int] = set()  # no buffer at the first turn, or its group dropped
@@ -141,7 +143,8 @@ class ScoreTurns:
             engine = torch.tensor(logprobs, dtype=torch.float64)  # Python floats: no rounding
         fed = self._fed.get(traj_id)
         if fed is None:
-            buf = self.ledger.begin_turns(traj_id)
+            full = self.max_streams is not None and len(self._fed) >= self.max_streams
+            buf = None if full else self.ledger.begin_turns(traj_id)
             if buf is None:
                 self._declined.add(traj_id)
                 return

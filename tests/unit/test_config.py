@@ -105,3 +105,16 @@ def test_a_run_s_saved_config_loads_back_unchanged(path, tmp_path):
     saved = tmp_path / "config.yaml"
     saved.write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
     assert load_config(saved) == cfg
+
+
+def test_option_names_that_yaml_1_1_reads_as_booleans_stay_names(tmp_path):
+    """``off`` / ``on`` / ``yes`` / ``no`` are option names here, as YAML 1.2 reads them (PyYAML's 1.1
+    made ``sandbox.cgroup=off`` a boolean and refused it); true / false stay booleans."""
+    from megathunder.config import load_config
+
+    cfg = load_config(None, ["sandbox.cgroup=off", "ledger.per_turn_scores=off", "run.progress=false"])
+    assert cfg.sandbox.cgroup == "off" and cfg.ledger.per_turn_scores == "off" and cfg.run.progress is False
+    path = tmp_path / "c.yaml"
+    path.write_text("sandbox:\n  cgroup: off\nrun:\n  progress: False\n")
+    cfg = load_config(path, [])
+    assert cfg.sandbox.cgroup == "off" and cfg.run.progress is False

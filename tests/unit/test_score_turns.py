@@ -49,12 +49,12 @@ def episode_events(rng: random.Random, batch, skip_turn_prob: float) -> list[tup
 
 
 def run_turns(model, batch, rewards, objective, ledger_cfg, events, strategy, *, packed, failed=None, queued=None,
-              corrupt=frozenset()):
+              corrupt=frozenset(), max_streams=None):
     inner = summing_backend(model, objective) if packed else TorchBackend(model, objective)
     backend = CountingBackend(inner)
     ledger = GradientLedger(backend, objective, ledger_cfg)
     ledger.begin_batch(batch_plan(batch))
-    turns = ScoreTurns(ledger, TorchSegmentModel(model), inner.live, strategy=strategy)
+    turns = ScoreTurns(ledger, TorchSegmentModel(model), inner.live, strategy=strategy, max_streams=max_streams)
     by_id = {t.traj_id: t for t in batch}
     streamed_turns: set[int] = set()
     for k, (kind, tid, index) in enumerate(events):
@@ -105,8 +105,10 @@ def test_per_turn_score_gradients_give_the_batch_update_fp64(model64, case):
     packed = rng.random() < 0.5
     queued = [rng.random() < 0.6 for _ in events] if packed else None
     corrupt = {t.traj_id for t in batch if rng.random() < 0.1}
-    streamed, result, _, _ = run_turns(model64, batch, rewards, objective, ledger_cfg, events, strategy,
-                                       packed=packed, failed=failed, queued=queued, corrupt=corrupt)
+    max_streams = rng.choice([None, None, 1, 2])
+    streamed, result, _, turns = run_turns(model64, batch, rewards, objective, ledger_cfg, events, strategy,
+                                           packed=packed, failed=failed, queued=queued, corrupt=corrupt,
+                                           max_streams=max_streams)
     reference = kept_reference(model64, batch, rewards, objective, failed)
     if reference is None:
         assert result.num_kept_groups == 0 and streamed.abs().max() == 0
@@ -114,6 +116,8 @@ def test_per_turn_score_gradients_give_the_batch_update_fp64(model64, case):
     assert rel_err(streamed, reference) <= 1e-10, (objective, ledger_cfg, strategy, failed, packed)
     if ledger_cfg.max_pending is not None:
         assert result.peak_pending <= ledger_cfg.max_pending
+    if max_streams is not None and strategy != "recompute":
+        assert turns.streamer.stats["peak_cached"] <= max_streams
 
 
 @pytest.mark.parametrize("case", range(24))
@@ -188,3 +192,21 @@ def test_per_turn_scores_config_is_checked_by_name():
     load_config(None, [*thunder, "ledger.max_pending=4", past_kv])
     load_config(None, ["schedule.mode=thunder", "ledger.per_turn_scores=recompute", "ledger.max_pending=null"])
     load_config(None, ["schedule.mode=sync", "ledger.per_turn_scores=kv_adjoint"])  # only thunder streams
+
+
+def test_the_plan_counts_the_retained_turn_graphs():
+    from megathunder.config import load_config
+    from megathunder.plan.memory_plan import Machine, ModelShape, plan
+
+    base = ["schedule.mode=thunder", "ledger.max_pending=8", "learner.precision.core_attention=past_kv",
+            "agent.max_concurrent_episodes=16"]
+    shape = ModelShape.of(load_config(None, base).learner.model)
+    lines = {}
+    for extra in ([], ["ledger.per_turn_scores=kv_adjoint"], ["ledger.per_turn_scores=kv_adjoint", "ledger.max_turn_streams=2"],
+                  ["ledger.per_turn_scores=recompute"]):
+        out = plan(load_config(None, base + extra), shape, Machine(gpu_memory_gb=None, world=1))
+        lines[" ".join(extra)] = {line.part: line for line in out.lines}
+    assert "turn streams" not in lines[""] and "turn streams" not in lines["ledger.per_turn_scores=recompute"]
+    eight = lines["ledger.per_turn_scores=kv_adjoint"]["turn streams"]
+    two = lines["ledger.per_turn_scores=kv_adjoint ledger.max_turn_streams=2"]["turn streams"]
+    assert eight.note.startswith("8 x") and two.note.startswith("2 x") and eight.device == 4 * two.device > 0

@@ -108,6 +108,29 @@ def stream(ready: np.ndarray, work: np.ndarray, num_ranks: int, p: int, t0: floa
     return bursts
 
 
+def turn_items(batch: Batch, work: np.ndarray, turn_end: np.ndarray, finish: np.ndarray,
+               strategy: str = "kv_adjoint") -> tuple[np.ndarray, np.ndarray]:
+    """Per-turn score gradients (``ledger.per_turn_scores``): trajectory i's work split into one
+    item per turn, in proportion to the turn's segment (the tool output before it and its
+    generated tokens; the prompt too for the first), ready when the turn ends, and one item ready
+    at its finish. kv_adjoint: each turn's item is its segment's forward and own-loss backward, the
+    finish's the adjoint sweep, a backward (BACKWARD_SHARE) through every segment but the last --
+    the items sum to more than ``work`` by it. forward_early: each turn's item is its segment's
+    forward, the finish's the one backward of the whole trajectory -- they sum to ``work``.
+    Returns (ready, work) per item."""
+    starts = batch.turn_start
+    before = np.concatenate([[0.0], batch.observation_tokens[:-1].astype(float)])  # o_{k-1} goes with turn k
+    before[starts[:-1]] = batch.prompt_tokens  # a trajectory's first turn: its prompt
+    seg = batch.decode_tokens + before
+    share = seg / np.repeat(np.add.reduceat(seg, starts[:-1]), batch.num_turns)
+    traj_of_turn = np.repeat(np.arange(batch.size), batch.num_turns)
+    if strategy == "forward_early":
+        per_turn, at_finish = (1.0 - BACKWARD_SHARE) * work[traj_of_turn] * share, BACKWARD_SHARE * work
+    else:
+        per_turn, at_finish = work[traj_of_turn] * share, BACKWARD_SHARE * work * (1.0 - share[starts[1:] - 1])
+    return np.concatenate([turn_end, finish]), np.concatenate([per_turn, at_finish])
+
+
 def ledger_ready_times(group: np.ndarray, reward: np.ndarray, max_slots: int | None) -> np.ndarray:
     """When each trajectory's score gradient can be computed, with the ledger's K group slots.
 

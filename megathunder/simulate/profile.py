@@ -208,6 +208,14 @@ class ScheduleSpec(_Strict):
     """fully_async: a trajectory may start at most this many versions ahead of the learner."""
     max_in_flight_prompts: int | None = Field(None, ge=1)
     """fully_async: groups in flight at once; null = num_prompts_per_batch."""
+    pending_gradients: bool = False
+    """thunder: each trajectory's score gradient when it finishes, while its verifier runs
+    (``ledger.max_pending: null``); its reward only folds it in."""
+    per_turn_scores: Literal["off", "kv_adjoint", "forward_early"] = "off"
+    """thunder (``ledger.per_turn_scores``; implies pending buffers): kv_adjoint runs each turn's
+    forward and own-loss backward when the turn ends and the K/V adjoint sweep (a backward through
+    every earlier segment) at the finish; forward_early runs each turn's forward when it ends and
+    the one backward at the finish."""
     async_push_overlaps_training: bool = True
     """async: the learner trains the next batch while it pushes the new weights (a copy, over its
     own link); false: the push (gather, load into the engines, probe) completes first, as

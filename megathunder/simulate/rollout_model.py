@@ -93,6 +93,7 @@ class RolloutCluster:
         self._num_batches = 0
         self.finish_time: list[float] = []
         self.reward_time: list[float] = []
+        self.turn_end_time: list[list[float]] = []  # per traj: when each of its turns ended
         self._rr = 0
 
     # -- public -------------------------------------------------------------------------------
@@ -124,6 +125,7 @@ class RolloutCluster:
             self._local_idx.append(int(i))
             self.finish_time.append(np.nan)
             self.reward_time.append(np.nan)
+            self.turn_end_time.append([])
             self._push(t + batch.prompt_tokens[i] / self.prefill, _READY, gid, None)
         return ids
 
@@ -246,6 +248,7 @@ class RolloutCluster:
     def _turn_done(self, gid: int, t: float) -> None:
         _, tool, prefill, verifier, _ = self._data[gid]
         turn = self._turn[gid]
+        self.turn_end_time[gid].append(t)
         if turn + 1 == self._end[gid]:
             self.finish_time[gid] = t
             self._running[self._group_key[gid]] -= 1

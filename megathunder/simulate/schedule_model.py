@@ -30,6 +30,7 @@ from megathunder.simulate.learner_model import (
     stream,
     train_batch,
     trajectory_work_s,
+    turn_items,
     update_tail_s,
 )
 from megathunder.simulate.profile import Profile
@@ -65,8 +66,18 @@ def sample_batches(profile: Profile, n: int) -> list[Batch]:
             for k in range(n)]
 
 
-def _rollout(profile: Profile, batch: Batch, t0: float, trace: Trace, step: int) -> np.ndarray:
-    """Runs one batch from idle engines at t0; returns reward times."""
+@dataclass
+class Rolled:
+    """One batch's rollout: per trajectory its reward and finish times, per turn (flat, the
+    batch's CSR order) when it ended."""
+
+    reward: np.ndarray
+    finish: np.ndarray
+    turn_end: np.ndarray
+
+
+def _rollout(profile: Profile, batch: Batch, t0: float, trace: Trace, step: int) -> Rolled:
+    """Runs one batch from idle engines at t0."""
     cluster = RolloutCluster(profile)
     cluster.add_batch(batch, t0)
     cluster.run()
@@ -75,7 +86,8 @@ def _rollout(profile: Profile, batch: Batch, t0: float, trace: Trace, step: int)
         iv.step = step
     trace.intervals += cluster.intervals
     trace.decoded_tokens += cluster.decoded_tokens
-    return np.asarray(cluster.reward_time)
+    turn_end = np.asarray([t for ends in cluster.turn_end_time for t in ends])
+    return Rolled(np.asarray(cluster.reward_time), np.asarray(cluster.finish_time), turn_end)
 
 
 def _learner(profile: Profile, bursts: list[Burst], trace: Trace, step: int) -> float:
@@ -117,11 +129,12 @@ def _zero_staleness(profile: Profile, batches: list[Batch], thunder: bool) -> Tr
     p, dp = profile.learner.pipeline_parallel, profile.num_dp
     t = 0.0
     for k, batch in enumerate(batches):
-        reward = _rollout(profile, batch, t, trace, k)
+        rolled = _rollout(profile, batch, t, trace, k)
+        reward = rolled.reward
         work = trajectory_work_s(profile, batch)
         if thunder:
-            ready = ledger_ready_times(batch.group, reward, profile.schedules.max_group_slots)
-            bursts = stream(ready, work, dp, p, t, profile.learner.max_microbatches_per_burst)
+            ready, items = thunder_work(profile, batch, rolled, work)
+            bursts = stream(ready, items, dp, p, t, profile.learner.max_microbatches_per_burst)
         else:
             bursts = train_batch(work, dp, p, float(reward.max()))
         end = _learner(profile, bursts, trace, k)
@@ -131,6 +144,19 @@ def _zero_staleness(profile: Profile, batches: list[Batch], thunder: bool) -> Tr
                                 arrival_bound_s(profile, reward, work) - t, float(reward.min()) - t))
         t = end
     return trace
+
+
+def thunder_work(profile: Profile, batch: Batch, rolled: Rolled, work: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Thunder's learner work items and when each may start (``schedules``): by default each
+    trajectory's at its reward under the ledger's K slots; with ``pending_gradients`` at its finish
+    (the fold at the reward is free); with ``per_turn_scores`` each turn's share at the turn's end
+    and the K/V adjoint sweep at the finish (``turn_items``)."""
+    sched = profile.schedules
+    if sched.per_turn_scores != "off":
+        return turn_items(batch, work, rolled.turn_end, rolled.finish, sched.per_turn_scores)
+    if sched.pending_gradients:
+        return rolled.finish, work
+    return ledger_ready_times(batch.group, rolled.reward, sched.max_group_slots), work
 
 
 def run_sync(profile: Profile, batches: list[Batch]) -> Trace:
@@ -162,7 +188,7 @@ def run_async(profile: Profile, batches: list[Batch]) -> Trace:
             for r in range(dp if overlap else 0):  # the learner sends a copy of version k-1 while it trains
                 trace.intervals.append(Interval(f"learner{r}", push, push + profile.learner.push_busy_s,
                                                 "weight_sync", k))
-        reward = _rollout(profile, batch, start, trace, k)
+        reward = _rollout(profile, batch, start, trace, k).reward
         rollout_end.append(float(reward.max()))
         t_learn = max(rollout_end[k], learner_end[k - 1] if k else 0.0)
         if k and not overlap:  # the push of version k (before rollout k + 1) completes first

@@ -302,3 +302,59 @@ def test_every_queue_policy_keeps_thunder_within_its_bounds(seed):
         sync, thunder = run_sync(p, batches), run_thunder(p, batches)
         ratio = metrics.zero_staleness_ratio(sync, thunder)
         assert 1 - 1e-12 <= ratio <= metrics.overlap_bound(sync)["B_arrival"] + 1e-9, policy
+
+
+# -- gradients before the reward, per-turn score gradients ---------------------------------------
+
+@pytest.mark.parametrize("seed", range(3))
+def test_turn_items_split_each_trajectory_as_its_strategy_does(seed):
+    from megathunder.simulate.learner_model import BACKWARD_SHARE, trajectory_work_s, turn_items
+
+    p = varied(seed)
+    batch = sample_batch(p.workload, np.random.default_rng(seed))
+    work = trajectory_work_s(p, batch)
+    turn_end = np.arange(int(batch.turn_start[-1]), dtype=float)  # any times: the items keep them
+    finish = 1000.0 + np.arange(batch.size)
+    owner = np.concatenate([np.repeat(np.arange(batch.size), batch.num_turns), np.arange(batch.size)])
+    for strategy in ("forward_early", "kv_adjoint"):
+        ready, items = turn_items(batch, work, turn_end, finish, strategy)
+        assert np.array_equal(ready, np.concatenate([turn_end, finish]))
+        per_traj = np.bincount(owner, weights=items)
+        if strategy == "forward_early":  # its forwards, then the one backward: the trajectory's work
+            assert per_traj == pytest.approx(work, rel=1e-12)
+            assert items[-batch.size:] == pytest.approx(BACKWARD_SHARE * work, rel=1e-12)
+        else:  # plus the sweep: a backward through every segment but the last
+            single = batch.num_turns == 1
+            assert per_traj[single] == pytest.approx(work[single], rel=1e-12)
+            assert np.all(per_traj[~single] > work[~single]) and np.all(per_traj < (1 + BACKWARD_SHARE) * work)
+
+
+def test_the_rollout_records_every_turn_end_and_the_last_is_the_finish():
+    p = varied(1)
+    batch = sample_batch(p.workload, np.random.default_rng(1))
+    cluster = RolloutCluster(p)
+    cluster.add_batch(batch, 0.0)
+    cluster.run()
+    assert [len(ends) for ends in cluster.turn_end_time] == batch.num_turns.tolist()
+    assert [ends[-1] for ends in cluster.turn_end_time] == cluster.finish_time
+    assert all(a <= b for ends in cluster.turn_end_time for a, b in zip(ends, ends[1:], strict=False))
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_earlier_work_never_slows_thunder_on_one_rank(seed):
+    """One rank, no pipeline: pending gradients (work ready at the finish, not the reward) and
+    forward_early turns (the same work, part of it earlier still) give steps no longer than
+    per-trajectory streaming at the reward, which is itself the arrival bound; kv_adjoint's sweep
+    adds work, so it has no such guarantee."""
+    base = varied(seed, schedules={"max_group_slots": None})
+    batches = sample_batches(base, base.run.num_steps)
+
+    def steps(**schedules):
+        trace = run_thunder(base.with_overrides({"schedules": schedules}), batches)
+        return np.diff([0.0] + [s.end for s in trace.steps])
+
+    at_reward = steps()
+    pending = steps(pending_gradients=True)
+    early = steps(per_turn_scores="forward_early")
+    assert np.all(pending <= at_reward + 1e-9) and np.all(early <= pending + 1e-9)
+    assert early.sum() < at_reward.sum()

@@ -78,7 +78,8 @@ def run_workload(name: str, args, root: Path) -> dict:
               f"batch.num_prompts_per_batch={args.prompts}", f"batch.samples_per_prompt={args.samples}",
               *args.overrides]
     results, warm = {}, [f"sft.num_steps={args.sft_steps}"]
-    runs = [(s, s, []) for s in args.schedules] + [(f"thunder-no_{a}", "thunder", ABLATIONS[a]) for a in args.ablate]
+    runs: list[tuple[str, str, list[str]]] = [(s, s, []) for s in args.schedules]  # (label, schedule, overrides)
+    runs += [(f"thunder-no_{a}", "thunder", ABLATIONS[a]) for a in args.ablate]
     for k, (label, schedule, ablation) in enumerate(runs):
         out = root / name / label
         summary = _train(args.config, out, [*common, *warm, f"schedule.mode={schedule}", *ablation])

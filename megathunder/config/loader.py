@@ -29,7 +29,11 @@ _Loader.add_implicit_resolver("tag:yaml.org,2002:bool", re.compile(r"^(?:true|Tr
 
 def load_yaml(text: str | bytes) -> Any:
     """YAML as configs are read (``_Loader``: YAML 1.2 booleans)."""
-    return yaml.load(text, Loader=_Loader)  # noqa: S506 -- a SafeLoader
+    loader = _Loader(text)  # yaml.safe_load's own steps, with _Loader's resolvers
+    try:
+        return loader.get_single_data()
+    finally:
+        loader.dispose()
 
 
 class ConfigError(ValueError):

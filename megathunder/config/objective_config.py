@@ -252,8 +252,11 @@ class LedgerConfig(Strict):
     """Per-turn score gradients (thunder, ``objective.kind: grpo``, multi-turn episodes): a
     trajectory's h_i is computed turn by turn, each model turn's part while its tool call runs, into
     a pending buffer (``max_pending``; none free: the trajectory takes the finish-time path), so at
-    its finish only the adjoint sweep is left (``megathunder.streaming.grpo_turns``). The value is the
-    strategy, as OPD's ``objective.strategy``; kv_adjoint and forward_early need
+    its finish only a backward is left (``megathunder.streaming.grpo_turns``). The value is the
+    strategy, as OPD's ``objective.strategy``: forward_early (each turn's forward at the turn, the
+    one backward at the finish: one pass's work in all) is the one to use; kv_adjoint runs each
+    turn's backward at the turn too but adds a K/V adjoint sweep at the finish (up to 2/3 more
+    work); recompute re-runs the prefix every turn. kv_adjoint and forward_early need
     ``learner.precision.core_attention=past_kv``. Needs ``objective.tis`` none or token and a ``loss_agg``
     whose per-trajectory weight is 1 (not seq_mean_token_mean); no pipeline / context / sequence
     parallelism, no MoE. off: h_i at finish or reward time."""

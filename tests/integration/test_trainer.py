@@ -220,6 +220,23 @@ def test_dapo_refill_under_thunder_trains_full_batches_and_replays_exactly(base,
     assert update_error(start, tmp_path / "sync", live) <= UPDATE_RTOL
 
 
+def test_per_turn_score_gradients_stream_every_trajectory_and_replay_through_sync(base, tmp_path):
+    """``ledger.per_turn_scores`` on the multi-turn calculator task with token TIS: every turn event
+    reaches the learner with its engine logprobs, every trajectory's h_i is computed turn by turn
+    (none falls back to the finish-time path), and the journal replayed through sync gives the same
+    update within UPDATE_RTOL (the exact claim is tests/unit/test_score_turns.py)."""
+    run = tmp_path / "run"
+    train(run, "task.name=calculator", "agent.max_turns=3", "agent.max_new_tokens_per_turn=24",
+          "agent.max_total_tokens=800", "rollout.engine.max_model_len=1024",
+          "objective.tis=token", "ledger.max_pending=null", "ledger.per_turn_scores=forward_early",
+          "learner.precision.core_attention=past_kv", "run.num_steps=2", "eval.every_n_steps=0", *warm(base))
+    r = rows(run)
+    assert all(x["turn_scores"] == x["num_episodes"] == 16 and x["pending_backward"] == 0 for x in r), r
+    assert all(x["policy_lag_max"] == 0 and x["probe_gap"] <= 1e-3 for x in r)
+    replay(run, tmp_path / "sync", "sync")
+    assert update_error(base / "sft_model", tmp_path / "sync", run / "final_model") <= UPDATE_RTOL
+
+
 def test_async_schedule_is_one_step_stale(base, tmp_path):
     # PPO's 2 epochs x 2 mini-batches per batch (4 optimizer steps), then the push and the probe
     train(tmp_path, "schedule.mode=async", "objective.tis=token", "run.num_steps=3", "run.timeline_steps=1",

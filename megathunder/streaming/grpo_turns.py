@@ -74,8 +74,10 @@ class _NoTeacher:
 class _ScoreStreamer(TurnStreamer):
     """The per-turn strategies with turn k's loss L_k = sum_t w_t l_t over its targets."""
 
-    objective: RLObjective
-    engine_logprobs: torch.Tensor | None = None  # the current turn's, under TIS
+    def __init__(self, model: SegmentModel, objective: RLObjective, strategy: Strategy) -> None:
+        super().__init__(model, _NoTeacher(), strategy=strategy)
+        self.objective = objective
+        self.engine_logprobs: torch.Tensor | None = None  # the current turn's, under TIS
 
     def _turn_loss(self, traj_id: int, all_tokens: torch.Tensor, start: int,
                    logits_for_targets: torch.Tensor) -> torch.Tensor:
@@ -92,7 +94,7 @@ class _IntoPending(IntoAccumulator):
     (through the pool: the slots' dtype and placement)."""
 
     def __init__(self, inner: SegmentModel, live: GradBuffer, pool: BufferPool) -> None:
-        super().__init__(inner, live, live)
+        super().__init__(inner, live, acc=live)  # acc unused: ``backward`` moves into ``target`` instead
         self.pool = pool
         self.target: GradBuffer | None = None
 
@@ -121,9 +123,8 @@ class ScoreTurns:
         self.ledger = ledger
         self.objective = ledger.objective
         self._into = _IntoPending(segment_model, live, ledger.pool)
-        self.streamer = _ScoreStreamer(self._into, _NoTeacher(), strategy=strategy)
+        self.streamer = _ScoreStreamer(self._into, self.objective, strategy)
         self.max_streams = None if strategy == "recompute" else max_streams  # recompute keeps no state
-        self.streamer.objective = self.objective
         self._fed: dict[int, _Fed] = {}
         self._declined: set[int] = set()  # no buffer at the first turn, or its group dropped
 

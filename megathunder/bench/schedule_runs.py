@@ -49,6 +49,7 @@ ABLATIONS = {  # thunder with one mechanism off (the run's own overrides set the
     "pending": ["ledger.max_pending=0", "ledger.per_turn_scores=off"],  # per-turn scores fill pending buffers
     "per_turn": ["ledger.per_turn_scores=off"],
     "hold": ["ledger.hold_while_generating=never"],
+    "tail": ["schedule.probe_overlap=false"],  # sync keeps it: the probe is ours, not sync's algorithm
 }
 
 

@@ -79,6 +79,12 @@ class ScheduleConfig(Strict):
     probe_max_noise_floor: float = Field(1.0, gt=0)
     """A floor above this is not numerics: vLLM and the learner compute different models (a RoPE,
     vocabulary or layout mismatch); the run stops at its first push."""
+    probe_overlap: bool = True
+    """sync and thunder: after a push vLLM's part of the probe (one prefill) runs at once, alone, and
+    the learner scores it while the next batch generates; the probe is checked before that batch's
+    gradient is closed, so a failed probe stops the run before anything sampled after it is trained
+    on. The step's records are written then. Not at the run's last step, nor before an evaluation,
+    a checkpoint or a chaos fault of the step: those run after the whole probe, as without it."""
 
 
 class SftConfig(Strict):
@@ -173,8 +179,8 @@ class ChaosFault(Strict):
     """One fault injected into a run (``megathunder.trainer.chaos``)."""
 
     kind: Literal["fill_disk", "sigusr1", "sigint", "kill_server", "hang_server", "kill_engine", "hang_engine",
-                  "crash_verifier",
-                  "hang_verifier", "hang_sandbox", "oom_tool", "corrupt_journal", "kill_learner", "hang_learner"]
+                  "crash_verifier", "hang_verifier", "hang_sandbox", "oom_tool", "corrupt_journal", "kill_learner",
+                  "hang_learner", "stale_push"]
     """fill_disk: fill the run directory's file system (the next write fails); sigusr1 / sigint: the
     signal to this process (stop after the step, checkpoint, exit 75); kill_server / hang_server:
     SIGKILL / SIGSTOP rollout server ``server``'s process group (deployment=server, launched here);
@@ -190,7 +196,10 @@ class ChaosFault(Strict):
     no checkpoint of that step); kill_learner / hang_learner: learner rank ``rank`` SIGKILLs /
     SIGSTOPs itself as it receives the learner's next message (the run stops: rank 0 names the
     dead rank, exit 1, or its watchdog the hung one, exit 86, within
-    ``learner.watchdog.heartbeat_timeout_s``; the same command resumes)."""
+    ``learner.watchdog.heartbeat_timeout_s``; the same command resumes); stale_push: the push after
+    step ``step`` loads nothing, but the in-process engine stamps the new version as if it had (a
+    transfer that silently failed): the probe must stop the run (exit 1) before the next batch's
+    gradient is applied."""
     step: int = Field(0, ge=0)
     """The optimizer step during (server, learner and episode faults) or after (the others) which it happens."""
     after_trajectories: int = Field(0, ge=0)
@@ -375,6 +384,10 @@ class Config(Strict):
                     raise ValueError(f"chaos.faults.{i}.kind: {fault.kind} is survived in place under schedule.mode "
                                      f"sync or thunder with rollout.engine.max_restarts >= 1 (now "
                                      f"{self.schedule.mode}, {engine.max_restarts})")
+            if fault.kind == "stale_push":
+                if engine.deployment != "in_process" or self.schedule.probe_tokens == 0:
+                    raise ValueError(f"chaos.faults.{i}.kind: stale_push needs rollout.engine.deployment=in_process "
+                                     "and the probe (schedule.probe_tokens > 0), which must catch it")
             dp = self.learner.parallel.data_parallel  # the world size is known here only when it is set
             if fault.kind in LEARNER_FAULTS and dp is not None:
                 par = self.learner.parallel

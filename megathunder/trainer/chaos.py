@@ -35,6 +35,11 @@ node, so it signals itself). The run then stops -- a dead rank fails rank 0's ne
 (``LearnerRankLost``, exit 1), a stopped one is named by rank 0's watchdog (exit ``LEARNER_HUNG``)
 -- and the same command resumes from the last checkpoint.
 
+``stale_push`` makes the push after its step load nothing while the in-process engine stamps the
+new version as if it had: the zero-staleness probe must stop the run (exit 1) before the next
+batch's gradient is applied (with ``schedule.probe_overlap`` the learner's part of the probe runs
+beside that batch's rollout).
+
 What each kind promises (RELIABILITY.md): the rollout-side faults that leave episodes unchanged
 (``kill_server``, ``hang_server``, ``kill_engine``, ``hang_engine``, ``hang_sandbox``, ``oom_tool``)
 end with the fault-free run's parameters; the others (a verifier fault changes rewards; a stop and
@@ -74,6 +79,9 @@ from megathunder.rollout.verifiers import Verdict
 
 log = logging.getLogger(__name__)
 
+AFTER_STEP_FAULTS = ("fill_disk", "sigusr1", "sigint", "corrupt_journal")
+"""Faults that fire after the step's records are written (``Chaos.after_step``)."""
+
 FILLER = ".chaos_fill"
 """The file ``fill_disk`` grows in the run directory (delete it to free the space)."""
 
@@ -109,6 +117,14 @@ class Chaos:
     def has_episode_faults(self) -> bool:
         return bool(self._episode_faults)
 
+    def fires_after(self, step: int) -> bool:
+        """A fault not yet fired is to fire after this step's records are written (``after_step``)."""
+        return any(f.kind in AFTER_STEP_FAULTS and f.step == step for f in self.pending)
+
+    def stale_push(self, step: int) -> bool:
+        """Is the push after ``step`` to load nothing (``stale_push``)? Fires it."""
+        return bool(self._due(lambda f: f.kind == "stale_push" and f.step == step))
+
     def trajectory_finished(self, step: int, num_finished: int) -> None:
         for fault in self._due(lambda f: f.kind in ENGINE_FAULTS + LEARNER_FAULTS and f.step == step
                                and num_finished >= f.after_trajectories):
@@ -120,8 +136,7 @@ class Chaos:
                 self._server(fault)
 
     def after_step(self, step: int) -> None:
-        for fault in self._due(lambda f: f.kind not in ENGINE_FAULTS + EPISODE_FAULTS + LEARNER_FAULTS
-                               and f.step == step):
+        for fault in self._due(lambda f: f.kind in AFTER_STEP_FAULTS and f.step == step):
             log.warning("chaos: %s after step %d", fault.kind, step)
             if fault.kind == "fill_disk":
                 fill_disk(self.out / FILLER)

@@ -197,6 +197,7 @@ async def _control(cfg: Config, task: Task, out: Path, service: LearnerService[L
     finally:
         signals.on_stop_now.clear()
         if trainer is not None:
+            trainer.abandon_probe()
             if trainer.bar is not None:
                 trainer.bar.close()
             trainer.metrics.close()

@@ -2,6 +2,9 @@
 
     sync         rollout(k) ........ | learner(k) | push |
     thunder      rollout(k) + learner(k) streaming  | close, step, push |   (same update as sync)
+
+    (sync and thunder: the learner scores push k's probe while batch k + 1 generates, and
+     ``settle_probe`` checks it before batch k + 1 is trained on: ``schedule.probe_overlap``)
     async        rollout(k+1) || learner(k)         | push |               (data one step stale)
     fully_async  episodes run continuously; learner takes the next complete groups; push under them
 
@@ -42,8 +45,10 @@ async def run_sync(tr: Trainer, steps: Steps) -> None:
     for step in steps:
         started = time.monotonic()
         episodes = await tr.rollout(step)
+        await tr.settle_probe()  # the last push's probe, scored while this batch generated
         outcome = await tr.train_at_end(episodes)
         await tr.finish_step(step, StepRecord(episodes, started), outcome)
+    await tr.settle_probe()
 
 
 async def run_thunder(tr: Trainer, steps: Steps) -> None:
@@ -51,8 +56,10 @@ async def run_thunder(tr: Trainer, steps: Steps) -> None:
         started = time.monotonic()
         tr.service.submit(LearnerEndpoint.begin, tr.plan(), True)
         episodes = await tr.rollout(step, stream=True)  # events reach the learner as they happen
+        await tr.settle_probe()  # checked before this batch's gradient is closed and applied
         outcome = await tr.service.call(LearnerEndpoint.close)
         await tr.finish_step(step, StepRecord(episodes, started), outcome)
+    await tr.settle_probe()
 
 
 async def run_async(tr: Trainer, steps: Steps) -> None:

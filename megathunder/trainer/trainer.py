@@ -13,7 +13,9 @@ The walk of one trajectory through these calls is in ``megathunder.learner.endpo
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -67,6 +69,17 @@ class StepRecord:
     dropped_stale: int = 0
 
 
+@dataclass(frozen=True)
+class _EngineSide:
+    """vLLM's part of one probe: the tokens after the prompt, their logprobs, the routed experts."""
+
+    version: int
+    prompt: list[int]
+    tokens: list[int]
+    logprobs: list[float]
+    routed: torch.Tensor | None
+
+
 class Trainer:
     def __init__(self, cfg: Config, out: Path, service: LearnerService[LearnerEndpoint], engine: RolloutEngine,
                  codec: ChatCodec, task: Task, start_step: int) -> None:
@@ -94,6 +107,8 @@ class Trainer:
         self.probe_tolerance = ProbeTolerance(sched.probe_tolerance, sched.probe_noise_margin)
         self._last_probe: ProbeSample | None = None
         self._probe_continuation: list[int] | None = None  # the tokens every push's probe scores
+        self._probe_task: asyncio.Task[float] | None = None  # the learner's part of a trailing probe
+        self._unrecorded: tuple[int, StepRecord, dict] | None = None  # a step whose probe trails
         self.eval_set: list[TaskInstance] | None = None
         self.bar: tqdm | None = None
         self._streaming = False  # thunder: route the rollout's events to the learner
@@ -177,14 +192,33 @@ class Trainer:
             self.service.submit(LearnerEndpoint.reward, tid, reward)
         return await self.service.call(LearnerEndpoint.close)
 
-    async def finish_step(self, step: int, rec: StepRecord, outcome: BatchOutcome, push: bool = True) -> dict:
+    async def finish_step(self, step: int, rec: StepRecord, outcome: BatchOutcome, push: bool = True) -> None:
         """After the batch's gradient: the optimizer step, the weight push and probe, then the
-        step's records (metrics, journal, timeline), evaluation and checkpoint when due."""
+        step's records (metrics, journal, timeline), evaluation and checkpoint when due. With
+        ``schedule.probe_overlap`` the learner's part of the probe (and the records after it) may
+        trail into the next batch: ``settle_probe`` finishes them."""
         result = await self.service.call(LearnerEndpoint.step)
         self.version += 1
+        trail = push and self._probe_may_trail(step)
         if push:
-            await self.push_weights()
-        row = self._row(step, rec, outcome, result)
+            await self.push_weights(trail_probe=trail)
+        self._unrecorded = (step, rec, self._row(step, rec, outcome, result))
+        if trail:
+            self.service.step_index = step + 1  # the trailing probe's learner call belongs to the next step
+        else:
+            await self.settle_probe()
+
+    async def settle_probe(self) -> None:
+        """The last push's probe, if its learner part trailed into this batch (a stale push raises
+        here: the schedules call this before the batch's gradient is closed), then the records of the
+        step it followed. Nothing to do when the probe ran whole."""
+        if self._probe_task is not None:
+            task, self._probe_task = self._probe_task, None
+            self.last_probe_gap = await task
+        if self._unrecorded is None:
+            return
+        (step, rec, row), self._unrecorded = self._unrecorded, None
+        row.update(self._probe_columns())
         row.update(await self.periodic_eval(step))
         self._journal(step, rec, row)
         self.metrics.log(row)
@@ -193,9 +227,24 @@ class Trainer:
         self._keep_timeline_from(step + 1 - self.cfg.run.timeline_steps)
         if self._checkpoint_due(step):
             await self.service.call(LearnerEndpoint.checkpoint)
-        self.service.step_index = step + 1
+        self.service.step_index = max(self.service.step_index, step + 1)
         self._show_progress(row)
-        return row
+
+    def abandon_probe(self) -> None:
+        """The run is ending on an error: a trailing probe's task is cancelled, its step unrecorded."""
+        if self._probe_task is not None:
+            self._probe_task.cancel()
+            self._probe_task = None
+        self._unrecorded = None
+
+    def _probe_may_trail(self, step: int) -> bool:
+        """``schedule.probe_overlap``: sync and thunder, once the probe is calibrated, never at the
+        run's last step nor when an evaluation, a checkpoint or a chaos fault follows the step's records."""
+        sched = self.cfg.schedule
+        return (sched.probe_overlap and sched.mode in ("sync", "thunder") and sched.probe_tokens > 0
+                and self.probe_tolerance.floor is not None and step + 1 < self.cfg.run.num_steps
+                and not eval_due(self.cfg, step + 1) and not self._checkpoint_due(step)
+                and not self.chaos.fires_after(step))
 
     async def periodic_eval(self, step: int, force: bool = False) -> dict:
         """pass@1..k on the held-out instances with the weights just pushed (``eval.every_n_steps``)."""
@@ -213,23 +262,33 @@ class Trainer:
 
     # ------------------------------------------------------------------ weights
 
-    async def push_weights(self) -> float:
-        """New weights into vLLM, then the probe; returns the probe's gap. By default each learner
-        stage streams its own buckets into the engine's transfer groups while the engine is paused
-        (``StreamedWeights``); with ``weight_transfer.kind=rpc`` rank 0 gathers them first."""
+    async def push_weights(self, trail_probe: bool = False) -> None:
+        """New weights into vLLM, then the probe. By default each learner stage streams its own
+        buckets into the engine's transfer groups while the engine is paused (``StreamedWeights``);
+        with ``weight_transfer.kind=rpc`` rank 0 gathers them first. ``trail_probe``: vLLM's part of
+        the probe runs now, the learner's is queued behind it and checked by ``settle_probe``."""
         start = time.monotonic()
         stats = await self._load_weights()
         self.last_push = {"push_s": time.monotonic() - start, "push_bytes": stats.get("payload_bytes", float("nan")),
                           "push_changed_fraction": stats.get("changed_fraction", float("nan"))}
         probe_start = time.monotonic()
-        gap = self.last_probe_gap = await self.probe()
-        self.last_push["probe_s"] = time.monotonic() - probe_start
+        if trail_probe:
+            side = await self._engine_side()
+            self._probe_task = asyncio.create_task(self._learner_side_checked(side, self._push_unchanged()))
+            self.last_probe_gap = math.nan
+        else:
+            self.last_probe_gap = await self.probe()
+        self.last_push["probe_s"] = time.monotonic() - probe_start  # what the step waited for
+        self.last_push["probe_trailed"] = int(trail_probe)
         self.timeline.add_sync(start, time.monotonic(), self.version)
-        return gap
 
     async def _load_weights(self) -> dict[str, float]:
         """The learner's weights into the engine, stamped with its version; the push's statistics."""
         stats: dict[str, float] = {}
+        if self.chaos.stale_push(self.version - 1):  # chaos.faults: the transfer fails silently
+            log.warning("chaos: stale_push: policy version %d is stamped, not loaded", self.version)
+            await cast(InProcessEngine, self.engine).stamp_version(self.version)
+            return stats
         if isinstance(self.cfg.rollout.engine.weight_transfer, CollectiveTransfer):
             async def send() -> None:
                 stats.update(await self.service.call(LearnerEndpoint.send_weights))
@@ -268,19 +327,26 @@ class Trainer:
             return float("nan")
         if self.probe_tolerance.floor is None:
             await self._calibrate_probe()
-        sample, previous = await self._probe_sample(), self._last_probe
-        unchanged = self.last_push.get("push_changed_fraction") == 0.0  # no weight moved in the inference dtype
+        return await self._learner_side_checked(await self._engine_side(), self._push_unchanged())
+
+    def _push_unchanged(self) -> bool:
+        """No weight moved in the inference dtype at the last push (vLLM may then repeat its probe)."""
+        return self.last_push.get("push_changed_fraction") == 0.0
+
+    async def _learner_side_checked(self, side: _EngineSide, unchanged: bool) -> float:
+        """The learner's logprobs of vLLM's probe, then both checks; returns the push's gap."""
+        sample, previous = await self._learner_side(side), self._last_probe
         if previous is not None and not unchanged and engine_kept_its_weights(previous, sample):
             moved = float((sample.learner_logprobs - previous.learner_logprobs).abs().max())
             raise StaleWeightsError(
-                f"after the weight sync of policy version {self.version}: vLLM computed the previous push's probe "
+                f"after the weight sync of policy version {side.version}: vLLM computed the previous push's probe "
                 f"bit for bit while the learner's logprobs of it moved by {moved:.3e}; the engine is not "
                 "sampling from the weights being trained")
         self._last_probe = sample
         gap = self._gap(sample)
         if gap > self.probe_tolerance.value:
             raise StaleWeightsError(
-                f"after the weight sync of policy version {self.version}: vLLM's logprobs differ from the "
+                f"after the weight sync of policy version {side.version}: vLLM's logprobs differ from the "
                 f"learner's by {gap:.3e} (> {self.probe_tolerance.value:.3e} = max(schedule.probe_tolerance, "
                 f"schedule.probe_noise_margin x the noise floor {self.probe_tolerance.floor:.2e})); the engine "
                 "is not sampling from the weights being trained")
@@ -328,6 +394,11 @@ class Trainer:
     async def _probe_sample(self, continuation: Sequence[int] | None = None) -> ProbeSample:
         """vLLM's and the learner's logprobs (temperature 1) of the probe's tokens: ``continuation``,
         or the one every push is probed with (drawn with ``PROBE_SEED`` the first time)."""
+        return await self._learner_side(await self._engine_side(continuation))
+
+    async def _engine_side(self, continuation: Sequence[int] | None = None) -> _EngineSide:
+        """vLLM's part of a probe: one prefill of the prompt and ``continuation`` (default: the
+        push's own) and one sampled token, with the experts it routed to under routing replay."""
         if continuation is None:
             if self._probe_continuation is None:
                 self._probe_continuation = (await self._draw_continuation(seed=PROBE_SEED)).token_ids
@@ -338,12 +409,17 @@ class Trainer:
             raise StaleWeightsError(f"after the weight sync of policy version {self.version}: vLLM sampled with "
                                     f"version {out.policy_version}")
         tokens = prompt + out.tokens
-        routed = await self._routed(tokens)
-        if routed is not None:  # replayed, as training does; the gap without replay is reported beside it
-            own = await self.service.call(LearnerEndpoint.score, tokens, len(prompt), None, 1.0)
-            self.last_probe_gap_own_routing = max_logprob_gap(out.logprobs, own)
-        learner_logp = await self.service.call(LearnerEndpoint.score, tokens, len(prompt), routed, 1.0)
-        return ProbeSample(tuple(out.tokens), tuple(out.logprobs), learner_logp)
+        return _EngineSide(self.version, prompt, out.tokens, out.logprobs, await self._routed(tokens))
+
+    async def _learner_side(self, side: _EngineSide) -> ProbeSample:
+        """The learner's logprobs of the tokens vLLM probed (routed as vLLM routed them under
+        routing replay; the gap without replay is reported beside it)."""
+        tokens = side.prompt + side.tokens
+        if side.routed is not None:
+            own = await self.service.call(LearnerEndpoint.score, tokens, len(side.prompt), None, 1.0)
+            self.last_probe_gap_own_routing = max_logprob_gap(side.logprobs, own)
+        learner_logp = await self.service.call(LearnerEndpoint.score, tokens, len(side.prompt), side.routed, 1.0)
+        return ProbeSample(tuple(side.tokens), tuple(side.logprobs), learner_logp)
 
     async def _routed(self, tokens: list[int]) -> torch.Tensor | None:
         """Routing replay: the experts vLLM's probe request routed ``tokens`` to (None without it)."""
@@ -380,11 +456,8 @@ class Trainer:
             "policy_lag_mean": sum(lags) / max(len(lags), 1),
             "grad_norm": result.grad_norm,
             "lr": result.lr,
-            "probe_gap": self.last_probe_gap,  # async: the push (and its probe) at this step's start
-            **self.last_push,  # the last push: seconds (update_weights), bytes sent, changed fraction
-            "probe_tolerance": self.probe_tolerance.value,
+            **self.last_push,  # the last push: seconds (update_weights), bytes sent, changed fraction, probe_s
             **({"engine_restarts": self.engine.num_restarts} if isinstance(self.engine, InProcessEngine) else {}),
-            **({"probe_gap_own_routing": self.last_probe_gap_own_routing} if self.agent_loop.routing else {}),
             "step_s": step_s,
             "learner_busy_s": busy,
             "learner_idle_share": max(0.0, 1.0 - busy / step_s) if step_s > 0 else 0.0,
@@ -400,6 +473,11 @@ class Trainer:
             "wall_s": wall,
             "gpu_hours": wall * self.service.world_size / 3600.0,  # learner process-hours on CPU
         }
+
+    def _probe_columns(self) -> dict:
+        """The last push's probe (async: the push at this step's start), once it is checked."""
+        return {"probe_gap": self.last_probe_gap, "probe_tolerance": self.probe_tolerance.value,
+                **({"probe_gap_own_routing": self.last_probe_gap_own_routing} if self.agent_loop.routing else {})}
 
     def _journal(self, step: int, rec: StepRecord, row: dict) -> None:
         for ep in rec.episodes:

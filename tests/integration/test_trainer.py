@@ -233,8 +233,30 @@ def test_per_turn_score_gradients_stream_every_trajectory_and_replay_through_syn
     r = rows(run)
     assert all(x["turn_scores"] == x["num_episodes"] == 16 and x["pending_backward"] == 0 for x in r), r
     assert all(x["policy_lag_max"] == 0 and x["probe_gap"] <= 1e-3 for x in r)
+    # step 0's probe was scored while step 1's turns streamed (schedule.probe_overlap); the last runs whole
+    assert [x["probe_trailed"] for x in r] == [1, 0]
     replay(run, tmp_path / "sync", "sync")
     assert update_error(base / "sft_model", tmp_path / "sync", run / "final_model") <= UPDATE_RTOL
+
+
+def test_a_stale_push_stops_the_run_at_its_trailing_probe_before_the_next_batch_is_trained(base, tmp_path):
+    """``schedule.probe_overlap``: vLLM's part of push k's probe runs at once, the learner scores it
+    while batch k + 1 generates, and the schedules check it before batch k + 1's gradient is closed.
+    ``chaos.faults`` stale_push: the push after step 1 loads nothing while the engine stamps version
+    2, so vLLM repeats the previous probe bit for bit while the learner's logprobs moved: the run
+    must stop there, in ``settle_probe`` (before step 2's close and optimizer step), with step 0's
+    records written (its own probe trailed and passed) and step 1's not."""
+    cmd = [sys.executable, "-m", "megathunder.cli", "train", str(ROOT / "configs/quickstart.yaml"),
+           f"run.output_dir={tmp_path}", *SMALL, *warm(base), "run.num_steps=3", "eval.every_n_steps=0",
+           "chaos.faults=[{kind: stale_push, step: 1}]"]
+    proc = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 1, proc.stderr[-5000:]
+    assert "StaleWeightsError" in proc.stderr and "policy version 2" in proc.stderr, proc.stderr[-3000:]
+    assert "bit for bit" in proc.stderr and "in settle_probe" in proc.stderr, proc.stderr[-3000:]
+    r = rows(tmp_path)
+    assert [x["step"] for x in r] == [0] and r[0]["probe_trailed"] == 1 and 0 <= r[0]["probe_gap"] <= 1e-3, r
+    journal = [json.loads(line)["rec"] for line in (tmp_path / "journal.jsonl").read_text().splitlines()]
+    assert {x["step"] for x in journal} == {0}
 
 
 def test_async_schedule_is_one_step_stale(base, tmp_path):

@@ -500,6 +500,13 @@ class InProcessEngine:
         results = await self._llm.collective_rpc("megathunder_routing_lookup", args=(json.dumps(list(token_ids)),))
         return decode_routing(results[0])  # every TP worker routes alike: the first's
 
+    async def stamp_version(self, policy_version: int) -> None:
+        """Only the version stamp of a weight update, nothing loaded (``chaos.faults`` stale_push: a
+        transfer that failed silently, which the probe must catch)."""
+        async with self._update_lock:
+            await self._guarded("stamping a version", self._llm.update_weight_version(str(policy_version)))
+            self._policy_version = policy_version
+
     async def update_weights(self, weights: WeightSource, policy_version: int) -> None:
         """Drain in-flight requests, load, reset the prefix cache, stamp the version, resume (an
         engine found dead first is restarted in place, as a request would find it).

@@ -22,8 +22,10 @@ Fitted inputs (see ``README.md``, "Calibration against real runs"):
 - ``learner.optimizer_step_s``: the mean ``step`` call after the first step;
   ``learner.weight_sync_s``: the mean weight sync (gather, reshard, load into vLLM, probe), the
   initial one left out, and ``learner.weight_sync_learner_s`` the learner's calls in it;
-- the run's config: schedule, batch shape, the ledger's K, fully_async's groups in flight; and
-  the trainer's order: async pushes before it trains.
+- the run's config: schedule, batch shape, the ledger's K, gradients before the reward
+  (``ledger.max_pending`` not 0) and per-turn score gradients (``ledger.per_turn_scores``:
+  kv_adjoint, forward_early; recompute runs its backward at the finish, as pending gradients
+  do), fully_async's groups in flight; and the trainer's order: async pushes before it trains.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ from megathunder.simulate.schedule_model import RUNNERS
 from megathunder.simulate.sim_metrics import summary
 from megathunder.simulate.workload import Batch
 
-GRADIENT_CALLS = frozenset({"begin", "finished", "reward", "close"})
+GRADIENT_CALLS = frozenset({"begin", "turn", "finished", "reward", "close"})
 PUSH_CALLS = frozenset({"send_weights", "gather_weights", "score"})  # the learner's calls inside a weight sync
 MIN_TURNS_PER_BIN = 50  # decode-rate bins: fewer turns than this join the next bin
 PREFILL_FOLDED_TOKENS_PER_S = 1e12  # prefill time is inside the fitted decode rates
@@ -196,13 +198,20 @@ def fit(run: RunDir) -> Calibration:
             "verifier_latency_s": _dist(cat(lambda b: b.verifier_latency_s)),
             "max_context_tokens": int(max(b.total_tokens.max() for b in batches)),
         },
-        "schedules": {"max_group_slots": cfg["ledger"]["max_group_slots"],
+        "schedules": {"max_group_slots": cfg["ledger"]["max_group_slots"], **_ledger_mechanisms(cfg["ledger"]),
                       "max_staleness": num_steps + FULLY_ASYNC_IN_FLIGHT_BATCHES + 1,  # no launch rule
                       "max_in_flight_prompts": FULLY_ASYNC_IN_FLIGHT_BATCHES * P,
                       "async_push_overlaps_training": False},
         "run": {"num_steps": num_steps, "warmup_steps": warmup, "seed": cfg["run"]["seed"]},
     })
     return Calibration(run, profile, batches)
+
+
+def _ledger_mechanisms(ledger: dict) -> dict:
+    """The run's thunder mechanisms the simulator models (older runs' configs lack the keys: off)."""
+    per_turn = ledger.get("per_turn_scores", "off")
+    return {"pending_gradients": ledger.get("max_pending", 0) != 0,
+            "per_turn_scores": per_turn if per_turn in ("kv_adjoint", "forward_early") else "off"}
 
 
 # ---------------------------------------------------------------------- predicting, measuring

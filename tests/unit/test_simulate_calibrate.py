@@ -146,3 +146,20 @@ def test_a_replayed_turn_runs_through_a_weight_sync_and_the_next_waits_for_its_e
     cluster.pause(0.5, 2.0)  # [0.5, 2.5]: turn 1 (0 -> 1) runs on; turn 2, ready at 1.5, waits
     cluster.run()
     assert cluster.finish_time[0] == pytest.approx(3.5) and cluster.reward_time[0] == pytest.approx(3.75)
+
+
+@pytest.mark.parametrize("ledger,pending,per_turn", [
+    ({}, False, "off"),  # a run from before these keys
+    ({"max_pending": 0, "per_turn_scores": "off"}, False, "off"),
+    ({"max_pending": None, "per_turn_scores": "off"}, True, "off"),
+    ({"max_pending": 4, "per_turn_scores": "forward_early"}, True, "forward_early"),
+    ({"max_pending": None, "per_turn_scores": "kv_adjoint"}, True, "kv_adjoint"),
+    ({"max_pending": None, "per_turn_scores": "recompute"}, True, "off"),  # its backward runs at the finish
+])
+def test_the_runs_gradients_before_the_reward_are_simulated_as_it_ran_them(tmp_path, ledger, pending, per_turn):
+    write_sync_run(tmp_path / "run")
+    config = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())
+    config["ledger"].update(ledger)
+    (tmp_path / "run" / "config.yaml").write_text(yaml.safe_dump(config))
+    sched = fit(load_run(tmp_path / "run")).profile.schedules
+    assert sched.pending_gradients is pending and sched.per_turn_scores == per_turn

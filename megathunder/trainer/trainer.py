@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -268,14 +267,19 @@ class Trainer:
         with ``weight_transfer.kind=rpc`` rank 0 gathers them first. ``trail_probe``: vLLM's part of
         the probe runs now, the learner's is queued behind it and checked by ``settle_probe``."""
         start = time.monotonic()
-        stats = await self._load_weights()
+        if self.chaos.stale_push(self.version - 1):  # chaos.faults: the transfer fails silently
+            log.warning("chaos: stale_push: policy version %d is stamped, not loaded", self.version)
+            await cast(InProcessEngine, self.engine).stamp_version(self.version)
+            stats: dict[str, float] = {}
+        else:
+            stats = await self._load_weights()
         self.last_push = {"push_s": time.monotonic() - start, "push_bytes": stats.get("payload_bytes", float("nan")),
                           "push_changed_fraction": stats.get("changed_fraction", float("nan"))}
         probe_start = time.monotonic()
         if trail_probe:
             side = await self._engine_side()
             self._probe_task = asyncio.create_task(self._learner_side_checked(side, self._push_unchanged()))
-            self.last_probe_gap = math.nan
+            self.last_probe_gap = float("nan")
         else:
             self.last_probe_gap = await self.probe()
         self.last_push["probe_s"] = time.monotonic() - probe_start  # what the step waited for
@@ -285,10 +289,6 @@ class Trainer:
     async def _load_weights(self) -> dict[str, float]:
         """The learner's weights into the engine, stamped with its version; the push's statistics."""
         stats: dict[str, float] = {}
-        if self.chaos.stale_push(self.version - 1):  # chaos.faults: the transfer fails silently
-            log.warning("chaos: stale_push: policy version %d is stamped, not loaded", self.version)
-            await cast(InProcessEngine, self.engine).stamp_version(self.version)
-            return stats
         if isinstance(self.cfg.rollout.engine.weight_transfer, CollectiveTransfer):
             async def send() -> None:
                 stats.update(await self.service.call(LearnerEndpoint.send_weights))

@@ -81,7 +81,7 @@ from megathunder.learner.logprobs import vocab_parallel_logprobs
 from megathunder.learner.parallel import ProcessGroups
 from megathunder.learner.router_losses import schedule_router_losses
 from megathunder.learner.routing_replay import schedule_replay
-from megathunder.objectives import LossSpec, router_loss_weight, trajectory_loss
+from megathunder.objectives import LossSpec, router_loss_weight, trajectories_loss
 from megathunder.streaming.buffers import GradBuffer
 from megathunder.trajectory import Trajectory, pack_micro_batches
 
@@ -90,7 +90,7 @@ def run_schedule(
     ddp_model: torch.nn.Module,
     pgs: ProcessGroups,
     items: Sequence[Trajectory],
-    loss_fn: Callable[[int, torch.Tensor, torch.Tensor | None], torch.Tensor],
+    loss_fn: Callable[[Sequence[int], torch.Tensor, torch.Tensor | None], torch.Tensor],
     *,
     need_entropy: bool,
     forward_only: bool = False,
@@ -105,17 +105,18 @@ def run_schedule(
     The trajectories are grouped in order into micro-batches of at most ``pack_tokens`` tokens
     (rows x padded length, ``pack_micro_batches``; 0: one trajectory per micro-batch). A
     micro-batch is one [b, T_max] forward, right-padded; its loss is the sum of its
-    trajectories' losses. ``loss_fn(k, logp_T, entropy_T)`` gives trajectory k's scalar loss on
-    the last stage from its own logprobs (and entropy) of softmax(logits / ``temperature``), so
-    per-sequence terms stay exact. Under context parallelism every micro-batch holds one
+    trajectories' losses. ``loss_fn(ks, logp_N, entropy_N)`` gives that sum on the last stage for
+    the micro-batch's trajectories ``ks`` (indices into ``items``) from their logprobs (and
+    entropies) of softmax(logits / ``temperature``) at their loss-mask targets, concatenated in
+    order (``objectives.trajectories_loss``: one flat computation, each trajectory's own
+    per-sequence terms). Under context parallelism every micro-batch holds one
     trajectory (the CP gather is per sequence; ``pack_tokens`` is ignored). Returns, on the last
     stage, one dict per trajectory (in ``items`` order) with its detached ``logp`` (and
     ``entropy``); nothing on other stages. ``router_weights``: each trajectory's weight of a
     MoE model's router losses in this call (``megathunder.learner.router_losses``; None: a call
     that trains none, e.g. forward-only). ``loss_logits_only``: the output layer only at each
-    trajectory's loss-mask targets (``learner.loss_logits_only``); the logprobs (and entropies)
-    ``loss_fn`` sees and the reports hold are zero at every other target. Not under context
-    parallelism.
+    trajectory's loss-mask targets (``learner.loss_logits_only``); the reports then hold zeros at
+    every other target. Not under context parallelism.
     """
     device = pgs.device
     dims = pgs.dims
@@ -125,6 +126,7 @@ def run_schedule(
     replay = schedule_replay(ddp_model, items, pgs)  # learner.moe.routing_replay
     router_losses = schedule_router_losses(ddp_model, [t.tokens.numel() - 1 for t in items], router_weights, pgs)
     head = _LossRows.of(ddp_model, pgs) if loss_logits_only and dims.cp == 1 else None
+    at = [t.loss_mask.nonzero().squeeze(-1).to(device) for t in items]  # each trajectory's loss targets
 
     def forward_step(data_iterator, model):
         ks = next(data_iterator)
@@ -147,7 +149,7 @@ def run_schedule(
             inputs, labels, positions = local["tokens"], local["labels"], local["position_ids"]
         if head is None:
             return model(inputs, positions, attention_mask=None), partial(_loss_func, ks, labels, None)
-        targets = [items[k].loss_mask.nonzero().squeeze(-1).to(device) for k in ks]
+        targets = [at[k] for k in ks]
         with head.select(targets, len(ks)):
             output = model(inputs, positions, attention_mask=None)
         return output, partial(_loss_func, ks, labels, targets)
@@ -156,26 +158,24 @@ def run_schedule(
         if targets is not None:  # output: [1, n, v / tp], the rows at each trajectory's targets in turn
             labels = torch.cat([labels[row, t] for row, t in enumerate(targets)])[None]
         logps, entropies = vocab_parallel_logprobs(output, labels, pgs.tp, need_entropy, temperature)
-        if targets is not None:
-            lengths = [items[k].tokens.numel() - 1 for k in ks]
-            logps = _at_targets(logps[0], targets, lengths)
-            entropies = None if entropies is None else _at_targets(entropies[0], targets, lengths)
-        losses, reports = [], []
-        for row, k in enumerate(ks):
-            logp, entropy = logps[row], None if entropies is None else entropies[row]
-            if dims.cp > 1:
-                logp = gather_sequence(logp, pgs)
-                entropy = None if entropy is None else gather_sequence(entropy, pgs)
-            num_targets = items[k].tokens.numel() - 1
-            logp = logp[:num_targets]
-            entropy = None if entropy is None else entropy[:num_targets]
-            losses.append(loss_fn(k, logp, entropy))
-            report = {"logp": logp.detach()}
-            if entropy is not None:
-                report["entropy"] = entropy.detach()
-            reports.append(report)
-        loss = losses[0] if len(losses) == 1 else torch.stack(losses).sum()
-        return loss, torch.ones((), dtype=torch.int, device=device), reports
+        lengths = [items[k].tokens.numel() - 1 for k in ks]
+        if targets is not None:  # [1, n]: the loss targets already, in order
+            logp_N, entropy_N = logps[0], None if entropies is None else entropies[0]
+            logp_rows = _at_targets(logp_N.detach(), targets, lengths)
+            entropy_rows = None if entropy_N is None else _at_targets(entropy_N.detach(), targets, lengths)
+        else:  # [b, T]: every target of each row
+            if dims.cp > 1:  # one trajectory per micro-batch, its sequence shards gathered
+                logps = gather_sequence(logps[0], pgs)[None]
+                entropies = None if entropies is None else gather_sequence(entropies[0], pgs)[None]
+            rows = torch.cat([torch.full_like(at[k], row) for row, k in enumerate(ks)])
+            cols = torch.cat([at[k] for k in ks])
+            logp_N = logps[rows, cols]
+            entropy_N = None if entropies is None else entropies[rows, cols]
+            logp_rows = [logps[row, :n].detach() for row, n in enumerate(lengths)]
+            entropy_rows = None if entropies is None else [entropies[row, :n].detach() for row, n in enumerate(lengths)]
+        reports = [{"logp": logp} if entropy_rows is None else {"logp": logp, "entropy": entropy_rows[row]}
+                   for row, logp in enumerate(logp_rows)]
+        return loss_fn(ks, logp_N, entropy_N), torch.ones((), dtype=torch.int, device=device), reports
 
     extra = {}
     if pgs.dims.pp > 1:
@@ -331,8 +331,9 @@ class MegatronBackend:
         objective = self._objective()
         for spec in specs:
 
-            def loss(_k: int, logp: torch.Tensor, ent: torch.Tensor | None, spec: LossSpec = spec) -> torch.Tensor:
-                return trajectory_loss(logp, ent, traj, spec, objective)
+            def loss(_ks: Sequence[int], logp: torch.Tensor, ent: torch.Tensor | None,
+                     spec: LossSpec = spec) -> torch.Tensor:
+                return trajectories_loss(logp, ent, [traj], [spec], objective)
 
             self.ddp.zero_grad_buffer()
             with self.ddp.no_sync():
@@ -350,7 +351,8 @@ class MegatronBackend:
         with self.ddp.no_sync():
             run_schedule(
                 self.ddp, self.pgs, list(trajs),
-                lambda k, logp, ent: trajectory_loss(logp, ent, trajs[k], specs[k], objective),
+                lambda ks, logp, ent: trajectories_loss(logp, ent, [trajs[k] for k in ks], [specs[k] for k in ks],
+                                                        objective),
                 need_entropy=objective.entropy_coef > 0, temperature=self.temperature,
                 pack_tokens=self.pack_tokens, router_weights=self._router_weights(trajs, specs),
                 loss_logits_only=self.loss_logits_only,

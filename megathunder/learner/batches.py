@@ -40,7 +40,7 @@ from megathunder.config import ConfigError, DistillObjective, OPDAggregation, RL
 from megathunder.learner.backend import run_schedule
 from megathunder.learner.learner import MegatronLearner
 from megathunder.learner.segment_model import MegatronSegmentModel
-from megathunder.objectives import LossSpec, normaliser, num_loss_tokens, router_loss_weight, trajectory_loss
+from megathunder.objectives import LossSpec, normaliser, num_loss_tokens, router_loss_weight, trajectories_loss
 from megathunder.objectives.opd import opd_normaliser
 from megathunder.objectives.ppo import update_plan
 from megathunder.streaming.buffers import GradBuffer
@@ -343,7 +343,8 @@ def _reward_terms(learner: MegatronLearner, batch: Sequence[Trajectory], advanta
         with learner.ddp.no_sync():
             run_schedule(
                 learner.ddp, learner.pgs, items,
-                lambda k, logp, ent: trajectory_loss(logp, ent, items[k], specs[k], objective, old_logp_T=olds[k]),
+                lambda ks, logp, ent: trajectories_loss(logp, ent, [items[k] for k in ks], [specs[k] for k in ks],
+                                                        objective, [olds[k] for k in ks]),
                 need_entropy=objective.entropy_coef > 0, temperature=learner.temperature,
                 pack_tokens=learner.cfg.pack_tokens, loss_logits_only=learner.cfg.loss_logits_only,
                 router_weights=[router_loss_weight(t, s, objective) for t, s in zip(items, specs, strict=True)],

@@ -174,7 +174,7 @@ class MegatronLearner:
         offloaded = use_reference and next(model.parameters()).device != self.pgs.device
         if offloaded:
             model.to(self.pgs.device)
-        out = run_schedule(model, self.pgs, list(trajs), lambda k, logp, ent: logp.sum() * 0,
+        out = run_schedule(model, self.pgs, list(trajs), lambda ks, logp, ent: logp.sum() * 0,
                            need_entropy=need_entropy, forward_only=True,
                            temperature=self.temperature if temperature is None else temperature,
                            pack_tokens=self.cfg.pack_tokens)

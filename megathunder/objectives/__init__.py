@@ -16,6 +16,7 @@ from megathunder.objectives.loss import (
     num_loss_tokens,
     router_loss_weight,
     token_logprobs_and_entropy,
+    trajectories_loss,
     trajectory_loss,
 )
 
@@ -34,5 +35,6 @@ __all__ = [
     "sequence_weight",
     "size_coef",
     "token_logprobs_and_entropy",
+    "trajectories_loss",
     "trajectory_loss",
 ]

@@ -9,6 +9,8 @@ trajectory finishes and stream like any other per-token factor.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 
@@ -18,7 +20,10 @@ def tis_weights(
     mask: torch.Tensor,
     mode: str,
     cap: float,
+    sequence_sum: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor | None:
+    """The detached weights per token; ``sequence_sum`` as in ``policy_surrogate`` (default: one
+    sequence)."""
     if mode == "none":
         return None
     if rollout_logp is None:
@@ -27,5 +32,7 @@ def tis_weights(
     if mode == "token":
         return log_ratio.exp().clamp(max=cap)
     if mode == "sequence":
-        return log_ratio.sum().exp().clamp(max=cap).expand_as(log_ratio)
+        if sequence_sum is None:
+            return log_ratio.sum().exp().clamp(max=cap).expand_as(log_ratio)
+        return sequence_sum(log_ratio).exp().clamp(max=cap)
     raise ValueError(f"unknown tis mode {mode!r}")

@@ -14,6 +14,7 @@ known. The batch loss is ``(1/Z) * sum_i loss_i(A_i, keep_g)``.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -72,27 +73,89 @@ def trajectory_loss(
     cfg: RLObjective,
     old_logp_T: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    on = logp_T.device  # trajectories live on the host; the logprobs where the model runs
-    mask = effective_loss_mask(traj, cfg.overlong_filter).to(on)
-    old_logp_T = logp_T.detach() if old_logp_T is None else old_logp_T.to(logp_T)
-    per_token = torch.zeros_like(logp_T)
-    if spec.advantage is not None:
-        per_token = policy_surrogate(logp_T, old_logp_T, mask, spec.advantage, cfg)
-        rollout = None if traj.rollout_logprobs is None else traj.rollout_logprobs.to(logp_T)
-        weights = tis_weights(old_logp_T, rollout, mask, cfg.tis, cfg.tis_cap)
+    """``loss_i`` from the trajectory's log-probs (and entropies) at every target, [L-1]: the values
+    at its loss-mask targets are what ``trajectories_loss`` reads."""
+    at = traj.loss_mask.nonzero().squeeze(-1).to(logp_T.device)
+    return trajectories_loss(logp_T[at], None if entropy_T is None else entropy_T[at], [traj], [spec], cfg,
+                             None if old_logp_T is None else [old_logp_T])
+
+
+def trajectories_loss(
+    logp_N: torch.Tensor,
+    entropy_N: torch.Tensor | None,
+    trajs: Sequence[Trajectory],
+    specs: Sequence[LossSpec],
+    cfg: RLObjective,
+    old_logps: Sequence[torch.Tensor | None] | None = None,
+) -> torch.Tensor:
+    """``sum_i loss_i`` of several trajectories as one flat computation: ``logp_N`` (and
+    ``entropy_N``) hold each trajectory's values at its loss-mask targets, in order, concatenated
+    (the learner's output layer computes only those rows: ``learner.loss_logits_only``);
+    ``old_logps``: each trajectory's PPO old log-probs at every target, [L-1] (None: ratio 1).
+
+    One autograd node per operation for the whole micro-batch, not one per trajectory per
+    operation (160 short trajectories made ~5,000 small nodes a pass). Why it is each trajectory's
+    own ``loss_i``, token for token: every term is elementwise in the token, and what is per
+    trajectory -- A_i, nu_i, the effective mask (DAPO's overlong filter), GSPO's sequence ratio and
+    sequence-level TIS weights -- is a detached constant broadcast over the trajectory's own tokens,
+    each sequence sum taken over that trajectory's values alone. So a token's gradient is computed
+    by the same elementwise operations on the same operands however the trajectories are packed:
+    packed and one-at-a-time backward passes give the same per-token gradients bit for bit."""
+    on, dtype = logp_N.device, logp_N.dtype
+    counts = [int(t.loss_mask.sum()) for t in trajs]
+    if sum(counts) != logp_N.numel():
+        raise ValueError(f"trajectories_loss: {logp_N.numel()} log-probs for {sum(counts)} loss targets")
+    at = [t.loss_mask.nonzero().squeeze(-1) for t in trajs]
+
+    def per_token(values: Sequence[float]) -> torch.Tensor:  # one value per trajectory, over its tokens
+        return torch.tensor(values, dtype=dtype).repeat_interleave(torch.tensor(counts)).to(on)
+
+    def at_targets(rows: Sequence[torch.Tensor]) -> torch.Tensor:  # [L-1] rows -> their loss targets
+        return torch.cat([row.to(on, dtype)[a.to(on)] for row, a in zip(rows, at, strict=True)])
+
+    def sequence_sum(values_N: torch.Tensor) -> torch.Tensor:  # detached: each trajectory's sum, over its tokens
+        sums = [part.sum() for part in values_N.detach().split(counts)]
+        return torch.stack(sums).repeat_interleave(torch.tensor(counts, device=on)) if sums else values_N.detach()
+
+    kept = [not (cfg.overlong_filter and t.truncated) for t in trajs]  # effective_loss_mask, per trajectory
+    mask = per_token([float(k) for k in kept]).bool()
+    old_N = logp_N.detach()  # ratio 1: no PPO old log-probs
+    if old_logps is not None and any(o is not None for o in old_logps):
+        given = per_token([float(o is not None) for o in old_logps]).bool()
+        rows = [o if o is not None else torch.zeros(t.loss_mask.numel()) for o, t in zip(old_logps, trajs, strict=True)]
+        old_N = torch.where(given, at_targets(rows), old_N)
+    terms = torch.zeros_like(logp_N)
+    score = [s.advantage is not None for s in specs]
+    if any(score):
+        if not all(score):
+            raise ValueError("trajectories_loss: one pass computes the score term for all its trajectories or none")
+        advantage = per_token([float(s.advantage) for s in specs])  # type: ignore[arg-type]
+        terms = policy_surrogate(logp_N, old_N, mask, advantage, cfg, sequence_sum)
+        rollout = None
+        if cfg.tis != "none":
+            missing = [t.traj_id for t in trajs if t.rollout_logprobs is None]
+            if missing:
+                raise ValueError(f"tis: trajectories {missing[:5]} have no rollout_logprobs")
+            rollout = at_targets([t.rollout_logprobs for t in trajs])
+        weights = tis_weights(old_N, rollout, mask, cfg.tis, cfg.tis_cap, sequence_sum)
         if weights is not None:
-            per_token = per_token * weights
-    if spec.reward_free:
+            terms = terms * weights
+    reward_free = [s.reward_free for s in specs]
+    if any(reward_free):
+        if not all(reward_free):
+            raise ValueError("trajectories_loss: one pass computes the reward-free terms for all its trajectories or none")
         if cfg.kl_coef > 0:
-            if traj.ref_logprobs is None:
-                raise ValueError(f"trajectory {traj.traj_id}: kl_coef > 0 needs ref_logprobs")
-            per_token = per_token + cfg.kl_coef * kl_penalty(logp_T, traj.ref_logprobs.to(logp_T), cfg.kl_estimator)
+            missing = [t.traj_id for t in trajs if t.ref_logprobs is None]
+            if missing:
+                raise ValueError(f"trajectory {missing[0]}: kl_coef > 0 needs ref_logprobs")
+            ref = at_targets([t.ref_logprobs for t in trajs])
+            terms = terms + cfg.kl_coef * kl_penalty(logp_N, ref, cfg.kl_estimator)
         if cfg.entropy_coef > 0:
-            assert entropy_T is not None, "entropy_coef > 0 needs the entropy"
-            per_token = per_token - cfg.entropy_coef * entropy_T
-    if not per_token.requires_grad and logp_T.requires_grad:
+            assert entropy_N is not None, "entropy_coef > 0 needs the entropy"
+            terms = terms - cfg.entropy_coef * entropy_N
+    if not terms.requires_grad and logp_N.requires_grad:
         # a reward-free pass without KL or entropy: the model's own reward-free terms (MoE router
         # losses) are all it adds; keep the loss on the graph so the backward reaches them
-        per_token = logp_T * 0.0
-    nu = sequence_weight(int(mask.sum()), cfg)
-    return nu * torch.where(mask, per_token, 0.0).sum()
+        terms = logp_N * 0.0
+    nu = per_token([sequence_weight(n if k else 0, cfg) for n, k in zip(counts, kept, strict=True)])
+    return (nu * torch.where(mask, terms, 0.0)).sum()

@@ -50,8 +50,8 @@ def sft_step(learner: MegatronLearner, batch: list[Trajectory]) -> float:
     learner.ddp.zero_grad_buffer()
     total = 0.0
     if mine:
-        def loss(k, logp, _entropy):
-            return -(logp * mine[k].loss_mask.to(logp.device)).sum() / num_tokens
+        def loss(_ks, logp, _entropy):  # logp: at the micro-batch's loss targets
+            return -logp.sum() / num_tokens
 
         with learner.ddp.no_sync():  # the warm start trains the cross-entropy only: MoE router losses weigh 0
             out = run_schedule(learner.ddp, pgs, mine, loss, need_entropy=False, pack_tokens=learner.cfg.pack_tokens,

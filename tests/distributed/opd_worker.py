@@ -87,8 +87,9 @@ def opd(args) -> None:
         with learner.ddp.no_sync():
             run_schedule(
                 learner.ddp, pgs, items,
-                lambda k, logp, _ent: opd_loss(logp, opd_coefficients(
-                    logp, teacher_full[items[k].traj_id].to(logp), items[k].loss_mask.to(logp.device), BETA)),
+                lambda ks, logp, _ent: opd_loss(logp, opd_coefficients(  # logp: at the loss targets
+                    logp, torch.cat([teacher_full[items[k].traj_id][items[k].loss_mask] for k in ks]).to(logp),
+                    torch.ones_like(logp, dtype=torch.bool), BETA)),
                 need_entropy=False,
             )
     learner.backend.live.div_(opd_normaliser([int(m.sum()) for _, m in full], args.aggregation))

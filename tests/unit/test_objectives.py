@@ -116,3 +116,98 @@ def advantage_of_lone(reward: float, cfg) -> float:
     from megathunder.objectives import advantage, group_stats
 
     return advantage(reward, group_stats([reward], cfg))
+
+
+# ------------------------------------------------------------- several trajectories, one flat loss
+
+FLAT_OBJECTIVES = {
+    "grpo": {},
+    "dual_clip_ppo_epochs": {"clip_ratio_c": 3.0, "clip_eps_low": 0.1, "clip_eps_high": 0.12},
+    "cispo": {"policy_loss": "cispo"},
+    "gspo": {"policy_loss": "gspo"},
+    "tis_token_kl_entropy": {"tis": "token", "tis_cap": 1.5, "kl_coef": 0.1, "entropy_coef": 0.01},
+    "tis_sequence_seq_mean": {"tis": "sequence", "tis_cap": 3.0, "loss_agg": "seq_mean_token_mean"},
+    "overlong_filter": {"overlong_filter": True, "kl_coef": 0.1, "kl_estimator": "k2"},
+}
+
+
+def _flat_case(seed: int):
+    """Trajectories of different lengths, their loss masks with gaps (multi-turn), one truncated;
+    full-length fp64 log-probs, entropies and PPO old log-probs (ratios away from 1)."""
+    from megathunder.trajectory import Trajectory
+
+    g = torch.Generator().manual_seed(seed)
+    trajs, logps, ents, olds = [], [], [], []
+    for i, length in enumerate([7, 12, 3, 20, 9]):
+        mask = torch.rand(length, generator=g) < 0.6
+        mask[-1] = True
+        mask[0] = False
+        trajs.append(Trajectory(i, i // 2, torch.randint(0, 50, (length + 1,), generator=g), mask,
+                                rollout_logprobs=-torch.rand(length, generator=g, dtype=torch.float64),
+                                ref_logprobs=-torch.rand(length, generator=g, dtype=torch.float64),
+                                truncated=i == 3))
+        logps.append(-torch.rand(length, generator=g, dtype=torch.float64))
+        ents.append(torch.rand(length, generator=g, dtype=torch.float64))
+        olds.append(logps[-1] + 0.3 * torch.randn(length, generator=g, dtype=torch.float64))
+    return trajs, logps, ents, olds
+
+
+@pytest.mark.parametrize("name", list(FLAT_OBJECTIVES))
+@pytest.mark.parametrize("ppo_old", [False, True], ids=["ratio1", "old_logprobs"])
+def test_several_trajectories_flat_give_each_token_its_own_trajectorys_gradient_bit_for_bit(name, ppo_old):
+    """``trajectories_loss`` (the learner's packed micro-batch: one flat computation over the
+    trajectories' loss targets) against each trajectory's ``trajectory_loss`` alone: the same
+    per-token gradients bit for bit, and the same loss to rounding. This is what lets a packed
+    pass stand in for one-at-a-time passes in the streamed == batch proofs."""
+    from megathunder.objectives import LossSpec, trajectories_loss, trajectory_loss
+
+    cfg = GRPOObjective(**FLAT_OBJECTIVES[name])
+    trajs, logps, ents, olds = _flat_case(7)
+    specs = [LossSpec(advantage=a, reward_free=True) for a in (0.7, -1.3, 0.0, 2.1, -0.4)]
+    old = olds if ppo_old else None
+
+    leaves = [lp.clone().requires_grad_() for lp in logps]
+    at = [t.loss_mask.nonzero().squeeze(-1) for t in trajs]
+    packed = trajectories_loss(torch.cat([lp[a] for lp, a in zip(leaves, at)]),
+                               torch.cat([e[a] for e, a in zip(ents, at)]), trajs, specs, cfg, old)
+    packed.backward()
+
+    alone = []
+    for i, t in enumerate(trajs):
+        leaf = logps[i].clone().requires_grad_()
+        loss = trajectory_loss(leaf, ents[i], t, specs[i], cfg, None if old is None else old[i])
+        loss.backward()
+        alone.append(loss.detach())
+        assert torch.equal(leaves[i].grad, leaf.grad), f"trajectory {i}"
+        assert not leaf.grad[~t.loss_mask].any()  # nothing off the loss targets
+    assert packed.item() == pytest.approx(float(sum(alone)), rel=1e-14)
+    if cfg.overlong_filter:
+        assert not leaves[3].grad.any()  # the truncated trajectory is filtered out whole
+
+
+def test_the_flat_loss_at_ratio_one_has_the_textbook_score_gradient():
+    """At ratio 1 (one optimizer step per batch) every surrogate's gradient is -A_i nu_i w_t at each
+    loss target (w: the token TIS weight), independently of how the loss is written."""
+    from megathunder.objectives import LossSpec, trajectories_loss
+
+    cfg = GRPOObjective(tis="token", tis_cap=1.5, loss_agg="seq_mean_token_mean")
+    trajs, logps, _, _ = _flat_case(11)
+    advantages = [0.7, -1.3, 0.0, 2.1, -0.4]
+    at = [t.loss_mask.nonzero().squeeze(-1) for t in trajs]
+    flat = torch.cat([lp[a] for lp, a in zip(logps, at)]).requires_grad_()
+    trajectories_loss(flat, None, trajs, [LossSpec(advantage=a, reward_free=False) for a in advantages],
+                      cfg).backward()
+    expected = []
+    for t, a, lp, pos in zip(trajs, advantages, logps, at):
+        w = (lp[pos] - t.rollout_logprobs[pos]).exp().clamp(max=1.5)
+        expected.append(-a / pos.numel() * w)
+    torch.testing.assert_close(flat.grad, torch.cat(expected), rtol=1e-14, atol=0)
+
+
+def test_the_flat_loss_refuses_log_probs_that_do_not_match_the_loss_targets():
+    from megathunder.objectives import LossSpec, trajectories_loss
+
+    trajs, logps, _, _ = _flat_case(3)
+    with pytest.raises(ValueError, match="log-probs for .* loss targets"):
+        trajectories_loss(torch.cat(logps), None, trajs, [LossSpec(advantage=1.0, reward_free=False)] * 5,
+                          GRPOObjective())

@@ -89,7 +89,10 @@ def test_a_task_that_dies_ends_the_job_quickly(slurm_cluster, hf_ckpt, tmp_path,
     (task 1 finds no checkpoint after the rendezvous)."""
     good = worker_cmd("equivalence", "--out", str(tmp_path / "x.pt"), "--hf", str(hf_ckpt))
     if when == "before_rendezvous":
-        bad, why = 'echo "task 1 on $SLURMD_NODENAME: simulated crash" >&2; exit 3', "simulated crash"
+        # its own words are not asserted: srun forwards a task's stderr asynchronously and may end
+        # the step (--kill-on-bad-exit) before that line arrives (seen once in CI); srun's own
+        # exit-code line below is written by srun itself and names the task
+        bad, why = 'echo "task 1 on $SLURMD_NODENAME: simulated crash" >&2; exit 3', None
     else:
         bad = "exec " + worker_cmd("equivalence", "--out", str(tmp_path / "x.pt"), "--hf",
                                    str(tmp_path / "missing-ckpt"))
@@ -101,7 +104,7 @@ def test_a_task_that_dies_ends_the_job_quickly(slurm_cluster, hf_ckpt, tmp_path,
     # task 1's failure is named; task 0 is killed by srun, or (after the rendezvous) may see the
     # closed connection and exit first: either way no rank waits
     assert re.search(r"srun: error: node\d: task \d: Exited with exit code [1-9]", job.output), job.output
-    assert why in job.output, job.output
+    assert why is None or why in job.output, job.output
     if when == "before_rendezvous":
         assert "srun: error: node2: task 1: Exited with exit code 3" in job.output, job.output
     assert job.seconds < NOT_WAITED_S, job.seconds  # the store timeout (30 min) was not waited out

@@ -32,7 +32,6 @@ def tis_weights(
     if mode == "token":
         return log_ratio.exp().clamp(max=cap)
     if mode == "sequence":
-        if sequence_sum is None:
-            return log_ratio.sum().exp().clamp(max=cap).expand_as(log_ratio)
-        return sequence_sum(log_ratio).exp().clamp(max=cap)
+        total = log_ratio.sum().expand_as(log_ratio) if sequence_sum is None else sequence_sum(log_ratio)
+        return total.exp().clamp(max=cap)
     raise ValueError(f"unknown tis mode {mode!r}")

@@ -21,7 +21,7 @@ import torch
 
 from megathunder.config import RLObjective
 from megathunder.objectives.aggregation import sequence_weight
-from megathunder.objectives.dapo import effective_loss_mask
+from megathunder.objectives.dapo import effective_loss_mask, filtered_as_overlong
 from megathunder.objectives.importance import tis_weights
 from megathunder.objectives.kl import kl_penalty
 from megathunder.objectives.policy_loss import policy_surrogate
@@ -117,13 +117,13 @@ def trajectories_loss(
         sums = [part.sum() for part in values_N.detach().split(counts)]
         return torch.stack(sums).repeat_interleave(torch.tensor(counts, device=on)) if sums else values_N.detach()
 
-    kept = [not (cfg.overlong_filter and t.truncated) for t in trajs]  # effective_loss_mask, per trajectory
+    kept = [not filtered_as_overlong(t, cfg.overlong_filter) for t in trajs]
     mask = per_token([float(k) for k in kept]).bool()
     old_N = logp_N.detach()  # ratio 1: no PPO old log-probs
     if old_logps is not None and any(o is not None for o in old_logps):
-        given = per_token([float(o is not None) for o in old_logps]).bool()
-        rows = [o if o is not None else torch.zeros(t.loss_mask.numel()) for o, t in zip(old_logps, trajs, strict=True)]
-        old_N = torch.where(given, at_targets(rows), old_N)
+        if any(o is None for o in old_logps):
+            raise ValueError("trajectories_loss: PPO old log-probs for all of a pass's trajectories or none")
+        old_N = at_targets(old_logps)
     terms = torch.zeros_like(logp_N)
     score = [s.advantage is not None for s in specs]
     if any(score):

@@ -112,6 +112,11 @@ class EngineConfig(Strict):
     """MoE models: record the experts every layer routed each token to, for the learner's routing
     replay (set by ``learner.moe.routing_replay``; the recorder lives in each vLLM worker,
     ``megathunder.rollout.engines.routing_capture``, and servers are asked through ``/collective_rpc``)."""
+    shm_spin_s: float = Field(0.02, gt=0)
+    """Seconds a vLLM process busy-polls its shared-memory queue after each read before it sleeps
+    until notified (vLLM's own: 1 s, a whole core while decoding; ``megathunder.rollout.engines.
+    vllm_plugin``). Set in the engines this process starts; servers started by hand
+    (``server_urls``) take it from MEGATHUNDER_VLLM_SHM_SPIN_S in their environment."""
     vllm_kwargs: dict[str, str | int | float | bool] = {}
     """Further vLLM engine arguments by name (e.g. {tensor_parallel_size: 2}); passed unchanged."""
     weight_transfer: WeightTransfer = CollectiveTransfer()

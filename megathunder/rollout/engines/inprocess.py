@@ -38,6 +38,7 @@ import contextvars
 import itertools
 import json
 import logging
+import os
 import signal
 import time
 from collections.abc import Awaitable, Callable, Hashable, Sequence
@@ -51,6 +52,7 @@ from megathunder.rollout.engines.routing_capture import decode as decode_routing
 from megathunder.rollout.engines.common import engine_kwargs, finish_reason, scored_prompt, single_version
 from megathunder.rollout.engines.rpc import WeightLoadCall
 from megathunder.rollout.engines.transfer import StageSenders, WeightTransfer, open_transfer, weight_loader
+from megathunder.rollout.engines.vllm_plugin import environment as plugin_environment
 from megathunder.rollout.types import Completion, SamplingParams, WeightSource
 
 if TYPE_CHECKING:
@@ -163,6 +165,7 @@ class InProcessEngine:
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
+        os.environ.update(plugin_environment(cfg))  # read by megathunder's vLLM plugin in the engine's processes
         kwargs = {"use_tqdm_on_load": console.verbose(), **engine_kwargs(cfg)}  # no loading bar unless -v
         args = AsyncEngineArgs(model=str(model_path), **kwargs)
         progress = Progress()

@@ -52,6 +52,7 @@ from megathunder.rollout.engines.common import engine_kwargs, finish_reason, sco
 from megathunder.rollout.engines.routing_capture import decode as decode_routing
 from megathunder.rollout.engines.rpc import WeightLoadCall
 from megathunder.rollout.engines.transfer import StageSenders, WeightTransfer, open_transfer, weight_loader
+from megathunder.rollout.engines.vllm_plugin import environment as plugin_environment
 from megathunder.rollout.types import Completion, SamplingParams, WeightSource
 
 HEALTH_TIMEOUT_S = 5.0  # a server whose /health does not answer in this time counts as dead
@@ -177,7 +178,7 @@ class ServerPool:
         log_dir = Path(log_dir)
         log_dir.mkdir(parents=True, exist_ok=True)
         shm_before = _shm_names()
-        env = dict(os.environ, VLLM_SERVER_DEV_MODE="1")
+        env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", **plugin_environment(cfg))
         env.pop("VLLM_API_KEY", None)
         try:
             key = read_api_key(cfg.api_key_env)

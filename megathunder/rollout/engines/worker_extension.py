@@ -68,6 +68,12 @@ class MegathunderWorkerExtension:
         instead of seconds."""
         gc.freeze()
 
+    def megathunder_shm_spin_cap(self) -> float | None:
+        """How long this worker's shared-memory readers spin at most (``vllm_plugin``; None: vLLM's own)."""
+        from megathunder.rollout.engines.vllm_plugin import spin_cap
+
+        return spin_cap()
+
     def megathunder_routing_start(self) -> int:
         """Record the experts every MoE layer routes each token to (``routing_capture.py``); returns the
         number of layers recorded."""

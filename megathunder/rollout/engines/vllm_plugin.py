@@ -1,0 +1,68 @@
+"""megathunder's vLLM general plugin: how long vLLM's shared-memory readers spin.
+
+vLLM's engine core hands each step's scheduler output to its worker processes (and reads their
+results back) through a shared-memory ring buffer (``vllm.distributed.device_communicators.
+shm_broadcast``). A reader that finds the next block unwritten busy-polls it -- ``sched_yield`` in
+a loop -- for ``SpinCondition.busy_loop_s`` (1 s in vLLM 0.32, not configurable) after its last
+read, and only then sleeps on a zmq notification. While rollouts decode, reads come every few
+milliseconds, so the worker never sleeps: on a machine where the learner and vLLM share a few
+cores, that spin takes one of them (measured on the 2-core quickstart: 60-90% of a core, and the
+sync loop's step 0.84-0.92 s with it, 0.72-0.74 s with a 0.02 s spin; BENCHMARKS.md).
+
+``rollout.engine.shm_spin_s`` caps the spin. vLLM loads general plugins (entry point group
+``vllm.general_plugins``, ``pyproject.toml``) in every process it starts -- engine core, workers,
+API servers -- before they build their message queues; this one acts only when megathunder's
+engine set ``MEGATHUNDER_VLLM_SHM_SPIN_S`` in their environment (``environment``), so other users
+of the same vLLM install are untouched. A reader past the cap waits on the writer's zmq
+notification, which the writer sends after every write: what it reads is unchanged, only how it
+waits.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # vLLM imports this module in each of its processes: keep it light
+    from megathunder.config import EngineConfig
+
+SPIN_ENV = "MEGATHUNDER_VLLM_SHM_SPIN_S"
+
+
+def environment(cfg: EngineConfig) -> dict[str, str]:
+    """What the processes of an engine with ``cfg`` need in their environment for this plugin."""
+    return {SPIN_ENV: repr(cfg.shm_spin_s)}
+
+
+def register() -> None:
+    """vLLM's entry point: cap the shared-memory spin if megathunder asked for it (else nothing)."""
+    value = os.environ.get(SPIN_ENV)
+    if value:
+        cap_shm_spin(float(value))
+
+
+def cap_shm_spin(seconds: float) -> None:
+    """Make every shared-memory reader built from now on in this process spin at most ``seconds``."""
+    if not seconds > 0:  # 0 sleeps on zmq before every read: measured 8x slower steps
+        raise ValueError(f"{SPIN_ENV}: the spin cap must be > 0 seconds, not {seconds}")
+    from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
+
+    if getattr(SpinCondition, "megathunder_spin_s", None) is None:
+        init = SpinCondition.__init__
+
+        @functools.wraps(init)
+        def capped_init(self: Any, *args: Any, **kwargs: Any) -> None:
+            init(self, *args, **kwargs)
+            if self.is_reader:
+                self.busy_loop_s = min(self.busy_loop_s, SpinCondition.megathunder_spin_s)
+
+        SpinCondition.__init__ = capped_init
+    SpinCondition.megathunder_spin_s = seconds
+
+
+def spin_cap() -> float | None:
+    """The cap in force in this process (None: vLLM's own spin); workers answer it over RPC."""
+    from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
+
+    return getattr(SpinCondition, "megathunder_spin_s", None)

@@ -6,8 +6,9 @@ shm_broadcast``). A reader that finds the next block unwritten busy-polls it -- 
 a loop -- for ``SpinCondition.busy_loop_s`` (1 s in vLLM 0.32, not configurable) after its last
 read, and only then sleeps on a zmq notification. While rollouts decode, reads come every few
 milliseconds, so the worker never sleeps: on a machine where the learner and vLLM share a few
-cores, that spin takes one of them (measured on the 2-core quickstart: 60-90% of a core, and the
-sync loop's step 0.84-0.92 s with it, 0.72-0.74 s with a 0.02 s spin; BENCHMARKS.md).
+cores, that spin takes one of them (measured on the 2-core quickstart, alternated runs: the
+worker's mean CPU 0.83 of a core, the learner's pass after generation 0.43 s and sync's step
+0.90 s; with a 0.02 s spin 0.45, 0.33 s and 0.82 s; BENCHMARKS.md).
 
 ``rollout.engine.shm_spin_s`` caps the spin. vLLM loads general plugins (entry point group
 ``vllm.general_plugins``, ``pyproject.toml``) in every process it starts -- engine core, workers,
@@ -24,7 +25,7 @@ import functools
 import os
 from typing import TYPE_CHECKING, Any
 
-if TYPE_CHECKING:  # vLLM imports this module in each of its processes: keep it light
+if TYPE_CHECKING:
     from megathunder.config import EngineConfig
 
 SPIN_ENV = "MEGATHUNDER_VLLM_SHM_SPIN_S"

@@ -16,7 +16,8 @@ zmq = pytest.importorskip("zmq")
 
 @pytest.fixture
 def spin_condition(monkeypatch):
-    """vLLM's SpinCondition, restored after the test (the plugin patches the class)."""
+    """vLLM's SpinCondition, restored after the test (the plugin patches the class), with no cap in
+    force (an in-process engine started earlier in this process may have loaded the plugin)."""
     cls = shm_broadcast.SpinCondition
     monkeypatch.setattr(cls, "__init__", cls.__init__)
     monkeypatch.setattr(cls, "megathunder_spin_s", None, raising=False)

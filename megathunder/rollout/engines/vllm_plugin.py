@@ -55,8 +55,9 @@ def cap_shm_spin(seconds: float) -> None:
         @functools.wraps(init)
         def capped_init(self: Any, *args: Any, **kwargs: Any) -> None:
             init(self, *args, **kwargs)
-            if self.is_reader:
-                self.busy_loop_s = min(self.busy_loop_s, SpinCondition.megathunder_spin_s)
+            cap = SpinCondition.megathunder_spin_s  # None again: vLLM's own spin
+            if self.is_reader and cap is not None:
+                self.busy_loop_s = min(self.busy_loop_s, cap)
 
         SpinCondition.__init__ = capped_init
     SpinCondition.megathunder_spin_s = seconds

@@ -13,6 +13,7 @@ The package is organised by component (``docs/design.md`` has a line per module)
 - ``simulate``    the discrete-event simulator of the schedules at cluster scale
 - ``models``      the tiny Qwen2 and its tokenizer; the small torch decoder of the exactness tests
 - ``console``     what a person reads: third-party noise filtered (``-v`` shows it)
+- ``cpu_cores``   the learner's and the rollout engine's own CPU cores on a shared machine
 - ``trajectory``  the unit of RL data
 """
 

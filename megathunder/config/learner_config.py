@@ -7,6 +7,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
+from megathunder import cpu_cores
 from megathunder.config.base import Strict
 
 
@@ -348,6 +349,12 @@ class LearnerConfig(Strict):
     moe: MoEConfig = MoEConfig()
     watchdog: WatchdogConfig = WatchdogConfig()
     seed: int = 1234
+    cpu_cores: list[int] | None = None
+    """CPU cores the learner computes on (``[0, 1]``, ``3`` or ``"0-3,6"``; ``megathunder.cpu_cores``):
+    each learner rank's compute thread is pinned to its share of them (the ranks of a node split the
+    list in order) with torch's intra-op threads sized to it. With ``rollout.engine.cpu_cores`` on a
+    machine where both run, the learner's work no longer takes compute from generation. null: the
+    OS places it."""
     pack_tokens: int = Field(4096, ge=0)
     """The most tokens of one packed micro-batch: a schedule call over several trajectories (the
     batch-synchronous gradient, a closing group's summed backward, token logprobs, SFT) groups
@@ -367,6 +374,11 @@ class LearnerConfig(Strict):
     of the forward-backward, most positions being prompt) and the [tokens, vocab / TP] logits they
     would hold, which dominate activation memory at long contexts. Forward-only scoring (the probe,
     reference and old logprobs) computes every position. Context parallelism: ignored (off)."""
+
+    @field_validator("cpu_cores", mode="before")
+    @classmethod
+    def _cores(cls, value: object) -> object:
+        return cpu_cores.parse(value)
 
     @model_validator(mode="after")
     def _check(self) -> LearnerConfig:

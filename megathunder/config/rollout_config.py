@@ -8,6 +8,7 @@ from urllib.parse import urlsplit
 
 from pydantic import Field, field_validator, model_validator
 
+from megathunder import cpu_cores
 from megathunder.config.base import Strict, default_tag, is_loopback
 
 
@@ -117,6 +118,13 @@ class EngineConfig(Strict):
     until notified (vLLM's own: 1 s, a whole core while decoding; ``megathunder.rollout.engines.
     vllm_plugin``). Set in the engines this process starts; servers started by hand
     (``server_urls``) take it from MEGATHUNDER_VLLM_SHM_SPIN_S in their environment."""
+    cpu_cores: list[int] | None = None
+    """CPU cores the engine runs on (``[0]``, ``0`` or ``"0-3"``; ``megathunder.cpu_cores``): the
+    trainer's rollout thread (agent loops, tokenisation, vLLM's client) is pinned to them before the
+    engines start, their processes inherit them, and vLLM's CPU workers bind their OpenMP threads to
+    them (VLLM_CPU_OMP_THREADS_BIND; the workers of a tensor- or pipeline-parallel engine one share
+    each). Disjoint from ``learner.cpu_cores``, the two sides no longer compete for compute. null:
+    vLLM's own binding."""
     vllm_kwargs: dict[str, str | int | float | bool] = {}
     """Further vLLM engine arguments by name (e.g. {tensor_parallel_size: 2}); passed unchanged."""
     weight_transfer: WeightTransfer = CollectiveTransfer()
@@ -124,6 +132,11 @@ class EngineConfig(Strict):
     sparse_threshold}`` (the default: bucketed broadcast over process groups joined once at engine
     start) or ``{kind: rpc}`` (the fallback: serialised into the collective_rpc payload). A plain
     ``rpc`` / ``collective`` is short for the kind with its defaults."""
+
+    @field_validator("cpu_cores", mode="before")
+    @classmethod
+    def _cores(cls, value: object) -> object:
+        return cpu_cores.parse(value)
 
     @field_validator("weight_transfer", mode="before")
     @classmethod

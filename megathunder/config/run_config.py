@@ -356,6 +356,15 @@ class Config(Strict):
         return self
 
     @model_validator(mode="after")
+    def _check_cpu_cores(self) -> Config:
+        learner, rollout = self.learner.cpu_cores, self.rollout.engine.cpu_cores
+        shared = sorted(set(learner or ()) & set(rollout or ()))
+        if shared:
+            raise ValueError(f"learner.cpu_cores: cores {shared} are also rollout.engine.cpu_cores; give each "
+                             "side its own (or leave one null)")
+        return self
+
+    @model_validator(mode="after")
     def _derive_ledger(self) -> Config:
         """A group can be dropped at its last reward only if nothing of it reached the update."""
         if self.verifier.on_failure == "drop_group" and not self.ledger.hold_groups_until_close:

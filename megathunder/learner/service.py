@@ -61,6 +61,7 @@ from typing import Any, Concatenate, Generic, ParamSpec, TypeVar
 
 import torch.distributed as dist
 
+from megathunder import cpu_cores
 from megathunder.learner import cpu_compat
 from megathunder.learner.liveness import CLEANUP_S, LEARNER_HUNG, Heartbeat, InFlight, Watchdog
 
@@ -104,14 +105,17 @@ class LearnerService(Generic[E]):
     generating: Callable[[], bool] | None = None
     """Rank 0: is the rollout engine generating on the learner's cores or devices now? An event's
     pack window stays open while it is (module docstring). Called from the learner thread."""
+    cpu_cores: list[int] | None = None
+    """Rank 0: the cores its learner thread computes on (``megathunder.cpu_cores``; None: unpinned,
+    wherever the thread that starts it runs)."""
     on_hang: Callable[[], None] | None = None
     """Rank 0: what the watchdog runs (for at most CLEANUP_S) before it ends the process: the
     trainer closes its rollout engine. Set it before a call can hang."""
 
     def __post_init__(self) -> None:
-        self._pool = concurrent.futures.ThreadPoolExecutor(
-            1, thread_name_prefix="learner", initializer=cpu_compat.enable_in_this_thread
-        )
+        self._unpinned = sorted(os.sched_getaffinity(0))
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="learner",
+                                                           initializer=self._start_learner_thread)
         self._group = dist.new_group(backend="gloo") if self.world_size > 1 else None
         self._heartbeat = Heartbeat(self.rank, self.world_size) if self.world_size > 1 else None
         self._lock = threading.Lock()
@@ -126,6 +130,12 @@ class LearnerService(Generic[E]):
         if self.rank == 0 and self._heartbeat is not None:
             self._watchdog = Watchdog(self._heartbeat, lambda: self._in_flight, self.heartbeat_timeout_s,
                                       self.call_timeout_s, self._on_hang)
+
+    def _start_learner_thread(self) -> None:
+        # started by the first call, from the controller's thread, which may be pinned to the rollout's
+        # cores by then: unpinned, the learner keeps the cores the service was created on
+        cpu_cores.pin_this_thread(self.cpu_cores or self._unpinned, threads=self.cpu_cores is not None)
+        cpu_compat.enable_in_this_thread()
 
     # ------------------------------------------------------------------ controller (rank 0)
 

@@ -31,7 +31,8 @@ import yaml
 from tqdm import tqdm
 from transformers import AutoTokenizer
 
-from megathunder.config import Config
+from megathunder import cpu_cores
+from megathunder.config import Config, ConfigError
 from megathunder.learner.checkpoint import latest_checkpoint, load_checkpoint
 from megathunder.learner.endpoint import LearnerEndpoint
 from megathunder.learner.parallel import init_distributed
@@ -90,6 +91,14 @@ def train(cfg: Config) -> int:
 
 
 def _train(cfg: Config, signals: StopSignals) -> int:
+    learner_cores, rollout_cores = cfg.learner.cpu_cores, cfg.rollout.engine.cpu_cores
+    try:  # on the machine itself (a config may be written elsewhere), before anything starts
+        cpu_cores.check_available("learner.cpu_cores", learner_cores)
+        cpu_cores.check_available("rollout.engine.cpu_cores", rollout_cores)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    if learner_cores is not None:
+        learner_cores = cpu_cores.share(learner_cores, *cpu_cores.local_rank())
     out = prepare_run_dir(cfg)
     pgs = init_distributed(cfg.learner)
     check_learner_faults(cfg.chaos.faults, pgs.world_size)  # every rank: all stop before any work
@@ -119,8 +128,9 @@ def _train(cfg: Config, signals: StopSignals) -> int:
     watchdog = cfg.learner.watchdog
     service = LearnerService(LearnerEndpoint(learner, ckpt_dir, teacher), pgs.rank, pgs.world_size,
                              heartbeat_timeout_s=watchdog.heartbeat_timeout_s, call_timeout_s=watchdog.call_timeout_s,
-                             pack_window_s=cfg.ledger.pack_window_s)
+                             pack_window_s=cfg.ledger.pack_window_s, cpu_cores=learner_cores)
     if pgs.rank != 0:
+        cpu_cores.pin_this_thread(learner_cores, threads=True)  # a follower computes on its main thread
         freeze_startup_heap()
         service.serve()
         return 0
@@ -174,9 +184,11 @@ async def _control(cfg: Config, task: Task, out: Path, service: LearnerService[L
     codec = make_codec(AutoTokenizer.from_pretrained(model_dir), cfg.agent.chat_template, cfg.agent.tool_parser)
     senders = StageSenders(cfg.learner.parallel.pipeline_parallel,  # each stage joins the weight-transfer groups
                            lambda rdv: service.call(LearnerEndpoint.join_weight_transfer, rdv))
+    cpu_cores.pin_this_thread(cfg.rollout.engine.cpu_cores)  # the rollout's side; the engine's processes inherit it
     engine = await start_engine(cfg.rollout.engine, model_dir, log_dir=out / "logs", policy_version=start,
                                 senders=senders)
-    if isinstance(engine, InProcessEngine) and cfg.ledger.hold_while_generating == "in_process":
+    own_cores = cfg.learner.cpu_cores is not None and cfg.rollout.engine.cpu_cores is not None  # disjoint
+    if isinstance(engine, InProcessEngine) and cfg.ledger.hold_while_generating == "in_process" and not own_cores:
         service.generating = engine.generating  # it generates on the learner's own cores or devices
     trainer = None
     try:

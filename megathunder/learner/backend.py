@@ -25,11 +25,12 @@ reduction in ``step`` sums them into the trajectory's gradient.
 Packing (``learner.pack_tokens``). A schedule call over many short trajectories would pay one
 micro-batch's fixed cost (a forward and a backward's launches, a pipeline hand-off) per trajectory
 -- on the quickstart that overhead, not the arithmetic, set the step time. So ``run_schedule``
-groups the trajectories, in order, into micro-batches of at most ``pack_tokens`` tokens, counted
-as rows x longest padded length (``megathunder.trajectory.pack_micro_batches``; a trajectory
-longer than that is a micro-batch alone), each one [rows, T_max] forward, right-padded. It is
-exact for the same reasons padding is, one row at a time: nothing in the model mixes the rows of
-a batch (attention is per row and causal, norms, RoPE and matmuls act per position), every row
+groups the trajectories, longest first, into micro-batches of at most ``pack_tokens`` tokens,
+counted as rows x longest padded length (``megathunder.trajectory.pack_micro_batches``: rows of
+nearly equal length, so little is padded; a trajectory longer than the cap is a micro-batch
+alone), each one [rows, T_max] forward, right-padded. It is exact for the same reasons padding
+is, one row at a time: nothing in the model mixes the rows of a batch (attention is per row and
+causal, norms, RoPE and matmuls act per position), every row
 starts at position 0, and each row's pads come after its real positions, their targets cut off
 before the loss. The micro-batch's loss is the sum of its rows' losses, each ``loss_fn(k, ...)``
 given one whole trajectory's logprobs, so per-sequence terms stay exact and the gradient is the
@@ -102,8 +103,8 @@ def run_schedule(
     """One Megatron forward(-backward) schedule call over ``items``, several trajectories packed
     into each micro-batch.
 
-    The trajectories are grouped in order into micro-batches of at most ``pack_tokens`` tokens
-    (rows x padded length, ``pack_micro_batches``; 0: one trajectory per micro-batch). A
+    The trajectories are grouped, longest first, into micro-batches of at most ``pack_tokens``
+    tokens (rows x padded length, ``pack_micro_batches``; 0: one trajectory per micro-batch). A
     micro-batch is one [b, T_max] forward, right-padded; its loss is the sum of its
     trajectories' losses. ``loss_fn(ks, logp_N, entropy_N)`` gives that sum on the last stage for
     the micro-batch's trajectories ``ks`` (indices into ``items``) from their logprobs (and
@@ -199,7 +200,13 @@ def run_schedule(
             replay.close()
         if router_losses is not None:
             router_losses.close()
-    return [report for reports in out for report in reports]
+    reports = [report for micro_batch in out for report in micro_batch]  # in the groups' order
+    if not reports:  # not the last stage
+        return reports
+    in_order: list[dict] = [{}] * len(items)
+    for k, report in zip((k for ks in groups for k in ks), reports, strict=True):
+        in_order[k] = report
+    return in_order
 
 
 def _at_targets(flat: torch.Tensor, targets: Sequence[torch.Tensor], lengths: Sequence[int]) -> list[torch.Tensor]:

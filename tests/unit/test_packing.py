@@ -16,23 +16,31 @@ def _cost(lengths, group):
 
 
 @pytest.mark.parametrize("seed", range(20))
-def test_groups_keep_order_respect_the_cap_and_are_greedy(seed):
+def test_groups_take_the_longest_first_respect_the_cap_and_are_greedy(seed):
     rng = random.Random(seed)
     lengths = [rng.randint(1, 40) for _ in range(rng.randint(1, 30))]
-    cap = rng.choice([0, 1, 16, 50, 120, 10_000])
+    cap = rng.choice([1, 16, 50, 120, 10_000])
     groups = pack_micro_batches(lengths, cap)
-    assert [i for g in groups for i in g] == list(range(len(lengths)))  # order preserved, nothing lost
+    order = [i for g in groups for i in g]
+    assert sorted(order) == list(range(len(lengths)))  # nothing lost, nothing twice
+    assert order == sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))  # longest first, ties by index
     for g in groups:
         assert len(g) == 1 or _cost(lengths, g) <= cap  # rows x longest within the cap, or alone
     for g, nxt in zip(groups, groups[1:]):
         assert _cost(lengths, g + nxt[:1]) > cap  # greedy: the next item did not fit
 
 
-def test_an_over_long_trajectory_is_alone_and_zero_means_one_per_micro_batch():
-    assert pack_micro_batches([3, 3, 3, 10, 2, 2], 9) == [[0, 1, 2], [3], [4, 5]]
-    assert pack_micro_batches([2, 100, 2], 10) == [[0], [1], [2]]
-    assert pack_micro_batches([5, 5, 5], 0) == [[0], [1], [2]]
-    assert pack_micro_batches([4, 4, 8], 16) == [[0, 1], [2]]  # 3 x 8 = 24 > 16: the longest row counts
+def test_rows_of_like_length_share_a_micro_batch():
+    """One long trajectory among short ones no longer pads them all: packed in arrival order,
+    [800, 200, 800, 200] at a cap of 1600 was two [2, 800] micro-batches, 1600 tokens of padding."""
+    assert pack_micro_batches([800, 200, 800, 200], 1600) == [[0, 2], [1, 3]]
+    assert pack_micro_batches([3, 3, 3, 10, 2, 2], 9) == [[3], [0, 1, 2], [4, 5]]
+
+
+def test_an_over_long_trajectory_is_alone_and_zero_means_one_per_micro_batch_in_order():
+    assert pack_micro_batches([2, 100, 2], 10) == [[1], [0, 2]]
+    assert pack_micro_batches([5, 7, 5], 0) == [[0], [1], [2]]
+    assert pack_micro_batches([4, 4, 8], 16) == [[2, 0], [1]]  # 3 x 8 = 24 > 16: the longest row counts
     assert pack_micro_batches([], 64) == []
 
 

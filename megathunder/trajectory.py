@@ -96,8 +96,7 @@ def pack_micro_batches(lengths: Sequence[int], pack_tokens: int) -> list[list[in
     first. Each group is the longest run from its first (longest) item that fits; an item longer
     than the cap is a micro-batch of its own. Concatenating the groups gives a permutation of
     0 .. n - 1; callers that report per item put the reports back in index order. ``pack_tokens``
-    0: one item per micro-batch, in index order (a cap below every two-row product also gives one
-    per micro-batch, longest first)."""
+    0: one item per micro-batch, in the caller's order (nothing is padded, so nothing to sort)."""
     if pack_tokens <= 0:
         return [[i] for i in range(len(lengths))]
     groups: list[list[int]] = []

@@ -30,9 +30,8 @@ counted as rows x longest padded length (``megathunder.trajectory.pack_micro_bat
 nearly equal length, so little is padded; a trajectory longer than the cap is a micro-batch
 alone), each one [rows, T_max] forward, right-padded. It is exact for the same reasons padding
 is, one row at a time: nothing in the model mixes the rows of a batch (attention is per row and
-causal, norms, RoPE and matmuls act per position), every row
-starts at position 0, and each row's pads come after its real positions, their targets cut off
-before the loss. The micro-batch's loss is the sum of its rows' losses, each ``loss_fn(k, ...)``
+causal, norms, RoPE and matmuls act per position), every row starts at position 0, and each row's
+pads come after its real positions, their targets cut off before the loss. The micro-batch's loss is the sum of its rows' losses, each ``loss_fn(k, ...)``
 given one whole trajectory's logprobs, so per-sequence terms stay exact and the gradient is the
 sum of the trajectories' gradients -- reassociated (a weight gradient's GEMM sums a micro-batch's
 tokens at once), so equal up to fp32 rounding, not bitwise. Under PP the micro-batches' shapes

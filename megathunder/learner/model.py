@@ -270,9 +270,9 @@ def layer_spec(model: PolicyModelConfig, precision: PrecisionConfig, sequence_pa
         from megathunder.learner.router_losses import LedgerRouter
 
         spec.submodules.mlp.submodules.router = LedgerRouter
-    if precision.core_attention == "past_kv":
+    if precision.attention == "past_kv":
         spec = with_past_kv_attention(spec)
-    elif precision.core_attention == "sdpa":
+    elif precision.attention == "sdpa":
         spec = with_core_attention(spec, SDPAttention)
     if sequence_parallel and precision.layer_spec == "local":
         assert num_layers is not None, "the local spec under sequence parallelism needs the stage's layer count"

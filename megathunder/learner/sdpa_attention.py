@@ -13,7 +13,8 @@ per-row log-sum-exp: memory linear in the length, and the same function.
 Why it is the same function: for each query row, softmax(q K^T * scale + causal mask) V over the
 visible keys, exactly what ``DotProductAttention`` computes (no dropout, no scaling tricks); only
 the order of the floating-point sums differs (online softmax), so gradients agree within float
-tolerance (``tests/unit/test_sdpa_attention.py``, ``tests/distributed/test_long_context.py``).
+tolerance (``tests/distributed/test_learner.py``'s memory options). ``core_attention: auto`` (the
+default) builds the local spec with it.
 
 - Layout: Megatron's -- query [sq, b, np, hn], key/value [sk, b, ng, hn] (this tensor-parallel
   rank's heads and query groups), output [sq, b, np * hn].

@@ -433,7 +433,7 @@ def plan(cfg: Config, shape: ModelShape, machine: Machine, teacher: ModelShape |
     rl = obj if isinstance(obj, RLObjective) else None
     act = ActivationModel(
         shape=shape, tp=tp, sp=par.sequence_parallel, cp=cp, e=e,
-        attention="megatron" if learner.precision.core_attention == "megatron" and learner.precision.layer_spec == "local"
+        attention="megatron" if learner.precision.attention == "megatron" and learner.precision.layer_spec == "local"
         else "fused",
         recompute=learner.activations.recompute, recompute_method=learner.activations.recompute_method,
         recompute_num_layers=learner.activations.recompute_num_layers,

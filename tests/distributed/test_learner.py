@@ -189,12 +189,13 @@ def test_checkpoint_resume_with_dp2_and_the_distributed_optimizer_is_exact(hf_qw
     assert torch.equal(_flat(resumed["after2"]), _flat(reference["after2"]))
 
 
-# Long trajectories: sequence parallelism, activation recompute and the SDPA core attention are
-# memory options, not different functions. Each gives the gradient of the same loss: SP moves the
-# same sums between ranks (reduce-scatter + all-gather instead of all-reduce), recompute runs the
-# same forward twice, SDPA is an online softmax of the same scores; every trajectory under SP is
-# padded at its end (causal: no real position sees the pads). So each equals one process without
-# them up to fp32 reassociation, the same bound as layouts (GRAD_TOL).
+# Long trajectories: sequence parallelism, activation recompute and the core attention are memory
+# options, not different functions. Each gives the gradient of the same loss: SP moves the same sums
+# between ranks (reduce-scatter + all-gather instead of all-reduce), recompute runs the same forward
+# twice, the default SDPA attention is an online softmax of the scores the local spec's unfused one
+# stores whole; every trajectory under SP is padded at its end (causal: no real position sees the
+# pads). So each equals one process with the defaults up to fp32 reassociation, the same bound as
+# layouts (GRAD_TOL).
 MEMORY_OPTIONS = {
     "sp": (2, {"parallel": {"sequence_parallel": True}}),
     "recompute_selective": (2, {"activations": {"recompute": "selective"}}),
@@ -203,7 +204,8 @@ MEMORY_OPTIONS = {
     "recompute_full_block_sp": (2, {"parallel": {"sequence_parallel": True},
                                     "activations": {"recompute": "full", "recompute_method": "block",
                                                     "recompute_num_layers": 1}}),
-    "sdpa": (2, {"precision": {"core_attention": "sdpa"}}),
+    "unfused": (2, {"precision": {"core_attention": "megatron"}}),
+    "unfused_selective": (1, {"precision": {"core_attention": "megatron"}, "activations": {"recompute": "selective"}}),
     "sdpa_sp_selective_mlp": (2, {"parallel": {"sequence_parallel": True}, "precision": {"core_attention": "sdpa"},
                                   "activations": {"recompute": "selective",
                                                   "recompute_modules": ["core_attn", "mlp"]}}),

@@ -10,23 +10,26 @@ import json
 
 import pytest
 
-from megathunder.config import ActivationsConfig, PolicyModelConfig
+from megathunder.config import ActivationsConfig, PolicyModelConfig, PrecisionConfig
 from megathunder.plan.memory_plan import ActivationModel, ModelShape
 from tests.distributed.conftest import launch
 
 MODEL = {"vocab_size": 512, "hidden_size": 128, "ffn_hidden_size": 352, "num_layers": 2, "num_attention_heads": 8,
          "num_query_groups": 2, "tie_word_embeddings": False}
 CASES = {
-    "megatron": (1, {}),
+    "megatron": (1, {"precision": {"core_attention": "megatron"}}),
+    "auto": (1, {}),
     "sdpa": (1, {"precision": {"core_attention": "sdpa"}}),
-    "selective": (1, {"activations": {"recompute": "selective"}}),
+    "selective": (1, {"precision": {"core_attention": "megatron"}, "activations": {"recompute": "selective"}}),
     "selective_mlp_sdpa": (1, {"precision": {"core_attention": "sdpa"},
                                "activations": {"recompute": "selective", "recompute_modules": ["core_attn", "mlp"]}}),
-    "full_uniform_2": (1, {"activations": {"recompute": "full", "recompute_num_layers": 2}}),
-    "full_block_1": (1, {"activations": {"recompute": "full", "recompute_method": "block", "recompute_num_layers": 1}}),
+    "full_uniform_2": (1, {"precision": {"core_attention": "megatron"},
+                           "activations": {"recompute": "full", "recompute_num_layers": 2}}),
+    "full_block_1": (1, {"precision": {"core_attention": "megatron"},
+                         "activations": {"recompute": "full", "recompute_method": "block", "recompute_num_layers": 1}}),
     "qwen3_sdpa": (1, {"model": {"family": "qwen3"}, "precision": {"core_attention": "sdpa"}}),
-    "qwen3_megatron": (1, {"model": {"family": "qwen3"}}),
-    "tp2": (2, {}),
+    "qwen3_megatron": (1, {"model": {"family": "qwen3"}, "precision": {"core_attention": "megatron"}}),
+    "tp2": (2, {"precision": {"core_attention": "megatron"}}),
     "tp2_sp_sdpa_selective": (2, {"parallel": {"sequence_parallel": True}, "precision": {"core_attention": "sdpa"},
                                   "activations": {"recompute": "selective"}}),
 }
@@ -41,7 +44,7 @@ def test_activation_count_equals_what_autograd_saves(tmp_path, case):
     measured = json.loads(out.read_text())
     shape = ModelShape.of(PolicyModelConfig.model_validate(learner["model"]))
     acts = ActivationsConfig.model_validate(learner.get("activations", {}))
-    attention = learner.get("precision", {}).get("core_attention", "megatron")
+    attention = PrecisionConfig.model_validate(learner.get("precision", {})).attention
     model = ActivationModel(shape=shape, tp=tp, sp=learner.get("parallel", {}).get("sequence_parallel", False), cp=1,
                             e=4, attention="megatron" if attention == "megatron" else "fused",
                             recompute=acts.recompute, recompute_method=acts.recompute_method,
@@ -54,7 +57,7 @@ def test_activation_count_equals_what_autograd_saves(tmp_path, case):
 
 MOE_MODEL = {**MODEL, "family": "qwen3_moe", "num_experts": 8, "moe_router_topk": 2, "moe_ffn_hidden_size": 96}
 MOE_CASES = {
-    "moe_megatron": (1, {}),
+    "moe_megatron": (1, {"precision": {"core_attention": "megatron"}}),
     "moe_tp2_sp_ep2_sdpa": (2, {"parallel": {"sequence_parallel": True, "expert_parallel": 2},
                                 "precision": {"core_attention": "sdpa"}}),
     "moe_tp2_sp_etp2_sdpa": (2, {"parallel": {"sequence_parallel": True}, "precision": {"core_attention": "sdpa"}}),
@@ -75,7 +78,7 @@ def test_moe_activation_estimate_is_within_the_plans_target(tmp_path, case):
     measured = json.loads(out.read_text())
     shape = ModelShape.of(PolicyModelConfig.model_validate(MOE_MODEL))
     ep = extra.get("parallel", {}).get("expert_parallel", 1)
-    attention = extra.get("precision", {}).get("core_attention", "megatron")
+    attention = PrecisionConfig.model_validate(extra.get("precision", {})).attention
     model = ActivationModel(shape=shape, tp=tp, sp=tp > 1, cp=1, e=4,
                             attention="megatron" if attention == "megatron" else "fused", ep=ep, etp=tp // ep)
     predicted = model.stage_bytes(measured["seq"], shape.layers, first=True, last=True)

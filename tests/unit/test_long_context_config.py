@@ -85,3 +85,21 @@ def test_transformer_config_receives_sp_recompute_and_cp():
                              ActivationsConfig(recompute="full", recompute_method="block", recompute_num_layers=1))
     assert (cfg.context_parallel_size, cfg.cp_comm_type) == (2, "a2a")
     assert (cfg.recompute_granularity, cfg.recompute_method, cfg.recompute_num_layers) == ("full", "block", 1)
+
+
+def test_auto_attention_is_the_fused_one_of_each_spec():
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    from megathunder.config import PolicyModelConfig, PrecisionConfig
+    from megathunder.learner.model import layer_spec
+    from megathunder.learner.sdpa_attention import SDPAttention
+
+    assert PrecisionConfig().core_attention == "auto" and PrecisionConfig().attention == "sdpa"
+    assert PrecisionConfig(layer_spec="transformer_engine").attention == "megatron"
+    assert PrecisionConfig(core_attention="megatron").attention == "megatron"
+    core = {name: layer_spec(PolicyModelConfig(), PrecisionConfig(core_attention=name))
+            .submodules.self_attention.submodules.core_attention for name in ("auto", "megatron")}
+    assert core == {"auto": SDPAttention, "megatron": DotProductAttention}
+    # context parallelism (Transformer Engine's attention) is what auto means on the TE spec
+    cfg = load_config(None, ["learner.parallel.context_parallel=2", "learner.precision.layer_spec=transformer_engine"])
+    assert cfg.learner.precision.attention == "megatron"

@@ -156,7 +156,8 @@ def test_memory_options_lower_the_activation_line():
     base = ["learner.model.hf_checkpoint=" + qwen("32B"), "learner.parallel.tensor_parallel=8",
             "agent.max_total_tokens=32768", "learner.precision.params_dtype=bfloat16", "schedule.mode=sync"]
     acts = {}
-    for name, extra in {"none": [], "sdpa": ["learner.precision.core_attention=sdpa"],
+    for name, extra in {"none": ["learner.precision.core_attention=megatron"], "auto": [],
+                        "sdpa": ["learner.precision.core_attention=sdpa"],
                         "sp_selective": ["learner.precision.core_attention=sdpa", "learner.parallel.sequence_parallel=true",
                                          "learner.activations.recompute=selective"],
                         "sp_full": ["learner.precision.core_attention=sdpa", "learner.parallel.sequence_parallel=true",
@@ -166,6 +167,7 @@ def test_memory_options_lower_the_activation_line():
     # the unfused local attention keeps 5 heads x 32k^2 x 2 bytes per layer: ~10 GiB per layer
     assert acts["none"] > 600 * GiB
     assert acts["sdpa"] < acts["none"] / 4
+    assert acts["auto"] == acts["sdpa"]  # auto is the fused attention on the local spec
     assert acts["sp_full"] < acts["sp_selective"] < acts["sdpa"]
 
 

@@ -26,7 +26,7 @@ def test_past_kv_spec_replaces_only_the_core_attention():
     from megathunder.learner.model import layer_spec
     from megathunder.learner.past_kv import PastKVAttention
 
-    stock = layer_spec(PolicyModelConfig(), PrecisionConfig())
+    stock = layer_spec(PolicyModelConfig(), PrecisionConfig(core_attention="megatron"))
     ours = layer_spec(PolicyModelConfig(), PrecisionConfig(core_attention="past_kv"))
     assert stock.submodules.self_attention.submodules.core_attention is DotProductAttention
     assert ours.submodules.self_attention.submodules.core_attention is PastKVAttention

@@ -5,8 +5,12 @@ length) runs as real learner ranks under torchrun (gloo): a Megatron learner wit
 takes one thunder step of a batch that keeps every slot busy at once -- groups of 3 trajectories (3
 per DP rank) of ``agent.max_total_tokens`` tokens, all finished first, then their rewards in the
 worst order for memory (``reward_order``: every slot's S_g and R_g live, 2K + 1 buffers, while a
-slotless group's trajectories run in one pipelined schedule call) -- then an optimizer step. One earlier tiny
-step has created the optimizer state, so the peak is the steady state's.
+slotless group's trajectories run in one pipelined schedule call) -- then an optimizer step; then the
+same batch once more with every event held and released at once (ready-work packing's largest call:
+all the rank's trajectories in one schedule call, packed ``learner.pack_tokens`` to a micro-batch)
+while the first batch's slots stay allocated (the pool reuses its buffers, it never frees them),
+and a second optimizer step. One earlier tiny step has created the optimizer state, so the peak is
+the steady state's.
 
 What is measured on CPU (``--device cpu``): each rank's peak resident set (VmHWM, reset through
 ``/proc/self/clear_refs`` after the warm-up step) minus its baseline, the resident set (psutil) after
@@ -167,8 +171,10 @@ def worker(args: argparse.Namespace) -> int:
     assert ledger is not None
     dp, dp_rank = pgs.dims.data_units, pgs.data_unit
 
-    def feed(batch, rewards, order) -> None:
+    def feed(batch, rewards, order, held: bool = False) -> None:
         ledger.begin_batch(batch_plan(batch))
+        if held:  # every event queued behind the first: ready work, released by close_batch
+            ledger.hold()
         for t in batch:
             if t.traj_id % dp == dp_rank:
                 ledger.on_finished(t)
@@ -191,6 +197,7 @@ def worker(args: argparse.Namespace) -> int:
         _reset_hwm()
         before = psutil.Process().memory_info().rss
     feed(batch, rewards, reward_order(cfg, len(batch)))
+    feed(batch, rewards, reward_order(cfg, len(batch)), held=True)
     if cuda:
         torch.cuda.synchronize()
         peak, start = torch.cuda.max_memory_allocated(), 0

@@ -133,11 +133,13 @@ def _train(cfg: Config, signals: StopSignals) -> int:
         cpu_cores.pin_this_thread(learner_cores, threads=True)  # a follower computes on its main thread
         freeze_startup_heap()
         service.serve()
+        gc.unfreeze()
         return 0
     try:
         summary = asyncio.run(_control(cfg, task, out, service, model_dir, start, signals))
     finally:
         service.stop(cancel_pending=signals.now.is_set())
+        gc.unfreeze()  # the interpreter's last collection then frees the frozen cycles
     status = STOPPED_EARLY if summary == STOPPED_EARLY else 0 if summary is not None else 1
     report_status(status)
     return status
@@ -148,7 +150,9 @@ def freeze_startup_heap() -> None:
     objects on the quickstart) out of the garbage collector's sight. Its full collections scan
     them all, 0.3-0.6 s with the GIL held, which stalls the learner thread and the rollout alike:
     on the quickstart one such pause in a 6-step run made a 0.35 s step 0.9 s (BENCHMARKS.md).
-    Frozen objects are still freed by reference counting; only cycles among them are not."""
+    Frozen objects are still freed by reference counting; only cycles among them are not -- until
+    ``gc.unfreeze()`` at the run's end, without which triton's bindings (installed with vLLM, imported
+    by torch's dynamo) print "nanobind: leaked ..." for their cycles as the interpreter exits."""
     gc.collect()
     gc.freeze()
 

@@ -53,6 +53,7 @@ def train(out: Path, *overrides: str, timeout: int = 600) -> subprocess.Complete
            f"run.output_dir={out}", *SMALL, *overrides]
     proc = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    assert "nanobind: leaked" not in proc.stderr, proc.stderr[-3000:]  # the frozen heap is thawed before exit
     return proc
 
 

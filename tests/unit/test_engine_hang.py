@@ -35,11 +35,12 @@ def ckpt(tmp_path):
 class StuckLLM:
     """An engine with ``unfinished`` requests in flight that never computes a token."""
 
-    engine_core = SimpleNamespace(resources=SimpleNamespace(engine_manager=None))  # no processes to look at
-
     def __init__(self, unfinished: int) -> None:
         self.unfinished = unfinished
         self.errored = False
+        # no processes to look at; an update pauses the scheduler here (as pause_generation would)
+        self.engine_core = SimpleNamespace(resources=SimpleNamespace(engine_manager=None),
+                                           pause_scheduler_async=self.pause_generation)
 
     def get_num_unfinished_requests(self) -> int:
         return self.unfinished
@@ -93,7 +94,7 @@ def test_a_dead_engine_is_left_alone():
 
 def test_chaos_signals_go_only_while_requests_are_in_flight_outside_an_update():
     """``inject`` on an idle engine, then inside a weight update with requests in flight (the
-    drain of ``pause_generation``): nothing is sent; once requests are in flight outside the
+    drain of the update's pause): nothing is sent; once requests are in flight outside the
     update, the signal goes, once."""
     engine, llm, signals = watched(unfinished=0)
 

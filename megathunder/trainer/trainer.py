@@ -106,7 +106,7 @@ class Trainer:
         self.probe_tolerance = ProbeTolerance(sched.probe_tolerance, sched.probe_noise_margin)
         self._last_probe: ProbeSample | None = None
         self._probe_continuation: list[int] | None = None  # the tokens every push's probe scores
-        self._probe_task: asyncio.Task[float] | None = None  # the learner's part of a trailing probe
+        self._probe_task: asyncio.Task[None] | None = None  # a trailing probe's learner part, then the records
         self._unrecorded: tuple[int, StepRecord, dict] | None = None  # a step whose probe trails
         self.eval_set: list[TaskInstance] | None = None
         self.bar: tqdm | None = None
@@ -210,10 +210,25 @@ class Trainer:
     async def settle_probe(self) -> None:
         """The last push's probe, if its learner part trailed into this batch (a stale push raises
         here: the schedules call this before the batch's gradient is closed), then the records of the
-        step it followed. Nothing to do when the probe ran whole."""
+        step it followed -- usually written already, while this batch generated (``_trailing_probe``).
+        Nothing to do when the probe ran whole."""
         if self._probe_task is not None:
             task, self._probe_task = self._probe_task, None
-            self.last_probe_gap = await task
+            await task
+        await self._record()
+
+    async def _trailing_probe(self, side: _EngineSide, unchanged: bool) -> None:
+        """A trailing probe's learner part, then the records of the step it followed, as soon as it
+        is scored: they are written on the event loop while the next batch generates, not between
+        its last reward and its gradient. Nothing else follows such a step (``_probe_may_trail``: no
+        evaluation, checkpoint or chaos fault). ``finish_step`` sets ``_unrecorded`` before it yields
+        to the loop, so before this task first runs."""
+        self.last_probe_gap = await self._learner_side_checked(side, unchanged)
+        await self._record()
+
+    async def _record(self) -> None:
+        """The records of the step in ``_unrecorded``: metrics, journal, timeline, evaluation and
+        checkpoint when due, the progress bar."""
         if self._unrecorded is None:
             return
         (step, rec, row), self._unrecorded = self._unrecorded, None
@@ -278,7 +293,7 @@ class Trainer:
         probe_start = time.monotonic()
         if trail_probe:
             side = await self._engine_side()
-            self._probe_task = asyncio.create_task(self._learner_side_checked(side, self._push_unchanged()))
+            self._probe_task = asyncio.create_task(self._trailing_probe(side, self._push_unchanged()))
             self.last_probe_gap = float("nan")
         else:
             self.last_probe_gap = await self.probe()

@@ -83,7 +83,7 @@ from megathunder.learner.router_losses import schedule_router_losses
 from megathunder.learner.routing_replay import schedule_replay
 from megathunder.objectives import LossSpec, router_loss_weight, trajectories_loss
 from megathunder.streaming.buffers import GradBuffer
-from megathunder.trajectory import Trajectory, pack_micro_batches
+from megathunder.trajectory import Trajectory, loss_targets, pack_micro_batches
 
 
 def run_schedule(
@@ -126,7 +126,7 @@ def run_schedule(
     replay = schedule_replay(ddp_model, items, pgs)  # learner.moe.routing_replay
     router_losses = schedule_router_losses(ddp_model, [t.tokens.numel() - 1 for t in items], router_weights, pgs)
     head = _LossRows.of(ddp_model, pgs) if loss_logits_only and dims.cp == 1 else None
-    at = [t.loss_mask.nonzero().squeeze(-1).to(device) for t in items]  # each trajectory's loss targets
+    counts, at = loss_targets(items)  # each trajectory's loss targets
 
     def forward_step(data_iterator, model):
         ks = next(data_iterator)
@@ -135,40 +135,35 @@ def run_schedule(
             replay.set(ks, width)
         if router_losses is not None:
             router_losses.set(ks, width)
-        inputs = torch.zeros(len(ks), width, dtype=torch.long, device=device)
-        labels = torch.zeros_like(inputs)
-        for row, k in enumerate(ks):
-            tokens = items[k].tokens.to(device)
-            inputs[row, : tokens.numel() - 1] = tokens[:-1]
-            labels[row, : tokens.numel() - 1] = tokens[1:]
+        inputs, labels = _inputs_and_labels([items[k].tokens for k in ks], width, device)
         positions = torch.arange(width, device=device)[None].expand(len(ks), width)
         if dims.cp > 1:  # one trajectory per micro-batch (above)
             from megatron.core.utils import get_batch_on_this_cp_rank
 
             local = get_batch_on_this_cp_rank({"tokens": inputs, "labels": labels, "position_ids": positions}, pgs.cp)
             inputs, labels, positions = local["tokens"], local["labels"], local["position_ids"]
+        # (row, position) of every loss target of the micro-batch, trajectory after trajectory
+        cols = torch.cat([at[k] for k in ks]).to(device)
+        rows = torch.repeat_interleave(torch.arange(len(ks)), torch.tensor([counts[k] for k in ks])).to(device)
         if head is None:
-            return model(inputs, positions, attention_mask=None), partial(_loss_func, ks, labels, None)
-        targets = [at[k] for k in ks]
-        with head.select(targets, len(ks)):
+            return model(inputs, positions, attention_mask=None), partial(_loss_func, ks, labels, rows, cols, False)
+        with head.select(rows, cols, len(ks)):
             output = model(inputs, positions, attention_mask=None)
-        return output, partial(_loss_func, ks, labels, targets)
+        return output, partial(_loss_func, ks, labels, rows, cols, True)
 
-    def _loss_func(ks, labels, targets, output):
-        if targets is not None:  # output: [1, n, v / tp], the rows at each trajectory's targets in turn
-            labels = torch.cat([labels[row, t] for row, t in enumerate(targets)])[None]
+    def _loss_func(ks, labels, rows, cols, at_targets_only, output):
+        if at_targets_only:  # output: [1, n, v / tp], the rows at each trajectory's targets in turn
+            labels = labels[rows, cols][None]
         logps, entropies = vocab_parallel_logprobs(output, labels, pgs.tp, need_entropy, temperature)
-        lengths = [items[k].tokens.numel() - 1 for k in ks]
-        if targets is not None:  # [1, n]: the loss targets already, in order
+        lengths = [items[k].tokens.shape[0] - 1 for k in ks]
+        if at_targets_only:  # [1, n]: the loss targets already, in order
             logp_N, entropy_N = logps[0], None if entropies is None else entropies[0]
-            logp_rows = _at_targets(logp_N.detach(), targets, lengths)
-            entropy_rows = None if entropy_N is None else _at_targets(entropy_N.detach(), targets, lengths)
+            logp_rows = _at_targets(logp_N.detach(), rows, cols, lengths)
+            entropy_rows = None if entropy_N is None else _at_targets(entropy_N.detach(), rows, cols, lengths)
         else:  # [b, T]: every target of each row
             if dims.cp > 1:  # one trajectory per micro-batch, its sequence shards gathered
                 logps = gather_sequence(logps[0], pgs)[None]
                 entropies = None if entropies is None else gather_sequence(entropies[0], pgs)[None]
-            rows = torch.cat([torch.full_like(at[k], row) for row, k in enumerate(ks)])
-            cols = torch.cat([at[k] for k in ks])
             logp_N = logps[rows, cols]
             entropy_N = None if entropies is None else entropies[rows, cols]
             logp_rows = [logps[row, :n].detach() for row, n in enumerate(lengths)]
@@ -208,15 +203,30 @@ def run_schedule(
     return in_order
 
 
-def _at_targets(flat: torch.Tensor, targets: Sequence[torch.Tensor], lengths: Sequence[int]) -> list[torch.Tensor]:
-    """Values at the rows' targets in turn, [n] -> one [length] tensor per row holding them at its
-    targets and zeros (off the graph) elsewhere."""
-    rows, start = [], 0
-    for positions, length in zip(targets, lengths, strict=True):
-        part = flat[start : start + positions.numel()]
-        start += positions.numel()
-        rows.append(flat.new_zeros(length).index_put((positions,), part))
-    return rows
+def _inputs_and_labels(tokens: Sequence[torch.Tensor], width: int,
+                       device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """A micro-batch's [b, width] inputs (each row's tokens but its last) and labels (but its
+    first), zero-padded on the right: one scatter for all rows, not two copies per row."""
+    flat = torch.cat(list(tokens)).to(device)
+    n = torch.tensor([t.shape[0] - 1 for t in tokens], device=device)  # targets per row
+    rows = torch.repeat_interleave(torch.arange(len(tokens), device=device), n)
+    first = torch.cumsum(n, 0) - n  # each row's first target among all rows' targets
+    cols = torch.arange(rows.numel(), device=device) - first[rows]
+    source = cols + (first + torch.arange(len(tokens), device=device))[rows]  # token t of its row in ``flat``
+    inputs = torch.zeros(len(tokens), width, dtype=torch.long, device=device)
+    labels = torch.zeros_like(inputs)
+    inputs[rows, cols] = flat[source]
+    labels[rows, cols] = flat[source + 1]
+    return inputs, labels
+
+
+def _at_targets(flat: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor,
+                lengths: Sequence[int]) -> list[torch.Tensor]:
+    """Values at the loss targets (``rows``, ``cols``) in turn, [n] -> one [length] tensor per row
+    holding them at its targets and zeros (off the graph) elsewhere (views of one [b, max length])."""
+    full = flat.new_zeros(len(lengths), max(lengths))
+    full[rows, cols] = flat
+    return [full[row, :length] for row, length in enumerate(lengths)]
 
 
 class _LossRows:
@@ -241,8 +251,9 @@ class _LossRows:
         return cls(get_attr_wrapped_model(ddp_model, "output_layer"), pgs)
 
     @contextlib.contextmanager
-    def select(self, targets: Sequence[torch.Tensor], rows: int) -> Iterator[None]:
-        index = torch.cat([t * rows + r for r, t in enumerate(targets)])  # into [s * b], s-major
+    def select(self, rows: torch.Tensor, positions: torch.Tensor, batch: int) -> Iterator[None]:
+        """For the next forward: the output layer's rows at (``rows``, ``positions``) in turn."""
+        index = positions * batch + rows  # into [s * b], s-major
         sequence_parallel = bool(getattr(self.layer, "sequence_parallel", False))
 
         def pre_hook(_module, args, kwargs):

@@ -25,7 +25,7 @@ from megathunder.objectives.dapo import effective_loss_mask, filtered_as_overlon
 from megathunder.objectives.importance import tis_weights
 from megathunder.objectives.kl import kl_penalty
 from megathunder.objectives.policy_loss import policy_surrogate
-from megathunder.trajectory import Trajectory
+from megathunder.trajectory import Trajectory, loss_targets
 
 
 @dataclass(frozen=True)
@@ -102,10 +102,9 @@ def trajectories_loss(
     by the same elementwise operations on the same operands however the trajectories are packed:
     packed and one-at-a-time backward passes give the same per-token gradients bit for bit."""
     on, dtype = logp_N.device, logp_N.dtype
-    counts = [int(t.loss_mask.sum()) for t in trajs]
+    counts, at = loss_targets(trajs)
     if sum(counts) != logp_N.numel():
         raise ValueError(f"trajectories_loss: {logp_N.numel()} log-probs for {sum(counts)} loss targets")
-    at = [t.loss_mask.nonzero().squeeze(-1) for t in trajs]
 
     def per_token(values: Sequence[float]) -> torch.Tensor:  # one value per trajectory, over its tokens
         return torch.tensor(values, dtype=dtype).repeat_interleave(torch.tensor(counts)).to(on)

@@ -47,3 +47,37 @@ def test_an_over_long_trajectory_is_alone_and_zero_means_one_per_micro_batch_in_
 def test_pack_tokens_is_validated_at_parse_time():
     with pytest.raises(ValueError, match="pack_tokens"):
         LearnerConfig.model_validate({"pack_tokens": -1})
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_a_micro_batchs_inputs_labels_and_loss_targets_are_each_rows_own(seed):
+    """The packed micro-batch's tensors, built for all rows at once (``loss_targets``,
+    ``backend._inputs_and_labels`` / ``_at_targets``), equal the per-row definitions exactly: row r
+    holds its tokens but the last as inputs and but the first as labels, zeros after; its loss
+    targets are ``loss_mask.nonzero()``; values at the targets land at those positions, zeros elsewhere."""
+    import torch
+
+    from megathunder.learner.backend import _at_targets, _inputs_and_labels
+    from megathunder.trajectory import Trajectory, loss_targets
+
+    rng = random.Random(seed)
+    trajs = []
+    for i in range(rng.randint(1, 12)):
+        n = rng.randint(1, 30)  # targets
+        mask = torch.tensor([rng.random() < 0.4 for _ in range(n)])
+        trajs.append(Trajectory(traj_id=i, group_id=0, tokens=torch.randint(0, 500, (n + 1,)), loss_mask=mask))
+    counts, at = loss_targets(trajs)
+    assert counts == [int(t.loss_mask.sum()) for t in trajs]
+    assert all(torch.equal(a, t.loss_mask.nonzero().squeeze(-1)) for a, t in zip(at, trajs))
+    width = max(t.tokens.numel() - 1 for t in trajs) + rng.randint(0, 3)
+    inputs, labels = _inputs_and_labels([t.tokens for t in trajs], width, torch.device("cpu"))
+    for row, t in enumerate(trajs):
+        n = t.tokens.numel() - 1
+        assert torch.equal(inputs[row, :n], t.tokens[:-1]) and torch.equal(labels[row, :n], t.tokens[1:])
+        assert not inputs[row, n:].any() and not labels[row, n:].any()
+    rows = torch.repeat_interleave(torch.arange(len(trajs)), torch.tensor(counts))
+    values = torch.randn(sum(counts), dtype=torch.float64)
+    parts = values.split(counts)
+    for row, (t, got) in enumerate(zip(trajs, _at_targets(values, rows, torch.cat(at), [t.tokens.numel() - 1 for t in trajs]))):
+        want = torch.zeros(t.tokens.numel() - 1, dtype=torch.float64).index_put((at[row],), parts[row])
+        assert torch.equal(got, want)

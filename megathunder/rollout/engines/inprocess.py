@@ -101,7 +101,6 @@ def vllm_sampling_params(params: SamplingParams):
     )
 
 
-
 async def _pause(llm: AsyncLLM) -> None:
     """vLLM's ``pause_generation(mode="wait", clear_cache=False)`` without its closing 20 ms sleep
     (there "not required for correctness", so that callers see the drained requests' last outputs

@@ -383,6 +383,16 @@ class LearnerConfig(Strict):
     of the forward-backward, most positions being prompt) and the [tokens, vocab / TP] logits they
     would hold, which dominate activation memory at long contexts. Forward-only scoring (the probe,
     reference and old logprobs) computes every position. Context parallelism: ignored (off)."""
+    share_prefixes: bool = True
+    """Training passes forward a group's trajectories as one packed row, their common prefix (the
+    prompt, and whatever else they share) once: [prefix | suffix_1 | ... | suffix_m], each suffix
+    attending to the prefix and itself only, at its own positions (``megathunder.learner.shared_prefix``).
+    Exact (each trajectory's logits are the same function of the weights; equal up to fp32 rounding);
+    on GRPO groups of 8 with ~36-token prompts and 8 new tokens the pass forwards 100 positions a group
+    instead of 352. Needs ``loss_logits_only``, ``pack_tokens`` > 0 (a row holds at most that many
+    positions) and our core attention (``precision.core_attention`` sdpa, past_kv or auto on the local
+    spec); off for MoE models and under context parallelism. Elsewhere, and in forward-only scoring,
+    each trajectory is a row of its own."""
 
     @field_validator("cpu_cores", mode="before")
     @classmethod
@@ -420,6 +430,11 @@ class LearnerConfig(Strict):
             if attention != "megatron":
                 raise ValueError(f"parallel.context_parallel: not with precision.core_attention={attention} "
                                  "(context parallelism runs in Transformer Engine's attention)")
+        if "share_prefixes" in self.model_fields_set and self.share_prefixes and (
+                attention == "megatron" or not self.loss_logits_only or self.pack_tokens == 0):
+            raise ValueError(f"share_prefixes: needs precision.core_attention sdpa or past_kv (not {attention}), "
+                             f"loss_logits_only (is {self.loss_logits_only}) and pack_tokens > 0 "
+                             f"(is {self.pack_tokens}); set it false")
         if self.activations.recompute != "none" and attention == "past_kv":
             raise ValueError("activations.recompute: not with precision.core_attention=past_kv (a recomputed "
                              "segment forward would no longer see its past keys/values)")

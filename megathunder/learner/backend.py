@@ -81,6 +81,7 @@ from megathunder.learner.logprobs import vocab_parallel_logprobs
 from megathunder.learner.parallel import ProcessGroups
 from megathunder.learner.router_losses import schedule_router_losses
 from megathunder.learner.routing_replay import schedule_replay
+from megathunder.learner.shared_prefix import SharedRow, micro_batch, rotary_positions, shared_rows
 from megathunder.objectives import LossSpec, router_loss_weight, trajectories_loss
 from megathunder.streaming.buffers import GradBuffer
 from megathunder.trajectory import Trajectory, loss_targets, pack_micro_batches
@@ -98,6 +99,7 @@ def run_schedule(
     pack_tokens: int = 0,
     router_weights: Sequence[float] | None = None,
     loss_logits_only: bool = False,
+    share_prefixes: bool = False,
 ) -> list[dict]:
     """One Megatron forward(-backward) schedule call over ``items``, several trajectories packed
     into each micro-batch.
@@ -116,20 +118,44 @@ def run_schedule(
     MoE model's router losses in this call (``megathunder.learner.router_losses``; None: a call
     that trains none, e.g. forward-only). ``loss_logits_only``: the output layer only at each
     trajectory's loss-mask targets (``learner.loss_logits_only``); the reports then hold zeros at
-    every other target. Not under context parallelism.
+    every other target. Not under context parallelism. ``share_prefixes``: in a training pass
+    with ``loss_logits_only`` (and no router losses or routing replay), the trajectories of one
+    group share a row, their common prefix forwarded once (``megathunder.learner.shared_prefix``;
+    the model must be ``shared_prefix.supported``).
     """
     device = pgs.device
     dims = pgs.dims
     lengths = [padded_length(t.tokens.numel() - 1, dims.seq_multiple) for t in items]
-    groups = pack_micro_batches(lengths, pack_tokens if dims.cp == 1 else 0)
-    index = iter(groups)
     replay = schedule_replay(ddp_model, items, pgs)  # learner.moe.routing_replay
     router_losses = schedule_router_losses(ddp_model, [t.tokens.numel() - 1 for t in items], router_weights, pgs)
-    head = _LossRows.of(ddp_model, pgs) if loss_logits_only and dims.cp == 1 else None
+    at_targets_only = loss_logits_only and dims.cp == 1
+    head = _LossRows.of(ddp_model, pgs) if at_targets_only else None  # None off the last stage
     counts, at = loss_targets(items)  # each trajectory's loss targets
+    shared: list[tuple[list[SharedRow], int]] = []  # learner.share_prefixes: each micro-batch's rows, width
+    if (share_prefixes and at_targets_only and not forward_only and pack_tokens > 0
+            and replay is None and router_losses is None):
+        rows = shared_rows(items, pack_tokens)
+        if any(len(row.members) > 1 for row in rows):  # else one trajectory a row: the plain layout
+            widths = [padded_length(row.width, dims.seq_multiple) for row in rows]
+            for mb in pack_micro_batches(widths, pack_tokens):
+                shared.append(([rows[r] for r in mb], max(widths[r] for r in mb)))
+            lengths = widths
+    if shared:
+        groups = [[k for row in mb for k in row.members] for mb, _ in shared]
+    else:
+        groups = pack_micro_batches(lengths, pack_tokens if dims.cp == 1 else 0)
+    index = iter(range(len(groups)))
 
     def forward_step(data_iterator, model):
-        ks = next(data_iterator)
+        i = next(data_iterator)
+        if shared:  # the group's common prefix once per row (megathunder.learner.shared_prefix)
+            mb_rows, width = shared[i]
+            mb = micro_batch(items, mb_rows, width, counts, at, device)
+            select = head.select(mb.head_rows, mb.head_cols, len(mb_rows)) if head else contextlib.nullcontext()
+            with select, rotary_positions(model, mb.positions):
+                output = model(mb.inputs, mb.positions, attention_mask=mb.mask)
+            return output, partial(_loss_func, mb.ks, mb.labels, mb.rows, mb.cols, True)
+        ks = groups[i]
         width = max(lengths[k] for k in ks)
         if replay is not None:
             replay.set(ks, width)
@@ -145,15 +171,16 @@ def run_schedule(
         # (row, position) of every loss target of the micro-batch, trajectory after trajectory
         cols = torch.cat([at[k] for k in ks]).to(device)
         rows = torch.repeat_interleave(torch.arange(len(ks)), torch.tensor([counts[k] for k in ks])).to(device)
-        if head is None:
+        if not at_targets_only:
             return model(inputs, positions, attention_mask=None), partial(_loss_func, ks, labels, rows, cols, False)
-        with head.select(rows, cols, len(ks)):
+        with head.select(rows, cols, len(ks)) if head else contextlib.nullcontext():
             output = model(inputs, positions, attention_mask=None)
-        return output, partial(_loss_func, ks, labels, rows, cols, True)
+        return output, partial(_loss_func, ks, labels[rows, cols], rows, cols, True)
 
     def _loss_func(ks, labels, rows, cols, at_targets_only, output):
+        """``labels``: [b, T] every target's token, or with ``at_targets_only`` [n] the loss targets'."""
         if at_targets_only:  # output: [1, n, v / tp], the rows at each trajectory's targets in turn
-            labels = labels[rows, cols][None]
+            labels = labels[None]
         logps, entropies = vocab_parallel_logprobs(output, labels, pgs.tp, need_entropy, temperature)
         lengths = [items[k].tokens.shape[0] - 1 for k in ks]
         if at_targets_only:  # [1, n]: the loss targets already, in order
@@ -184,7 +211,7 @@ def run_schedule(
             model=[ddp_model],
             num_microbatches=len(groups),
             seq_length=max(lengths),
-            micro_batch_size=max(len(ks) for ks in groups),
+            micro_batch_size=max(len(mb) for mb, _ in shared) if shared else max(len(ks) for ks in groups),
             forward_only=forward_only,
             pg_collection=pgs.collection,
             **extra,
@@ -323,10 +350,11 @@ class MegatronBackend:
 
     def __init__(self, ddp_model: DistributedDataParallel, pgs: ProcessGroups, objective: RLObjective | None,
                  temperature: float = 1.0, pack_tokens: int = 0, router_losses: bool = False,
-                 loss_logits_only: bool = False) -> None:
+                 loss_logits_only: bool = False, share_prefixes: bool = False) -> None:
         self.ddp = ddp_model
         self.pack_tokens = pack_tokens  # learner.pack_tokens: backward_sum's micro-batches
         self.loss_logits_only = loss_logits_only  # learner.loss_logits_only: the head at the loss's targets
+        self.share_prefixes = share_prefixes  # learner.share_prefixes, where the model supports it
         self.pgs = pgs
         self.objective = objective
         self.temperature = temperature  # the sampling temperature: logprobs of softmax(z / T)
@@ -372,7 +400,7 @@ class MegatronBackend:
                                                         objective),
                 need_entropy=objective.entropy_coef > 0, temperature=self.temperature,
                 pack_tokens=self.pack_tokens, router_weights=self._router_weights(trajs, specs),
-                loss_logits_only=self.loss_logits_only,
+                loss_logits_only=self.loss_logits_only, share_prefixes=self.share_prefixes,
             )
         self.num_backward += len(trajs)
         return self.live

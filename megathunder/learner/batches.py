@@ -347,6 +347,7 @@ def _reward_terms(learner: MegatronLearner, batch: Sequence[Trajectory], advanta
                                                         objective, [olds[k] for k in ks]),
                 need_entropy=objective.entropy_coef > 0, temperature=learner.temperature,
                 pack_tokens=learner.cfg.pack_tokens, loss_logits_only=learner.cfg.loss_logits_only,
+                share_prefixes=learner.backend.share_prefixes,
                 router_weights=[router_loss_weight(t, s, objective) for t, s in zip(items, specs, strict=True)],
             )
     return mine

@@ -26,7 +26,7 @@ from megatron.core.optimizer import MegatronOptimizer, OptimizerConfig, get_mega
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from megathunder.config import ConfigError, LearnerConfig, LedgerConfig, ObjectiveConfig, PolicyModelConfig, RLObjective
-from megathunder.learner import hf
+from megathunder.learner import hf, shared_prefix
 from megathunder.learner.backend import MegatronBackend, run_schedule
 from megathunder.learner.model import build_gpt_model, layer_offset, resolve_model_config
 from megathunder.learner.parallel import ProcessGroups, from_last_stage
@@ -62,7 +62,7 @@ class MegatronLearner:
         # MoE router losses (learner.moe): reward-free terms of the model's own, carried by the ledger
         self.router_losses = model_cfg.is_moe and cfg.moe.router_losses
         self.backend = MegatronBackend(ddp, pgs, rl, temperature, cfg.pack_tokens, self.router_losses,
-                                       cfg.loss_logits_only)
+                                       cfg.loss_logits_only, cfg.share_prefixes and shared_prefix.supported(model))
         self.ledger = (GradientLedger(self.backend, rl, ledger_cfg, model_reward_free=self.router_losses)
                        if rl is not None else None)
         self.reference = reference

@@ -58,12 +58,14 @@ class PastKVAttention(SDPAttention):
             raise ValueError("PastKVAttention: packed sequences and attention bias are not supported")
         cache = self._cache
         if cache is not None and cache.active:
+            if attention_mask is not None:
+                raise ValueError("PastKVAttention: a segment forward is causal over its past (no attention mask)")
             cache.produced[self._index] = (key, value)
             past = cache.past[self._index] if cache.past is not None else None
             if past is not None:
                 key = torch.cat([past[0], key], dim=0)
                 value = torch.cat([past[1], value], dim=0)
-        return self.attend(query, key, value)
+        return self.attend(query, key, value, attention_mask)
 
 
 def with_past_kv_attention(spec):

@@ -67,10 +67,13 @@ class SDPAttention(MegatronModule):
                 packed_seq_params=None):
         if packed_seq_params is not None or attention_bias is not None:
             raise ValueError(f"{type(self).__name__}: packed sequences and attention bias are not supported")
-        return self.attend(query, key, value)
+        return self.attend(query, key, value, attention_mask)
 
-    def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-        """Causal attention of the sq queries, the last sq positions of the sk keys/values."""
+    def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+               mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Causal attention of the sq queries, the last sq positions of the sk keys/values; or, given
+        ``mask`` ([b, 1, sq, sk], True where a query must not see a key: Megatron's convention), that
+        mask's (``megathunder.learner.shared_prefix``'s rows)."""
         sq, b, sk = query.shape[0], query.shape[1], key.shape[0]
         q = query.permute(1, 2, 0, 3)  # [b, np, sq, hn]
         k = key.permute(1, 2, 0, 3)  # [b, ng, sk, hn]
@@ -79,7 +82,10 @@ class SDPAttention(MegatronModule):
         if gqa and query.is_cuda and query.dtype == torch.float32:
             repeat = self.num_heads // self.num_groups
             k, v, gqa = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1), False
-        if sq == sk:
+        if mask is not None:
+            context = F.scaled_dot_product_attention(q, k, v, attn_mask=~mask, scale=self.softmax_scale,
+                                                     enable_gqa=gqa)
+        elif sq == sk:
             context = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.softmax_scale,
                                                      enable_gqa=gqa)
         else:

@@ -183,6 +183,7 @@ def packing(args) -> None:
     from megathunder.learner.parallel import from_last_stage
     from megathunder.objectives import LossSpec
     from megathunder.streaming.reference import batch_advantages
+    from megathunder.learner.shared_prefix import shared_rows
     from megathunder.trajectory import pack_micro_batches
 
     cfg = LearnerConfig.model_validate(_merge({
@@ -194,6 +195,7 @@ def packing(args) -> None:
     pgs = init_distributed(cfg)
     learner = MegatronLearner.build(cfg, objective, pgs, LedgerConfig(max_group_slots=0))
     batch, rewards, _ = make_batch(args.seed, learner.model_cfg.vocab_size)
+    batch = _shared_prompts(batch, args.seed, learner.model_cfg.vocab_size)
     owner = [t.traj_id % pgs.dims.dp for t in batch]
     mine = [t for t, o in zip(batch, owner, strict=True) if o == pgs.dp_rank]
     advantages, _ = batch_advantages(batch, rewards, objective)
@@ -203,10 +205,13 @@ def packing(args) -> None:
         finalize_model_grads([learner.ddp], None, pg_collection=pgs.collection)  # the DP sum, as ``step``
         return full_params(learner, "main_grad")
 
-    out: dict = {"groups": pack_micro_batches([t.tokens.numel() - 1 for t in mine], args.pack)}
-    for name, pack in (("unpacked", 0), ("packed", args.pack)):
+    out: dict = {"groups": pack_micro_batches([t.tokens.numel() - 1 for t in mine], args.pack),
+                 "shared_rows": [row.members for row in shared_rows(mine, args.pack)],
+                 "supported": learner.backend.share_prefixes}
+    for name, pack, share in (("unpacked", 0, False), ("packed", args.pack, False), ("shared", args.pack, True)):
         learner.cfg.pack_tokens = learner.backend.pack_tokens = pack
         learner.cfg.loss_logits_only = learner.backend.loss_logits_only = pack > 0
+        learner.backend.share_prefixes = share
         if objective.kl_coef > 0:
             learner.fill_ref_logprobs(batch)
         out[f"{name}_logp"] = from_last_stage(pgs, learner.token_logprobs(batch))
@@ -218,6 +223,24 @@ def packing(args) -> None:
     if pgs.rank == 0:
         torch.save(out, args.out)
     destroy_distributed()
+
+
+def _shared_prompts(batch, seed: int, vocab: int):
+    """The batch with each group's samples after one prompt of its own (GRPO's shape), so that
+    ``learner.share_prefixes`` has prefixes to share: 2-6 common tokens put before every member."""
+    gen = torch.Generator().manual_seed(seed)
+    prompts: dict[int, torch.Tensor] = {}
+    out = []
+    for t in batch:
+        length = int(torch.randint(2, 7, (1,), generator=gen))
+        prompt = prompts.setdefault(t.group_id, torch.randint(0, vocab, (length,), generator=gen))
+        pad = torch.full((prompt.numel(),), -1.0)
+        out.append(dataclasses.replace(
+            t, tokens=torch.cat([prompt, t.tokens]),
+            loss_mask=torch.cat([torch.zeros(prompt.numel(), dtype=torch.bool), t.loss_mask]),
+            rollout_logprobs=None if t.rollout_logprobs is None else torch.cat([pad, t.rollout_logprobs]),
+            ref_logprobs=None if t.ref_logprobs is None else torch.cat([pad, t.ref_logprobs])))
+    return out
 
 
 def _expert_buffers_in_ledger(learner: MegatronLearner) -> tuple[int, bool]:

@@ -365,8 +365,9 @@ PACK_OBJECTIVE = ('{"kl_coef": 0.1, "entropy_coef": 0.01, "advantage": "rloo", "
                                     (2, "1", "2", {}), (2, "1", "1", {})], ids=["single", "tp2_sp", "pp2", "dp2"])
 def test_packed_micro_batches_give_the_unpacked_gradient(hf_qwen2, tmp_path, layout):
     """The sync gradient (``grpo_gradient``), the summed backward (``backward_sum``) and token logprobs
-    (the reference model's included), packed with logits at the loss's targets only vs one
-    trajectory per micro-batch with logits everywhere, on every layout."""
+    (the reference model's included), packed with logits at the loss's targets only -- and with each
+    group's shared prompt forwarded once (``learner.share_prefixes``) -- vs one trajectory per
+    micro-batch with logits everywhere, on every layout."""
     import json
 
     nproc, tp, pp, learner = layout
@@ -375,8 +376,10 @@ def test_packed_micro_batches_give_the_unpacked_gradient(hf_qwen2, tmp_path, lay
            "--objective", PACK_OBJECTIVE, "--learner", json.dumps(learner), "--pack", "64")
     run = torch.load(out)
     assert max(len(g) for g in run["groups"]) >= 2 and len(run["groups"]) >= 2  # it packed (rank 0's share)
+    assert run["supported"] and max(len(r) for r in run["shared_rows"]) >= 2  # and shared prompts
     for path in ("sync_grad", "sum_grad"):
         assert _rel(_flat(run[f"packed_{path}"]), _flat(run[f"unpacked_{path}"])) <= GRAD_TOL, path
+        assert _rel(_flat(run[f"shared_{path}"]), _flat(run[f"unpacked_{path}"])) <= GRAD_TOL, path
     for key in ("logp", "ref"):
         for packed, unpacked in zip(run[f"packed_{key}"], run[f"unpacked_{key}"], strict=True):
             torch.testing.assert_close(packed, unpacked, rtol=0, atol=LOGP_TOL)

@@ -48,6 +48,9 @@ def _args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--loss-logits-only", choices=["true", "false"], default=None,
                    help="learner.loss_logits_only (default: the config's, true): the output layer only at the "
                         "loss's targets")
+    p.add_argument("--share-prefixes", choices=["true", "false"], default=None,
+                   help="learner.share_prefixes (default: the config's, true): a group's trajectories in one row, "
+                        "their common prompt once (the batch's groups share their prompts, as GRPO's do)")
     p.add_argument("--loss-tokens", type=int, default=None,
                    help="loss-mask targets per trajectory, its last ones (default: all but the first 16)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
@@ -107,6 +110,7 @@ def main(argv: Sequence[str]) -> int:
         "optimizer": {"lr": 1e-6},
         **({} if args.pack_tokens is None else {"pack_tokens": args.pack_tokens}),
         **({} if args.loss_logits_only is None else {"loss_logits_only": args.loss_logits_only == "true"}),
+        **({} if args.share_prefixes is None else {"share_prefixes": args.share_prefixes == "true"}),
     })
     objective = GRPOObjective(advantage="grpo")
     pgs = init_distributed(cfg)
@@ -115,8 +119,9 @@ def main(argv: Sequence[str]) -> int:
     rng = random.Random(0)
     batch = syn.random_batch(rng, [args.group_size] * args.num_groups, args.vocab_size, args.seq_len + 1,
                              empty_prob=0.0)
-    for t in batch:
-        t.tokens = torch.randint(0, args.vocab_size, (args.seq_len + 1,))
+    prompts = {g: torch.randint(0, args.vocab_size, (prompt_len,)) for g in range(args.num_groups)}
+    for t in batch:  # a group's samples continue one prompt
+        t.tokens = torch.cat([prompts[t.group_id], torch.randint(0, args.vocab_size, (args.seq_len + 1 - prompt_len,))])
         t.loss_mask = torch.ones(args.seq_len, dtype=torch.bool)
         t.loss_mask[:prompt_len] = False
         t.rollout_logprobs = t.ref_logprobs = None
@@ -166,7 +171,7 @@ def main(argv: Sequence[str]) -> int:
         "device": torch.cuda.get_device_name() if pgs.device.type == "cuda" else "cpu",
         "dtype": args.dtype, "layer_spec": args.layer_spec, "fp8": args.fp8,
         "num_params": num_params, "tokens_per_step": tokens, "pack_tokens": cfg.pack_tokens,
-        "loss_logits_only": cfg.loss_logits_only,
+        "loss_logits_only": cfg.loss_logits_only, "share_prefixes": learner.backend.share_prefixes,
         "step_s": {k: round(v, 4) for k, v in median.items()},
         "ratio_thunder_K0_vs_sync": round(median["thunder_K0"] / median["sync"], 4),
         "ratio_thunder_Kinf_vs_sync": round(median["thunder_Kinf"] / median["sync"], 4),

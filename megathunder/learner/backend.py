@@ -119,9 +119,10 @@ def run_schedule(
     that trains none, e.g. forward-only). ``loss_logits_only``: the output layer only at each
     trajectory's loss-mask targets (``learner.loss_logits_only``); the reports then hold zeros at
     every other target. Not under context parallelism. ``share_prefixes``: in a training pass
-    with ``loss_logits_only`` (and no router losses or routing replay), the trajectories of one
-    group share a row, their common prefix forwarded once (``megathunder.learner.shared_prefix``;
-    the model must be ``shared_prefix.supported``).
+    with ``loss_logits_only`` or a forward-only one (and no router losses or routing replay), the
+    trajectories of one group share a row, their common prefix forwarded once
+    (``megathunder.learner.shared_prefix``; the model must be ``shared_prefix.supported``); a
+    forward-only call then reads the output layer at every target through the same row gather.
     """
     device = pgs.device
     dims = pgs.dims
@@ -132,7 +133,8 @@ def run_schedule(
     head = _LossRows.of(ddp_model, pgs) if at_targets_only else None  # None off the last stage
     counts, at = loss_targets(items)  # each trajectory's loss targets
     shared: list[tuple[list[SharedRow], int]] = []  # learner.share_prefixes: each micro-batch's rows, width
-    if (share_prefixes and at_targets_only and not forward_only and pack_tokens > 0
+    loss_at = at
+    if (share_prefixes and (at_targets_only or forward_only) and dims.cp == 1 and pack_tokens > 0
             and replay is None and router_losses is None):
         rows = shared_rows(items, pack_tokens)
         if any(len(row.members) > 1 for row in rows):  # else one trajectory a row: the plain layout
@@ -140,6 +142,10 @@ def run_schedule(
             for mb in pack_micro_batches(widths, pack_tokens):
                 shared.append(([rows[r] for r in mb], max(widths[r] for r in mb)))
             lengths = widths
+            if not at_targets_only:  # forward-only scoring: the head at every target, through the same gather
+                head = _LossRows.of(ddp_model, pgs)
+                counts = [t.tokens.numel() - 1 for t in items]
+                at = [torch.arange(n) for n in counts]
     if shared:
         groups = [[k for row in mb for k in row.members] for mb, _ in shared]
     else:
@@ -154,7 +160,12 @@ def run_schedule(
             select = head.select(mb.head_rows, mb.head_cols, len(mb_rows)) if head else contextlib.nullcontext()
             with select, rotary_positions(model, mb.positions):
                 output = model(mb.inputs, mb.positions, attention_mask=mb.mask)
-            return output, partial(_loss_func, mb.ks, mb.labels, mb.rows, mb.cols, True)
+            if at_targets_only:
+                return output, partial(_loss_func, mb.ks, mb.labels, mb.rows, mb.cols, True)
+            # scoring every target: loss_fn still gets the loss targets' values, picked from them
+            first = torch.cumsum(torch.tensor([counts[k] for k in mb.ks]), 0) - torch.tensor([counts[k] for k in mb.ks])
+            picks = torch.cat([loss_at[k] + first[j] for j, k in enumerate(mb.ks)]).to(device)
+            return output, partial(_loss_func, mb.ks, mb.labels, mb.rows, mb.cols, True, picks)
         ks = groups[i]
         width = max(lengths[k] for k in ks)
         if replay is not None:
@@ -177,8 +188,11 @@ def run_schedule(
             output = model(inputs, positions, attention_mask=None)
         return output, partial(_loss_func, ks, labels[rows, cols], rows, cols, True)
 
-    def _loss_func(ks, labels, rows, cols, at_targets_only, output):
-        """``labels``: [b, T] every target's token, or with ``at_targets_only`` [n] the loss targets'."""
+    def _loss_func(ks, labels, rows, cols, at_targets_only, *args):
+        """``labels``: [b, T] every target's token, or with ``at_targets_only`` [n] the targets' at
+        (``rows``, ``cols``): the loss targets', or every target's with ``picks`` (the loss targets
+        among them, for ``loss_fn``)."""
+        *picks, output = args
         if at_targets_only:  # output: [1, n, v / tp], the rows at each trajectory's targets in turn
             labels = labels[None]
         logps, entropies = vocab_parallel_logprobs(output, labels, pgs.tp, need_entropy, temperature)
@@ -197,6 +211,8 @@ def run_schedule(
             entropy_rows = None if entropies is None else [entropies[row, :n].detach() for row, n in enumerate(lengths)]
         reports = [{"logp": logp} if entropy_rows is None else {"logp": logp, "entropy": entropy_rows[row]}
                    for row, logp in enumerate(logp_rows)]
+        if picks:
+            logp_N, entropy_N = logp_N[picks[0]], None if entropy_N is None else entropy_N[picks[0]]
         return loss_fn(ks, logp_N, entropy_N), torch.ones((), dtype=torch.int, device=device), reports
 
     extra = {}

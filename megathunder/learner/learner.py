@@ -177,7 +177,7 @@ class MegatronLearner:
         out = run_schedule(model, self.pgs, list(trajs), lambda ks, logp, ent: logp.sum() * 0,
                            need_entropy=need_entropy, forward_only=True,
                            temperature=self.temperature if temperature is None else temperature,
-                           pack_tokens=self.cfg.pack_tokens)
+                           pack_tokens=self.cfg.pack_tokens, share_prefixes=self.backend.share_prefixes)
         if offloaded:
             model.to("cpu")
         if not self.pgs.is_last_stage:

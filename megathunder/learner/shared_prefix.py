@@ -34,10 +34,12 @@ Cost: m trajectories of n positions with a common prefix of p cost p + m (n - p)
 m n (the quickstart: ~100 instead of 352 a group). The mask is [rows, 1, W, W] booleans per
 micro-batch, W the longest row (at most ``learner.pack_tokens``); torch's fused attention takes it.
 
-Applies to training passes of dense models on our core attention (``SDPAttention``: the local spec's
-``sdpa``/``past_kv``), with ``learner.loss_logits_only`` and ``pack_tokens`` > 0, outside context
-parallelism; not with MoE (its router losses count each position once per trajectory, and routing
-replay holds per-trajectory routes). Elsewhere the pass packs one trajectory per row as before.
+Applies to training passes (with ``learner.loss_logits_only``) and forward-only scoring (the
+reference model's and PPO's old logprobs: the head then reads every target's column) of dense models
+on our core attention (``SDPAttention``: the local spec's ``sdpa``/``past_kv``), with ``pack_tokens``
+> 0, outside context parallelism; not with MoE (its router losses count each position once per
+trajectory, and routing replay holds per-trajectory routes). Elsewhere -- and when no two
+trajectories of a call share a group -- a pass packs one trajectory per row as before.
 """
 
 from __future__ import annotations

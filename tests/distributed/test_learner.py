@@ -381,5 +381,7 @@ def test_packed_micro_batches_give_the_unpacked_gradient(hf_qwen2, tmp_path, lay
         assert _rel(_flat(run[f"packed_{path}"]), _flat(run[f"unpacked_{path}"])) <= GRAD_TOL, path
         assert _rel(_flat(run[f"shared_{path}"]), _flat(run[f"unpacked_{path}"])) <= GRAD_TOL, path
     for key in ("logp", "ref"):
-        for packed, unpacked in zip(run[f"packed_{key}"], run[f"unpacked_{key}"], strict=True):
+        for packed, shared, unpacked in zip(run[f"packed_{key}"], run[f"shared_{key}"], run[f"unpacked_{key}"],
+                                            strict=True):
             torch.testing.assert_close(packed, unpacked, rtol=0, atol=LOGP_TOL)
+            torch.testing.assert_close(shared, unpacked, rtol=0, atol=LOGP_TOL)

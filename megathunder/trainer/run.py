@@ -33,6 +33,7 @@ from transformers import AutoTokenizer
 
 from megathunder import cpu_cores
 from megathunder.config import Config, ConfigError
+from megathunder.learner import cpu_compat
 from megathunder.learner.checkpoint import latest_checkpoint, load_checkpoint
 from megathunder.learner.endpoint import LearnerEndpoint
 from megathunder.learner.parallel import init_distributed
@@ -136,7 +137,10 @@ def _train(cfg: Config, signals: StopSignals) -> int:
         gc.unfreeze()
         return 0
     try:
-        summary = asyncio.run(_control(cfg, task, out, service, model_dir, start, signals))
+        # rank 0's Megatron work runs on the service's learner thread (its own CUDA->CPU mapping); the
+        # controller's torch calls (episodes into trajectories, 160 a step on the quickstart) skip it
+        with cpu_compat.suspended():
+            summary = asyncio.run(_control(cfg, task, out, service, model_dir, start, signals))
     finally:
         service.stop(cancel_pending=signals.now.is_set())
         gc.unfreeze()  # the interpreter's last collection then frees the frozen cycles

@@ -51,6 +51,11 @@ parallelism the layer's input is a sequence shard: the hook gathers it first and
 without its SP gather for that call, so each rank's input gradient is still the TP sum of its own
 positions (``_LossRows``).
 
+Shared prefixes (``learner.share_prefixes``). A group's trajectories share one row, their common
+prefix (the prompt) forwarded once, each suffix at its own positions under a prefix + own-suffix
+attention mask; the head reads each trajectory's targets through ``_LossRows``
+(``megathunder.learner.shared_prefix`` derives why it is exact).
+
 Router losses (``learner.moe.aux_loss_coeff`` / ``z_loss_coeff``). Each micro-batch's rows get
 their trajectories' router-loss weights just before its forward (``router_weights``: the pass's
 weight of each trajectory, 0 in a score-only pass; ``megathunder.learner.router_losses`` derives
@@ -165,7 +170,7 @@ def run_schedule(
             # scoring every target: loss_fn still gets the loss targets' values, picked from them
             first = torch.cumsum(torch.tensor([counts[k] for k in mb.ks]), 0) - torch.tensor([counts[k] for k in mb.ks])
             picks = torch.cat([loss_at[k] + first[j] for j, k in enumerate(mb.ks)]).to(device)
-            return output, partial(_loss_func, mb.ks, mb.labels, mb.rows, mb.cols, True, picks)
+            return output, partial(_loss_func, mb.ks, mb.labels, mb.rows, mb.cols, True, picks=picks)
         ks = groups[i]
         width = max(lengths[k] for k in ks)
         if replay is not None:
@@ -188,11 +193,10 @@ def run_schedule(
             output = model(inputs, positions, attention_mask=None)
         return output, partial(_loss_func, ks, labels[rows, cols], rows, cols, True)
 
-    def _loss_func(ks, labels, rows, cols, at_targets_only, *args):
+    def _loss_func(ks, labels, rows, cols, at_targets_only, output, picks=None):
         """``labels``: [b, T] every target's token, or with ``at_targets_only`` [n] the targets' at
         (``rows``, ``cols``): the loss targets', or every target's with ``picks`` (the loss targets
         among them, for ``loss_fn``)."""
-        *picks, output = args
         if at_targets_only:  # output: [1, n, v / tp], the rows at each trajectory's targets in turn
             labels = labels[None]
         logps, entropies = vocab_parallel_logprobs(output, labels, pgs.tp, need_entropy, temperature)
@@ -211,8 +215,8 @@ def run_schedule(
             entropy_rows = None if entropies is None else [entropies[row, :n].detach() for row, n in enumerate(lengths)]
         reports = [{"logp": logp} if entropy_rows is None else {"logp": logp, "entropy": entropy_rows[row]}
                    for row, logp in enumerate(logp_rows)]
-        if picks:
-            logp_N, entropy_N = logp_N[picks[0]], None if entropy_N is None else entropy_N[picks[0]]
+        if picks is not None:
+            logp_N, entropy_N = logp_N[picks], None if entropy_N is None else entropy_N[picks]
         return loss_fn(ks, logp_N, entropy_N), torch.ones((), dtype=torch.int, device=device), reports
 
     extra = {}

@@ -391,7 +391,7 @@ class LearnerConfig(Strict):
     Exact (each trajectory's logits are the same function of the weights; equal up to fp32 rounding);
     on GRPO groups of 8 with ~36-token prompts and 8 new tokens the pass forwards 100 positions a group
     instead of 352. Needs ``loss_logits_only``, ``pack_tokens`` > 0 (a row holds at most that many
-    positions) and our core attention (``precision.core_attention`` sdpa, past_kv or auto on the local
+    positions, and at most 4096: its attention mask is W x W booleans) and our core attention (``precision.core_attention`` sdpa, past_kv or auto on the local
     spec); off for MoE models and under context parallelism, where each trajectory is a row of its
     own."""
 

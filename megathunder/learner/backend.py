@@ -86,7 +86,7 @@ from megathunder.learner.logprobs import vocab_parallel_logprobs
 from megathunder.learner.parallel import ProcessGroups
 from megathunder.learner.router_losses import schedule_router_losses
 from megathunder.learner.routing_replay import schedule_replay
-from megathunder.learner.shared_prefix import SharedRow, micro_batch, rotary_positions, shared_rows
+from megathunder.learner.shared_prefix import MAX_ROW, SharedRow, micro_batch, rotary_positions, shared_rows
 from megathunder.objectives import LossSpec, router_loss_weight, trajectories_loss
 from megathunder.streaming.buffers import GradBuffer
 from megathunder.trajectory import Trajectory, loss_targets, pack_micro_batches
@@ -141,7 +141,7 @@ def run_schedule(
     loss_at = at
     if (share_prefixes and (at_targets_only or forward_only) and dims.cp == 1 and pack_tokens > 0
             and replay is None and router_losses is None):
-        rows = shared_rows(items, pack_tokens)
+        rows = shared_rows(items, min(pack_tokens, MAX_ROW))
         if any(len(row.members) > 1 for row in rows):  # else one trajectory a row: the plain layout
             widths = [padded_length(row.width, dims.seq_multiple) for row in rows]
             for mb in pack_micro_batches(widths, pack_tokens):

@@ -32,7 +32,8 @@ the repeated last column). Equal up to rounding, not bitwise
 
 Cost: m trajectories of n positions with a common prefix of p cost p + m (n - p) positions instead of
 m n (the quickstart: ~100 instead of 352 a group). The mask is [rows, 1, W, W] booleans per
-micro-batch, W the longest row (at most ``learner.pack_tokens``); torch's fused attention takes it.
+micro-batch, W the longest row (at most ``min(learner.pack_tokens, MAX_ROW)``); torch's fused
+attention takes it.
 
 Applies to training passes (with ``learner.loss_logits_only``) and forward-only scoring (the
 reference model's and PPO's old logprobs: the head then reads every target's column) of dense models
@@ -55,6 +56,10 @@ from megathunder.learner.sdpa_attention import SDPAttention
 from megathunder.trajectory import Trajectory
 
 PAD, PREFIX = -2, -1  # segment ids of a row's columns; a member's suffix is its index in the row
+MAX_ROW = 4096
+"""The most positions of one shared row: its mask is W x W booleans (16 MiB at 4096), so a
+micro-batch's masks stay within pack_tokens x MAX_ROW bytes however large ``pack_tokens`` is; a
+longer group is split into several rows, each with the prefix."""
 
 
 def supported(model: torch.nn.Module) -> bool:

@@ -385,15 +385,15 @@ class LearnerConfig(Strict):
     reference and old logprobs) computes every position. Context parallelism: ignored (off)."""
     share_prefixes: bool = True
     """Training passes and forward-only scoring (reference and old logprobs) forward a group's
-    trajectories as one packed row, their common prefix (the
-    prompt, and whatever else they share) once: [prefix | suffix_1 | ... | suffix_m], each suffix
-    attending to the prefix and itself only, at its own positions (``megathunder.learner.shared_prefix``).
-    Exact (each trajectory's logits are the same function of the weights; equal up to fp32 rounding);
-    on GRPO groups of 8 with ~36-token prompts and 8 new tokens the pass forwards 100 positions a group
-    instead of 352. Needs ``loss_logits_only``, ``pack_tokens`` > 0 (a row holds at most that many
-    positions, and at most 4096: its attention mask is W x W booleans) and our core attention (``precision.core_attention`` sdpa, past_kv or auto on the local
-    spec); off for MoE models and under context parallelism, where each trajectory is a row of its
-    own."""
+    trajectories as one packed row, their common prefix (the prompt, and whatever else they share)
+    once: [prefix | suffix_1 | ... | suffix_m], each suffix attending to the prefix and itself only,
+    at its own positions (``megathunder.learner.shared_prefix``). Exact (each trajectory's logits are
+    the same function of the weights; equal up to fp32 rounding); on GRPO groups of 8 with ~36-token
+    prompts and 8 new tokens the pass forwards 100 positions a group instead of 352. Needs
+    ``loss_logits_only``, ``pack_tokens`` > 0 (a row holds at most that many positions, and at most
+    4096: its attention mask is W x W booleans) and our core attention (``precision.core_attention``
+    sdpa, past_kv or auto on the local spec); off for MoE models and under context parallelism,
+    where each trajectory is a row of its own."""
 
     @field_validator("cpu_cores", mode="before")
     @classmethod

@@ -168,7 +168,8 @@ def run_schedule(
             if at_targets_only:
                 return output, partial(_loss_func, mb.ks, mb.labels, mb.rows, mb.cols, True)
             # scoring every target: loss_fn still gets the loss targets' values, picked from them
-            first = torch.cumsum(torch.tensor([counts[k] for k in mb.ks]), 0) - torch.tensor([counts[k] for k in mb.ks])
+            n = torch.tensor([counts[k] for k in mb.ks])
+            first = torch.cumsum(n, 0) - n  # each trajectory's first target among the micro-batch's
             picks = torch.cat([loss_at[k] + first[j] for j, k in enumerate(mb.ks)]).to(device)
             return output, partial(_loss_func, mb.ks, mb.labels, mb.rows, mb.cols, True, picks=picks)
         ks = groups[i]

@@ -7,7 +7,9 @@ A run stops in one of two ways, whatever asks for it:
                           command resumes from the checkpoint
     stop now              SIGTERM, or a second Ctrl-C: the step in progress is abandoned (the last
                           checkpoint and the crash-consistent journal stay), the engine is closed,
-                          the command exits 130
+                          the command exits 130. Once the run is closing (after its last step, or
+                          the checkpoint of a stop after the step) stop requests change nothing: the
+                          close (seconds) finishes and the status is the run's own (0 or 75)
 
 The terminal sends Ctrl-C's SIGINT to every process of its foreground group, vLLM's engine core
 included, which would die mid-step. So an interactive single-process ``megathunder train`` runs
@@ -105,6 +107,7 @@ class StopSignals:
         self.after_step = threading.Event()
         self.now = threading.Event()
         self.on_stop_now: list = []  # callables run (in the main thread) when stop-now is asked
+        self._closing = False
         signal.signal(signal.SIGUSR1, self._stop_after_step)
         signal.signal(signal.SIGTERM, self._stop_now)
         signal.signal(signal.SIGINT, self._interrupt)
@@ -120,9 +123,23 @@ class StopSignals:
                   file=sys.stderr, flush=True)
             self.after_step.set()
 
+    def closing(self) -> None:
+        """The run is closing its engine and learner (bounded: vLLM's shutdown waits at most ~5 s
+        for its engine core). Stop requests from here on change nothing: closing is what stop-now
+        would do; an exception raised into vLLM's shutdown would leave its engine core running and
+        the interpreter waiting for it at exit; and once the interpreter finalizes, Python puts
+        SIGTERM's and SIGUSR1's default actions back, which would kill the process mid-exit. So those
+        two are ignored (an ignored signal stays ignored through finalization), and a Ctrl-C of an
+        unsupervised run is only marked."""
+        self._closing = True
+        for sig in (signal.SIGTERM, signal.SIGUSR1):
+            signal.signal(sig, signal.SIG_IGN)
+
     def _stop_now(self, signum: int, frame: object) -> None:
         self.after_step.set()
         self.now.set()
+        if self._closing:
+            return
         if not self.on_stop_now:
             raise StopNow
         for callback in self.on_stop_now:

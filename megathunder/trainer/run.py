@@ -228,7 +228,7 @@ async def _control(cfg: Config, task: Task, out: Path, service: LearnerService[L
         print_summary(summary, out)
         return summary
     finally:
-        signals.on_stop_now.clear()
+        signals.closing()  # a stop-now request from here on waits for the close
         if trainer is not None:
             trainer.abandon_probe()
             if trainer.bar is not None:

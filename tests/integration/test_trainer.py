@@ -16,6 +16,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -391,10 +392,16 @@ def test_ctrl_c_finishes_the_step_checkpoints_and_resumes(base, tmp_path):
     assert [x["step"] for x in rows(out)] == [0, 1, 2, 3]
 
 
+VERIFIER_S = 10.0
+
+
 def test_a_second_ctrl_c_stops_at_once_and_cleanly(base, tmp_path):
+    """The second Ctrl-C lands mid-step: each reward takes VERIFIER_S more, so the step the first
+    Ctrl-C asked to finish cannot finish in the 0.2 s before it (a quickstart step is ~0.3 s)."""
     out = tmp_path / "run"
     shm = ShmLeaks(tmp_path)
-    proc = _start_interactive(out, "run.num_steps=50", *warm(base), shm=shm.dir)
+    proc = _start_interactive(out, "run.num_steps=50", f"agent.added_verifier_latency_s={VERIFIER_S}", *warm(base),
+                              shm=shm.dir)
     _wait_for_step(proc, out, 0)
     proc.send_signal(signal.SIGINT)
     time.sleep(0.2)
@@ -403,7 +410,49 @@ def test_a_second_ctrl_c_stops_at_once_and_cleanly(base, tmp_path):
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, err[-3000:]
     assert time.monotonic() - t0 < 60
-    assert "Traceback" not in err and "stopped now" in err, err[-3000:]
+    assert "Traceback" not in err and "stopped now" in err and "stopped after step" not in err, err[-3000:]
     assert len(rows(out)) < 50
+    assert _run_children(proc.pid) == []
+    assert shm.left() == set()
+
+
+def test_a_second_ctrl_c_while_the_run_closes_lets_the_close_finish(base, tmp_path):
+    """The second Ctrl-C lands right after the first one's checkpoint, while the run closes its
+    engine (~4 s of vLLM's shutdown, then ~2 s of the interpreter's): the close finishes, and the
+    run exits 75 with the step's checkpoint, leaving no process and no shared-memory segment.
+    (It was: an exception raised into vLLM's shutdown, the engine core left running and the run
+    hung until the supervisor's kill, -9; or, in the interpreter's finalization, SIGTERM's default
+    action, -15.) Wherever in the close the signal lands, the outcome is the same."""
+    out = tmp_path / "run"
+    shm = ShmLeaks(tmp_path)
+    proc = _start_interactive(out, "run.num_steps=50", *warm(base), shm=shm.dir)
+    lines: list[str] = []
+
+    def read_stderr() -> None:
+        for line in proc.stderr:  # type: ignore[union-attr]
+            lines.append(line)
+
+    reader = threading.Thread(target=read_stderr, daemon=True)
+    reader.start()
+    threading.Thread(target=proc.stdout.read, daemon=True).start()  # type: ignore[union-attr]
+    _wait_for_step(proc, out, 0)
+    proc.send_signal(signal.SIGINT)
+    deadline = time.monotonic() + 300
+    while not any("stopped after step" in line for line in list(lines)):
+        if proc.poll() is not None or time.monotonic() > deadline:  # the line may still be in the pipe
+            reader.join(timeout=10)
+            break
+        time.sleep(0.005)
+    assert any("stopped after step" in line for line in list(lines)), "".join(lines)[-3000:]
+    proc.send_signal(signal.SIGINT)
+    t0 = time.monotonic()
+    proc.wait(timeout=120)
+    reader.join(timeout=10)
+    err = "".join(lines)
+    assert proc.returncode == 75, err[-3000:]
+    assert time.monotonic() - t0 < 60
+    assert "Traceback" not in err and "stopped now" not in err, err[-3000:]
+    stopped = len(rows(out))
+    assert (out / "checkpoints" / "latest").read_text().strip() == f"step_{stopped}"
     assert _run_children(proc.pid) == []
     assert shm.left() == set()

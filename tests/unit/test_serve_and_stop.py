@@ -1,13 +1,16 @@
-"""`megathunder serve`'s command line and environment, and the trainer's stop-on-SIGUSR1 step range."""
+"""`megathunder serve`'s command line and environment, the trainer's stop-on-SIGUSR1 step range, and
+a stop-now request that arrives while the run is closing."""
 
 from __future__ import annotations
 
+import signal
 import threading
 
 import pytest
 
 from megathunder.config import load_config
 from megathunder.rollout.serve import ServeError, serve_command, serve_env
+from megathunder.trainer.interrupt import StopNow, StopSignals
 from megathunder.trainer.run import StepsUntilSignal
 
 
@@ -51,3 +54,35 @@ def test_steps_until_signal_ends_after_the_current_step():
         if step == 5:
             stop.set()  # SIGUSR1 during step 5: step 5 finishes, no step 6
     assert done == [3, 4, 5]
+
+
+@pytest.fixture
+def stop_signals():
+    """StopSignals installs its handlers on this process; pytest's are put back after."""
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield StopSignals
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
+
+
+def test_a_stop_request_while_closing_changes_nothing(stop_signals):
+    """Outside the step loop stop-now raises; inside it, it cancels the controller; once the run
+    closes (engine, learner) SIGTERM and SIGUSR1 are ignored -- an exception raised into vLLM's
+    shutdown would leave its engine core alive and the interpreter waiting for it at exit, and the
+    default actions Python restores at finalization would kill the process mid-exit -- and a Ctrl-C
+    is only marked."""
+    signals = stop_signals()
+    with pytest.raises(StopNow):
+        signals._stop_now(signal.SIGTERM, None)
+    assert signals.now.is_set() and signals.after_step.is_set()
+    cancelled = []
+    signals.on_stop_now.append(lambda: cancelled.append(True))
+    signals._stop_now(signal.SIGTERM, None)
+    assert cancelled == [True]
+    signals.closing()
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_IGN and signal.getsignal(signal.SIGUSR1) == signal.SIG_IGN
+    signals.on_stop_now.clear()
+    signals._interrupt(signal.SIGINT, None)  # no exception, no cancel
+    assert cancelled == [True] and signals.now.is_set()

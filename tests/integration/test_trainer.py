@@ -283,6 +283,11 @@ def test_fully_async_schedule_bounds_staleness(base, tmp_path):
     assert all(x["probe_gap"] <= 1e-3 for x in r)
 
 
+SLOW_STEPS = ["agent.added_verifier_latency_s=2", "eval.every_n_steps=0"]
+"""For tests that act between two steps of a 4-step run, which the run must not finish first: each
+step then takes >= 2 s (a quickstart step is ~0.3 s), so the test's 0.2 s polls have seconds to spare."""
+
+
 # a crash and resume equal to the journal replay: tests/integration/test_chaos.py (corrupt_journal, full disk)
 @pytest.mark.slow
 def test_kill_and_resume_reproduces_the_uninterrupted_parameters(base, tmp_path):
@@ -290,7 +295,7 @@ def test_kill_and_resume_reproduces_the_uninterrupted_parameters(base, tmp_path)
     the journal holds each step once, and the final weights equal a replay of the journal from
     the start (what the uninterrupted run would have computed from the same trajectories)."""
     out = tmp_path / "run"
-    args = ["run.num_steps=4", "run.checkpoint_every=2", *warm(base)]
+    args = ["run.num_steps=4", "run.checkpoint_every=2", *SLOW_STEPS, *warm(base)]
     cmd = [sys.executable, "-m", "megathunder.cli", "train", str(ROOT / "configs/quickstart.yaml"),
            f"run.output_dir={out}", *SMALL, *args]
     # the machine dies: every process of the run at once (as under a launcher: no supervisor)
@@ -374,7 +379,7 @@ def test_ctrl_c_finishes_the_step_checkpoints_and_resumes(base, tmp_path):
     to resume and exits 75, leaving no process and no shared-memory segment; the same command then
     continues from the checkpoint and trains each step once."""
     out = tmp_path / "run"
-    args = ["run.num_steps=4", *warm(base)]
+    args = ["run.num_steps=4", *SLOW_STEPS, *warm(base)]
     shm = ShmLeaks(tmp_path)
     proc = _start_interactive(out, *args, shm=shm.dir)
     _wait_for_step(proc, out, 0)

@@ -364,8 +364,11 @@ class ShmLeaks:
 
 
 def _wait_for_step(proc: subprocess.Popen, out: Path, step: int) -> None:
+    """Until the running run's metrics hold step ``step``'s row (complete lines only: the last one
+    may be mid-write)."""
+    metrics = out / "metrics.jsonl"
     deadline = time.monotonic() + 600
-    while not ((out / "metrics.jsonl").is_file() and len(rows(out)) > step):
+    while not (metrics.is_file() and metrics.read_text().count("\n") > step):
         assert proc.poll() is None, proc.communicate()[1][-4000:]
         assert time.monotonic() < deadline, "the run did not reach its step"
         time.sleep(0.2)

@@ -16,6 +16,10 @@ system pays one-off costs: compilation, allocator warm-up, vLLM's first batch), 
 per step, side by side. What is not the same, and cannot be: megathunder's step includes pushing the
 weights into vLLM and the zero-staleness probe; TRL generates from the model it trains.
 
+``--rounds N`` runs the three N times, every other round in reverse order, and reports each ratio to
+TRL as the median of its per-round ratios (one invocation's ratio moves by several points on a
+shared machine).
+
 Only single-turn tasks without tools compare like this (TRL's trainer has no sandboxed agent loop):
 the task's reward must be computable from the completion's text alone (``arithmetic``).
 """
@@ -32,7 +36,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from megathunder.bench.schedule_runs import ROOT, _train
+from megathunder.bench.schedule_runs import ROOT, _train, alternate, median_after_first, positive
 from megathunder.config import Config, ConfigError, load_config
 from megathunder.config.objective_config import GRPOObjective
 
@@ -92,10 +96,6 @@ def _step_times(metrics: Path) -> tuple[list[float], list[float]]:
     return [r["step_s"] for r in rows], [r["reward_mean"] for r in rows]
 
 
-def _median_after_first(times: list[float]) -> float:
-    return statistics.median(times[1:] if len(times) > 1 else times)
-
-
 def run_trl(config: str, overrides: list[str], model: Path, steps: int, out: Path) -> dict[str, list[float]]:
     """TRL in its own process (``megathunder.bench.peer_trl``); its per-step times and rewards."""
     out.mkdir(parents=True, exist_ok=True)
@@ -116,7 +116,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="the workload (default: the quickstart; e.g. configs/smollm2_arithmetic.yaml "
                         "learner.model.hf_checkpoint=models/smollm2)")
     p.add_argument("--steps", type=int, default=8, help="optimizer steps per system")
-    p.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS))
+    p.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS), help="default: all three")
+    p.add_argument("--rounds", type=positive, default=1,
+                   help="run every system N times, every other round in reverse order; ratios are medians over rounds")
     p.add_argument("--out", default=None, help="keep the runs here (default: a temporary folder)")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="applied to every system")
     args = p.parse_args(argv)
@@ -134,32 +136,49 @@ def main(argv: list[str] | None = None) -> int:
         except ImportError:
             print("megathunder bench peers: TRL is not installed: pip install -e '.[peers]'", file=sys.stderr)
             return 2
-    report: dict[str, dict[str, Any]] = {}
+    per_round: list[dict[str, dict[str, Any]]] = []
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(args.out or tmp)
         warm: list[str] = []
         model = Path(cfg.learner.model.hf_checkpoint) if cfg.learner.model.hf_checkpoint else None
-        for system in args.systems:
-            out = root / system
-            if system == "trl":
-                if model is None:
-                    raise RuntimeError("no model for TRL: run sync or thunder first, or set learner.model.hf_checkpoint")
-                res = run_trl(args.config, [*overrides, *warm], model, args.steps, out)
-                times, rewards = res["step_s"], res["reward_mean"]
-            else:
-                _train(args.config, out, [*overrides, *warm, f"schedule.mode={system}"])
-                times, rewards = _step_times(out / "metrics.jsonl")
-                if not warm:  # later systems start from this run's model (warm-started or built)
-                    for name in ("sft_model", "init_model"):
-                        if (out / name).is_dir():
-                            model = out / name
-                            warm = [f"learner.model.hf_checkpoint={model}", "sft.num_steps=0"]
-                            break
-            report[system] = {"step_s": _median_after_first(times), "step_times": times, "reward_mean": rewards}
-            print(f"  {system:<8} {report[system]['step_s']:7.3f} s/step (median after the first)", flush=True)
+        for r in range(args.rounds):
+            report: dict[str, dict[str, Any]] = {}
+            for system in alternate(args.systems, r):
+                out = root / system if args.rounds == 1 else root / f"round{r}" / system
+                if system == "trl":
+                    if model is None:
+                        raise RuntimeError("no model for TRL: run sync or thunder first, or set learner.model.hf_checkpoint")
+                    res = run_trl(args.config, [*overrides, *warm], model, args.steps, out)
+                    times, rewards = res["step_s"], res["reward_mean"]
+                else:
+                    _train(args.config, out, [*overrides, *warm, f"schedule.mode={system}"])
+                    times, rewards = _step_times(out / "metrics.jsonl")
+                    if not warm:  # later systems start from this run's model (warm-started or built)
+                        for name in ("sft_model", "init_model"):
+                            if (out / name).is_dir():
+                                model = out / name
+                                warm = [f"learner.model.hf_checkpoint={model}", "sft.num_steps=0"]
+                                break
+                report[system] = {"step_s": median_after_first(times), "step_times": times, "reward_mean": rewards}
+                print(f"  {system:<8} {report[system]['step_s']:7.3f} s/step (median after the first)"
+                      + (f"  (round {r})" if args.rounds > 1 else ""), flush=True)
+            per_round.append({s: report[s] for s in args.systems})
+    report = per_round[0] if args.rounds == 1 else median_of_rounds(per_round)
     _print_table(report)
     print(json.dumps(report))
     return 0
+
+
+def median_of_rounds(per_round: list[dict[str, dict[str, Any]]]) -> dict[str, dict[str, Any]]:
+    """Per system the median of its rounds' step times (each kept in ``rounds_step_s``), and with
+    TRL each system's per-round step-time ratio to that round's TRL (``rounds_vs_trl``); step times
+    and rewards per step are the first round's (every round samples the same, seeded)."""
+    merged = {s: {**per_round[0][s], "rounds_step_s": [rnd[s]["step_s"] for rnd in per_round]} for s in per_round[0]}
+    for s, m in merged.items():
+        m["step_s"] = statistics.median(m["rounds_step_s"])
+        if "trl" in merged and s != "trl":
+            m["rounds_vs_trl"] = [rnd[s]["step_s"] / rnd["trl"]["step_s"] for rnd in per_round]
+    return merged
 
 
 def _print_table(report: dict[str, dict[str, Any]]) -> None:
@@ -167,7 +186,10 @@ def _print_table(report: dict[str, dict[str, Any]]) -> None:
     if "trl" in report:
         for s in systems:
             if s != "trl":
-                print(f"{s}/trl step time: {report[s]['step_s'] / report['trl']['step_s']:.2f}x")
+                ratios = report[s].get("rounds_vs_trl")
+                ratio = statistics.median(ratios) if ratios else report[s]["step_s"] / report["trl"]["step_s"]
+                each = f" (median of {len(ratios)} rounds: " + " ".join(f"{x:.2f}" for x in ratios) + ")" if ratios else ""
+                print(f"{s}/trl step time: {ratio:.2f}x{each}")
     print("reward per step: " + "  ".join(f"{s:>8}" for s in systems))
     for k in range(max(len(r["reward_mean"]) for r in report.values())):
         cells = [f"{r['reward_mean'][k]:8.3f}" if k < len(r["reward_mean"]) else " " * 8 for r in report.values()]

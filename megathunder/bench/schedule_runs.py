@@ -11,13 +11,19 @@ model), one after the other on the same machine. Workloads:
 - ``swe_local``: the shipped SWE-style set in the local sandbox, real tools and the SWE-bench
   grading (with ``--config configs/swe_local.yaml``, which sets its limits).
 
-Per schedule: wall time per optimizer step, learner idle share, steps per hour, and thunder's
-(and every schedule's) ratio to sync in steps per hour, with sync's zero-staleness overlap bound
-B = step / (step - learner busy). ``--ablate NAME ...`` adds one thunder run per name with that
-mechanism switched off (``ABLATIONS``), in the same invocation, so each one's gain is measured
-against the same sync run. The first schedule's run does the SFT warm
+Per schedule (medians over the steps after the first, which pays one-off costs; the figures in
+BENCHMARKS.md before 2026-12-05 are means over every step): wall time per optimizer step, learner
+idle share, steps per hour, and every schedule's ratio to sync in steps per hour, with sync's
+zero-staleness overlap bound B = step / (step - learner busy). ``--ablate NAME ...`` adds one
+thunder run per name with that mechanism switched off (``ABLATIONS``), in the same invocation, so
+each one's gain is measured against the same sync run. The first schedule's run does the SFT warm
 start; the others start from its result. ``--out DIR`` keeps every run directory
 (``DIR/WORKLOAD/SCHEDULE``: metrics, trace, journal), e.g. for ``megathunder simulate --calibrate``.
+
+``--rounds N`` runs the whole set N times (``DIR/WORKLOAD/roundR/SCHEDULE``), every other round in
+reverse order so that a machine drifting during the invocation favours no schedule; each ratio is
+then the median of its N per-round ratios (each round's runs against that round's sync): on a
+shared machine one invocation's ratio moves by several points from the next one's.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -72,32 +79,65 @@ def _train(config: str, out: Path, overrides: list[str]) -> dict:
 
 
 def run_workload(name: str, args, root: Path) -> dict:
+    """Every schedule (and ablation) of workload ``name``, ``args.rounds`` times; per label its
+    figures, and with sync its ratios to sync (the medians over rounds when there are several)."""
     tool_s, verifier_s = _latencies(name, args)
     common = [*WORKLOADS[name], f"run.num_steps={args.steps}", "run.progress=false", "run.wandb=disabled",
               "run.checkpoint_every=0", "objective.tis=token", "eval.every_n_steps=0",
               f"agent.added_tool_latency_s={tool_s}", f"agent.added_verifier_latency_s={verifier_s}",
               f"batch.num_prompts_per_batch={args.prompts}", f"batch.samples_per_prompt={args.samples}",
               *args.overrides]
-    results, warm = {}, [f"sft.num_steps={args.sft_steps}"]
+    warm = [f"sft.num_steps={args.sft_steps}"]
     runs: list[tuple[str, str, list[str]]] = [(s, s, []) for s in args.schedules]  # (label, schedule, overrides)
     runs += [(f"thunder-no_{a}", "thunder", ABLATIONS[a]) for a in args.ablate]
-    for k, (label, schedule, ablation) in enumerate(runs):
-        out = root / name / label
-        summary = _train(args.config, out, [*common, *warm, f"schedule.mode={schedule}", *ablation])
-        if k == 0:  # the others start from this run's model (none built here: the configured one)
-            model = out / ("sft_model" if args.sft_steps else "init_model")
-            warm = [f"learner.model.hf_checkpoint={model}"] if model.is_dir() else []
-            warm.append("sft.num_steps=0")
-        step_s = summary["mean_step_s"]
-        results[label] = {
-            "step_s": step_s,
-            "learner_idle_share": summary["learner_idle_share"],
-            "steps_per_hour": 3600.0 / step_s,
-            "max_policy_lag": summary["max_policy_lag"],
-            "reward_last_steps": summary["reward_last_steps"],
-        }
-        print(f"  {name:<10} {label:<11} {step_s:7.2f} s/step  idle {summary['learner_idle_share']:5.1%}  "
-              f"{3600 / step_s:7.0f} steps/h  lag {summary['max_policy_lag']}", flush=True)
+    rounds = args.rounds
+    per_round, first = [], True
+    for r in range(rounds):
+        results = {}
+        for label, schedule, ablation in alternate(runs, r):
+            out = root / name / label if rounds == 1 else root / name / f"round{r}" / label
+            summary = _train(args.config, out, [*common, *warm, f"schedule.mode={schedule}", *ablation])
+            if first:  # the others start from this run's model (none built here: the configured one)
+                first = False
+                model = out / ("sft_model" if args.sft_steps else "init_model")
+                warm = [f"learner.model.hf_checkpoint={model}"] if model.is_dir() else []
+                warm.append("sft.num_steps=0")
+            step_s, idle = steady_state(out / "metrics.jsonl")
+            results[label] = {
+                "step_s": step_s,
+                "learner_idle_share": idle,
+                "steps_per_hour": 3600.0 / step_s,
+                "max_policy_lag": summary["max_policy_lag"],
+                "reward_last_steps": summary["reward_last_steps"],
+            }
+            print(f"  {name:<10} {label:<11} {step_s:7.2f} s/step  idle {idle:5.1%}  "
+                  f"{3600 / step_s:7.0f} steps/h  lag {summary['max_policy_lag']}"
+                  + (f"  (round {r})" if rounds > 1 else ""), flush=True)
+        per_round.append(vs_sync(results))
+    return per_round[0] if rounds == 1 else median_of_rounds(per_round)
+
+
+def steady_state(metrics: Path) -> tuple[float, float]:
+    """A run's step time and learner idle share, each its median over the steps after the first."""
+    rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    rows = [r for r in rows if "step_s" in r]
+    return (median_after_first([r["step_s"] for r in rows]),
+            median_after_first([r["learner_idle_share"] for r in rows]))
+
+
+def median_after_first(values: list[float]) -> float:
+    """The median over every step but the first, which pays one-off costs (vLLM's first batch,
+    allocator warm-up); a one-step run's own value."""
+    return statistics.median(values[1:] if len(values) > 1 else values)
+
+
+def alternate(runs: list, r: int) -> list:
+    """Round ``r``'s order: as given in even rounds, reversed in odd ones."""
+    return list(runs) if r % 2 == 0 else list(reversed(runs))
+
+
+def vs_sync(results: dict[str, dict]) -> dict[str, dict]:
+    """Each run's ratio to sync in steps per hour and its share of sync's overlap bound B (in place)."""
     if "sync" in results:
         sync = results["sync"]
         busy = (1.0 - sync["learner_idle_share"]) * sync["step_s"]
@@ -109,16 +149,35 @@ def run_workload(name: str, args, root: Path) -> dict:
     return results
 
 
+def median_of_rounds(per_round: list[dict[str, dict]]) -> dict[str, dict]:
+    """Per label the median of every figure over the rounds (the largest policy lag), with the
+    per-round ratios to sync kept as ``rounds_vs_sync``."""
+    merged: dict[str, dict] = {}
+    for label in per_round[0]:
+        rows = [results[label] for results in per_round]
+        merged[label] = {key: (max(row[key] for row in rows) if key == "max_policy_lag"
+                               else statistics.median(row[key] for row in rows)) for key in rows[0]}
+        if "vs_sync" in rows[0]:
+            merged[label]["rounds_vs_sync"] = [row["vs_sync"] for row in rows]
+    return merged
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="megathunder bench schedules", description=__doc__.splitlines()[0])
-    p.add_argument("--config", default=str(ROOT / "configs/quickstart.yaml"))
-    p.add_argument("--workloads", nargs="+", choices=sorted(WORKLOADS), default=["quickstart", "tools"])
-    p.add_argument("--schedules", nargs="+", choices=SCHEDULES, default=list(SCHEDULES))
-    p.add_argument("--steps", type=int, default=6)
-    p.add_argument("--sft-steps", type=int, default=60)
-    p.add_argument("--prompts", type=int, default=8)
-    p.add_argument("--samples", type=int, default=4)
-    p.add_argument("--tool-latency", type=float, default=0.5)
+    p.add_argument("--config", default=str(ROOT / "configs/quickstart.yaml"),
+                   help="the base config every run starts from (default: the quickstart's)")
+    p.add_argument("--workloads", nargs="+", choices=sorted(WORKLOADS), default=["quickstart", "tools"],
+                   help="default: quickstart tools")
+    p.add_argument("--schedules", nargs="+", choices=SCHEDULES, default=list(SCHEDULES),
+                   help="default: all four")
+    p.add_argument("--steps", type=int, default=6, help="optimizer steps per run (the figures leave the first out)")
+    p.add_argument("--sft-steps", type=int, default=60,
+                   help="the first run's SFT warm start; the others start from its model (0: the configured model)")
+    p.add_argument("--prompts", type=int, default=8, help="prompts per batch")
+    p.add_argument("--samples", type=int, default=4, help="samples per prompt")
+    p.add_argument("--rounds", type=positive, default=1,
+                   help="run everything N times, every other round in reverse order; ratios are medians over rounds")
+    p.add_argument("--tool-latency", type=float, default=0.5, help="seconds added to every tool call on the tools workload")
     p.add_argument("--verifier-latency", type=float, default=1.0, help="per reward on the tools workload")
     p.add_argument("--slow-verifier-latency", type=float, default=3.0, help="per reward on the verifier workload")
     p.add_argument("--ablate", nargs="*", choices=sorted(ABLATIONS), default=[],
@@ -135,6 +194,15 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{w}: overlap bound B = {res['sync']['bound']:.2f}")
         for label, r in res.items():
             if label.startswith("thunder") and "sync" in res:
-                print(f"{w}: {label}/sync steps per hour = {r['vs_sync']:.2f} ({r['of_bound']:.0%} of B)")
+                each = (f"; median of {len(r['rounds_vs_sync'])} rounds: "
+                        + " ".join(f"{x:.2f}" for x in r["rounds_vs_sync"]) if "rounds_vs_sync" in r else "")
+                print(f"{w}: {label}/sync steps per hour = {r['vs_sync']:.2f} ({r['of_bound']:.0%} of B{each})")
     print(json.dumps(report))
     return 0
+
+
+def positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value

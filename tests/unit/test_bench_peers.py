@@ -3,6 +3,7 @@ and a workload TRL cannot match is refused by field name before anything runs.""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -52,3 +53,36 @@ def test_trl_accepts_the_arguments(tmp_path) -> None:
     args = trl.GRPOConfig(output_dir=str(tmp_path), max_steps=2, use_cpu=True,
                           **peers.trl_arguments(load_config(QUICKSTART)))
     assert args.generation_batch_size == 160 and args.num_generations == 8
+
+
+def test_rounds_alternate_the_order_and_report_the_median_of_per_round_ratios(monkeypatch, tmp_path, capsys) -> None:
+    """Each round's systems against that round's TRL; the ratio printed is the median over rounds.
+    The first run warm-starts the model every later run (TRL's too) starts from."""
+    steps = {("round0", "sync"): 2.0, ("round0", "trl"): 4.0,   # 0.5
+             ("round1", "trl"): 2.0, ("round1", "sync"): 1.6,   # 0.8
+             ("round2", "sync"): 3.0, ("round2", "trl"): 5.0}   # 0.6
+    calls = []
+
+    def fake_train(config, out, overrides):
+        calls.append((out.parent.name, out.name, [o for o in overrides if o.startswith(("sft.", "learner.model"))]))
+        (out / "sft_model").mkdir(parents=True)
+        rows = [{"step": k, "step_s": s, "reward_mean": 0.5} for k, s in enumerate([9.0, steps[out.parent.name, "sync"]])]
+        (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        return {}
+
+    def fake_trl(config, overrides, model, num_steps, out):
+        calls.append((out.parent.name, out.name, [str(model)]))
+        return {"step_s": [9.0, steps[out.parent.name, "trl"]], "reward_mean": [0.25, 0.5]}
+
+    monkeypatch.setattr(peers, "_train", fake_train)
+    monkeypatch.setattr(peers, "run_trl", fake_trl)
+    assert peers.main(["--config", QUICKSTART, "--systems", "sync", "trl", "--rounds", "3", "--steps", "2",
+                       "--out", str(tmp_path)]) == 0
+    model = str(tmp_path / "round0" / "sync" / "sft_model")
+    assert calls == [("round0", "sync", []), ("round0", "trl", [model]),  # the config's own SFT first
+                     ("round1", "trl", [model]), ("round1", "sync", [f"learner.model.hf_checkpoint={model}", "sft.num_steps=0"]),
+                     ("round2", "sync", [f"learner.model.hf_checkpoint={model}", "sft.num_steps=0"]), ("round2", "trl", [model])]
+    out = capsys.readouterr().out
+    assert "sync/trl step time: 0.60x (median of 3 rounds: 0.50 0.80 0.60)" in out
+    report = json.loads(out.strip().splitlines()[-1])
+    assert report["sync"]["rounds_step_s"] == [2.0, 1.6, 3.0] and report["sync"]["step_s"] == 2.0

@@ -1,8 +1,11 @@
-"""``megathunder bench schedules``: each workload's added tool and verifier seconds."""
+"""``megathunder bench schedules``: each workload's added tool and verifier seconds, ablations against
+the same sync, and rounds (alternating order, medians of per-round ratios)."""
 
 from __future__ import annotations
 
 import argparse
+import json
+from pathlib import Path
 
 import pytest
 
@@ -28,13 +31,11 @@ def test_ablations_run_thunder_with_one_mechanism_off_against_the_same_sync(monk
         calls.append((out.name, overrides))
         thunder = "schedule.mode=thunder" in overrides
         step = 3.0 if not thunder else (2.5 if "ledger.per_turn_scores=off" in overrides else 2.0)
-        return {"mean_step_s": step, "learner_idle_share": 0.5 if not thunder else 0.1, "max_policy_lag": 0,
-                "reward_last_steps": 0.0}
+        _write_steps(out, [9.0, step, step], 0.5 if not thunder else 0.1)  # the cold first step is left out
+        return {"max_policy_lag": 0, "reward_last_steps": 0.0}
 
     monkeypatch.setattr(schedule_runs, "_train", fake_train)
-    args = argparse.Namespace(tool_latency=0.5, verifier_latency=1.0, slow_verifier_latency=3.0, steps=2,
-                              prompts=2, samples=2, sft_steps=0, overrides=["ledger.per_turn_scores=kv_adjoint"],
-                              schedules=["sync", "thunder"], ablate=["per_turn", "packing"], config="c.yaml")
+    args = _args(ablate=["per_turn", "packing"], overrides=["ledger.per_turn_scores=kv_adjoint"])
     res = schedule_runs.run_workload("tools", args, tmp_path)
     assert [name for name, _ in calls] == ["sync", "thunder", "thunder-no_per_turn", "thunder-no_packing"]
     no_turns = calls[2][1]
@@ -42,3 +43,45 @@ def test_ablations_run_thunder_with_one_mechanism_off_against_the_same_sync(monk
     assert res["sync"]["bound"] == pytest.approx(2.0)  # busy 1.5 s of 3 s: (1.5 + 1.5) / 1.5
     assert res["thunder"]["vs_sync"] == pytest.approx(1.5) and res["thunder"]["of_bound"] == pytest.approx(0.75)
     assert res["thunder-no_per_turn"]["vs_sync"] == pytest.approx(1.2)
+
+
+def _args(**kw) -> argparse.Namespace:
+    base = dict(tool_latency=0.5, verifier_latency=1.0, slow_verifier_latency=3.0, steps=2, prompts=2, samples=2,
+                sft_steps=0, overrides=[], schedules=["sync", "thunder"], ablate=[], config="c.yaml", rounds=1)
+    return argparse.Namespace(**{**base, **kw})
+
+
+def _write_steps(out: Path, steps: list[float], idle: float) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    rows = [{"step": k, "step_s": s, "learner_idle_share": idle} for k, s in enumerate(steps)]
+    (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def test_rounds_alternate_the_order_and_report_the_median_of_per_round_ratios(monkeypatch, tmp_path) -> None:
+    """Round r's thunder is compared with round r's sync; the ratio reported is the median over rounds,
+    not the ratio of median step times. Only the very first run warm-starts (SFT); every later run,
+    in every round, starts from its model."""
+    from megathunder.bench import schedule_runs
+
+    steps = {("round0", "sync"): 3.0, ("round0", "thunder"): 2.0,   # 1.5
+             ("round1", "thunder"): 1.0, ("round1", "sync"): 1.2,   # 1.2 (a faster machine this round)
+             ("round2", "sync"): 2.0, ("round2", "thunder"): 2.5}   # 0.8
+    calls = []
+
+    def fake_train(config, out, overrides):
+        calls.append((out.parent.name, out.name, [o for o in overrides if o.startswith(("sft.", "learner.model"))]))
+        (out / "sft_model").mkdir(parents=True)
+        _write_steps(out, [9.0, steps[out.parent.name, out.name]], 0.5)
+        return {"max_policy_lag": 0, "reward_last_steps": 0.0}
+
+    monkeypatch.setattr(schedule_runs, "_train", fake_train)
+    res = schedule_runs.run_workload("quickstart", _args(rounds=3, sft_steps=5), tmp_path)
+    assert [(r, label) for r, label, _ in calls] == [("round0", "sync"), ("round0", "thunder"), ("round1", "thunder"),
+                                                    ("round1", "sync"), ("round2", "sync"), ("round2", "thunder")]
+    assert calls[0][2] == ["sft.num_steps=5"]
+    warm = [f"learner.model.hf_checkpoint={tmp_path / 'quickstart' / 'round0' / 'sync' / 'sft_model'}", "sft.num_steps=0"]
+    assert all(c[2] == warm for c in calls[1:])
+    assert res["thunder"]["rounds_vs_sync"] == pytest.approx([1.5, 1.2, 0.8])
+    assert res["thunder"]["vs_sync"] == pytest.approx(1.2)  # the ratio of median steps (2.0 / 2.0) would say 1.0
+    assert res["sync"]["step_s"] == 2.0 and res["sync"]["bound"] == pytest.approx(2.0)
+    assert res["thunder"]["of_bound"] == pytest.approx(0.6)  # the median of 0.75, 0.6, 0.4

@@ -36,7 +36,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from megathunder.bench.schedule_runs import ROOT, _train, alternate, median_after_first, positive
+from megathunder.bench.schedule_runs import ROOT, _train, alternate, median_after_first, positive, step_rows
 from megathunder.config import Config, ConfigError, load_config
 from megathunder.config.objective_config import GRPOObjective
 
@@ -91,8 +91,7 @@ def trl_arguments(cfg: Config) -> dict[str, Any]:
 
 
 def _step_times(metrics: Path) -> tuple[list[float], list[float]]:
-    rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
-    rows = [r for r in rows if "step_s" in r]
+    rows = step_rows(metrics)
     return [r["step_s"] for r in rows], [r["reward_mean"] for r in rows]
 
 

@@ -117,10 +117,15 @@ def run_workload(name: str, args, root: Path) -> dict:
     return per_round[0] if rounds == 1 else median_of_rounds(per_round)
 
 
+def step_rows(metrics: Path) -> list[dict]:
+    """A run's ``metrics.jsonl`` rows of optimizer steps (evaluation-only rows left out)."""
+    rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    return [r for r in rows if "step_s" in r]
+
+
 def steady_state(metrics: Path) -> tuple[float, float]:
     """A run's step time and learner idle share, each its median over the steps after the first."""
-    rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
-    rows = [r for r in rows if "step_s" in r]
+    rows = step_rows(metrics)
     return (median_after_first([r["step_s"] for r in rows]),
             median_after_first([r["learner_idle_share"] for r in rows]))
 

@@ -81,8 +81,10 @@ def test_a_stop_request_while_closing_changes_nothing(stop_signals):
     signals.on_stop_now.append(lambda: cancelled.append(True))
     signals._stop_now(signal.SIGTERM, None)
     assert cancelled == [True]
-    signals.closing()
+    signals.closing()  # the callbacks stay registered, as in the trainer's close: none may run now
     assert signal.getsignal(signal.SIGTERM) == signal.SIG_IGN and signal.getsignal(signal.SIGUSR1) == signal.SIG_IGN
-    signals.on_stop_now.clear()
     signals._interrupt(signal.SIGINT, None)  # no exception, no cancel
+    signals._stop_now(signal.SIGTERM, None)  # a SIGTERM already on its way when the handler changed
     assert cancelled == [True] and signals.now.is_set()
+    signals.on_stop_now.clear()
+    signals._stop_now(signal.SIGTERM, None)  # and without callbacks, no StopNow either

@@ -24,6 +24,13 @@ start; the others start from its result. ``--out DIR`` keeps every run directory
 reverse order so that a machine drifting during the invocation favours no schedule; each ratio is
 then the median of its N per-round ratios (each round's runs against that round's sync): on a
 shared machine one invocation's ratio moves by several points from the next one's.
+
+``--paired`` adds one thunder run with ``schedule.paired_sync`` (sync's path at even steps,
+thunder's at odd ones): thunder/sync from the steps of that one run, the median over pairs (step
+2k's sync path against step 2k + 1's thunder path; the first pair left out) of sync's step time
+over thunder's. The two paths then meet the same machine minutes apart at most a step, where
+separate runs meet its drift: on this project's shared 2-core machine two runs of one schedule
+differ by up to 15%, more than the difference being measured on the quickstart.
 """
 
 from __future__ import annotations
@@ -90,6 +97,8 @@ def run_workload(name: str, args, root: Path) -> dict:
     warm = [f"sft.num_steps={args.sft_steps}"]
     runs: list[tuple[str, str, list[str]]] = [(s, s, []) for s in args.schedules]  # (label, schedule, overrides)
     runs += [(f"thunder-no_{a}", "thunder", ABLATIONS[a]) for a in args.ablate]
+    if args.paired:
+        runs.append(("paired", "thunder", ["schedule.paired_sync=true"]))
     rounds = args.rounds
     per_round, first = [], True
     for r in range(rounds):
@@ -102,16 +111,23 @@ def run_workload(name: str, args, root: Path) -> dict:
                 model = out / ("sft_model" if args.sft_steps else "init_model")
                 warm = [f"learner.model.hf_checkpoint={model}"] if model.is_dir() else []
                 warm.append("sft.num_steps=0")
-            step_s, idle = steady_state(out / "metrics.jsonl")
+            if label == "paired":
+                figures = paired(out / "metrics.jsonl")
+                step_s, idle = figures["thunder_step_s"], figures["thunder_idle_share"]
+            else:
+                figures = {}
+                step_s, idle = steady_state(out / "metrics.jsonl")
             results[label] = {
                 "step_s": step_s,
                 "learner_idle_share": idle,
                 "steps_per_hour": 3600.0 / step_s,
                 "max_policy_lag": summary["max_policy_lag"],
                 "reward_last_steps": summary["reward_last_steps"],
+                **figures,
             }
             print(f"  {name:<10} {label:<11} {step_s:7.2f} s/step  idle {idle:5.1%}  "
                   f"{3600 / step_s:7.0f} steps/h  lag {summary['max_policy_lag']}"
+                  + (f"  (thunder's steps; sync's {figures['sync_step_s']:.2f} s/step)" if figures else "")
                   + (f"  (round {r})" if rounds > 1 else ""), flush=True)
         per_round.append(vs_sync(results))
     return per_round[0] if rounds == 1 else median_of_rounds(per_round)
@@ -128,6 +144,25 @@ def steady_state(metrics: Path) -> tuple[float, float]:
     rows = step_rows(metrics)
     return (median_after_first([r["step_s"] for r in rows]),
             median_after_first([r["learner_idle_share"] for r in rows]))
+
+
+def paired(metrics: Path) -> dict[str, float]:
+    """A ``schedule.paired_sync`` run's figures: each path's median step time (and thunder's
+    learner idle share) and ``paired_vs_sync``, the median over pairs of sync's step time over the
+    next step's, thunder's (steps per hour, thunder over sync); the first pair left out, as the
+    first step elsewhere, unless it is the only one."""
+    rows = step_rows(metrics)
+    pairs = [(a, b) for a, b in zip(rows, rows[1:]) if a.get("schedule") == "sync" and b.get("schedule") == "thunder"]
+    if not pairs:
+        raise ValueError(f"{metrics}: no sync step followed by a thunder step (schedule.paired_sync, >= 2 steps)")
+    pairs = pairs[1:] or pairs
+    return {
+        "sync_step_s": statistics.median(a["step_s"] for a, _ in pairs),
+        "thunder_step_s": statistics.median(b["step_s"] for _, b in pairs),
+        "thunder_idle_share": statistics.median(b["learner_idle_share"] for _, b in pairs),
+        "paired_vs_sync": statistics.median(a["step_s"] / b["step_s"] for a, b in pairs),
+        "pairs": len(pairs),
+    }
 
 
 def median_after_first(values: list[float]) -> float:
@@ -164,6 +199,8 @@ def median_of_rounds(per_round: list[dict[str, dict]]) -> dict[str, dict]:
                                else statistics.median(row[key] for row in rows)) for key in rows[0]}
         if "vs_sync" in rows[0]:
             merged[label]["rounds_vs_sync"] = [row["vs_sync"] for row in rows]
+        if "paired_vs_sync" in rows[0]:
+            merged[label]["rounds_paired"] = [row["paired_vs_sync"] for row in rows]
     return merged
 
 
@@ -187,6 +224,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--slow-verifier-latency", type=float, default=3.0, help="per reward on the verifier workload")
     p.add_argument("--ablate", nargs="*", choices=sorted(ABLATIONS), default=[],
                    help="one more thunder run per name, with that mechanism off")
+    p.add_argument("--paired", action="store_true",
+                   help="one more thunder run that takes sync's path at even steps: thunder/sync from one run's steps")
     p.add_argument("--out", default=None, help="keep the runs here (default: a temporary folder)")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="applied to every run")
     args = p.parse_args(argv)
@@ -202,6 +241,12 @@ def main(argv: list[str] | None = None) -> int:
                 each = (f"; median of {len(r['rounds_vs_sync'])} rounds: "
                         + " ".join(f"{x:.2f}" for x in r["rounds_vs_sync"]) if "rounds_vs_sync" in r else "")
                 print(f"{w}: {label}/sync steps per hour = {r['vs_sync']:.2f} ({r['of_bound']:.0%} of B{each})")
+        if "paired" in res:
+            r = res["paired"]
+            print(f"{w}: thunder/sync within one run (paired steps) = {r['paired_vs_sync']:.2f} (sync "
+                  f"{r['sync_step_s']:.3f} s, thunder {r['thunder_step_s']:.3f} s a step; median of {r['pairs']:.0f} pairs"
+                  + (f"; rounds: {' '.join(f'{x:.2f}' for x in r['rounds_paired'])}" if "rounds_paired" in r else "")
+                  + ")")
     print(json.dumps(report))
     return 0
 

@@ -85,6 +85,18 @@ class ScheduleConfig(Strict):
     gradient is closed, so a failed probe stops the run before anything sampled after it is trained
     on. The step's records are written then. Not at the run's last step, nor before an evaluation,
     a checkpoint or a chaos fault of the step: those run after the whole probe, as without it."""
+    paired_sync: bool = False
+    """thunder only: the even optimizer steps take sync's path (the whole batch, then its gradient)
+    and the odd ones thunder's; each step's metrics row names its path (``schedule``). Both give
+    the same update, so the run trains as either would; only the timing differs, and here it is
+    measured step against step in one run, where a shared machine's drift moves two separate runs
+    apart by more than the difference (``megathunder bench schedules --paired``)."""
+
+    @model_validator(mode="after")
+    def _check(self) -> ScheduleConfig:
+        if self.paired_sync and self.mode != "thunder":
+            raise ValueError(f"paired_sync: alternates thunder's steps with sync's; needs mode thunder (not {self.mode})")
+        return self
 
 
 class SftConfig(Strict):

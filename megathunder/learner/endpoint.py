@@ -9,10 +9,11 @@ One thunder trajectory, from its reward to the weight push (GRPO; every call bel
 learner rank, the owner of the trajectory doing its backward passes)::
 
     agent_loop._finish            emits RolloutEvent("trajectory_finished"), then ("reward")
-    Trainer._on_event             service.submit(LearnerEndpoint.finished, traj)
+    Trainer._on_event             service.submit_event(LearnerEndpoint.finished, traj)   (a burst of
+                                  events goes in one message: LearnerService.flush_events)
       LearnerEndpoint.finished    batch.on_finished(traj)     GRPOBatch: DP owner, reference logprobs
         GradientLedger.on_finished                            streaming/ledger.py: waits for its reward
-    Trainer._on_event             service.submit(LearnerEndpoint.reward, traj_id, reward)
+    Trainer._on_event             service.submit_event(LearnerEndpoint.reward, traj_id, reward)
       LearnerEndpoint.reward      batch.on_reward(traj_id, r)
         GradientLedger.on_reward  backend.backward -> run_schedule -> trajectories_loss  (its gradient)
                                   group complete: slot folded into P with the group's advantages
@@ -52,7 +53,9 @@ class LearnerEndpoint:
     """What a learner rank does for the controller; one instance per rank, called in lockstep."""
 
     WINDOW_CALLS = ("turn", "finished", "reward")
-    """The event calls, whose backward work may be held for ``ready_work`` (``LearnerService.pack_window_s``)."""
+    """The event calls whose backward work may be held for ``ready_work`` (``LearnerService.pack_window_s``)."""
+    EVENT_CALLS = ("add_group", *WINDOW_CALLS)
+    """The calls the rollout's events make, sent in bursts (``LearnerService.submit_event``)."""
 
     def __init__(self, learner: MegatronLearner, checkpoint_dir: Path, teacher: CachedTeacher | None = None) -> None:
         self.learner, self.checkpoint_dir, self.teacher = learner, checkpoint_dir, teacher

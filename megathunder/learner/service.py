@@ -16,6 +16,15 @@ weight gather) then line up on all ranks by construction.
 
 Each call is timed; the spans feed the run's timeline.
 
+Events in bursts. The rollout's events (a trajectory finished, its reward, a turn) come in bursts:
+the sequences of one engine step finish together. ``submit_event`` queues an event call without
+sending it; ``flush_events`` sends every event queued since the last flush as one message (the
+trainer flushes once per turn of its event loop, and any other call or message flushes first, so
+calls keep their submission order). The learner thread wakes once and, across ranks, rank 0
+broadcasts once per burst instead of once per event; each event in it still runs as its own call
+(its own span, and more calls queued behind it but the last), so what the learner computes and
+holds is what the same events sent one by one, all queued at once, would give.
+
 Ready work. Rank 0 tells every rank, with each call, whether more calls were already queued behind
 it when it started (``more_queued``, set on the endpoint before the call). An endpoint with a
 ``ready_work`` method has it run after each call that had none queued behind it: the learner is
@@ -69,6 +78,7 @@ E = TypeVar("E")  # the endpoint: LearnerEndpoint in training
 P = ParamSpec("P")
 R = TypeVar("R")
 _STOP = "__stop__"
+_EVENTS = "__events__"  # event calls sent together (``flush_events``): [(method, args), ...]
 _FAULT = "__chaos_fault__"
 FAULT_SIGNALS = {"kill_learner": signal.SIGKILL, "hang_learner": signal.SIGSTOP}
 GENERATING_POLL_S = 0.005
@@ -121,8 +131,10 @@ class LearnerService(Generic[E]):
         self._lock = threading.Lock()
         self._submitted = threading.Condition(self._lock)  # notified on each submit (``pack_window_s``)
         self._window_calls: frozenset[str] = frozenset(getattr(self.endpoint, "WINDOW_CALLS", ()))
+        self._event_calls: frozenset[str] = frozenset(getattr(self.endpoint, "EVENT_CALLS", ()))
         self._queued: set[concurrent.futures.Future] = set()
         self._num_submitted = self._num_started = 0  # calls, for ``more_queued``
+        self._events: list[tuple[str, tuple]] = []  # event calls not sent yet (``submit_event``)
         self._num_wakes = 0  # messages that are not calls (a fault, stop): they end a pack window too
         self._num_calls = 0  # calls executed on this rank: the same index on every rank
         self._in_flight: InFlight | None = None  # rank 0's, read by the watchdog
@@ -140,10 +152,36 @@ class LearnerService(Generic[E]):
     # ------------------------------------------------------------------ controller (rank 0)
 
     def submit(self, method: Callable[Concatenate[E, P], R], *args: P.args, **kwargs: P.kwargs) -> concurrent.futures.Future[R]:
-        """Queue ``method(endpoint, *args, **kwargs)``; it runs after every call submitted before it."""
+        """Queue ``method(endpoint, *args, **kwargs)``; it runs after every call submitted before it
+        (queued events are sent first)."""
+        self.flush_events()
+        return self._enqueue(self._name(method), args, kwargs)
+
+    def submit_event(self, method: Callable[..., None], *args: Any) -> bool:
+        """Queue the event call ``method(endpoint, *args)`` (one of the endpoint's ``EVENT_CALLS``)
+        to be sent with the others queued until ``flush_events`` (module docstring, "Events in
+        bursts"). Returns whether it is the first since the last flush: the caller arranges that
+        flush."""
+        name = self._name(method)
+        if name not in self._event_calls:
+            raise TypeError(f"{name} is not an event call of {type(self.endpoint).__name__} "
+                            f"(its EVENT_CALLS: {sorted(self._event_calls)})")
+        self._events.append((name, args))
+        return len(self._events) == 1
+
+    def flush_events(self) -> None:
+        """Send the event calls queued by ``submit_event`` as one message (nothing when none are)."""
+        if self._events:
+            calls, self._events = self._events, []
+            self._enqueue(_EVENTS, (calls,), {})
+
+    def _name(self, method: Callable) -> str:
         name = method.__name__
         if getattr(type(self.endpoint), name, None) is not method:
             raise TypeError(f"{method!r} is not a method of {type(self.endpoint).__name__}")
+        return name
+
+    def _enqueue(self, name: str, args: tuple, kwargs: dict[str, Any]) -> concurrent.futures.Future:
         with self._lock:
             self._num_submitted += 1
             self._submitted.notify_all()
@@ -160,6 +198,7 @@ class LearnerService(Generic[E]):
         if kind not in FAULT_SIGNALS or not 0 < rank < self.world_size:
             raise ValueError(f"learner fault {kind!r} of rank {rank}: a kind of {sorted(FAULT_SIGNALS)} and a rank "
                              f"in 1..{self.world_size - 1}")
+        self.flush_events()
         self._wake()
         return self._pool.submit(self._run, _FAULT, (kind, rank), {})
 
@@ -212,6 +251,7 @@ class LearnerService(Generic[E]):
     def stop(self, cancel_pending: bool = False) -> None:
         """Stop every rank's service after the calls submitted so far (``cancel_pending``: after
         the call running now; the rest are dropped)."""
+        self.flush_events()
         self._wake()
         if cancel_pending:  # queued calls never reach any rank: the ranks stay in step
             with self._lock:
@@ -250,11 +290,13 @@ class LearnerService(Generic[E]):
             with self._lock:
                 self._num_started += 1
                 more = self._num_submitted > self._num_started  # calls queued behind this one
-                if not more and self.pack_window_s > 0 and method in self._window_calls and self._packing():
+                last = args[0][-1][0] if method == _EVENTS else method  # the others have more queued
+                window = last in self._window_calls
+                if not more and self.pack_window_s > 0 and window and self._packing():
                     more = self._wait_for_next_call()
         if self.world_size == 1:
             return self._execute(method, args, kwargs, more)
-        name = method if is_call else {_STOP: "stop", _FAULT: f"chaos fault {args}"}[method]
+        name = {_STOP: "stop", _FAULT: f"chaos fault {args}", _EVENTS: "events"}.get(method, method)
         self._in_flight = InFlight(self._num_calls + 1, name, time.monotonic(), is_call)
         try:
             self._broadcast((method, args, kwargs, more))
@@ -272,6 +314,11 @@ class LearnerService(Generic[E]):
             self._in_flight = None
 
     def _execute(self, method: str, args: tuple, kwargs: dict[str, Any], more_queued: bool = False) -> Any:
+        if method == _EVENTS:  # each as its own call, all but the last with more queued behind it
+            (calls,) = args
+            for k, (name, call_args) in enumerate(calls):
+                self._execute(name, call_args, {}, more_queued or k + 1 < len(calls))
+            return None
         start = time.monotonic()
         ready_work = getattr(self.endpoint, "ready_work", None)
         self._num_calls += 1
@@ -313,13 +360,23 @@ class LearnerService(Generic[E]):
             self._execute(method, args, kwargs, more)
 
     def forget_spans_before(self, step: int) -> None:
-        """Drop the spans of optimizer steps before ``step`` (the timeline keeps a window)."""
+        """Drop the spans of optimizer steps before ``step`` (the timeline keeps a window). Spans
+        are appended in step order, so they go from the front: no pass over the window each step."""
         with self._lock:
-            self.spans = [s for s in self.spans if s.step >= step]
+            first = 0
+            while first < len(self.spans) and self.spans[first].step < step:
+                first += 1
+            del self.spans[:first]
 
     def busy_seconds(self, since: float, until: float, kinds: set[str] | None = None) -> float:
+        """Seconds of calls (of ``kinds``) inside [since, until]. Spans are appended as calls end, so
+        in order of their ends: the scan goes back from the newest and stops at the first that
+        ended by ``since`` (a run's window of spans is not read each step)."""
+        total = 0.0
         with self._lock:
-            return sum(
-                max(0.0, min(s.end, until) - max(s.start, since))
-                for s in self.spans if kinds is None or s.kind in kinds
-            )
+            for s in reversed(self.spans):
+                if s.end <= since:
+                    break
+                if kinds is None or s.kind in kinds:
+                    total += max(0.0, min(s.end, until) - max(s.start, since))
+        return total

@@ -41,6 +41,11 @@ IM_END = "<|im_end|>"
 TOOL_CALL_OPEN = "<tool_call>"
 TOOL_CALL_CLOSE = "</tool_call>"
 SPECIAL_TOKENS = (IM_START, IM_END, TOOL_CALL_OPEN, TOOL_CALL_CLOSE, "<|endoftext|>")
+MEMO_MAX_TEXT = 1 << 16
+"""``encode_trusted`` remembers the ids of texts up to this many characters (a batch's prompts, the
+template's pieces: the same few texts every step, in every sample of a group)..."""
+MEMO_MAX_CHARS = 1 << 24
+"""... and forgets them all once the texts it holds pass this many characters in all."""
 
 
 @dataclass(frozen=True)
@@ -67,6 +72,8 @@ class ChatCodec(abc.ABC):
         # kinds behave the same (no automatic BOS/EOS, special tokens matched in trusted text).
         self._tok = getattr(tokenizer, "backend_tokenizer", tokenizer)
         self._specials = sorted({s for s in specials if self._tok.token_to_id(s) is not None}, key=len, reverse=True)
+        self._memo: dict[str, tuple[int, ...]] = {}
+        self._memo_chars = 0
 
     @property
     def vocab_size(self) -> int:
@@ -79,7 +86,16 @@ class ChatCodec(abc.ABC):
 
     def encode_trusted(self, text: str) -> list[int]:
         """Encode text whose special-token strings are meant as special tokens (the template)."""
-        return self._tok.encode(text, add_special_tokens=False).ids
+        ids = self._memo.get(text)
+        if ids is None:
+            ids = tuple(self._tok.encode(text, add_special_tokens=False).ids)
+            if len(text) <= MEMO_MAX_TEXT:  # the tokenizer is a pure function of the text
+                if self._memo_chars + len(text) > MEMO_MAX_CHARS:
+                    self._memo.clear()
+                    self._memo_chars = 0
+                self._memo[text] = ids
+                self._memo_chars += len(text)
+        return list(ids)
 
     def encode_literal(self, text: str) -> list[int]:
         """Encode untrusted text: each special-token string in it becomes ordinary tokens."""

@@ -5,9 +5,9 @@ One JSON record per line, each carrying the CRC32 of its own payload:
     {"crc": 1234567, "rec": {"type": "trajectory", "step": 3, "traj_id": 5, ...}}
 
 A line that does not parse or whose CRC does not match is a record torn by a crash mid-write: it
-is reported and skipped when the journal is read. Records are flushed as they are written and the
-file is fsync'ed at each step's end, so after a crash everything up to the last completed step
-is on disk. A step's trajectories count only once its ``step`` record follows them; on resume the
+is reported and skipped when the journal is read. A step's trajectory records are written with its
+``step`` record, in one write, and the file is fsync'ed then, so after a crash everything up to the
+last completed step is on disk. A step's trajectories count only once its ``step`` record follows them; on resume the
 journal is cut back to the steps the checkpoint holds, so a resumed run appends exactly what the
 uninterrupted run would have.
 
@@ -73,20 +73,23 @@ class Journal:
             tmp.write_text("".join(_line(r) for r in kept))
             os.replace(tmp, self.path)
         self._f = open(self.path, "a")
+        self._step_lines: list[str] = []  # the open step's trajectory records, written at ``end_step``
 
     def append(self, rec: dict) -> None:
         with writing(self.path):
-            self._f.write(_line(rec))
+            self._f.write("".join(self._step_lines) + _line(rec))
             self._f.flush()
+        self._step_lines = []
 
     def trajectory(self, step: int, traj: Trajectory, **fields) -> None:
-        self.append({
+        """A trajectory of step ``step``; written with the step's ``end_step`` (or at ``close``)."""
+        self._step_lines.append(_line({
             "type": "trajectory", "step": step, "traj_id": traj.traj_id, "group_id": traj.group_id,
             "tokens": traj.tokens.tolist(), "loss_mask": mask_spans(traj.loss_mask),
             "rollout_logprobs": traj.rollout_logprobs.tolist()
             if traj.rollout_logprobs is not None else None,
             "truncated": traj.truncated, **_routing_fields(traj), **fields,
-        })  # fmt: skip
+        }))  # fmt: skip
 
     def end_step(self, step: int, metrics: dict) -> None:
         self.append({"type": "step", "step": step, "metrics": metrics})
@@ -94,7 +97,14 @@ class Journal:
             os.fsync(self._f.fileno())
 
     def close(self) -> None:
-        close_quietly(self._f)
+        try:
+            if self._step_lines:  # a step that did not end: its records, which do not count
+                self._f.write("".join(self._step_lines))
+        except OSError:
+            pass  # a full disk: what is lost would not have counted
+        finally:
+            self._step_lines = []
+            close_quietly(self._f)
 
 
 def _routing_fields(traj: Trajectory) -> dict:

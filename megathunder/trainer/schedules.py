@@ -2,6 +2,7 @@
 
     sync         rollout(k) ........ | learner(k) | push |
     thunder      rollout(k) + learner(k) streaming  | close, step, push |   (same update as sync)
+                 (``schedule.paired_sync``: sync's path at even steps, to time both in one run)
 
     (sync and thunder: the learner scores push k's probe while batch k + 1 generates, and
      ``settle_probe`` checks it before batch k + 1 is trained on: ``schedule.probe_overlap``)
@@ -52,8 +53,15 @@ async def run_sync(tr: Trainer, steps: Steps) -> None:
 
 
 async def run_thunder(tr: Trainer, steps: Steps) -> None:
+    paired = tr.cfg.schedule.paired_sync  # the even steps take sync's path: both timed in one run
     for step in steps:
         started = time.monotonic()
+        if paired and step % 2 == 0:
+            episodes = await tr.rollout(step)
+            await tr.settle_probe()
+            outcome = await tr.train_at_end(episodes)
+            await tr.finish_step(step, StepRecord(episodes, started, schedule="sync"), outcome)
+            continue
         tr.service.submit(LearnerEndpoint.begin, tr.plan(), True)
         episodes = await tr.rollout(step, stream=True)  # events reach the learner as they happen
         await tr.settle_probe()  # checked before this batch's gradient is closed and applied

@@ -11,9 +11,10 @@ ui.perfetto.dev.
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import matplotlib
 
@@ -53,15 +54,24 @@ class Timeline:
         self.syncs.append((start, end, version))
 
     def keep_from(self, first_step: int) -> None:
-        """Only the spans of steps >= ``first_step`` (version v follows step v - 1)."""
-        self.episodes = [e for e in self.episodes if e["step"] >= first_step]
-        self.syncs = [s for s in self.syncs if s[2] >= first_step]
+        """Only the spans of steps >= ``first_step`` (version v follows step v - 1). Both lists grow
+        in step order, so older entries go from the front."""
+        drop_front(self.episodes, lambda e: e["step"] < first_step)
+        drop_front(self.syncs, lambda s: s[2] < first_step)
 
     def write(self, out: Path, spans: Sequence[Span], rows: Sequence[dict]) -> None:
         """``trace.json`` and ``timeline.png`` of the learner's ``spans`` and these."""
         t0 = min([s.start for s in spans] + [e["start"] for e in self.episodes], default=0.0)
         write_trace(out / "trace.json", spans, self.episodes, self.syncs, t0, self.initial_version)
         _plot(out / "timeline.png", spans, self.episodes, self.syncs, rows, t0, self.initial_version)
+
+
+def drop_front(items: list, old: Callable[[Any], bool]) -> None:
+    """Remove the leading ``items`` that are ``old`` (in place)."""
+    first = 0
+    while first < len(items) and old(items[first]):
+        first += 1
+    del items[:first]
 
 
 def _sync_name(version: int, initial: int | None) -> str:

@@ -66,6 +66,7 @@ class StepRecord:
     episodes: list[Episode]
     started: float  # time.monotonic() when the step's wait for data began
     dropped_stale: int = 0
+    schedule: str | None = None  # the path the step took, when not schedule.mode's (``paired_sync``)
 
 
 @dataclass(frozen=True)
@@ -131,6 +132,7 @@ class Trainer:
                                                    seed=self.cfg.run.seed * 7919 + step, refill=self._refill(step))
         finally:
             self._streaming = False
+            self.service.flush_events()
 
     def _refill(self, step: int) -> Refill | None:
         """DAPO's refill: group N + j on the step's (N + j)-th prompt, announced to a streaming learner."""
@@ -140,7 +142,7 @@ class Trainer:
 
         def announce(group_id: int, traj_ids: list[int]) -> None:
             if self._streaming:
-                self.service.submit(LearnerEndpoint.add_group, group_id, traj_ids)
+                self._stream(LearnerEndpoint.add_group, group_id, traj_ids)
 
         def instance(j: int) -> TaskInstance | None:
             try:
@@ -161,18 +163,25 @@ class Trainer:
 
     def _on_event(self, event: RolloutEvent) -> None:
         if event.kind == "trajectory_finished" and self.chaos.pending:
+            self.service.flush_events()  # a learner fault fires after the events before it, as they happened
             self._finished_in_step[self.version] = self._finished_in_step.get(self.version, 0) + 1
             self.chaos.trajectory_finished(self.version, self._finished_in_step[self.version])
         if not self._streaming:
             return
         if event.kind == "turn_finished" and self._turns_stream:  # its tool call starts now
             p = event.payload
-            self.service.submit(LearnerEndpoint.turn, event.traj_id, p["token_ids"], p["start"], p["end"],
-                                p["logprobs"])
+            self._stream(LearnerEndpoint.turn, event.traj_id, p["token_ids"], p["start"], p["end"], p["logprobs"])
         elif event.kind == "trajectory_finished":
-            self.service.submit(LearnerEndpoint.finished, event.payload["episode"].to_trajectory())
+            self._stream(LearnerEndpoint.finished, event.payload["episode"].to_trajectory())
         elif event.kind == "reward":
-            self.service.submit(LearnerEndpoint.reward, event.traj_id, trained_reward(event.payload))
+            self._stream(LearnerEndpoint.reward, event.traj_id, trained_reward(event.payload))
+
+    def _stream(self, method, *args) -> None:
+        """An event call for the learner, sent with the other events of this turn of the event loop
+        in one message (``LearnerService.submit_event``): a burst of sequences finishing in one
+        engine step wakes the learner once, not once per event, while the engine still generates."""
+        if self.service.submit_event(method, *args):
+            asyncio.get_running_loop().call_soon(self.service.flush_events)
 
     def plan(self) -> BatchPlan:
         """The plan of a batch ``rollout`` makes: group g holds trajectories g * s .. g * s + s - 1."""
@@ -186,10 +195,10 @@ class Trainer:
         plan, trajs, rewards = as_batch(episodes)
         self.service.submit(LearnerEndpoint.begin, plan, False)
         for _, traj in sorted(zip(episodes, trajs), key=lambda p: p[0].finished_at):
-            self.service.submit(LearnerEndpoint.finished, traj)
+            self.service.submit_event(LearnerEndpoint.finished, traj)
         for tid, reward in rewards:
-            self.service.submit(LearnerEndpoint.reward, tid, reward)
-        return await self.service.call(LearnerEndpoint.close)
+            self.service.submit_event(LearnerEndpoint.reward, tid, reward)
+        return await self.service.call(LearnerEndpoint.close)  # sends the events first
 
     async def finish_step(self, step: int, rec: StepRecord, outcome: BatchOutcome, push: bool = True) -> None:
         """After the batch's gradient: the optimizer step, the weight push and probe, then the
@@ -459,7 +468,7 @@ class Trainer:
         wall = self.wall_offset + now - self.t0
         return {
             "step": step,
-            "schedule": self.cfg.schedule.mode,
+            "schedule": rec.schedule or self.cfg.schedule.mode,
             "reward_mean": sum(rewards) / max(len(rewards), 1),
             "num_episodes": len(eps),
             "num_failed": len(eps) - len(rewards),

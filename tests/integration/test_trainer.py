@@ -241,6 +241,23 @@ def test_per_turn_score_gradients_stream_every_trajectory_and_replay_through_syn
     assert update_error(base / "sft_model", tmp_path / "sync", run / "final_model") <= UPDATE_RTOL
 
 
+def test_a_paired_run_alternates_sync_and_thunder_steps_and_trains_as_sync(base, tmp_path):
+    """``schedule.paired_sync``: even steps take sync's path, odd ones thunder's, each named in its
+    metrics row, every one zero-stale; the run's update is sync's (its journal replayed through
+    sync) within UPDATE_RTOL. ``megathunder bench schedules --paired`` reads these rows."""
+    from megathunder.bench.schedule_runs import paired
+
+    run = tmp_path / "run"
+    train(run, "schedule.paired_sync=true", "run.num_steps=3", "eval.every_n_steps=0", *warm(base))
+    r = rows(run)
+    assert [x["schedule"] for x in r] == ["sync", "thunder", "sync"]
+    assert all(x["policy_lag_max"] == 0 and x["probe_gap"] <= 1e-3 for x in r)
+    figures = paired(run / "metrics.jsonl")
+    assert figures["pairs"] == 1 and figures["paired_vs_sync"] == r[0]["step_s"] / r[1]["step_s"]
+    replay(run, tmp_path / "sync", "sync")
+    assert update_error(base / "sft_model", tmp_path / "sync", run / "final_model") <= UPDATE_RTOL
+
+
 def test_a_stale_push_stops_the_run_at_its_trailing_probe_before_the_next_batch_is_trained(base, tmp_path):
     """``schedule.probe_overlap``: vLLM's part of push k's probe runs at once, the learner scores it
     while batch k + 1 generates, and the schedules check it before batch k + 1's gradient is closed.

@@ -1,5 +1,5 @@
 """``megathunder bench schedules``: each workload's added tool and verifier seconds, ablations against
-the same sync, and rounds (alternating order, medians of per-round ratios)."""
+the same sync, rounds (alternating order, medians of per-round ratios), and the paired run."""
 
 from __future__ import annotations
 
@@ -47,7 +47,8 @@ def test_ablations_run_thunder_with_one_mechanism_off_against_the_same_sync(monk
 
 def _args(**kw) -> argparse.Namespace:
     base = dict(tool_latency=0.5, verifier_latency=1.0, slow_verifier_latency=3.0, steps=2, prompts=2, samples=2,
-                sft_steps=0, overrides=[], schedules=["sync", "thunder"], ablate=[], config="c.yaml", rounds=1)
+                sft_steps=0, overrides=[], schedules=["sync", "thunder"], ablate=[], config="c.yaml", rounds=1,
+                paired=False)
     return argparse.Namespace(**{**base, **kw})
 
 
@@ -85,3 +86,34 @@ def test_rounds_alternate_the_order_and_report_the_median_of_per_round_ratios(mo
     assert res["thunder"]["vs_sync"] == pytest.approx(1.2)  # the ratio of median steps (2.0 / 2.0) would say 1.0
     assert res["sync"]["step_s"] == 2.0 and res["sync"]["bound"] == pytest.approx(2.0)
     assert res["thunder"]["of_bound"] == pytest.approx(0.6)  # the median of 0.75, 0.6, 0.4
+
+
+def test_the_paired_run_compares_each_sync_step_with_the_thunder_step_after_it(monkeypatch, tmp_path) -> None:
+    """``--paired``: one more thunder run with ``schedule.paired_sync``; its ratio is the median over
+    (sync step, next thunder step) pairs of sync's time over thunder's, the first pair left out --
+    not the ratio of the two paths' median times -- and the rounds' medians of that."""
+    from megathunder.bench import schedule_runs
+
+    #          cold pair   pairs: 1.5,       1.0,        0.9
+    steps = [9.0, 8.0, 3.0, 2.0, 2.0, 2.0, 1.8, 2.0]
+    calls = []
+
+    def fake_train(config, out, overrides):
+        calls.append((out.name, overrides[-1]))
+        out.mkdir(parents=True)
+        rows = [{"step": k, "step_s": s, "learner_idle_share": 0.5, "schedule": ("sync", "thunder")[k % 2]}
+                for k, s in enumerate(steps)]
+        (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        return {"max_policy_lag": 0, "reward_last_steps": 0.0}
+
+    monkeypatch.setattr(schedule_runs, "_train", fake_train)
+    res = schedule_runs.run_workload("quickstart", _args(schedules=["sync"], paired=True), tmp_path)
+    assert calls == [("sync", "schedule.mode=sync"), ("paired", "schedule.paired_sync=true")]
+    p = res["paired"]
+    assert p["pairs"] == 3 and p["paired_vs_sync"] == pytest.approx(1.0)  # the median of 1.5, 1.0, 0.9
+    assert p["sync_step_s"] == 2.0 and p["thunder_step_s"] == 2.0 and p["step_s"] == 2.0
+    res = schedule_runs.run_workload("quickstart", _args(schedules=["sync"], paired=True, rounds=2), tmp_path / "r")
+    assert res["paired"]["rounds_paired"] == pytest.approx([1.0, 1.0])
+    _write_steps(tmp_path / "plain", [1.0, 1.0], 0.5)  # a run of one path: no pair
+    with pytest.raises(ValueError, match="no sync step followed by a thunder step"):
+        schedule_runs.paired(tmp_path / "plain" / "metrics.jsonl")

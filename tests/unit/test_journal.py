@@ -66,3 +66,19 @@ def test_resume_cuts_back_to_the_checkpointed_steps(tmp_path):
     Journal(path, keep_steps=1).close()
     assert [s for s, _, _ in completed_steps(path)] == [0]
     assert all(r["step"] < 1 for r in read_records(path))
+
+
+def test_a_steps_records_reach_the_file_with_its_step_record(tmp_path):
+    """A step's trajectory records are written with its ``step`` record, in one write (a step counts
+    only once that record is on disk); ``close`` writes an unfinished step's records, which do not
+    count, as they were written before."""
+    path = tmp_path / "journal.jsonl"
+    j = Journal(path)
+    j.trajectory(0, _traj(0, 0), reward=1.0, t_finished=0.0, t_reward=0.1, policy_versions=[0])
+    assert read_records(path) == []
+    j.end_step(0, {"reward_mean": 1.0})
+    assert [r["type"] for r in read_records(path)] == ["trajectory", "step"]
+    j.trajectory(1, _traj(0, 0), reward=0.0, t_finished=0.0, t_reward=0.1, policy_versions=[1])
+    j.close()
+    assert [r["type"] for r in read_records(path)] == ["trajectory", "step", "trajectory"]
+    assert [s for s, _, _ in completed_steps(path)] == [0]

@@ -72,3 +72,18 @@ def test_parse_valid_calls_in_order():
 def test_malformed_calls_become_clear_errors(text, message):
     (call,) = parse_tool_calls(text)
     assert isinstance(call, ToolCallError) and message in call.message
+
+
+def test_trusted_encodings_are_remembered_within_a_bound(monkeypatch):
+    """``encode_trusted`` answers a text it has seen from its memo: the same ids, a fresh list each
+    time (a caller may extend it); the memo forgets everything once it holds MEMO_MAX_CHARS."""
+    from megathunder.rollout import chat
+
+    c = codec()
+    first = c.encode_trusted("What is 2 + 3?")
+    first.append(-1)  # the caller's list, not the memo's
+    again = c.encode_trusted("What is 2 + 3?")
+    assert again == first[:-1] and again == list(c._tok.encode("What is 2 + 3?", add_special_tokens=False).ids)
+    monkeypatch.setattr(chat, "MEMO_MAX_CHARS", 20)
+    c.encode_trusted("a" * 15)  # 14 + 15 > 20: the memo starts again
+    assert set(c._memo) == {"a" * 15}

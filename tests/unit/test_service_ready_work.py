@@ -174,3 +174,74 @@ def test_the_window_ends_at_its_bound_and_only_events_of_a_packing_batch_wait():
             service.submit(method, *args).result(timeout=30)  # would take 60 s if it waited
         finally:
             service.stop()
+
+
+class Evented(Windowed):
+    """An endpoint whose ``event`` calls may also be sent in bursts (``submit_event``)."""
+
+    EVENT_CALLS = ("event",)
+
+
+def test_a_burst_of_events_runs_as_the_same_events_queued_one_by_one_would():
+    """Events queued with ``submit_event`` and sent by ``flush_events`` in one message: each runs
+    as its own call, in order, with more queued behind all but the last, then ``ready_work`` --
+    what the first test sees for the same events submitted one by one behind a running call. Each
+    keeps its own span."""
+    rec = Evented()
+    service = LearnerService(rec)
+    try:
+        first = service.submit(Evented.block)
+        assert rec.started.wait(timeout=30)
+        assert [service.submit_event(Evented.event, k) for k in range(3)] == [True, False, False]
+        assert service._num_submitted == 1  # nothing is sent before the flush
+        service.flush_events()
+        service.flush_events()  # nothing queued: nothing sent
+        last = service.submit(Evented.done)
+        rec.gate.set()
+        for f in (first, last):
+            f.result(timeout=30)
+    finally:
+        service.stop()
+    assert rec.seen == [("block", False), ("ready", False), ("event0", True), ("event1", True), ("event2", True),
+                        ("done", False), ("ready", False)]
+    assert [s.kind for s in service.spans] == ["block", "event", "event", "event", "done"]
+
+
+def test_any_other_call_or_stop_sends_the_queued_events_first():
+    """Calls keep their submission order: a call submitted after events that were not flushed yet
+    runs after them, and stop runs them before it stops."""
+    rec = Evented()
+    service = LearnerService(rec)
+    try:
+        service.submit_event(Evented.event, 0)
+        service.submit(Evented.done).result(timeout=30)
+        service.submit_event(Evented.event, 1)
+    finally:
+        service.stop()
+    assert [name for name, _ in rec.seen if name != "ready"] == ["event0", "done", "event1"]
+
+
+def test_only_event_calls_may_be_sent_in_bursts():
+    service = LearnerService(Evented())
+    try:
+        with pytest.raises(TypeError, match="not an event call"):
+            service.submit_event(Evented.done)
+    finally:
+        service.stop()
+
+
+def test_a_burst_whose_last_event_finds_nothing_queued_waits_the_window():
+    """The burst's last event is an event call on an idle learner: it waits the pack window like a
+    lone event, and the call that arrives within it (60 s: the test cannot race it) tells it more
+    is queued."""
+    rec = Evented()
+    service = LearnerService(rec, pack_window_s=60.0)
+    try:
+        service.submit_event(Evented.event, 0)
+        service.submit_event(Evented.event, 1)
+        service.flush_events()
+        _started(service, 1)
+        service.submit(Evented.done).result(timeout=30)
+    finally:
+        service.stop()
+    assert rec.seen[:2] == [("event0", True), ("event1", True)]

@@ -182,6 +182,7 @@ class InProcessEngine:
         self._unfinished_update = False  # an update failed or was cancelled: close() sends nothing more
         self._progress = Progress()  # the engine in place's (``_prepare``)
         self._stall_timeout_s = 300.0  # EngineConfig.stall_timeout_s (``_prepare``)
+        self._core_procs: tuple[tuple[int, ...], list] | None = None  # ``_core_processes``: (core pids, processes)
 
     @property
     def _llm(self) -> AsyncLLM:
@@ -384,16 +385,22 @@ class InProcessEngine:
         return [] if manager is None else [proc.pid for proc in manager.processes if proc.pid is not None]
 
     def _core_processes(self) -> list:
-        """The engine core processes and their workers (psutil)."""
+        """The engine core processes and their workers (psutil), found once per set of engine core
+        processes (a restart makes a new one): finding the workers reads every process of the
+        machine, and every weight update asks (``update_weights``)."""
         import psutil
 
+        pids = tuple(self.engine_core_pids())
+        if self._core_procs is not None and self._core_procs[0] == pids:
+            return self._core_procs[1]
         procs = []
-        for pid in self.engine_core_pids():
+        for pid in pids:
             try:
                 core = psutil.Process(pid)
                 procs += [core, *core.children(recursive=True)]  # its workers
             except psutil.NoSuchProcess:
                 pass
+        self._core_procs = (pids, procs)
         return procs
 
     def _core_stopped(self) -> bool:

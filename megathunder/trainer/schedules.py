@@ -44,30 +44,35 @@ class Steps(Protocol):
 
 async def run_sync(tr: Trainer, steps: Steps) -> None:
     for step in steps:
-        started = time.monotonic()
-        episodes = await tr.rollout(step)
-        await tr.settle_probe()  # the last push's probe, scored while this batch generated
-        outcome = await tr.train_at_end(episodes)
-        await tr.finish_step(step, StepRecord(episodes, started), outcome)
+        await sync_step(tr, step)
     await tr.settle_probe()
 
 
 async def run_thunder(tr: Trainer, steps: Steps) -> None:
     paired = tr.cfg.schedule.paired_sync  # the even steps take sync's path: both timed in one run
     for step in steps:
-        started = time.monotonic()
-        if paired and step % 2 == 0:
-            episodes = await tr.rollout(step)
-            await tr.settle_probe()
-            outcome = await tr.train_at_end(episodes)
-            await tr.finish_step(step, StepRecord(episodes, started, schedule="sync"), outcome)
-            continue
-        tr.service.submit(LearnerEndpoint.begin, tr.plan(), True)
-        episodes = await tr.rollout(step, stream=True)  # events reach the learner as they happen
-        await tr.settle_probe()  # checked before this batch's gradient is closed and applied
-        outcome = await tr.service.call(LearnerEndpoint.close)
-        await tr.finish_step(step, StepRecord(episodes, started), outcome)
+        await (sync_step(tr, step, label="sync") if paired and step % 2 == 0 else thunder_step(tr, step))
     await tr.settle_probe()
+
+
+async def sync_step(tr: Trainer, step: int, label: str | None = None) -> None:
+    """One step of sync: the whole batch, then its gradient (``label``: the path's name in the
+    metrics row when the run's schedule is another's)."""
+    started = time.monotonic()
+    episodes = await tr.rollout(step)
+    await tr.settle_probe()  # the last push's probe, scored while this batch generated
+    outcome = await tr.train_at_end(episodes)
+    await tr.finish_step(step, StepRecord(episodes, started, schedule=label), outcome)
+
+
+async def thunder_step(tr: Trainer, step: int) -> None:
+    """One step of thunder: the batch's events reach the learner as they happen."""
+    started = time.monotonic()
+    tr.service.submit(LearnerEndpoint.begin, tr.plan(), True)
+    episodes = await tr.rollout(step, stream=True)
+    await tr.settle_probe()  # checked before this batch's gradient is closed and applied
+    outcome = await tr.service.call(LearnerEndpoint.close)
+    await tr.finish_step(step, StepRecord(episodes, started), outcome)
 
 
 async def run_async(tr: Trainer, steps: Steps) -> None:

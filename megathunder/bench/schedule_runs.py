@@ -30,7 +30,11 @@ thunder's at odd ones): thunder/sync from the steps of that one run, the median 
 2k's sync path against step 2k + 1's thunder path; the first pair left out) of sync's step time
 over thunder's. The two paths then meet the same machine minutes apart at most a step, where
 separate runs meet its drift: on this project's shared 2-core machine two runs of one schedule
-differ by up to 15%, more than the difference being measured on the quickstart.
+differ by up to 15%, more than the difference being measured on the quickstart. The paired run's
+steps are also cut into phases from its ``trace.json`` (``step_phases``: before the first request,
+the rollout, the verifiers after it, the wait for the gradient call, the call) and the report gives
+thunder's time minus sync's in each, the median over the same pairs: where a change to either
+schedule wins or loses, to ~1 ms, when the step times alone move by more than that.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+from collections import defaultdict
 from pathlib import Path
 
 from megathunder.config import SCHEDULE_MODES
@@ -113,6 +118,8 @@ def run_workload(name: str, args, root: Path) -> dict:
                 warm.append("sft.num_steps=0")
             if label == "paired":
                 figures = paired(out / "metrics.jsonl")
+                if (out / "trace.json").is_file():
+                    figures.update(paired_phases(out / "metrics.jsonl", out / "trace.json"))
                 step_s, idle = figures["thunder_step_s"], figures["thunder_idle_share"]
             else:
                 figures = {}
@@ -163,6 +170,67 @@ def paired(metrics: Path) -> dict[str, float]:
         "paired_vs_sync": statistics.median(a["step_s"] / b["step_s"] for a, b in pairs),
         "pairs": len(pairs),
     }
+
+
+PHASES = {  # step_phases' names, as the report prints them
+    "before_requests": "before the first request",
+    "rollout": "rollout",
+    "verifiers_after": "verifiers after it",
+    "to_gradient": "last reward to the gradient call",
+    "gradient": "gradient call",
+}
+
+
+def step_phases(trace: Path) -> dict[int, dict[str, float]]:
+    """Each optimizer step of a sync or thunder run, cut into phases (seconds) from its ``trace.json``:
+    ``before_requests`` from the previous step's gradient call (``close``) ending to the step's
+    first request (the previous step's optimizer step, weight push and the probe's vLLM part);
+    ``rollout`` from there to the last episode's end; ``verifiers_after`` to the last verifier's end
+    after that; ``to_gradient`` to the start of the gradient call (sync sends the batch's events
+    then; thunder only the last ones); ``gradient``, the call. They add up to the time between the
+    two steps' gradient calls ending. Steps whose previous call or episodes the trace does not
+    hold (its first, or older than ``run.timeline_steps``) are left out."""
+    events = json.loads(trace.read_text())["traceEvents"]
+    names = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
+    closes: dict[int, tuple[float, float]] = {}
+    episodes: dict[int, list[tuple[float, float]]] = defaultdict(list)
+    verifies: list[tuple[float, float]] = []
+    for e in events:
+        if e.get("ph") != "X":
+            continue
+        where, start, end = names.get(e["pid"]), e["ts"] / 1e6, (e["ts"] + e["dur"]) / 1e6
+        if where == "learner" and e["name"] == "close":
+            closes[e["args"]["step"]] = (start, end)
+        elif where == "rollout" and e["name"] == "generate+tools":
+            episodes[e["args"]["step"]].append((start, end))
+        elif where == "rollout" and e["name"] == "verify":
+            verifies.append((start, end))
+    phases = {}
+    for step, (call_start, call_end) in sorted(closes.items()):
+        if step - 1 not in closes or not episodes.get(step):
+            continue
+        first = min(start for start, _ in episodes[step])
+        last = max(end for _, end in episodes[step])
+        verified = max([last, *(end for start, end in verifies if first <= start < call_start)])
+        phases[step] = {"before_requests": first - closes[step - 1][1], "rollout": last - first,
+                        "verifiers_after": verified - last, "to_gradient": call_start - verified,
+                        "gradient": call_end - call_start}
+    return phases
+
+
+def paired_phases(metrics: Path, trace: Path) -> dict[str, float]:
+    """A ``schedule.paired_sync`` run: per phase (``step_phases``), ``phase_<name>_ms``, the median
+    over the pairs ``paired`` compares (sync step 2k, thunder step 2k + 1; the first left out) of
+    thunder's time in it minus sync's, in milliseconds. Pairs the trace does not cover are left out."""
+    rows = step_rows(metrics)
+    phases = step_phases(trace)
+    pairs = [(a["step"], b["step"]) for a, b in zip(rows, rows[1:])
+             if a.get("schedule") == "sync" and b.get("schedule") == "thunder"][1:]
+    pairs = [(a, b) for a, b in pairs if a in phases and b in phases]
+    if not pairs:
+        return {}
+    return {f"phase_{name}_ms": 1e3 * statistics.median(phases[b][name] - phases[a][name] for a, b in pairs)
+            for name in PHASES}
 
 
 def median_after_first(values: list[float]) -> float:
@@ -247,6 +315,9 @@ def main(argv: list[str] | None = None) -> int:
                   f"{r['sync_step_s']:.3f} s, thunder {r['thunder_step_s']:.3f} s a step; median of {r['pairs']:.0f} pairs"
                   + (f"; rounds: {' '.join(f'{x:.2f}' for x in r['rounds_paired'])}" if "rounds_paired" in r else "")
                   + ")")
+            if f"phase_{next(iter(PHASES))}_ms" in r:
+                print(f"{w}: thunder minus sync per phase (ms, median over pairs): "
+                      + ", ".join(f"{text} {r[f'phase_{name}_ms']:+.1f}" for name, text in PHASES.items()))
     print(json.dumps(report))
     return 0
 

@@ -117,3 +117,74 @@ def test_the_paired_run_compares_each_sync_step_with_the_thunder_step_after_it(m
     _write_steps(tmp_path / "plain", [1.0, 1.0], 0.5)  # a run of one path: no pair
     with pytest.raises(ValueError, match="no sync step followed by a thunder step"):
         schedule_runs.paired(tmp_path / "plain" / "metrics.jsonl")
+
+
+def _trace(path: Path, steps: dict[int, dict[str, float]]) -> None:
+    """A ``trace.json`` with, per step, its episodes, verifiers and gradient call at the given phase
+    lengths (ms), steps back to back: the spans ``step_phases`` reads, in the timeline's format."""
+    events = [{"name": "process_name", "ph": "M", "pid": pid, "args": {"name": name}}
+              for pid, name in ((0, "learner"), (1, "rollout"))]
+
+    def span(pid: int, name: str, start: float, end: float, **args) -> None:
+        events.append({"name": name, "ph": "X", "pid": pid, "tid": 0, "ts": round(start * 1e3),
+                       "dur": round((end - start) * 1e3), "args": args})
+
+    t = 0.0
+    for step, p in steps.items():
+        first = t + p["before_requests"]
+        last = first + p["rollout"]
+        span(1, "generate+tools", first, first + p["rollout"] / 2, step=step, episode=0)  # an early finisher
+        span(1, "verify", first + p["rollout"] / 2, first + p["rollout"] / 2 + 0.1)
+        span(1, "generate+tools", first + 0.2, last, step=step, episode=1)  # the last request starts later
+        span(1, "verify", last, last + p["verifiers_after"])
+        call = last + p["verifiers_after"] + p["to_gradient"]
+        span(0, "close", call, call + p["gradient"], step=step)
+        t = call + p["gradient"]
+    path.write_text(json.dumps({"traceEvents": events}))
+
+
+def test_phases_cut_each_step_between_two_gradient_calls(tmp_path) -> None:
+    """``step_phases``: before the first request, rollout (first request to the last episode's end),
+    the verifiers after it, the wait for the gradient call and the call; the first step has no
+    previous call and is left out; the phases add up to the time between the two calls' ends."""
+    from megathunder.bench.schedule_runs import PHASES, step_phases
+
+    want = {0: dict(before_requests=5.0, rollout=30.0, verifiers_after=0.5, to_gradient=1.5, gradient=20.0),
+            1: dict(before_requests=6.0, rollout=32.0, verifiers_after=0.3, to_gradient=0.5, gradient=21.0)}
+    _trace(tmp_path / "trace.json", want)
+    got = step_phases(tmp_path / "trace.json")
+    assert list(got) == [1] and set(got[1]) == set(PHASES)
+    for name in PHASES:
+        assert got[1][name] * 1e3 == pytest.approx(want[1][name], abs=2e-3)  # the trace's microseconds
+
+
+def test_the_paired_run_reports_thunder_minus_sync_per_phase(monkeypatch, tmp_path, capsys) -> None:
+    """``--paired`` with a trace: per phase the median over the compared pairs (the first left out)
+    of thunder's time minus sync's, in ms -- reported, and the rounds' medians of it."""
+    from megathunder.bench import schedule_runs
+
+    base = dict(before_requests=30.0, rollout=35.0, verifiers_after=0.2, to_gradient=1.2, gradient=27.0)
+    thunder = dict(base, rollout=36.0, to_gradient=0.4)  # 1 ms more rollout, 0.8 less waiting
+    steps = {k: (base if k % 2 == 0 else thunder) for k in range(8)}
+    steps[1] = dict(base, rollout=99.0)  # the first pair, left out
+
+    def fake_train(config, out, overrides):
+        out.mkdir(parents=True)
+        rows = [{"step": k, "step_s": 0.1, "learner_idle_share": 0.5, "schedule": ("sync", "thunder")[k % 2]}
+                for k in steps]
+        (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        _trace(out / "trace.json", steps)
+        return {"max_policy_lag": 0, "reward_last_steps": 0.0}
+
+    monkeypatch.setattr(schedule_runs, "_train", fake_train)
+    res = schedule_runs.run_workload("quickstart", _args(schedules=["sync"], paired=True, rounds=2), tmp_path)
+    p = res["paired"]
+    assert p["phase_rollout_ms"] == pytest.approx(1.0, abs=0.01)
+    assert p["phase_to_gradient_ms"] == pytest.approx(-0.8, abs=0.01)
+    for name in ("before_requests", "verifiers_after", "gradient"):
+        assert p[f"phase_{name}_ms"] == pytest.approx(0.0, abs=0.01)
+    monkeypatch.setattr(schedule_runs, "run_workload", lambda name, args, root: res)
+    schedule_runs.main(["--workloads", "quickstart", "--paired"])
+    assert ("quickstart: thunder minus sync per phase (ms, median over pairs): before the first request +0.0, "
+            "rollout +1.0, verifiers after it +0.0, last reward to the gradient call -0.8, gradient call +0.0"
+            in capsys.readouterr().out)

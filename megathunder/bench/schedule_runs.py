@@ -220,13 +220,14 @@ def step_phases(trace: Path) -> dict[int, dict[str, float]]:
 
 def paired_phases(metrics: Path, trace: Path) -> dict[str, float]:
     """A ``schedule.paired_sync`` run: per phase (``step_phases``), ``phase_<name>_ms``, the median
-    over the pairs ``paired`` compares (sync step 2k, thunder step 2k + 1; the first left out) of
-    thunder's time in it minus sync's, in milliseconds. Pairs the trace does not cover are left out."""
+    over the pairs ``paired`` compares (sync step 2k, thunder step 2k + 1; the first left out unless
+    it is the only one) of thunder's time in it minus sync's, in milliseconds. Pairs the trace does
+    not cover are left out; none left: no figures."""
     rows = step_rows(metrics)
     phases = step_phases(trace)
     pairs = [(a["step"], b["step"]) for a, b in zip(rows, rows[1:])
-             if a.get("schedule") == "sync" and b.get("schedule") == "thunder"][1:]
-    pairs = [(a, b) for a, b in pairs if a in phases and b in phases]
+             if a.get("schedule") == "sync" and b.get("schedule") == "thunder"]
+    pairs = [(a, b) for a, b in pairs[1:] or pairs if a in phases and b in phases]
     if not pairs:
         return {}
     return {f"phase_{name}_ms": 1e3 * statistics.median(phases[b][name] - phases[a][name] for a, b in pairs)

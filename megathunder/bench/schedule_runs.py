@@ -156,13 +156,10 @@ def steady_state(metrics: Path) -> tuple[float, float]:
 def paired(metrics: Path) -> dict[str, float]:
     """A ``schedule.paired_sync`` run's figures: each path's median step time (and thunder's
     learner idle share) and ``paired_vs_sync``, the median over pairs of sync's step time over the
-    next step's, thunder's (steps per hour, thunder over sync); the first pair left out, as the
-    first step elsewhere, unless it is the only one."""
-    rows = step_rows(metrics)
-    pairs = [(a, b) for a, b in zip(rows, rows[1:]) if a.get("schedule") == "sync" and b.get("schedule") == "thunder"]
+    next step's, thunder's (steps per hour, thunder over sync), over ``compared_pairs``."""
+    pairs = compared_pairs(step_rows(metrics))
     if not pairs:
         raise ValueError(f"{metrics}: no sync step followed by a thunder step (schedule.paired_sync, >= 2 steps)")
-    pairs = pairs[1:] or pairs
     return {
         "sync_step_s": statistics.median(a["step_s"] for a, _ in pairs),
         "thunder_step_s": statistics.median(b["step_s"] for _, b in pairs),
@@ -170,6 +167,13 @@ def paired(metrics: Path) -> dict[str, float]:
         "paired_vs_sync": statistics.median(a["step_s"] / b["step_s"] for a, b in pairs),
         "pairs": len(pairs),
     }
+
+
+def compared_pairs(rows: list[dict]) -> list[tuple[dict, dict]]:
+    """The (sync step, next thunder step) row pairs of a paired run that its figures compare: the
+    first left out, as the first step elsewhere, unless it is the only one."""
+    pairs = [(a, b) for a, b in zip(rows, rows[1:]) if a.get("schedule") == "sync" and b.get("schedule") == "thunder"]
+    return pairs[1:] or pairs
 
 
 PHASES = {  # step_phases' names, as the report prints them
@@ -220,14 +224,11 @@ def step_phases(trace: Path) -> dict[int, dict[str, float]]:
 
 def paired_phases(metrics: Path, trace: Path) -> dict[str, float]:
     """A ``schedule.paired_sync`` run: per phase (``step_phases``), ``phase_<name>_ms``, the median
-    over the pairs ``paired`` compares (sync step 2k, thunder step 2k + 1; the first left out unless
-    it is the only one) of thunder's time in it minus sync's, in milliseconds. Pairs the trace does
-    not cover are left out; none left: no figures."""
-    rows = step_rows(metrics)
+    over the pairs ``paired`` compares (``compared_pairs``) of thunder's time in it minus sync's, in
+    milliseconds. Pairs the trace does not cover are left out; none left: no figures."""
     phases = step_phases(trace)
-    pairs = [(a["step"], b["step"]) for a, b in zip(rows, rows[1:])
-             if a.get("schedule") == "sync" and b.get("schedule") == "thunder"]
-    pairs = [(a, b) for a, b in pairs[1:] or pairs if a in phases and b in phases]
+    pairs = [(a["step"], b["step"]) for a, b in compared_pairs(step_rows(metrics))]
+    pairs = [(a, b) for a, b in pairs if a in phases and b in phases]
     if not pairs:
         return {}
     return {f"phase_{name}_ms": 1e3 * statistics.median(phases[b][name] - phases[a][name] for a, b in pairs)

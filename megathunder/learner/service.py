@@ -97,6 +97,15 @@ class Span:
     step: int
 
 
+def drop_front(items: list, old: Callable[[Any], bool]) -> None:
+    """Remove the leading ``items`` that are ``old``, in place: for windows kept in step order (the
+    service's spans, the timeline's episodes and syncs), where older entries are all at the front."""
+    first = 0
+    while first < len(items) and old(items[first]):
+        first += 1
+    del items[:first]
+
+
 @dataclass
 class LearnerService(Generic[E]):
     """Runs ``endpoint``'s methods on a worker thread, on every rank (module docstring)."""
@@ -363,10 +372,7 @@ class LearnerService(Generic[E]):
         """Drop the spans of optimizer steps before ``step`` (the timeline keeps a window). Spans
         are appended in step order, so they go from the front: no pass over the window each step."""
         with self._lock:
-            first = 0
-            while first < len(self.spans) and self.spans[first].step < step:
-                first += 1
-            del self.spans[:first]
+            drop_front(self.spans, lambda s: s.step < step)
 
     def busy_seconds(self, since: float, until: float, kinds: set[str] | None = None) -> float:
         """Seconds of calls (of ``kinds``) inside [since, until]. Spans are appended as calls end, so

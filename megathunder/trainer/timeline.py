@@ -11,17 +11,16 @@ ui.perfetto.dev.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from megathunder.learner.service import Span  # noqa: E402
+from megathunder.learner.service import Span, drop_front  # noqa: E402
 from megathunder.rollout.episode import Episode  # noqa: E402
 
 COLOURS = {
@@ -64,14 +63,6 @@ class Timeline:
         t0 = min([s.start for s in spans] + [e["start"] for e in self.episodes], default=0.0)
         write_trace(out / "trace.json", spans, self.episodes, self.syncs, t0, self.initial_version)
         _plot(out / "timeline.png", spans, self.episodes, self.syncs, rows, t0, self.initial_version)
-
-
-def drop_front(items: list, old: Callable[[Any], bool]) -> None:
-    """Remove the leading ``items`` that are ``old`` (in place)."""
-    first = 0
-    while first < len(items) and old(items[first]):
-        first += 1
-    del items[:first]
 
 
 def _sync_name(version: int, initial: int | None) -> str:

@@ -31,3 +31,20 @@ def test_busy_seconds_and_the_trim_equal_a_pass_over_every_span():
         assert service.spans == [s for s in spans if s.step >= 20]
     finally:
         service.stop()
+
+
+def test_the_timeline_keeps_the_steps_of_its_window():
+    """``Timeline.keep_from`` drops the front of its episode and sync lists (``drop_front``, as the
+    service's spans): episodes of earlier steps, syncs of earlier versions (version v follows step
+    v - 1), and nothing once only newer entries are left."""
+    from megathunder.trainer.timeline import Timeline
+
+    timeline = Timeline(episodes=[{"step": s} for s in (0, 0, 1, 2, 2, 3)],
+                        syncs=[(float(v), v + 0.5, v) for v in range(5)])
+    timeline.keep_from(2)
+    assert [e["step"] for e in timeline.episodes] == [2, 2, 3]
+    assert [s[2] for s in timeline.syncs] == [2, 3, 4]
+    timeline.keep_from(2)
+    assert [e["step"] for e in timeline.episodes] == [2, 2, 3] and len(timeline.syncs) == 3
+    timeline.keep_from(9)
+    assert timeline.episodes == [] and timeline.syncs == []

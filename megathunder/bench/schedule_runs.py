@@ -183,6 +183,9 @@ PHASES = {  # step_phases' names, as the report prints them
     "to_gradient": "last reward to the gradient call",
     "gradient": "gradient call",
 }
+ANSWERS = "answers"
+"""``step_phases``' extra figure, inside ``rollout``: from the first episode's end to the last's --
+the only part of the rollout in which thunder has anything to compute (its arrival window)."""
 
 
 def step_phases(trace: Path) -> dict[int, dict[str, float]]:
@@ -192,8 +195,9 @@ def step_phases(trace: Path) -> dict[int, dict[str, float]]:
     ``rollout`` from there to the last episode's end; ``verifiers_after`` to the last verifier's end
     after that; ``to_gradient`` to the start of the gradient call (sync sends the batch's events
     then; thunder only the last ones); ``gradient``, the call. They add up to the time between the
-    two steps' gradient calls ending. Steps whose previous call or episodes the trace does not
-    hold (its first, or older than ``run.timeline_steps``) are left out."""
+    two steps' gradient calls ending. ``answers`` (ANSWERS, not one of them) is the end of
+    ``rollout`` from the first episode's end. Steps whose previous call or episodes the trace does
+    not hold (its first, or older than ``run.timeline_steps``) are left out."""
     events = json.loads(trace.read_text())["traceEvents"]
     names = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
     closes: dict[int, tuple[float, float]] = {}
@@ -216,7 +220,8 @@ def step_phases(trace: Path) -> dict[int, dict[str, float]]:
         first = min(start for start, _ in episodes[step])
         last = max(end for _, end in episodes[step])
         verified = max([last, *(end for start, end in verifies if first <= start < call_start)])
-        phases[step] = {"before_requests": first - closes[step - 1][1], "rollout": last - first,
+        first_end = min(end for _, end in episodes[step])
+        phases[step] = {"before_requests": first - closes[step - 1][1], "rollout": last - first, ANSWERS: last - first_end,
                         "verifiers_after": verified - last, "to_gradient": call_start - verified,
                         "gradient": call_end - call_start}
     return phases
@@ -225,14 +230,18 @@ def step_phases(trace: Path) -> dict[int, dict[str, float]]:
 def paired_phases(metrics: Path, trace: Path) -> dict[str, float]:
     """A ``schedule.paired_sync`` run: per phase (``step_phases``), ``phase_<name>_ms``, the median
     over the pairs ``paired`` compares (``compared_pairs``) of thunder's time in it minus sync's, in
-    milliseconds. Pairs the trace does not cover are left out; none left: no figures."""
+    milliseconds, and ``sync_<name>_ms``, sync's own time in it over the same pairs (the scale of the
+    differences), ``answers`` too. Pairs the trace does not cover are left out; none left: no figures."""
     phases = step_phases(trace)
     pairs = [(a["step"], b["step"]) for a, b in compared_pairs(step_rows(metrics))]
     pairs = [(a, b) for a, b in pairs if a in phases and b in phases]
     if not pairs:
         return {}
-    return {f"phase_{name}_ms": 1e3 * statistics.median(phases[b][name] - phases[a][name] for a, b in pairs)
-            for name in PHASES}
+    figures = {f"phase_{name}_ms": 1e3 * statistics.median(phases[b][name] - phases[a][name] for a, b in pairs)
+               for name in PHASES}
+    figures.update({f"sync_{name}_ms": 1e3 * statistics.median(phases[a][name] for a, _ in pairs)
+                    for name in (*PHASES, ANSWERS)})
+    return figures
 
 
 def median_after_first(values: list[float]) -> float:
@@ -320,6 +329,11 @@ def main(argv: list[str] | None = None) -> int:
             if f"phase_{next(iter(PHASES))}_ms" in r:
                 print(f"{w}: thunder minus sync per phase (ms, median over pairs): "
                       + ", ".join(f"{text} {r[f'phase_{name}_ms']:+.1f}" for name, text in PHASES.items()))
+            if f"sync_{ANSWERS}_ms" in r:
+                print(f"{w}: sync's own phases (ms, median over the same pairs): "
+                      + ", ".join(f"{text} {r[f'sync_{name}_ms']:.1f}" for name, text in PHASES.items())
+                      + f"; its episodes end within the rollout's last {r[f'sync_{ANSWERS}_ms']:.1f} "
+                      "(the first one's end to the last's: where a trajectory's gradient can overlap it)")
     print(json.dumps(report))
     return 0
 

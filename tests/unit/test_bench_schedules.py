@@ -147,15 +147,16 @@ def test_phases_cut_each_step_between_two_gradient_calls(tmp_path) -> None:
     """``step_phases``: before the first request, rollout (first request to the last episode's end),
     the verifiers after it, the wait for the gradient call and the call; the first step has no
     previous call and is left out; the phases add up to the time between the two calls' ends."""
-    from megathunder.bench.schedule_runs import PHASES, step_phases
+    from megathunder.bench.schedule_runs import ANSWERS, PHASES, step_phases
 
     want = {0: dict(before_requests=5.0, rollout=30.0, verifiers_after=0.5, to_gradient=1.5, gradient=20.0),
             1: dict(before_requests=6.0, rollout=32.0, verifiers_after=0.3, to_gradient=0.5, gradient=21.0)}
     _trace(tmp_path / "trace.json", want)
     got = step_phases(tmp_path / "trace.json")
-    assert list(got) == [1] and set(got[1]) == set(PHASES)
+    assert list(got) == [1] and set(got[1]) == {*PHASES, ANSWERS}
     for name in PHASES:
         assert got[1][name] * 1e3 == pytest.approx(want[1][name], abs=2e-3)  # the trace's microseconds
+    assert got[1][ANSWERS] * 1e3 == pytest.approx(32.0 / 2, abs=2e-3)  # the early finisher ends mid-rollout
 
 
 def test_the_paired_run_reports_thunder_minus_sync_per_phase(monkeypatch, tmp_path, capsys) -> None:
@@ -183,8 +184,14 @@ def test_the_paired_run_reports_thunder_minus_sync_per_phase(monkeypatch, tmp_pa
     assert p["phase_to_gradient_ms"] == pytest.approx(-0.8, abs=0.01)
     for name in ("before_requests", "verifiers_after", "gradient"):
         assert p[f"phase_{name}_ms"] == pytest.approx(0.0, abs=0.01)
+    for name, ms in dict(base, answers=35.0 / 2).items():  # sync's own, over the same pairs
+        assert p[f"sync_{name}_ms"] == pytest.approx(ms, abs=0.01)
     monkeypatch.setattr(schedule_runs, "run_workload", lambda name, args, root: res)
     schedule_runs.main(["--workloads", "quickstart", "--paired"])
+    out = capsys.readouterr().out
     assert ("quickstart: thunder minus sync per phase (ms, median over pairs): before the first request +0.0, "
             "rollout +1.0, verifiers after it +0.0, last reward to the gradient call -0.8, gradient call +0.0"
-            in capsys.readouterr().out)
+            in out)
+    assert ("quickstart: sync's own phases (ms, median over the same pairs): before the first request 30.0, "
+            "rollout 35.0, verifiers after it 0.2, last reward to the gradient call 1.2, gradient call 27.0; its "
+            "episodes end within the rollout's last 17.5" in out)

@@ -184,8 +184,9 @@ PHASES = {  # step_phases' names, as the report prints them
     "gradient": "gradient call",
 }
 ANSWERS = "answers"
-"""``step_phases``' extra figure, inside ``rollout``: from the first episode's end to the last's --
-the only part of the rollout in which thunder has anything to compute (its arrival window)."""
+"""``step_phases``' one figure beside the phases, the end of ``rollout`` from the first episode's
+end to the last's: the arrival window, the only part of the rollout that a finished trajectory's
+gradient can overlap."""
 
 
 def step_phases(trace: Path) -> dict[int, dict[str, float]]:
@@ -195,8 +196,8 @@ def step_phases(trace: Path) -> dict[int, dict[str, float]]:
     ``rollout`` from there to the last episode's end; ``verifiers_after`` to the last verifier's end
     after that; ``to_gradient`` to the start of the gradient call (sync sends the batch's events
     then; thunder only the last ones); ``gradient``, the call. They add up to the time between the
-    two steps' gradient calls ending. ``answers`` (ANSWERS, not one of them) is the end of
-    ``rollout`` from the first episode's end. Steps whose previous call or episodes the trace does
+    two steps' gradient calls ending. Beside them, ``answers`` (``ANSWERS``): the end of ``rollout``
+    from the first episode's end. Steps whose previous call or episodes the trace does
     not hold (its first, or older than ``run.timeline_steps``) are left out."""
     events = json.loads(trace.read_text())["traceEvents"]
     names = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
@@ -218,12 +219,11 @@ def step_phases(trace: Path) -> dict[int, dict[str, float]]:
         if step - 1 not in closes or not episodes.get(step):
             continue
         first = min(start for start, _ in episodes[step])
-        last = max(end for _, end in episodes[step])
+        first_end, last = min(end for _, end in episodes[step]), max(end for _, end in episodes[step])
         verified = max([last, *(end for start, end in verifies if first <= start < call_start)])
-        first_end = min(end for _, end in episodes[step])
-        phases[step] = {"before_requests": first - closes[step - 1][1], "rollout": last - first, ANSWERS: last - first_end,
+        phases[step] = {"before_requests": first - closes[step - 1][1], "rollout": last - first,
                         "verifiers_after": verified - last, "to_gradient": call_start - verified,
-                        "gradient": call_end - call_start}
+                        "gradient": call_end - call_start, ANSWERS: last - first_end}
     return phases
 
 
@@ -333,7 +333,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{w}: sync's own phases (ms, median over the same pairs): "
                       + ", ".join(f"{text} {r[f'sync_{name}_ms']:.1f}" for name, text in PHASES.items())
                       + f"; its episodes end within the rollout's last {r[f'sync_{ANSWERS}_ms']:.1f} "
-                      "(the first one's end to the last's: where a trajectory's gradient can overlap it)")
+                      "(the first one's end to the last's: all a finished trajectory's gradient can overlap)")
     print(json.dumps(report))
     return 0
 

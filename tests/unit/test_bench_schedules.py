@@ -146,7 +146,8 @@ def _trace(path: Path, steps: dict[int, dict[str, float]]) -> None:
 def test_phases_cut_each_step_between_two_gradient_calls(tmp_path) -> None:
     """``step_phases``: before the first request, rollout (first request to the last episode's end),
     the verifiers after it, the wait for the gradient call and the call; the first step has no
-    previous call and is left out; the phases add up to the time between the two calls' ends."""
+    previous call and is left out; the phases add up to the time between the two calls' ends.
+    Beside them the arrival window: the first episode's end to the last's."""
     from megathunder.bench.schedule_runs import ANSWERS, PHASES, step_phases
 
     want = {0: dict(before_requests=5.0, rollout=30.0, verifiers_after=0.5, to_gradient=1.5, gradient=20.0),

@@ -34,7 +34,9 @@ differ by up to 15%, more than the difference being measured on the quickstart. 
 steps are also cut into phases from its ``trace.json`` (``step_phases``: before the first request,
 the rollout, the verifiers after it, the wait for the gradient call, the call) and the report gives
 thunder's time minus sync's in each, the median over the same pairs: where a change to either
-schedule wins or loses, to ~1 ms, when the step times alone move by more than that.
+schedule wins or loses, to ~1 ms, when the step times alone move by more than that. Sync's own time
+in each goes beside them, and its arrival window (the first episode's end to the last's): a split of
+the gradient pass can only win when that window is longer than one learner call's fixed cost.
 """
 
 from __future__ import annotations
@@ -326,10 +328,9 @@ def main(argv: list[str] | None = None) -> int:
                   f"{r['sync_step_s']:.3f} s, thunder {r['thunder_step_s']:.3f} s a step; median of {r['pairs']:.0f} pairs"
                   + (f"; rounds: {' '.join(f'{x:.2f}' for x in r['rounds_paired'])}" if "rounds_paired" in r else "")
                   + ")")
-            if f"phase_{next(iter(PHASES))}_ms" in r:
+            if f"sync_{ANSWERS}_ms" in r:  # the run's trace gave its phases (paired_phases)
                 print(f"{w}: thunder minus sync per phase (ms, median over pairs): "
                       + ", ".join(f"{text} {r[f'phase_{name}_ms']:+.1f}" for name, text in PHASES.items()))
-            if f"sync_{ANSWERS}_ms" in r:
                 print(f"{w}: sync's own phases (ms, median over the same pairs): "
                       + ", ".join(f"{text} {r[f'sync_{name}_ms']:.1f}" for name, text in PHASES.items())
                       + f"; its episodes end within the rollout's last {r[f'sync_{ANSWERS}_ms']:.1f} "

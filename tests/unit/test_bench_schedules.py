@@ -162,7 +162,8 @@ def test_phases_cut_each_step_between_two_gradient_calls(tmp_path) -> None:
 
 def test_the_paired_run_reports_thunder_minus_sync_per_phase(monkeypatch, tmp_path, capsys) -> None:
     """``--paired`` with a trace: per phase the median over the compared pairs (the first left out)
-    of thunder's time minus sync's, in ms -- reported, and the rounds' medians of it."""
+    of thunder's time minus sync's, and sync's own time with its arrival window, in ms -- reported,
+    and the rounds' medians of them."""
     from megathunder.bench import schedule_runs
 
     base = dict(before_requests=30.0, rollout=35.0, verifiers_after=0.2, to_gradient=1.2, gradient=27.0)

@@ -171,7 +171,7 @@ def main(argv: Sequence[str]) -> int:
         "device": torch.cuda.get_device_name() if pgs.device.type == "cuda" else "cpu",
         "dtype": args.dtype, "layer_spec": args.layer_spec, "fp8": args.fp8,
         "num_params": num_params, "tokens_per_step": tokens, "pack_tokens": cfg.pack_tokens,
-        "loss_logits_only": cfg.loss_logits_only, "share_prefixes": learner.backend.share_prefixes,
+        "loss_logits_only": cfg.loss_logits_only, "share_prefixes": learner.forward_backward.options.share_prefixes,
         "step_s": {k: round(v, 4) for k, v in median.items()},
         "ratio_thunder_K0_vs_sync": round(median["thunder_K0"] / median["sync"], 4),
         "ratio_thunder_Kinf_vs_sync": round(median["thunder_Kinf"] / median["sync"], 4),

@@ -368,7 +368,7 @@ class LearnerConfig(Strict):
     """The most tokens of one packed micro-batch: a schedule call over several trajectories (the
     batch-synchronous gradient, a closing group's summed backward, token logprobs, SFT) groups
     them, longest first, into micro-batches of rows x longest padded length <= pack_tokens, one
-    [rows, length] forward each (``megathunder.learner.backend.run_schedule``); a longer
+    [rows, length] forward each (``megathunder.learner.micro_batches.PackedRows``); a longer
     trajectory is a micro-batch alone. 0: one trajectory per micro-batch. Exact either way (the
     loss of a micro-batch is the sum of its trajectories'); it trades per-micro-batch overhead
     (one forward and backward's launches, a pipeline stage hand-off) for activation memory, which

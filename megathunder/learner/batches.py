@@ -37,10 +37,8 @@ import torch
 import torch.distributed as dist
 
 from megathunder.config import ConfigError, DistillObjective, OPDAggregation, RLObjective
-from megathunder.learner.backend import run_schedule
 from megathunder.learner.learner import MegatronLearner
-from megathunder.learner.segment_model import MegatronSegmentModel
-from megathunder.objectives import LossSpec, normaliser, num_loss_tokens, router_loss_weight, trajectories_loss
+from megathunder.objectives import LossSpec, normaliser, num_loss_tokens
 from megathunder.objectives.opd import opd_normaliser
 from megathunder.objectives.ppo import update_plan
 from megathunder.streaming.buffers import GradBuffer
@@ -103,6 +101,7 @@ class Batch(abc.ABC):
         self.learner, self.plan, self.streamed = learner, plan, streamed
         self.owners = Ownership(learner.pgs.dims.data_units, learner.pgs.data_unit)
         self._passes_at_last_reward = 0
+        self._passes_before = learner.forward_backward.num_passes  # the learner's passes before this batch
 
     @abc.abstractmethod
     def passes(self) -> int:
@@ -146,6 +145,11 @@ class Batch(abc.ABC):
 
     def _left_after_last_reward(self) -> int:
         return self.passes() - self._passes_at_last_reward
+
+    def _schedule_passes(self) -> int:
+        """The passes this batch ran through the learner's forward-backward (the ledger's, the
+        batch-synchronous gradients'), from the counts its calls returned."""
+        return self.learner.forward_backward.num_passes - self._passes_before
 
 
 def _ledger(learner: MegatronLearner) -> GradientLedger:
@@ -198,20 +202,17 @@ class GRPOBatch(Batch):
         self.trajs: dict[int, Trajectory] = {}
         self.rewards: dict[int, float | None] = {}
         self.dropped: set[int] = set()  # groups excluded (a failed trajectory)
-        self._num_sync_passes = 0
-        learner.backend.num_backward = 0
         self.turns: ScoreTurns | None = None
         if streamed:
             self.ledger.begin_batch(plan)
             strategy = self.ledger.config.per_turn_scores
             if strategy != "off":
-                seg = MegatronSegmentModel(learner.ddp, learner.pgs, learner.temperature)
-                self.turns = ScoreTurns(self.ledger, seg, learner.backend.live, strategy=strategy,
+                self.turns = ScoreTurns(self.ledger, learner.segments(), learner.gradients.live, strategy=strategy,
                                         max_streams=self.ledger.config.max_turn_streams)
 
     def passes(self) -> int:
         turn_passes = self.turns.stats["backward_calls"] if self.turns is not None else 0
-        return self.learner.backend.num_backward + self._num_sync_passes + turn_passes
+        return self._schedule_passes() + turn_passes  # streamed: the ledger's; at the end: the reward terms'
 
     def on_turn(self, traj_id: int, tokens: list[int], start: int, end: int,
                 logprobs: list[float] | None = None) -> None:
@@ -267,10 +268,9 @@ class GRPOBatch(Batch):
             owner = [self.owners.owner[t] for t in order]
             trajs, rewards = [self.trajs[t] for t in order], _kept_rewards(self.rewards, order)
             if _rl(self.learner).needs_old_logprobs:
-                z, self._num_sync_passes = ppo_gradient(self.learner, trajs, rewards, owner)
+                z, _ = ppo_gradient(self.learner, trajs, rewards, owner)
             else:
-                z, mine = grpo_gradient(self.learner, trajs, rewards, owner)
-                self._num_sync_passes = len(mine)
+                z, _ = grpo_gradient(self.learner, trajs, rewards, owner)
             result = BatchResult(normaliser=z, num_kept_groups=len(self.plan) - len(self.dropped),
                                  num_dropped_groups=len(self.dropped), num_kept_trajectories=len(order),
                                  peak_buffers=1)
@@ -281,13 +281,12 @@ def grpo_gradient(learner: MegatronLearner, batch: Sequence[Trajectory], rewards
                   owner: Sequence[int] | None = None) -> tuple[float, list[int]]:
     """GRPO's batch-synchronous gradient: every reward known; this rank's kept trajectories (all
     when ``owner`` is None) in one schedule call, packed into micro-batches of up to
-    ``learner.pack_tokens`` tokens (``run_schedule``); the unnormalised sum, then
+    ``learner.pack_tokens`` tokens (``megathunder.learner.micro_batches``); the unnormalised sum, then
     one division by Z (the functions the ledger and the plain reference use). Returns Z and the
     indices of this rank's trajectories. Then ``step``."""
     advantages, z = batch_advantages(batch, rewards, _rl(learner))
-    learner.ddp.zero_grad_buffer()
     mine = _reward_terms(learner, batch, advantages, owner)
-    learner.backend.live.div_(z)
+    learner.gradients.live.div_(z)
     return z, mine
 
 
@@ -305,11 +304,10 @@ def ppo_gradient(learner: MegatronLearner, batch: Sequence[Trajectory], rewards:
     for k, chunk in enumerate(update_plan(kept, objective)):
         if k:
             learner.step(advance_schedule=False)
-        learner.ddp.zero_grad_buffer()
         members = set(chunk)
         in_chunk = [a if i in members else None for i, a in enumerate(advantages)]
         passes += len(_reward_terms(learner, batch, in_chunk, owner, old))
-        learner.backend.live.div_(normaliser([num_loss_tokens(batch[i], objective) for i in chunk], objective))
+        learner.gradients.live.div_(normaliser([num_loss_tokens(batch[i], objective) for i in chunk], objective))
     return z, passes
 
 
@@ -329,27 +327,18 @@ def _old_logprobs(learner: MegatronLearner, batch: Sequence[Trajectory],
 
 def _reward_terms(learner: MegatronLearner, batch: Sequence[Trajectory], advantages: Sequence[float | None],
                   owner: Sequence[int] | None, old: Mapping[int, torch.Tensor] | None = None) -> list[int]:
-    """This rank's kept trajectories' unnormalised loss gradients, added to DDP's buffers as the
-    micro-batches of one schedule call (packed, ``learner.pack_tokens``); returns their indices. ``old``: the PPO ratio's old
-    logprobs by batch index (default: the current ones, ratio 1)."""
+    """This rank's kept trajectories' unnormalised loss gradients in DDP's buffers (zeroed first),
+    the micro-batches of one schedule call (the ledger backend's ``backward_sum``); returns their
+    indices. ``old``: the PPO ratio's old logprobs by batch index (default: the current ones, ratio 1)."""
     objective = _rl(learner)
     mine = [i for i, a in enumerate(advantages)
             if a is not None and (owner is None or owner[i] == learner.pgs.data_unit)]
-    if mine:
-        items = [batch[i] for i in mine]
-        reward_free = objective.has_reward_free_terms or learner.router_losses
-        specs = [LossSpec(advantage=advantages[i], reward_free=reward_free) for i in mine]
-        olds = [None if old is None else old[i] for i in mine]
-        with learner.ddp.no_sync():
-            run_schedule(
-                learner.ddp, learner.pgs, items,
-                lambda ks, logp, ent: trajectories_loss(logp, ent, [items[k] for k in ks], [specs[k] for k in ks],
-                                                        objective, [olds[k] for k in ks]),
-                need_entropy=objective.entropy_coef > 0, temperature=learner.temperature,
-                pack_tokens=learner.cfg.pack_tokens, loss_logits_only=learner.cfg.loss_logits_only,
-                share_prefixes=learner.backend.share_prefixes,
-                router_weights=[router_loss_weight(t, s, objective) for t, s in zip(items, specs, strict=True)],
-            )
+    if not mine:
+        learner.gradients.zero_()
+        return mine
+    reward_free = objective.has_reward_free_terms or learner.router_losses
+    specs = [LossSpec(advantage=advantages[i], reward_free=reward_free) for i in mine]
+    learner.backend.backward_sum([batch[i] for i in mine], specs, None if old is None else [old[i] for i in mine])
     return mine
 
 
@@ -416,9 +405,9 @@ def opd_streamer(learner: MegatronLearner, teacher: CachedTeacher, into: GradBuf
     (``backend.zeros()``) each backward pass is moved into instead -- opd_grpo, whose ledger uses
     DDP's buffers as scratch."""
     opd = _distill(learner)
-    learner.ddp.zero_grad_buffer()
-    seg = MegatronSegmentModel(learner.ddp, learner.pgs, learner.temperature)
-    model = seg if into is None else IntoAccumulator(seg, learner.backend.live, into)
+    learner.gradients.zero_()
+    seg = learner.segments()
+    model = seg if into is None else IntoAccumulator(seg, learner.gradients.live, into)
     return TurnStreamer(model, teacher, beta=opd.beta, strategy=opd.strategy, aggregation=opd.aggregation,
                         divergence=opd.divergence, jsd_lam=opd.jsd_lam, max_cached=opd.max_cached_trajectories)
 
@@ -442,8 +431,8 @@ def opd_gradient(learner: MegatronLearner, batch: Sequence[Trajectory], teacher:
         score = teacher.score_log_softmax if gjsd else teacher.score
         items.append((traj.tokens, traj.loss_mask, score(traj.traj_id, traj.tokens, 1)))
         teacher.release(traj.traj_id)
-    learner.ddp.zero_grad_buffer()
-    seg = MegatronSegmentModel(learner.ddp, learner.pgs, learner.temperature)
+    learner.gradients.zero_()
+    seg = learner.segments()
     if gjsd:
         counts, divergence = accumulate_full_trajectory_gjsd(seg, items, opd.beta, opd.jsd_lam)
     else:
@@ -480,19 +469,18 @@ class OPDGRPOBatch(OPDBatch):
     """
 
     def __init__(self, learner: MegatronLearner, teacher: CachedTeacher, plan: BatchPlan, streamed: bool) -> None:
-        self.kl = learner.backend.zeros() if streamed else None
+        self.kl = learner.gradients.zeros() if streamed else None
         super().__init__(learner, teacher, plan, streamed, into=self.kl)
         self.ledger = _ledger(learner)
         self.trajs: dict[int, Trajectory] = {}  # at the end: every trajectory (Z counts them all)
         self.rewards: dict[int, float | None] = {}
-        learner.backend.num_backward = 0
         if streamed:
             self.ledger.begin_batch(plan)
 
     def passes(self) -> int:
         if self.streamer is None:
             return 2 * sum(self.owners.is_mine(t) for t in self.trajs)  # a reward and a KL pass each
-        return self.streamer.stats["backward_calls"] + self.learner.backend.num_backward
+        return self.streamer.stats["backward_calls"] + self._schedule_passes()
 
     def on_finished(self, traj: Trajectory) -> None:
         self.num_trajectories += 1
@@ -545,7 +533,7 @@ class OPDGRPOBatch(OPDBatch):
 def finish_opd_grpo_stream(learner: MegatronLearner, streamer: TurnStreamer, kl: GradBuffer, z: float) -> float:
     """opd_grpo streamed, after ``ledger.close_batch`` (DDP's buffers = P / Z): add the streamed KL
     sum ``kl`` with the same Z, once -- grad = (P + KL) / Z. Returns the mean divergence. Then ``step``."""
-    learner.backend.live.add_(kl, alpha=1.0 / z)
+    learner.gradients.live.add_(kl, alpha=1.0 / z)
     totals = _opd_totals(learner, streamer.finished_counts, streamer.divergence_sum, streamer.aggregation)
     streamer.reset_counts()
     return totals.divergence_mean
@@ -559,12 +547,38 @@ def opd_grpo_gradient(learner: MegatronLearner, batch: Sequence[Trajectory], rew
     tokens or trajectories of the whole batch). Then ``step``."""
     opd = _distill(learner)
     advantages, z = batch_advantages(batch, rewards, _rl(learner))
-    learner.ddp.zero_grad_buffer()
     mine = _reward_terms(learner, batch, advantages, owner)
     items = []
     for traj in (batch[i] for i in mine if batch[i].loss_mask.any()):
         items.append((traj.tokens, traj.loss_mask, teacher.score(traj.traj_id, traj.tokens, 1)))
         teacher.release(traj.traj_id)
-    counts, divergence = accumulate_full_trajectory_opd(MegatronSegmentModel(learner.ddp, learner.pgs, learner.temperature), items, opd.beta)
-    learner.backend.live.div_(z)
+    counts, divergence = accumulate_full_trajectory_opd(learner.segments(), items, opd.beta)
+    learner.gradients.live.div_(z)
     return OPDTotals(z, _opd_totals(learner, counts, divergence, opd.aggregation).divergence_mean)
+
+
+# ---------------------------------------------------------------------- SFT
+
+
+def sft_gradient(learner: MegatronLearner, batch: Sequence[Trajectory]) -> float:
+    """The supervised warm start's gradient: token-mean cross-entropy over ``batch``'s trained
+    targets (``loss_mask``), each DP unit its share of the trajectories (an expert grid may span DP
+    ranks), left in DDP's buffers. Returns this rank's share of the mean loss. Then ``step``.
+
+    One schedule call, one trajectory a row (the demonstrations are trained as they come, no
+    shared prefixes); the cross-entropy only, so MoE router losses weigh 0."""
+    pgs = learner.pgs
+    num_tokens = sum(int(t.loss_mask.sum()) for t in batch)
+    mine = list(batch[pgs.data_unit :: pgs.dims.data_units])
+    learner.gradients.zero_()
+    if not mine:
+        return 0.0
+
+    def loss(_ks: Sequence[int], logp: torch.Tensor, _entropy: torch.Tensor | None) -> torch.Tensor:
+        return -logp.sum() / num_tokens  # logp: at the micro-batch's loss targets
+
+    passes = learner.forward_backward.backward(mine, loss, router_weights=[0.0] * len(mine), share_prefixes=False)
+    if not pgs.is_last_stage:
+        return 0.0
+    total = -sum(float((report["logp"].cpu() * t.loss_mask).sum()) for report, t in zip(passes.reports, mine))
+    return total / max(num_tokens, 1)

@@ -15,7 +15,7 @@ learner rank, the owner of the trajectory doing its backward passes)::
         GradientLedger.on_finished                            streaming/ledger.py: waits for its reward
     Trainer._on_event             service.submit_event(LearnerEndpoint.reward, traj_id, reward)
       LearnerEndpoint.reward      batch.on_reward(traj_id, r)
-        GradientLedger.on_reward  backend.backward -> run_schedule -> trajectories_loss  (its gradient)
+        GradientLedger.on_reward  backend.backward -> ForwardBackward.backward -> trajectories_loss
                                   group complete: slot folded into P with the group's advantages
                                   (more calls queued behind it: the work is held, and the call
                                   that finds the queue empty runs it -- LearnerEndpoint.ready_work,

@@ -7,7 +7,10 @@ gradient ledger on DDP's buffers, and the frozen reference model.
     (megathunder.learner.push)                             # the weight push, stage by stage
 
 A batch (``megathunder.learner.batches``) leaves this rank's share of (1/Z) sum_i grad loss_i in
-DDP's buffers; ``step`` reduces it across data-parallel ranks (a sum) and steps.
+DDP's buffers (``gradients``); ``step`` reduces it across data-parallel ranks (a sum) and steps.
+Every pass over whole trajectories -- the ledger's (``backend``), the batch-synchronous gradients,
+SFT's, the logprobs -- is a call of the one ``forward_backward``
+(``megathunder.learner.forward_backward``), built here with the learner.
 """
 
 from __future__ import annotations
@@ -26,10 +29,12 @@ from megatron.core.optimizer import MegatronOptimizer, OptimizerConfig, get_mega
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from megathunder.config import ConfigError, LearnerConfig, LedgerConfig, ObjectiveConfig, PolicyModelConfig, RLObjective
-from megathunder.learner import hf, shared_prefix
-from megathunder.learner.backend import MegatronBackend, run_schedule
+from megathunder.learner import hf
+from megathunder.learner.backend import MegatronBackend
+from megathunder.learner.forward_backward import ForwardBackward, GradientSpace
 from megathunder.learner.model import build_gpt_model, layer_offset, resolve_model_config
 from megathunder.learner.parallel import ProcessGroups, from_last_stage
+from megathunder.learner.segment_model import MegatronSegmentModel
 from megathunder.objectives import num_loss_tokens
 from megathunder.streaming import GradientLedger
 from megathunder.trajectory import Trajectory
@@ -61,8 +66,9 @@ class MegatronLearner:
         self.temperature = temperature  # rollout.temperature: the policy trained is softmax(z / T), what vLLM samples
         # MoE router losses (learner.moe): reward-free terms of the model's own, carried by the ledger
         self.router_losses = model_cfg.is_moe and cfg.moe.router_losses
-        self.backend = MegatronBackend(ddp, pgs, rl, temperature, cfg.pack_tokens, self.router_losses,
-                                       cfg.loss_logits_only, cfg.share_prefixes and shared_prefix.supported(model))
+        self.gradients = GradientSpace(ddp)  # DDP's buffers, as the batches see them
+        self.forward_backward = ForwardBackward.build(ddp, pgs, cfg, temperature)  # every whole-trajectory pass
+        self.backend = MegatronBackend(self.forward_backward, self.gradients, rl, self.router_losses)
         self.ledger = (GradientLedger(self.backend, rl, ledger_cfg, model_reward_free=self.router_losses)
                        if rl is not None else None)
         self.reference = reference
@@ -143,7 +149,7 @@ class MegatronLearner:
         the step count advance once per batch)."""
         span = self.pgs.dims.expert_span
         if span > 1:  # an expert grid across DP ranks: every unit's gradient is there k times (parallel.py)
-            for grad in self.backend.live.tensors:
+            for grad in self.gradients.live.tensors:
                 grad.mul_(1.0 / span)
         finalize_model_grads([self.ddp], None, pg_collection=self.pgs.collection)
         ok, grad_norm, _ = self.optimizer.step()
@@ -174,15 +180,17 @@ class MegatronLearner:
         offloaded = use_reference and next(model.parameters()).device != self.pgs.device
         if offloaded:
             model.to(self.pgs.device)
-        out = run_schedule(model, self.pgs, list(trajs), lambda ks, logp, ent: logp.sum() * 0,
-                           need_entropy=need_entropy, forward_only=True,
-                           temperature=self.temperature if temperature is None else temperature,
-                           pack_tokens=self.cfg.pack_tokens, share_prefixes=self.backend.share_prefixes)
+        reports = self.forward_backward.forward(trajs, model=model, temperature=temperature, need_entropy=need_entropy)
         if offloaded:
             model.to("cpu")
         if not self.pgs.is_last_stage:
             return None
-        return [d["logp"].cpu() for d in out]
+        return [d["logp"].cpu() for d in reports]
+
+    def segments(self) -> MegatronSegmentModel:
+        """The policy as the per-turn streamer's ``SegmentModel`` (segment forwards on past K/V,
+        backward passes into DDP's buffers): OPD's and GRPO's per-turn passes."""
+        return MegatronSegmentModel(self.ddp, self.pgs, self.temperature)
 
     def fill_ref_logprobs(self, trajs: Sequence[Trajectory]) -> None:
         """Set each trajectory's ``ref_logprobs`` from the frozen reference (every PP stage)."""

@@ -18,7 +18,7 @@ from tqdm import tqdm
 from transformers import AutoTokenizer
 
 from megathunder.config import Config, GRPOObjective
-from megathunder.learner.backend import run_schedule
+from megathunder.learner.batches import sft_gradient
 from megathunder.learner.learner import MegatronLearner
 from megathunder.learner.parallel import ProcessGroups
 from megathunder.learner.safetensors_io import has_weights
@@ -42,26 +42,6 @@ async def demonstrations(cfg: Config, task: Task, codec: ChatCodec, num: int, se
     return [ep.to_trajectory() for ep in episodes]
 
 
-def sft_step(learner: MegatronLearner, batch: list[Trajectory]) -> float:
-    """One optimizer step of token-mean cross-entropy; each DP rank runs its share of ``batch``."""
-    pgs = learner.pgs
-    num_tokens = sum(int(t.loss_mask.sum()) for t in batch)
-    mine = batch[pgs.data_unit :: pgs.dims.data_units]  # DP units (an expert grid may span DP ranks)
-    learner.ddp.zero_grad_buffer()
-    total = 0.0
-    if mine:
-        def loss(_ks, logp, _entropy):  # logp: at the micro-batch's loss targets
-            return -logp.sum() / num_tokens
-
-        with learner.ddp.no_sync():  # the warm start trains the cross-entropy only: MoE router losses weigh 0
-            out = run_schedule(learner.ddp, pgs, mine, loss, need_entropy=False, pack_tokens=learner.cfg.pack_tokens,
-                               router_weights=[0.0] * len(mine), loss_logits_only=learner.cfg.loss_logits_only)
-        if pgs.is_last_stage:
-            total = -sum(float((o["logp"].cpu() * t.loss_mask).sum()) for o, t in zip(out, mine))
-    learner.step()
-    return total / max(num_tokens, 1)  # this rank's share of the mean loss
-
-
 def warm_start(cfg: Config, task: Task, pgs: ProcessGroups, source: Path, out_dir: Path,
                desc: str = "sft warm start") -> Path:
     """Train ``sft.num_steps`` steps on ``task``'s reference solutions from the HF directory
@@ -78,7 +58,8 @@ def warm_start(cfg: Config, task: Task, pgs: ProcessGroups, source: Path, out_di
     show = cfg.run.progress and pgs.rank == 0
     bar = tqdm(range(sft.num_steps), desc=desc, unit="step", disable=not show, mininterval=1.0)
     for step in bar:
-        loss = sft_step(learner, data[step * sft.batch_size : (step + 1) * sft.batch_size])
+        loss = sft_gradient(learner, data[step * sft.batch_size : (step + 1) * sft.batch_size])
+        learner.step()
         bar.set_postfix(loss=f"{loss:.3f}")
     learner.export_hf(out_dir)
     if dist.is_initialized():

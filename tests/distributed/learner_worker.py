@@ -207,11 +207,11 @@ def packing(args) -> None:
 
     out: dict = {"groups": pack_micro_batches([t.tokens.numel() - 1 for t in mine], args.pack),
                  "shared_rows": [row.members for row in shared_rows(mine, args.pack)],
-                 "supported": learner.backend.share_prefixes}
+                 "supported": learner.forward_backward.options.share_prefixes}
+    options = learner.forward_backward.options
     for name, pack, share in (("unpacked", 0, False), ("packed", args.pack, False), ("shared", args.pack, True)):
-        learner.cfg.pack_tokens = learner.backend.pack_tokens = pack
-        learner.cfg.loss_logits_only = learner.backend.loss_logits_only = pack > 0
-        learner.backend.share_prefixes = share
+        learner.forward_backward.options = dataclasses.replace(options, pack_tokens=pack, loss_logits_only=pack > 0,
+                                                               share_prefixes=share)
         if objective.kl_coef > 0:
             learner.fill_ref_logprobs(batch)
         out[f"{name}_logp"] = from_last_stage(pgs, learner.token_logprobs(batch))
@@ -325,7 +325,7 @@ def saved_bytes(args) -> None:
     }, json.loads(args.learner)))
     pgs = init_distributed(cfg)
     learner = MegatronLearner.build(cfg, GRPOObjective(), pgs, LedgerConfig())
-    from megathunder.learner.backend import padded_length
+    from megathunder.learner.micro_batches import padded_length
     from megathunder.learner.logprobs import vocab_parallel_logprobs
 
     seen: dict[int, int] = {}

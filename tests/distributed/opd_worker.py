@@ -21,7 +21,6 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from megathunder.config import LearnerConfig, OPDGRPOObjective, OPDObjective  # noqa: E402
-from megathunder.learner.backend import run_schedule  # noqa: E402
 from megathunder.learner.batches import (  # noqa: E402
     OPDGRPOBatch,
     finish_opd_stream,
@@ -29,6 +28,7 @@ from megathunder.learner.batches import (  # noqa: E402
     opd_gradient,
     opd_streamer,
 )
+from megathunder.learner.forward_backward import ForwardBackward, PassOptions  # noqa: E402
 from megathunder.learner.learner import MegatronLearner  # noqa: E402
 from megathunder.learner.parallel import destroy_distributed, init_distributed  # noqa: E402
 from megathunder.learner.segment_model import MegatronSegmentModel  # noqa: E402
@@ -84,14 +84,12 @@ def opd(args) -> None:
             rows = [teacher.model.log_softmax(teacher.model.forward_segment(full[i][0], None)[0][:-1]) for i in mine]
         accumulate_full_trajectory_gjsd(seg, [(*full[i], r) for i, r in zip(mine, rows, strict=True)], BETA_GJSD, JSD_LAM)
     else:
-        with learner.ddp.no_sync():
-            run_schedule(
-                learner.ddp, pgs, items,
-                lambda ks, logp, _ent: opd_loss(logp, opd_coefficients(  # logp: at the loss targets
-                    logp, torch.cat([teacher_full[items[k].traj_id][items[k].loss_mask] for k in ks]).to(logp),
-                    torch.ones_like(logp, dtype=torch.bool), BETA)),
-                need_entropy=False,
-            )
+        ForwardBackward(learner.ddp, pgs, PassOptions()).backward(  # one trajectory a micro-batch, every logit
+            items,
+            lambda ks, logp, _ent: opd_loss(logp, opd_coefficients(  # logp: at the loss targets
+                logp, torch.cat([teacher_full[items[k].traj_id][items[k].loss_mask] for k in ks]).to(logp),
+                torch.ones_like(logp, dtype=torch.bool), BETA)),
+        )
     learner.backend.live.div_(opd_normaliser([int(m.sum()) for _, m in full], args.aggregation))
     learner.step()
     out["sync_grad"], out["sync"] = full_params(learner, "main_grad"), full_params(learner)

@@ -1,5 +1,5 @@
 """``pack_micro_batches``: the grouping of trajectories into packed micro-batches
-(``learner.pack_tokens``, ``megathunder.learner.backend.run_schedule``) is what its docstring says."""
+(``learner.pack_tokens``, ``megathunder.learner.micro_batches.PackedRows``) is what its docstring says."""
 
 from __future__ import annotations
 
@@ -52,12 +52,12 @@ def test_pack_tokens_is_validated_at_parse_time():
 @pytest.mark.parametrize("seed", range(10))
 def test_a_micro_batchs_inputs_labels_and_loss_targets_are_each_rows_own(seed):
     """The packed micro-batch's tensors, built for all rows at once (``loss_targets``,
-    ``backend._inputs_and_labels`` / ``_at_targets``), equal the per-row definitions exactly: row r
+    ``micro_batches._inputs_and_labels`` / ``to_rows``), equal the per-row definitions exactly: row r
     holds its tokens but the last as inputs and but the first as labels, zeros after; its loss
     targets are ``loss_mask.nonzero()``; values at the targets land at those positions, zeros elsewhere."""
     import torch
 
-    from megathunder.learner.backend import _at_targets, _inputs_and_labels
+    from megathunder.learner.micro_batches import _inputs_and_labels, to_rows
     from megathunder.trajectory import Trajectory, loss_targets
 
     rng = random.Random(seed)
@@ -78,6 +78,6 @@ def test_a_micro_batchs_inputs_labels_and_loss_targets_are_each_rows_own(seed):
     rows = torch.repeat_interleave(torch.arange(len(trajs)), torch.tensor(counts))
     values = torch.randn(sum(counts), dtype=torch.float64)
     parts = values.split(counts)
-    for row, (t, got) in enumerate(zip(trajs, _at_targets(values, rows, torch.cat(at), [t.tokens.numel() - 1 for t in trajs]))):
+    for row, (t, got) in enumerate(zip(trajs, to_rows(values, rows, torch.cat(at), [t.tokens.numel() - 1 for t in trajs]))):
         want = torch.zeros(t.tokens.numel() - 1, dtype=torch.float64).index_put((at[row],), parts[row])
         assert torch.equal(got, want)

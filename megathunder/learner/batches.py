@@ -402,7 +402,7 @@ class OPDBatch(Batch):
 def opd_streamer(learner: MegatronLearner, teacher: CachedTeacher, into: GradBuffer | None = None) -> TurnStreamer:
     """Per-turn OPD on ``learner`` (``objective.strategy``): gradients accumulate, unnormalised, in DDP's
     buffers (zeroed here); ``finish_opd_stream`` divides by Z once. ``into``: a buffer
-    (``backend.zeros()``) each backward pass is moved into instead -- opd_grpo, whose ledger uses
+    (``learner.gradients.zeros()``) each backward pass is moved into instead -- opd_grpo, whose ledger uses
     DDP's buffers as scratch."""
     opd = _distill(learner)
     learner.gradients.zero_()

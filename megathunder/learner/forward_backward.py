@@ -117,12 +117,18 @@ class ForwardBackward:
 
     def __init__(self, ddp: DistributedDataParallel, pgs: ProcessGroups, options: PassOptions) -> None:
         self.ddp, self.pgs, self.options = ddp, pgs, options
-        self.num_passes = 0  # every trajectory's backward pass so far (module docstring: Pass counts)
+        self._num_passes = 0
 
     @classmethod
     def build(cls, ddp: DistributedDataParallel, pgs: ProcessGroups, cfg: LearnerConfig,
               temperature: float) -> ForwardBackward:
         return cls(ddp, pgs, PassOptions.of(cfg, ddp, temperature))
+
+    @property
+    def num_passes(self) -> int:
+        """Every trajectory's backward pass so far: the sum of what ``backward`` returned (module
+        docstring: Pass counts)."""
+        return self._num_passes
 
     def backward(self, trajs: Sequence[Trajectory], loss_fn: LossFn, router_weights: Sequence[float] | None = None,
                  *, need_entropy: bool = False, share_prefixes: bool = True) -> Passes:
@@ -138,7 +144,7 @@ class ForwardBackward:
             reports = self._run(self.ddp, trajs, loss_fn, forward_only=False, need_entropy=need_entropy,
                                 temperature=opts.temperature, router_weights=router_weights,
                                 at_targets=opts.loss_logits_only, share=share_prefixes and opts.share_prefixes)
-        self.num_passes += len(trajs)
+        self._num_passes += len(trajs)
         return Passes(len(trajs), reports)
 
     @torch.no_grad()

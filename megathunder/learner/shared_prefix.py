@@ -14,7 +14,8 @@ with each column's own position (RoPE reads them: every suffix restarts at p; a 
 model's rotary embedding hands each row its positions) and an attention mask: a prefix query sees
 the prefix causally, a suffix query the whole prefix and its own suffix causally, never another
 suffix; pads see only pads (no softmax row is empty) and no real query sees a pad. The output
-layer reads the rows at each trajectory's loss targets (``_LossRows``, as ``learner.loss_logits_only``):
+layer reads the rows at each trajectory's loss targets (``micro_batches.HeadAtTargets``, as
+``learner.loss_logits_only``):
 target t of member i at column c_i(t) = t for t < p, else start_i + (t - p) -- the prefix's last
 column once per member (it predicts each member's first suffix token).
 

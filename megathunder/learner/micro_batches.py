@@ -50,6 +50,12 @@ positions never reaches a loss or a gradient; and the rows the head sees are the
 states. Under sequence parallelism the layer's input is a sequence shard: the hook gathers it first
 and runs the layer without its SP gather for that call, so each rank's input gradient is still the
 TP sum of its own positions (``HeadAtTargets``). Not under context parallelism.
+
+Shared prefixes (``learner.share_prefixes``). A group's trajectories share one row, their common
+prefix (the prompt) forwarded once, each suffix at its own positions under a prefix + own-suffix
+attention mask; the head reads each trajectory's targets through ``HeadAtTargets``
+(``megathunder.learner.shared_prefix`` derives why it is exact). A forward-only call reads the head
+at every target through the same row gather, and hands the loss its loss targets' values.
 """
 
 from __future__ import annotations

@@ -25,34 +25,47 @@ import os
 import shutil
 import sys
 import threading
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
-from tqdm import tqdm
 from transformers import AutoTokenizer
 
 from megathunder import cpu_cores
 from megathunder.config import Config, ConfigError
 from megathunder.learner import cpu_compat
 from megathunder.learner.checkpoint import latest_checkpoint, load_checkpoint
+from megathunder.learner.client import LearnerClient
 from megathunder.learner.endpoint import LearnerEndpoint
 from megathunder.learner.parallel import init_distributed
-from megathunder.learner.service import LearnerService
+from megathunder.learner.service import LearnerRankLost, LearnerService
 from megathunder.learner.teacher import build_teacher
 from megathunder.rollout.chat_template import make_codec
 from megathunder.rollout.engines import start_engine
-from megathunder.rollout.engines.inprocess import InProcessEngine
+from megathunder.rollout.engines.inprocess import EngineRestartError, EngineUpdateError, InProcessEngine
 from megathunder.rollout.engines.transfer import StageSenders
 from megathunder.rollout.tasks import build_task
 from megathunder.rollout.tasks.task import Task
 from megathunder.trainer.chaos import ChaosStop, check_learner_faults
 from megathunder.trainer.interrupt import STOPPED_EARLY, STOPPED_NOW, StopNow, StopSignals
-from megathunder.trainer.schedules import SCHEDULES
+from megathunder.trainer.schedules import SCHEDULES, Schedule
 from megathunder.trainer.setup import barrier, build_learner, build_teacher_model, initial_model
 from megathunder.trainer.summary import print_summary, write_summary
 from megathunder.trainer.trainer import Trainer
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Extras:
+    """What a caller adds to a run without the product code knowing of it (benchmarks, tests):
+    ``schedule`` in place of ``SCHEDULES[schedule.mode]``; ``install(trainer)``, run once the
+    trainer is built, wraps its parts (e.g. the benchmarks' stand-in latencies)."""
+
+    schedule: Schedule | None = None
+    install: Callable[[Trainer], None] | None = None
+
 
 class StepsUntilSignal:
     """``range(start, stop)`` that ends early once ``stop_requested`` is set (checked before each step)."""
@@ -76,10 +89,22 @@ def prepare_run_dir(cfg: Config) -> Path:
     return out
 
 
-def train(cfg: Config) -> int:
+def train_command(cfg: Config, extras: Extras = Extras()) -> int:
+    """``train``, with the failures a run reports in one line (exit 1) instead of a traceback."""
+    from megathunder.diskspace import DiskFullError
+    from megathunder.rollout.engines.server import ServerError
+
+    try:
+        return train(cfg, extras)
+    except (LearnerRankLost, DiskFullError, ServerError, EngineRestartError, EngineUpdateError) as err:
+        print(f"megathunder: {err}", file=sys.stderr, flush=True)
+        return 1
+
+
+def train(cfg: Config, extras: Extras = Extras()) -> int:
     signals = StopSignals()  # every rank: SIGUSR1's default action would kill the process
     try:
-        return _train(cfg, signals)
+        return _train(cfg, signals, extras)
     except ChaosStop as err:  # chaos.faults: a crash, as injected
         print(f"megathunder: {err}", file=sys.stderr, flush=True)
         return STOPPED_NOW
@@ -91,7 +116,7 @@ def train(cfg: Config) -> int:
         raise
 
 
-def _train(cfg: Config, signals: StopSignals) -> int:
+def _train(cfg: Config, signals: StopSignals, extras: Extras) -> int:
     learner_cores, rollout_cores = cfg.learner.cpu_cores, cfg.rollout.engine.cpu_cores
     try:  # on the machine itself (a config may be written elsewhere), before anything starts
         cpu_cores.check_available("learner.cpu_cores", learner_cores)
@@ -140,7 +165,7 @@ def _train(cfg: Config, signals: StopSignals) -> int:
         # rank 0's Megatron work runs on the service's learner thread (its own CUDA->CPU mapping); the
         # controller's torch calls (episodes into trajectories, 160 a step on the quickstart) skip it
         with cpu_compat.suspended():
-            summary = asyncio.run(_control(cfg, task, out, service, model_dir, start, signals))
+            summary = asyncio.run(_control(cfg, task, out, service, model_dir, start, signals, extras))
     finally:
         service.stop(cancel_pending=signals.now.is_set())
         gc.unfreeze()  # the interpreter's last collection then frees the frozen cycles
@@ -175,7 +200,7 @@ def report_status(status: int) -> None:
 
 
 async def _control(cfg: Config, task: Task, out: Path, service: LearnerService[LearnerEndpoint], model_dir: Path,
-                   start: int, signals: StopSignals) -> dict | int | None:
+                   start: int, signals: StopSignals, extras: Extras) -> dict | int | None:
     loop, control = asyncio.get_running_loop(), asyncio.current_task()
     assert control is not None
     signals.on_stop_now.append(lambda: loop.call_soon_threadsafe(control.cancel))
@@ -200,27 +225,28 @@ async def _control(cfg: Config, task: Task, out: Path, service: LearnerService[L
         service.generating = engine.generating  # it generates on the learner's own cores or devices
     trainer = None
     try:
-        trainer = Trainer(cfg, out, service, engine, codec, task, start)
+        trainer = Trainer(cfg, out, LearnerClient(service), engine, codec, task, start)
+        if extras.install is not None:
+            extras.install(trainer)
         await trainer.push_weights()  # the engine samples from exactly the learner's weights
         if cfg.eval.every_n_steps and start == 0:  # the warm-started model, before RL
-            before = await trainer.periodic_eval(-1, force=True)
+            before = await trainer.evaluate(-1, force=True)
             (out / "eval_before.json").write_text(json.dumps(before, indent=2) + "\n")
         steps = StepsUntilSignal(range(start, cfg.run.num_steps), signals.after_step)
         freeze_startup_heap()
-        trainer.bar = tqdm(total=len(steps), desc=f"{cfg.objective.kind}/{cfg.schedule.mode}", unit="step",
-                           disable=not cfg.run.progress, mininterval=1.0)
-        await SCHEDULES[cfg.schedule.mode](trainer, steps)
-        trainer.bar.close()
+        trainer.records.show_progress(len(steps), f"{cfg.objective.kind}/{cfg.schedule.mode}", cfg.run.progress)
+        await (extras.schedule or SCHEDULES[cfg.schedule.mode])(trainer, steps)
+        trainer.records.close_progress()
         if trainer.version < cfg.run.num_steps:  # asked to stop after a step: checkpoint now, resume later
-            path = await service.call(LearnerEndpoint.checkpoint)
+            path = await trainer.learner.checkpoint()
             print(f"megathunder: stopped after step {trainer.version} of {cfg.run.num_steps}; checkpoint {path}; "
                   "the same command resumes from it", file=sys.stderr, flush=True)
             return STOPPED_EARLY
         if steps:
-            await service.call(LearnerEndpoint.checkpoint)
-        await service.call(LearnerEndpoint.export, str(out / "final_model"))  # a HF directory: eval, serve, distill
-        trainer.timeline.write(out, service.spans, trainer.metrics.rows)  # the trace the summary's estimates replay
-        summary = write_summary(out, trainer.metrics.rows)
+            await trainer.learner.checkpoint()
+        await trainer.learner.export(out / "final_model")  # a HF directory: eval, serve, distill
+        trainer.records.timeline.write(out, service.spans, trainer.records.metrics.rows)  # the trace the summary's estimates replay
+        summary = write_summary(out, trainer.records.metrics.rows)
         if (out / "eval_before.json").is_file():
             before = json.loads((out / "eval_before.json").read_text())
             if "eval/pass@1" in before:
@@ -230,10 +256,6 @@ async def _control(cfg: Config, task: Task, out: Path, service: LearnerService[L
     finally:
         signals.closing()  # a stop-now request from here on waits for the close
         if trainer is not None:
-            trainer.abandon_probe()
-            if trainer.bar is not None:
-                trainer.bar.close()
-            trainer.metrics.close()
-            trainer.journal.close()
+            trainer.close()
         await engine.close()
         closed.set()

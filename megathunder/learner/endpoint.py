@@ -53,7 +53,7 @@ class LearnerEndpoint:
     """What a learner rank does for the controller; one instance per rank, called in lockstep."""
 
     WINDOW_CALLS = ("turn", "finished", "reward")
-    """The event calls whose backward work may be held for ``ready_work`` (``LearnerService.pack_window_s``)."""
+    """The event calls whose backward work may be held for ``ready_work`` (``megathunder.learner.pack_window``)."""
     EVENT_CALLS = ("add_group", *WINDOW_CALLS)
     """The calls the rollout's events make, sent in bursts (``LearnerService.submit_event``)."""
 

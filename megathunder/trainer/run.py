@@ -18,7 +18,6 @@ same command resumes from checkpoints/latest. SIGTERM or a second Ctrl-C stops a
 from __future__ import annotations
 
 import asyncio
-import gc
 import json
 import logging
 import os
@@ -32,13 +31,13 @@ from pathlib import Path
 import yaml
 from transformers import AutoTokenizer
 
-from megathunder import cpu_cores
-from megathunder.config import Config, ConfigError
-from megathunder.learner import cpu_compat
+from megathunder.config import Config
+from megathunder.host import HostTuning, freeze_startup_heap
 from megathunder.learner.checkpoint import latest_checkpoint, load_checkpoint
 from megathunder.learner.client import LearnerClient
 from megathunder.learner.endpoint import LearnerEndpoint
 from megathunder.learner.parallel import init_distributed
+from megathunder.learner.pack_window import PackWindow
 from megathunder.learner.service import LearnerRankLost, LearnerService
 from megathunder.learner.teacher import build_teacher
 from megathunder.rollout.chat_template import make_codec
@@ -117,14 +116,7 @@ def train(cfg: Config, extras: Extras = Extras()) -> int:
 
 
 def _train(cfg: Config, signals: StopSignals, extras: Extras) -> int:
-    learner_cores, rollout_cores = cfg.learner.cpu_cores, cfg.rollout.engine.cpu_cores
-    try:  # on the machine itself (a config may be written elsewhere), before anything starts
-        cpu_cores.check_available("learner.cpu_cores", learner_cores)
-        cpu_cores.check_available("rollout.engine.cpu_cores", rollout_cores)
-    except ValueError as err:
-        raise ConfigError(str(err)) from None
-    if learner_cores is not None:
-        learner_cores = cpu_cores.share(learner_cores, *cpu_cores.local_rank())
+    host = HostTuning(cfg)  # on the machine itself (a config may be written elsewhere), before anything starts
     out = prepare_run_dir(cfg)
     pgs = init_distributed(cfg.learner)
     check_learner_faults(cfg.chaos.faults, pgs.world_size)  # every rank: all stop before any work
@@ -154,36 +146,19 @@ def _train(cfg: Config, signals: StopSignals, extras: Extras) -> int:
     watchdog = cfg.learner.watchdog
     service = LearnerService(LearnerEndpoint(learner, ckpt_dir, teacher), pgs.rank, pgs.world_size,
                              heartbeat_timeout_s=watchdog.heartbeat_timeout_s, call_timeout_s=watchdog.call_timeout_s,
-                             pack_window_s=cfg.ledger.pack_window_s, cpu_cores=learner_cores)
+                             window=PackWindow(cfg.ledger.pack_window_s), cpu_cores=host.learner_cores)
     if pgs.rank != 0:
-        cpu_cores.pin_this_thread(learner_cores, threads=True)  # a follower computes on its main thread
-        freeze_startup_heap()
-        service.serve()
-        gc.unfreeze()
+        with host.follower():  # computes on its main thread
+            service.serve()
         return 0
     try:
-        # rank 0's Megatron work runs on the service's learner thread (its own CUDA->CPU mapping); the
-        # controller's torch calls (episodes into trajectories, 160 a step on the quickstart) skip it
-        with cpu_compat.suspended():
-            summary = asyncio.run(_control(cfg, task, out, service, model_dir, start, signals, extras))
+        with host.controller():
+            summary = asyncio.run(_control(cfg, task, out, service, model_dir, start, signals, extras, host))
     finally:
         service.stop(cancel_pending=signals.now.is_set())
-        gc.unfreeze()  # the interpreter's last collection then frees the frozen cycles
     status = STOPPED_EARLY if summary == STOPPED_EARLY else 0 if summary is not None else 1
     report_status(status)
     return status
-
-
-def freeze_startup_heap() -> None:
-    """Move every object alive after start-up (torch, Megatron, vLLM's client, transformers: ~0.8M
-    objects on the quickstart) out of the garbage collector's sight. Its full collections scan
-    them all, 0.3-0.6 s with the GIL held, which stalls the learner thread and the rollout alike:
-    on the quickstart one such pause in a 6-step run made a 0.35 s step 0.9 s (BENCHMARKS.md).
-    Frozen objects are still freed by reference counting; only cycles among them are not -- until
-    ``gc.unfreeze()`` at the run's end, without which triton's bindings (installed with vLLM, imported
-    by torch's dynamo) print "nanobind: leaked ..." for their cycles as the interpreter exits."""
-    gc.collect()
-    gc.freeze()
 
 
 STATUS_FILE_ENV = "MEGATHUNDER_STATUS_FILE"
@@ -200,7 +175,7 @@ def report_status(status: int) -> None:
 
 
 async def _control(cfg: Config, task: Task, out: Path, service: LearnerService[LearnerEndpoint], model_dir: Path,
-                   start: int, signals: StopSignals, extras: Extras) -> dict | int | None:
+                   start: int, signals: StopSignals, extras: Extras, host: HostTuning) -> dict | int | None:
     loop, control = asyncio.get_running_loop(), asyncio.current_task()
     assert control is not None
     signals.on_stop_now.append(lambda: loop.call_soon_threadsafe(control.cancel))
@@ -217,12 +192,10 @@ async def _control(cfg: Config, task: Task, out: Path, service: LearnerService[L
     codec = make_codec(AutoTokenizer.from_pretrained(model_dir), cfg.agent.chat_template, cfg.agent.tool_parser)
     senders = StageSenders(cfg.learner.parallel.pipeline_parallel,  # each stage joins the weight-transfer groups
                            lambda rdv: service.call(LearnerEndpoint.join_weight_transfer, rdv))
-    cpu_cores.pin_this_thread(cfg.rollout.engine.cpu_cores)  # the rollout's side; the engine's processes inherit it
+    host.pin_rollout()
     engine = await start_engine(cfg.rollout.engine, model_dir, log_dir=out / "logs", policy_version=start,
                                 senders=senders)
-    own_cores = cfg.learner.cpu_cores is not None and cfg.rollout.engine.cpu_cores is not None  # disjoint
-    if isinstance(engine, InProcessEngine) and cfg.ledger.hold_while_generating == "in_process" and not own_cores:
-        service.generating = engine.generating  # it generates on the learner's own cores or devices
+    service.window.hold_while(host.generation_hold(engine.generating if isinstance(engine, InProcessEngine) else None))
     trainer = None
     try:
         trainer = Trainer(cfg, out, LearnerClient(service), engine, codec, task, start)

@@ -63,7 +63,9 @@ class MegatronLearner:
         self.router_losses = model_cfg.is_moe and cfg.moe.router_losses
         self.backend = MegatronBackend(ddp, pgs, rl, temperature, cfg.pack_tokens, self.router_losses,
                                        cfg.loss_logits_only, cfg.share_prefixes and shared_prefix.supported(model))
-        self.ledger = (GradientLedger(self.backend, rl, ledger_cfg, model_reward_free=self.router_losses)
+        self.ledger = (GradientLedger(self.backend, rl, ledger_cfg, model_reward_free=self.router_losses,
+                                      dp_group=pgs.dp if pgs.dims.data_units > 1 else None,
+                                      dp_copies=pgs.dims.expert_span)
                        if rl is not None else None)
         self.reference = reference
         self.hf_dir = hf_dir  # the Hugging Face directory the weights came from (tokenizer, config)

@@ -61,10 +61,10 @@ def _tiny(t: TinyModelConfig) -> ModelShape:
     moe = {} if not t.num_experts else dict(
         family="qwen3_moe", num_experts=t.num_experts, moe_router_topk=t.num_experts_per_tok,
         moe_ffn_hidden_size=t.moe_intermediate_size)
-    return ModelShape.of(PolicyModelConfig.model_validate(dict(
-        family="qwen2", vocab_size=TINY_VOCAB, hidden_size=t.hidden_size, ffn_hidden_size=t.intermediate_size,
-        num_layers=t.num_layers, num_attention_heads=t.num_heads, num_query_groups=t.num_kv_heads,
-        tie_word_embeddings=False, **moe)))
+    dense = dict(family="qwen2", vocab_size=TINY_VOCAB, hidden_size=t.hidden_size, ffn_hidden_size=t.intermediate_size,
+                 num_layers=t.num_layers, num_attention_heads=t.num_heads, num_query_groups=t.num_kv_heads,
+                 tie_word_embeddings=False)
+    return ModelShape.of(PolicyModelConfig.model_validate({**dense, **moe}))  # a MoE's family replaces qwen2
 
 
 def host_memory_gb() -> float:

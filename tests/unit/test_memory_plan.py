@@ -280,3 +280,25 @@ def test_pending_buffers_are_planned_within_the_slot_budget():
                                          base + ["ledger.max_pending=null", "ledger.max_group_slots=2"]), H100)
     (line,) = [line for line in rest.lines if line.part == "ledger pending"]
     assert line.host == pending_within_budget(None, 2, 64.0, buffer, 2) * buffer > 0
+
+
+SHIPPED_MODELS = {  # the launch configs' /models/... paths, as the fixtures' shapes
+    "launch/slurm/grpo_128gpu.yaml": ["learner.model.hf_checkpoint=" + qwen("32B")],
+    "launch/slurm/opd_128gpu.yaml": ["learner.model.hf_checkpoint=" + qwen("7B"),
+                                     "objective.teacher.hf_checkpoint=" + qwen("32B")],
+}
+
+
+@pytest.mark.parametrize("config", sorted(str(p.relative_to(REPO)) for p in [*REPO.glob("configs/*.yaml"),
+                                                                              *REPO.glob("launch/slurm/*.yaml")]))
+def test_every_shipped_config_is_planned(config, capsys):
+    """``megathunder plan`` on every config the repository ships (the CPU ones as CPU ranks, the
+    cluster ones at their launch's world with their models' shapes): a table and a feasible plan,
+    never a crash (it was: a TypeError on the tiny MoE of configs/quickstart_moe.yaml)."""
+    cluster = config.startswith("launch/")
+    argv = [str(REPO / config), *SHIPPED_MODELS.get(config, [])]
+    argv += ["--world", "96", "--host-memory-gb", "2048"] if cluster else ["--cpu", "--host-memory-gb", "24"]
+    status = plan_cmd.main(argv)
+    out = capsys.readouterr().out.strip().splitlines()
+    assert status == 0, out[-5:]
+    assert out[0].startswith("layout: world") and json.loads(out[-1])["plan"]["feasible"]

@@ -87,7 +87,8 @@ class LearnerClient:
         """The learner's logprobs of ``tokens[prompt_len:]`` (``LearnerEndpoint.score``)."""
         return await self.service.call(LearnerEndpoint.score, tokens, prompt_len, routed_experts, temperature)
 
-    async def checkpoint(self) -> str:
+    async def checkpoint(self) -> str | None:
+        """A checkpoint of the learner's state; None before its first optimizer step (nothing to save)."""
         return await self.service.call(LearnerEndpoint.checkpoint)
 
     async def export(self, path: Path) -> None:

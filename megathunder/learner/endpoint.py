@@ -144,8 +144,10 @@ class LearnerEndpoint:
         out = self.learner.token_logprobs([traj], temperature=temperature)
         return from_last_stage(self.learner.pgs, None if out is None else out[0][prompt_len - 1 :])
 
-    def checkpoint(self) -> str:
-        return str(save_checkpoint(self.learner, self.checkpoint_dir))
+    def checkpoint(self) -> str | None:
+        """The learner's state under the run's checkpoints/ (None before its first optimizer step)."""
+        path = save_checkpoint(self.learner, self.checkpoint_dir)
+        return None if path is None else str(path)
 
     def export(self, path: str) -> None:
         self.learner.export_hf(path)

@@ -212,7 +212,8 @@ async def _control(cfg: Config, task: Task, out: Path, service: LearnerService[L
         trainer.records.close_progress()
         if trainer.version < cfg.run.num_steps:  # asked to stop after a step: checkpoint now, resume later
             path = await trainer.learner.checkpoint()
-            print(f"megathunder: stopped after step {trainer.version} of {cfg.run.num_steps}; checkpoint {path}; "
+            saved = f"checkpoint {path}" if path else "no checkpoint: no optimizer step taken yet"
+            print(f"megathunder: stopped after step {trainer.version} of {cfg.run.num_steps}; {saved}; "
                   "the same command resumes from it", file=sys.stderr, flush=True)
             return STOPPED_EARLY
         if steps:

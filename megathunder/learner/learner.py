@@ -62,7 +62,7 @@ class MegatronLearner:
         # MoE router losses (learner.moe): reward-free terms of the model's own, carried by the ledger
         self.router_losses = model_cfg.is_moe and cfg.moe.router_losses
         self.backend = MegatronBackend(ddp, pgs, rl, temperature, cfg.pack_tokens, self.router_losses,
-                                       cfg.loss_logits_only, cfg.share_prefixes and shared_prefix.supported(model))
+                                       cfg.loss_logits_only, shared_prefix.resolve(cfg.share_prefixes, model, pgs.rank == 0))
         self.ledger = (GradientLedger(self.backend, rl, ledger_cfg, model_reward_free=self.router_losses,
                                       dp_group=pgs.dp if pgs.dims.data_units > 1 else None,
                                       dp_copies=pgs.dims.expert_span)

@@ -32,8 +32,7 @@ print("\n".join(expand_hostlist(sys.argv[1])))' "$MT_NODELIST")
   fi
   ((${#MT_NODES[@]} > 0)) || mt_die launch "cannot expand node list $MT_NODELIST"
   MT_ROLLOUT_NODES=${MT_ROLLOUT_NODES:-4}
-  MT_TEACHER_NODES=${MT_TEACHER_NODES:-0}  # OPD: teacher servers, on the nodes after the rollout nodes
-  MT_LEARNER_NODES=${MT_LEARNER_NODES:-$((${#MT_NODES[@]} - MT_ROLLOUT_NODES - MT_TEACHER_NODES))}
+  MT_LEARNER_NODES=${MT_LEARNER_NODES:-$((${#MT_NODES[@]} - MT_ROLLOUT_NODES))}
   if ((MT_GPUS_PER_NODE > 0)); then
     MT_ROLLOUT_TP=${MT_ROLLOUT_TP:-8}
     MT_SERVERS_PER_NODE=${MT_SERVERS_PER_NODE:-$((MT_GPUS_PER_NODE / MT_ROLLOUT_TP))}
@@ -53,19 +52,13 @@ print("\n".join(expand_hostlist(sys.argv[1])))' "$MT_NODELIST")
   export MT_PYTHON MT_GPUS_PER_NODE MT_ROLLOUT_TP MT_SERVERS_PER_NODE MT_SERVER_PORT
   export PYTHONUNBUFFERED=1
 
-  if ((MT_TEACHER_NODES > 0)); then
-    ((${#MT_NODES[@]} == MT_ROLLOUT_NODES + MT_TEACHER_NODES + MT_LEARNER_NODES)) || mt_die launch \
-      "the job has ${#MT_NODES[@]} nodes ($MT_NODELIST) but MT_ROLLOUT_NODES + MT_TEACHER_NODES + MT_LEARNER_NODES = $MT_ROLLOUT_NODES + $MT_TEACHER_NODES + $MT_LEARNER_NODES"
-  else
-    ((${#MT_NODES[@]} == MT_ROLLOUT_NODES + MT_LEARNER_NODES)) || mt_die launch \
-      "the job has ${#MT_NODES[@]} nodes ($MT_NODELIST) but MT_ROLLOUT_NODES + MT_LEARNER_NODES = $MT_ROLLOUT_NODES + $MT_LEARNER_NODES"
-  fi
+  ((${#MT_NODES[@]} == MT_ROLLOUT_NODES + MT_LEARNER_NODES)) || mt_die launch \
+    "the job has ${#MT_NODES[@]} nodes ($MT_NODELIST) but MT_ROLLOUT_NODES + MT_LEARNER_NODES = $MT_ROLLOUT_NODES + $MT_LEARNER_NODES"
   ((MT_LEARNER_NODES >= 1)) || mt_die launch "MT_LEARNER_NODES=$MT_LEARNER_NODES: the learner needs a node"
   ((MT_GPUS_PER_NODE == 0 || MT_SERVERS_PER_NODE * MT_ROLLOUT_TP <= MT_GPUS_PER_NODE)) || mt_die launch \
     "MT_SERVERS_PER_NODE x MT_ROLLOUT_TP = $MT_SERVERS_PER_NODE x $MT_ROLLOUT_TP > MT_GPUS_PER_NODE=$MT_GPUS_PER_NODE"
   MT_ROLLOUT_HOSTS=("${MT_NODES[@]:0:MT_ROLLOUT_NODES}")
-  MT_TEACHER_HOSTS=("${MT_NODES[@]:MT_ROLLOUT_NODES:MT_TEACHER_NODES}")
-  MT_LEARNER_HOSTS=("${MT_NODES[@]:MT_ROLLOUT_NODES+MT_TEACHER_NODES}")
+  MT_LEARNER_HOSTS=("${MT_NODES[@]:MT_ROLLOUT_NODES}")
   MT_LEARNER_WORLD=$((MT_LEARNER_NODES * MT_LEARNER_TASKS_PER_NODE))
   MT_LEARNER_NODELIST=$(IFS=,; echo "${MT_LEARNER_HOSTS[*]}")
   mkdir -p "$MT_LOG_DIR"
@@ -114,7 +107,6 @@ mt_plan() {
   else
     mt_log "rollout: ${MT_ROLLOUT_NODES} nodes (${MT_ROLLOUT_HOSTS[*]:-none}), ${MT_SERVERS_PER_NODE} vLLM servers per node, TP ${MT_ROLLOUT_TP} each"
   fi
-  ((MT_TEACHER_NODES == 0)) || mt_log "teacher: ${MT_TEACHER_NODES} nodes (${MT_TEACHER_HOSTS[*]}), ${MT_SERVERS_PER_NODE} vLLM servers per node of ${MT_TEACHER_MODEL:-?}"
   mt_log "learner: ${MT_LEARNER_NODES} nodes (${MT_LEARNER_HOSTS[*]}), ${MT_LEARNER_TASKS_PER_NODE} ranks per node, world ${MT_LEARNER_WORLD}; controller on learner rank 0 (${MT_LEARNER_HOSTS[0]})"
   mt_log "weights: streamed from each pipeline stage over collectives (${MT_OVERRIDE_ARGS[1]#*=}); rendezvous at ${MT_OVERRIDE_ARGS[2]#*=}:${MT_WEIGHT_PORT}"
   mt_log "config: $MT_CONFIG ${MT_OVERRIDES:-}; logs: $MT_LOG_DIR"
@@ -145,7 +137,7 @@ mt_check_plan() {  # [overrides...]: the layout's memory fits the learner nodes,
   mt_log "plan: $(grep -E '^total ' "$MT_LOG_DIR/plan.txt" | head -1 | awk '{print $2" GiB per rank"}'); fits (${MT_LOG_DIR}/plan.txt)"
 }
 
-# ---- vLLM server pools (rollout; teacher for OPD) -----------------------------------------------
+# ---- vLLM server pools (rollout) -----------------------------------------------
 MT_ROLLOUT_PIDS=()         # pid:node:pool of each node's srun task
 declare -A MT_POOL_URLS=() # pool -> space-separated URLs
 

@@ -129,7 +129,7 @@ def test_a_layout_that_does_not_divide_the_learner_world_fails_the_job_naming_it
     assert job.seconds < HEALTH_TIMEOUT_S, job.seconds
 
 
-def test_opd_dry_run_trains_opd_with_the_teacher_and_an_optional_teacher_pool(tmp_path):
+def test_opd_dry_run_trains_opd_with_the_teacher_on_the_learner_ranks(tmp_path):
     env = dict(os.environ, MT_DRY_RUN="1", MT_NODELIST="gpu[01-16]", MT_LOG_DIR=str(tmp_path),
                MT_TEACHER_MODEL="/models/teacher")
     env.pop("SLURM_JOB_NODELIST", None)
@@ -140,20 +140,14 @@ def test_opd_dry_run_trains_opd_with_the_teacher_and_an_optional_teacher_pool(tm
         train = [line for line in out.stdout.splitlines() if "megathunder.cli train" in line]
         return out, train[0] if train else ""
 
-    # default: the teacher runs on the learner ranks (objective.kind: opd in the default config)
     out, train = dry_run()
     assert out.returncode == 0, out.stderr
     assert "learner: 12 nodes (gpu05" in out.stdout and "world 96" in out.stdout
     assert "--job-name=teacher" not in out.stdout
     assert "train launch/slurm/opd_128gpu.yaml" in train and "objective.teacher.hf_checkpoint=/models/teacher" in train
-    # with a vLLM teacher pool on its own nodes, between rollout and learner nodes
-    out, train = dry_run(MT_TEACHER_NODES="2", MT_TEACHER_URLS_KEY="teacher.server_urls")
-    assert out.returncode == 0, out.stderr
-    assert "teacher: 2 nodes (gpu05 gpu06), 1 vLLM servers per node of /models/teacher" in out.stdout
-    assert "learner: 10 nodes (gpu07" in out.stdout and "world 80" in out.stdout
-    teacher = [line for line in out.stdout.splitlines() if "--job-name=teacher" in line]
-    assert len(teacher) == 2 and all("MT_ROLLOUT_MODEL=/models/teacher" in line for line in teacher)
-    assert 'teacher.server_urls=["http://gpu05:8200","http://gpu06:8200"]' in train
+    # no teacher server pool: the trainer has no client for one, so asking for it is refused, not ignored
+    pool, _ = dry_run(MT_TEACHER_NODES="2")
+    assert pool.returncode != 0 and "MT_TEACHER_NODES=2: the teacher runs on the learner ranks" in pool.stdout + pool.stderr
     missing, _ = dry_run(MT_TEACHER_MODEL="")
     assert missing.returncode != 0 and "MT_TEACHER_MODEL" in missing.stderr
 

@@ -23,6 +23,11 @@ mt_settings() {
   read -r -a MT_SRUN_EXTRA <<<"${MT_SRUN_ARGS:-}"  # added to every srun, e.g. Pyxis' --container-image=...
   MT_PYTHON=${MT_PYTHON:-python}
   MT_GPUS_PER_NODE=${MT_GPUS_PER_NODE:-8}   # 0: CPU nodes (the local test cluster)
+  # CPUs per step task, given to every srun: Slurm 22.05-23.02 steps do not inherit the job's
+  # --cpus-per-task (each task would be bound to one CPU); a one-task-per-node step (a rollout
+  # node's servers, the config and plan checks) gets the node's CPUs of the job
+  MT_CPUS_PER_TASK=${MT_CPUS_PER_TASK:-${SLURM_CPUS_PER_TASK:-1}}
+  MT_CPUS_PER_NODE=${MT_CPUS_PER_NODE:-${SLURM_CPUS_ON_NODE:-$MT_CPUS_PER_TASK}}
   MT_NODELIST=${MT_NODELIST:-${SLURM_JOB_NODELIST:?not in a Slurm job: set MT_NODELIST (and MT_DRY_RUN=1)}}
   if [[ "${MT_DRY_RUN:-0}" == 1 ]]; then  # outside Slurm: megathunder's own host-list expansion
     mapfile -t MT_NODES < <($MT_PYTHON -c 'import sys; from megathunder.learner.rendezvous import expand_hostlist
@@ -114,8 +119,8 @@ mt_plan() {
 
 mt_check_config() {  # a bad config is named before any server or rank starts (in the steps' environment)
   local cmd=($MT_PYTHON -m megathunder.cli config "$MT_CONFIG" "${MT_OVERRIDE_ARGS[@]}" "$@")
-  [[ "$MT_DRY_RUN" == 1 ]] || cmd=(srun "${MT_SRUN_EXTRA[@]}" --nodes=1 --ntasks=1 --nodelist="${MT_LEARNER_HOSTS[0]}"
-                                    --job-name=config "${cmd[@]}")
+  [[ "$MT_DRY_RUN" == 1 ]] || cmd=(srun "${MT_SRUN_EXTRA[@]}" --nodes=1 --ntasks=1 --cpus-per-task="$MT_CPUS_PER_TASK"
+                                    --nodelist="${MT_LEARNER_HOSTS[0]}" --job-name=config "${cmd[@]}")
   "${cmd[@]}" >"$MT_LOG_DIR/config.yaml" 2>"$MT_LOG_DIR/config.err" || mt_die config "$(grep -v Warning "$MT_LOG_DIR/config.err")"
 }
 
@@ -125,8 +130,8 @@ mt_check_plan() {  # [overrides...]: the layout's memory fits the learner nodes,
              --ranks-per-node "$MT_LEARNER_TASKS_PER_NODE")
   if ((MT_GPUS_PER_NODE > 0)); then cmd+=(--gpu-memory-gb "${MT_GPU_MEMORY_GB:-80}"); else cmd+=(--cpu); fi
   [[ -n "${MT_HOST_MEMORY_GB:-}" ]] && cmd+=(--host-memory-gb "$MT_HOST_MEMORY_GB")
-  [[ "$MT_DRY_RUN" == 1 ]] || cmd=(srun "${MT_SRUN_EXTRA[@]}" --nodes=1 --ntasks=1 --nodelist="${MT_LEARNER_HOSTS[0]}"
-                                    --job-name=plan "${cmd[@]}")
+  [[ "$MT_DRY_RUN" == 1 ]] || cmd=(srun "${MT_SRUN_EXTRA[@]}" --nodes=1 --ntasks=1 --cpus-per-task="$MT_CPUS_PER_TASK"
+                                    --nodelist="${MT_LEARNER_HOSTS[0]}" --job-name=plan "${cmd[@]}")
   local status=0
   "${cmd[@]}" >"$MT_LOG_DIR/plan.txt" 2>"$MT_LOG_DIR/plan.err" || status=$?
   if ((status == 2)) && [[ "$MT_DRY_RUN" == 1 ]]; then  # a dry run away from the models: nothing to read
@@ -152,7 +157,8 @@ mt_start_servers() {  # POOL HOSTS_ARRAY PORT MODEL(empty: the config's) CONFIG 
     for ((i = 0; i < MT_SERVERS_PER_NODE; i++)); do
       MT_POOL_URLS[$pool]+="http://$addr:$((port + i)) "
     done
-    local cmd=(srun "${MT_SRUN_EXTRA[@]}" "${MT_GPU_ARGS[@]}" --nodes=1 --ntasks=1 --nodelist="$node" --kill-on-bad-exit=1 --job-name="$pool"
+    local cmd=(srun "${MT_SRUN_EXTRA[@]}" "${MT_GPU_ARGS[@]}" --nodes=1 --ntasks=1 --cpus-per-task="$MT_CPUS_PER_NODE"
+               --nodelist="$node" --kill-on-bad-exit=1 --job-name="$pool"
                --output="$MT_LOG_DIR/$pool-$node.out"
                env MT_SERVER_PORT="$port" MT_ROLLOUT_MODEL="$model" MT_POOL="$pool"
                bash launch/slurm/rollout_node.sh "$addr" "$MT_LOG_DIR" "$config" "$@")
@@ -215,7 +221,7 @@ mt_learner_srun() {  # NAME CMD...: one task per learner rank over the learner n
   local name=$1
   shift
   echo srun "${MT_SRUN_EXTRA[@]}" "${MT_GPU_ARGS[@]}" --nodes="$MT_LEARNER_NODES" --ntasks-per-node="$MT_LEARNER_TASKS_PER_NODE" \
-    --ntasks="$MT_LEARNER_WORLD" --nodelist="$MT_LEARNER_NODELIST" --kill-on-bad-exit=1 --label \
+    --cpus-per-task="$MT_CPUS_PER_TASK" --ntasks="$MT_LEARNER_WORLD" --nodelist="$MT_LEARNER_NODELIST" --kill-on-bad-exit=1 --label \
     --job-name="$name" --output="$MT_LOG_DIR/$name-%N.out" "$@"
 }
 

@@ -23,11 +23,17 @@ NUM_STEPS = 8
 
 def test_dry_run_prints_the_128_gpu_plan_and_refuses_a_bad_split(tmp_path):
     env = dict(os.environ, MT_DRY_RUN="1", MT_NODELIST="gpu[01-16]", MT_LOG_DIR=str(tmp_path),
-               MT_CONFIG="launch/slurm/grpo_128gpu.yaml")
+               MT_CONFIG="launch/slurm/grpo_128gpu.yaml", SLURM_CPUS_PER_TASK="12", SLURM_CPUS_ON_NODE="96")
     env.pop("SLURM_JOB_NODELIST", None)
     out = subprocess.run(["bash", SCRIPT], env=env, cwd=REPO, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
+    # every step names its CPUs (Slurm 22.05-23.02 steps do not inherit the job's --cpus-per-task):
+    # a rank its 12, a rollout node's servers the node's 96
+    steps = [line for line in lines if " srun " in f" {line} "]
+    assert steps and all("--cpus-per-task=" in line for line in steps), steps
+    assert all("--cpus-per-task=96" in line for line in steps if "rollout_node.sh" in line)
+    assert all("--cpus-per-task=12" in line for line in steps if "megathunder.cli train" in line)
     assert "rollout: 4 nodes (gpu01 gpu02 gpu03 gpu04), 1 vLLM servers per node, TP 8 each" in out.stdout
     assert "learner: 12 nodes (gpu05" in out.stdout and "8 ranks per node, world 96" in out.stdout
     assert sum("launch/slurm/rollout_node.sh" in line for line in lines) == 4

@@ -20,6 +20,7 @@ from megathunder.config import Config
 from megathunder.learner.batches import BatchOutcome
 from megathunder.learner.client import LearnerClient
 from megathunder.learner.learner import StepResult
+from megathunder.plan.flops import Utilisation
 from megathunder.rollout.episode import Episode
 from megathunder.trainer.journal import Journal
 from megathunder.trainer.metrics import MetricsLog
@@ -39,12 +40,13 @@ class StepRecord:
 class StepRecords:
     """The run's records (module docstring). ``evaluate(step)``: the periodic evaluation's metrics
     after ``step`` ({} when none is due); ``after_step(step)``: hooks run once a step's records
-    are written, before its checkpoint (``chaos``: a full disk meets it)."""
+    are written, before its checkpoint (``chaos``: a full disk meets it); ``flops``: the run's
+    per-step MFU and HFU (on GPUs)."""
 
     def __init__(self, cfg: Config, out: Path, learner: LearnerClient, start_step: int,
                  evaluate: Callable[[int], Awaitable[dict]],
-                 after_step: list[Callable[[int], None]] | None = None) -> None:
-        self.cfg, self.learner, self.evaluate = cfg, learner, evaluate
+                 after_step: list[Callable[[int], None]] | None = None, flops: Utilisation | None = None) -> None:
+        self.cfg, self.learner, self.evaluate, self.flops = cfg, learner, evaluate, flops
         self.after_step = after_step or []
         self.bar: tqdm | None = None
         self.journal = Journal(out / "journal.jsonl", keep_steps=start_step)
@@ -93,6 +95,9 @@ class StepRecords:
             **({} if outcome.divergence is None else {_divergence_key(self.cfg): outcome.divergence}),
             "wall_s": wall,
             "gpu_hours": wall * self.learner.world_size / 3600.0,  # learner process-hours on CPU
+            # on GPUs: the step's model (and hardware) FLOPs over its wall time on the learner's devices
+            **({} if self.flops is None else
+               self.flops.columns((len(e.token_ids) - 1 for e in eps if e.trained_reward is not None), step_s)),
         }
 
     async def write(self, step: int, rec: StepRecord, row: dict, columns: dict) -> None:

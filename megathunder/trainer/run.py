@@ -40,6 +40,8 @@ from megathunder.learner.parallel import init_distributed
 from megathunder.learner.pack_window import PackWindow
 from megathunder.learner.service import LearnerRankLost, LearnerService
 from megathunder.learner.teacher import build_teacher
+from megathunder.plan.flops import Utilisation
+from megathunder.plan.memory_plan import ModelShape
 from megathunder.rollout.chat_template import make_codec
 from megathunder.rollout.engines import start_engine
 from megathunder.rollout.engines.inprocess import EngineRestartError, EngineUpdateError, InProcessEngine
@@ -153,7 +155,9 @@ def _train(cfg: Config, signals: StopSignals, extras: Extras) -> int:
         return 0
     try:
         with host.controller():
-            summary = asyncio.run(_control(cfg, task, out, service, model_dir, start, signals, extras, host))
+            flops = Utilisation.on_this_device(ModelShape.of(learner.model_cfg), cfg.learner.activations.recompute,
+                                               pgs.world_size)
+            summary = asyncio.run(_control(cfg, task, out, service, model_dir, start, signals, extras, host, flops))
     finally:
         service.stop(cancel_pending=signals.now.is_set())
     status = STOPPED_EARLY if summary == STOPPED_EARLY else 0 if summary is not None else 1
@@ -175,7 +179,8 @@ def report_status(status: int) -> None:
 
 
 async def _control(cfg: Config, task: Task, out: Path, service: LearnerService[LearnerEndpoint], model_dir: Path,
-                   start: int, signals: StopSignals, extras: Extras, host: HostTuning) -> dict | int | None:
+                   start: int, signals: StopSignals, extras: Extras, host: HostTuning,
+                   flops: Utilisation | None) -> dict | int | None:
     loop, control = asyncio.get_running_loop(), asyncio.current_task()
     assert control is not None
     signals.on_stop_now.append(lambda: loop.call_soon_threadsafe(control.cancel))
@@ -198,7 +203,7 @@ async def _control(cfg: Config, task: Task, out: Path, service: LearnerService[L
     service.window.hold_while(host.generation_hold(engine.generating if isinstance(engine, InProcessEngine) else None))
     trainer = None
     try:
-        trainer = Trainer(cfg, out, LearnerClient(service), engine, codec, task, start)
+        trainer = Trainer(cfg, out, LearnerClient(service), engine, codec, task, start, flops)
         if extras.install is not None:
             extras.install(trainer)
         await trainer.push_weights()  # the engine samples from exactly the learner's weights

@@ -27,6 +27,7 @@ from megathunder.eval.instances import eval_due, eval_instances
 from megathunder.learner.batches import BatchOutcome
 from megathunder.learner.client import LearnerClient
 from megathunder.objectives import keeps_group
+from megathunder.plan.flops import Utilisation
 from megathunder.rollout.agent_loop import Refill, build_agent_loop
 from megathunder.rollout.chat import ChatCodec
 from megathunder.rollout.engines.inprocess import InProcessEngine
@@ -57,7 +58,7 @@ class Trainer:
     """The controller's parts for one run (module docstring); the schedules drive them."""
 
     def __init__(self, cfg: Config, out: Path, learner: LearnerClient, engine: RolloutEngine, codec: ChatCodec,
-                 task: Task, start_step: int) -> None:
+                 task: Task, start_step: int, flops: Utilisation | None = None) -> None:
         self.cfg, self.out, self.learner = cfg, out, learner
         self.engine, self.codec, self.task = engine, codec, task
         self.start_step = start_step
@@ -69,7 +70,8 @@ class Trainer:
         prompt = codec.prompt_ids(task.messages(self.instances(0)[0]), task.tool_schemas())
         self.probe = Probe(engine, learner, prompt, cfg.probe, cfg.rollout.temperature,
                            cfg.rollout.engine.logprobs_mode == "processed_logprobs", routing)
-        self.records = StepRecords(cfg, out, learner, start_step, self.evaluate, after_step=[self.chaos.after_step])
+        self.records = StepRecords(cfg, out, learner, start_step, self.evaluate, after_step=[self.chaos.after_step],
+                                   flops=flops)
         if isinstance(engine, InProcessEngine):
             engine.revive = self.revive_engine  # a dead engine core is restarted in place
         self.last_push: dict[str, float] = {}

@@ -92,6 +92,10 @@ def render(p: Plan, machine: Machine) -> str:
         for line in p.node_host:
             rows.append(f"{line.part:<18} {'':>18} {_gib(line.host):>10}  {line.note}")
         rows.append(f"{'total':<18} {'':>18} {_gib(p.node_host_total):>10}  of {machine.host_memory_gb:.0f} GiB")
+        if p.rollout:
+            rows.append(f"\n{'rollout engine':<18} {'GPU':>18}")
+            for line in p.rollout:
+                rows.append(f"{line.part:<18} {_gib(line.device):>18} {'':>10}  {line.note}")
         rows.append("\nlinks (bytes)")
         for name, value in p.links.items():
             rows.append(f"  {name:<32} {value:,.0f}" if "trajectories" in name else f"  {name:<32} {_gib(value)} GiB")

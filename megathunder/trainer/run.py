@@ -28,10 +28,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
 import yaml
 from transformers import AutoTokenizer
 
-from megathunder.config import Config
+from megathunder.config import Config, ConfigError
 from megathunder.host import HostTuning, freeze_startup_heap
 from megathunder.learner.checkpoint import latest_checkpoint, load_checkpoint
 from megathunder.learner.client import LearnerClient
@@ -117,7 +118,21 @@ def train(cfg: Config, extras: Extras = Extras()) -> int:
         raise
 
 
+def check_engine_placement(cfg: Config, cuda: bool) -> None:
+    """On a GPU machine the in-process engine runs in learner rank 0's process, on its GPU, where
+    vLLM takes ``gpu_memory_utilization`` (0.9 by default) of the learner's memory: refused unless
+    that share was set (as ``megathunder plan`` shows it fits; the launch scripts run servers)."""
+    engine = cfg.rollout.engine
+    if cuda and engine.deployment == "in_process" and "gpu_memory_utilization" not in engine.model_fields_set:
+        raise ConfigError(
+            "rollout.engine.deployment: in_process on a GPU puts vLLM on learner rank 0's GPU, taking "
+            f"rollout.engine.gpu_memory_utilization={engine.gpu_memory_utilization:g} of it; run the engine as servers "
+            "on GPUs of their own (deployment=server), or set gpu_memory_utilization to a share `megathunder plan` "
+            "shows fits beside the learner")
+
+
 def _train(cfg: Config, signals: StopSignals, extras: Extras) -> int:
+    check_engine_placement(cfg, torch.cuda.is_available())
     host = HostTuning(cfg)  # on the machine itself (a config may be written elsewhere), before anything starts
     out = prepare_run_dir(cfg)
     pgs = init_distributed(cfg.learner)

@@ -69,18 +69,9 @@ def _cmd_train(args: argparse.Namespace) -> int:
     if interrupt.should_supervise():  # an interactive run: Ctrl-C stops it after the step (trainer/interrupt.py)
         return interrupt.supervise(args.argv)
     interrupt.as_supervised_child()
+    from megathunder.trainer.run import train_command
 
-    from megathunder.diskspace import DiskFullError
-    from megathunder.learner.service import LearnerRankLost
-    from megathunder.rollout.engines.inprocess import EngineRestartError, EngineUpdateError
-    from megathunder.rollout.engines.server import ServerError
-    from megathunder.trainer.run import train
-
-    try:
-        return train(cfg)
-    except (LearnerRankLost, DiskFullError, ServerError, EngineRestartError, EngineUpdateError) as err:
-        print(f"megathunder: {err}", file=sys.stderr, flush=True)
-        return 1
+    return train_command(cfg)
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:

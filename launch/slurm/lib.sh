@@ -23,6 +23,11 @@ mt_settings() {
   read -r -a MT_SRUN_EXTRA <<<"${MT_SRUN_ARGS:-}"  # added to every srun, e.g. Pyxis' --container-image=...
   MT_PYTHON=${MT_PYTHON:-python}
   MT_GPUS_PER_NODE=${MT_GPUS_PER_NODE:-8}   # 0: CPU nodes (the local test cluster)
+  # CPUs per step task, given to every srun: Slurm 22.05-23.02 steps do not inherit the job's
+  # --cpus-per-task (each task would be bound to one CPU); a one-task-per-node step (a rollout
+  # node's servers, the config and plan checks) gets the node's CPUs of the job
+  MT_CPUS_PER_TASK=${MT_CPUS_PER_TASK:-${SLURM_CPUS_PER_TASK:-1}}
+  MT_CPUS_PER_NODE=${MT_CPUS_PER_NODE:-${SLURM_CPUS_ON_NODE:-$MT_CPUS_PER_TASK}}
   MT_NODELIST=${MT_NODELIST:-${SLURM_JOB_NODELIST:?not in a Slurm job: set MT_NODELIST (and MT_DRY_RUN=1)}}
   if [[ "${MT_DRY_RUN:-0}" == 1 ]]; then  # outside Slurm: megathunder's own host-list expansion
     mapfile -t MT_NODES < <($MT_PYTHON -c 'import sys; from megathunder.learner.rendezvous import expand_hostlist
@@ -32,8 +37,7 @@ print("\n".join(expand_hostlist(sys.argv[1])))' "$MT_NODELIST")
   fi
   ((${#MT_NODES[@]} > 0)) || mt_die launch "cannot expand node list $MT_NODELIST"
   MT_ROLLOUT_NODES=${MT_ROLLOUT_NODES:-4}
-  MT_TEACHER_NODES=${MT_TEACHER_NODES:-0}  # OPD: teacher servers, on the nodes after the rollout nodes
-  MT_LEARNER_NODES=${MT_LEARNER_NODES:-$((${#MT_NODES[@]} - MT_ROLLOUT_NODES - MT_TEACHER_NODES))}
+  MT_LEARNER_NODES=${MT_LEARNER_NODES:-$((${#MT_NODES[@]} - MT_ROLLOUT_NODES))}
   if ((MT_GPUS_PER_NODE > 0)); then
     MT_ROLLOUT_TP=${MT_ROLLOUT_TP:-8}
     MT_SERVERS_PER_NODE=${MT_SERVERS_PER_NODE:-$((MT_GPUS_PER_NODE / MT_ROLLOUT_TP))}
@@ -53,19 +57,13 @@ print("\n".join(expand_hostlist(sys.argv[1])))' "$MT_NODELIST")
   export MT_PYTHON MT_GPUS_PER_NODE MT_ROLLOUT_TP MT_SERVERS_PER_NODE MT_SERVER_PORT
   export PYTHONUNBUFFERED=1
 
-  if ((MT_TEACHER_NODES > 0)); then
-    ((${#MT_NODES[@]} == MT_ROLLOUT_NODES + MT_TEACHER_NODES + MT_LEARNER_NODES)) || mt_die launch \
-      "the job has ${#MT_NODES[@]} nodes ($MT_NODELIST) but MT_ROLLOUT_NODES + MT_TEACHER_NODES + MT_LEARNER_NODES = $MT_ROLLOUT_NODES + $MT_TEACHER_NODES + $MT_LEARNER_NODES"
-  else
-    ((${#MT_NODES[@]} == MT_ROLLOUT_NODES + MT_LEARNER_NODES)) || mt_die launch \
-      "the job has ${#MT_NODES[@]} nodes ($MT_NODELIST) but MT_ROLLOUT_NODES + MT_LEARNER_NODES = $MT_ROLLOUT_NODES + $MT_LEARNER_NODES"
-  fi
+  ((${#MT_NODES[@]} == MT_ROLLOUT_NODES + MT_LEARNER_NODES)) || mt_die launch \
+    "the job has ${#MT_NODES[@]} nodes ($MT_NODELIST) but MT_ROLLOUT_NODES + MT_LEARNER_NODES = $MT_ROLLOUT_NODES + $MT_LEARNER_NODES"
   ((MT_LEARNER_NODES >= 1)) || mt_die launch "MT_LEARNER_NODES=$MT_LEARNER_NODES: the learner needs a node"
   ((MT_GPUS_PER_NODE == 0 || MT_SERVERS_PER_NODE * MT_ROLLOUT_TP <= MT_GPUS_PER_NODE)) || mt_die launch \
     "MT_SERVERS_PER_NODE x MT_ROLLOUT_TP = $MT_SERVERS_PER_NODE x $MT_ROLLOUT_TP > MT_GPUS_PER_NODE=$MT_GPUS_PER_NODE"
   MT_ROLLOUT_HOSTS=("${MT_NODES[@]:0:MT_ROLLOUT_NODES}")
-  MT_TEACHER_HOSTS=("${MT_NODES[@]:MT_ROLLOUT_NODES:MT_TEACHER_NODES}")
-  MT_LEARNER_HOSTS=("${MT_NODES[@]:MT_ROLLOUT_NODES+MT_TEACHER_NODES}")
+  MT_LEARNER_HOSTS=("${MT_NODES[@]:MT_ROLLOUT_NODES}")
   MT_LEARNER_WORLD=$((MT_LEARNER_NODES * MT_LEARNER_TASKS_PER_NODE))
   MT_LEARNER_NODELIST=$(IFS=,; echo "${MT_LEARNER_HOSTS[*]}")
   mkdir -p "$MT_LOG_DIR"
@@ -114,7 +112,6 @@ mt_plan() {
   else
     mt_log "rollout: ${MT_ROLLOUT_NODES} nodes (${MT_ROLLOUT_HOSTS[*]:-none}), ${MT_SERVERS_PER_NODE} vLLM servers per node, TP ${MT_ROLLOUT_TP} each"
   fi
-  ((MT_TEACHER_NODES == 0)) || mt_log "teacher: ${MT_TEACHER_NODES} nodes (${MT_TEACHER_HOSTS[*]}), ${MT_SERVERS_PER_NODE} vLLM servers per node of ${MT_TEACHER_MODEL:-?}"
   mt_log "learner: ${MT_LEARNER_NODES} nodes (${MT_LEARNER_HOSTS[*]}), ${MT_LEARNER_TASKS_PER_NODE} ranks per node, world ${MT_LEARNER_WORLD}; controller on learner rank 0 (${MT_LEARNER_HOSTS[0]})"
   mt_log "weights: streamed from each pipeline stage over collectives (${MT_OVERRIDE_ARGS[1]#*=}); rendezvous at ${MT_OVERRIDE_ARGS[2]#*=}:${MT_WEIGHT_PORT}"
   mt_log "config: $MT_CONFIG ${MT_OVERRIDES:-}; logs: $MT_LOG_DIR"
@@ -122,8 +119,8 @@ mt_plan() {
 
 mt_check_config() {  # a bad config is named before any server or rank starts (in the steps' environment)
   local cmd=($MT_PYTHON -m megathunder.cli config "$MT_CONFIG" "${MT_OVERRIDE_ARGS[@]}" "$@")
-  [[ "$MT_DRY_RUN" == 1 ]] || cmd=(srun "${MT_SRUN_EXTRA[@]}" --nodes=1 --ntasks=1 --nodelist="${MT_LEARNER_HOSTS[0]}"
-                                    --job-name=config "${cmd[@]}")
+  [[ "$MT_DRY_RUN" == 1 ]] || cmd=(srun "${MT_SRUN_EXTRA[@]}" --nodes=1 --ntasks=1 --cpus-per-task="$MT_CPUS_PER_TASK"
+                                    --nodelist="${MT_LEARNER_HOSTS[0]}" --job-name=config "${cmd[@]}")
   "${cmd[@]}" >"$MT_LOG_DIR/config.yaml" 2>"$MT_LOG_DIR/config.err" || mt_die config "$(grep -v Warning "$MT_LOG_DIR/config.err")"
 }
 
@@ -133,8 +130,8 @@ mt_check_plan() {  # [overrides...]: the layout's memory fits the learner nodes,
              --ranks-per-node "$MT_LEARNER_TASKS_PER_NODE")
   if ((MT_GPUS_PER_NODE > 0)); then cmd+=(--gpu-memory-gb "${MT_GPU_MEMORY_GB:-80}"); else cmd+=(--cpu); fi
   [[ -n "${MT_HOST_MEMORY_GB:-}" ]] && cmd+=(--host-memory-gb "$MT_HOST_MEMORY_GB")
-  [[ "$MT_DRY_RUN" == 1 ]] || cmd=(srun "${MT_SRUN_EXTRA[@]}" --nodes=1 --ntasks=1 --nodelist="${MT_LEARNER_HOSTS[0]}"
-                                    --job-name=plan "${cmd[@]}")
+  [[ "$MT_DRY_RUN" == 1 ]] || cmd=(srun "${MT_SRUN_EXTRA[@]}" --nodes=1 --ntasks=1 --cpus-per-task="$MT_CPUS_PER_TASK"
+                                    --nodelist="${MT_LEARNER_HOSTS[0]}" --job-name=plan "${cmd[@]}")
   local status=0
   "${cmd[@]}" >"$MT_LOG_DIR/plan.txt" 2>"$MT_LOG_DIR/plan.err" || status=$?
   if ((status == 2)) && [[ "$MT_DRY_RUN" == 1 ]]; then  # a dry run away from the models: nothing to read
@@ -145,7 +142,7 @@ mt_check_plan() {  # [overrides...]: the layout's memory fits the learner nodes,
   mt_log "plan: $(grep -E '^total ' "$MT_LOG_DIR/plan.txt" | head -1 | awk '{print $2" GiB per rank"}'); fits (${MT_LOG_DIR}/plan.txt)"
 }
 
-# ---- vLLM server pools (rollout; teacher for OPD) -----------------------------------------------
+# ---- vLLM server pools (rollout) -----------------------------------------------
 MT_ROLLOUT_PIDS=()         # pid:node:pool of each node's srun task
 declare -A MT_POOL_URLS=() # pool -> space-separated URLs
 
@@ -160,7 +157,8 @@ mt_start_servers() {  # POOL HOSTS_ARRAY PORT MODEL(empty: the config's) CONFIG 
     for ((i = 0; i < MT_SERVERS_PER_NODE; i++)); do
       MT_POOL_URLS[$pool]+="http://$addr:$((port + i)) "
     done
-    local cmd=(srun "${MT_SRUN_EXTRA[@]}" "${MT_GPU_ARGS[@]}" --nodes=1 --ntasks=1 --nodelist="$node" --kill-on-bad-exit=1 --job-name="$pool"
+    local cmd=(srun "${MT_SRUN_EXTRA[@]}" "${MT_GPU_ARGS[@]}" --nodes=1 --ntasks=1 --cpus-per-task="$MT_CPUS_PER_NODE"
+               --nodelist="$node" --kill-on-bad-exit=1 --job-name="$pool"
                --output="$MT_LOG_DIR/$pool-$node.out"
                env MT_SERVER_PORT="$port" MT_ROLLOUT_MODEL="$model" MT_POOL="$pool"
                bash launch/slurm/rollout_node.sh "$addr" "$MT_LOG_DIR" "$config" "$@")
@@ -223,7 +221,7 @@ mt_learner_srun() {  # NAME CMD...: one task per learner rank over the learner n
   local name=$1
   shift
   echo srun "${MT_SRUN_EXTRA[@]}" "${MT_GPU_ARGS[@]}" --nodes="$MT_LEARNER_NODES" --ntasks-per-node="$MT_LEARNER_TASKS_PER_NODE" \
-    --ntasks="$MT_LEARNER_WORLD" --nodelist="$MT_LEARNER_NODELIST" --kill-on-bad-exit=1 --label \
+    --cpus-per-task="$MT_CPUS_PER_TASK" --ntasks="$MT_LEARNER_WORLD" --nodelist="$MT_LEARNER_NODELIST" --kill-on-bad-exit=1 --label \
     --job-name="$name" --output="$MT_LOG_DIR/$name-%N.out" "$@"
 }
 

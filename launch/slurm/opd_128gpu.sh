@@ -8,15 +8,10 @@
 #   MT_OVERRIDES="learner.model.hf_checkpoint=/models/Qwen2.5-7B-Instruct" sbatch launch/slurm/opd_128gpu.sh
 #   MT_DRY_RUN=1 MT_NODELIST='gpu[01-16]' MT_TEACHER_MODEL=/m bash launch/slurm/opd_128gpu.sh
 #
-# Optionally (MT_TEACHER_NODES > 0) a pool of vLLM servers of the teacher starts on its own nodes,
-# health-checked with the others; its URLs reach the trainer as MT_TEACHER_URLS (env) and, when
-# MT_TEACHER_URLS_KEY names a config field, as that override. The trainer's teacher today is the
-# learner-side one above (tests.integration.vllm_teacher's vLLM teacher runs in-process only), so the
-# pool is for a remote vLLM teacher and off by default.
+# The teacher scores on the learner ranks, beside the student; there is no remote teacher pool
+# (the trainer has no client for one), so MT_TEACHER_NODES is refused rather than started for nothing.
 #
-# Environment: as grpo_128gpu.sh, plus
-#   MT_TEACHER_MODEL (required, HF directory); MT_TEACHER_NODES 0 (taken after the rollout nodes)
-#   MT_TEACHER_PORT  8200; MT_TEACHER_URLS_KEY (unset: env only)
+# Environment: as grpo_128gpu.sh, plus MT_TEACHER_MODEL (required, HF directory).
 # Default split: 4 rollout + 12 learner nodes.
 #
 #SBATCH --job-name=mt-opd
@@ -34,9 +29,9 @@ set -uo pipefail
 cd "${MT_REPO:-${SLURM_SUBMIT_DIR:-.}}" || exit 1
 source launch/slurm/lib.sh
 MT_CONFIG=${MT_CONFIG:-launch/slurm/opd_128gpu.yaml}
-export MT_TEACHER_NODES=${MT_TEACHER_NODES:-0}
-MT_TEACHER_PORT=${MT_TEACHER_PORT:-8200}
 MT_TEACHER_MODEL=${MT_TEACHER_MODEL:?set MT_TEACHER_MODEL to the teacher HF directory}
+[[ -z "${MT_TEACHER_NODES:-}" ]] || mt_die launch \
+  "MT_TEACHER_NODES=$MT_TEACHER_NODES: the teacher runs on the learner ranks; there is no teacher server pool"
 
 mt_settings
 mt_network_env
@@ -44,11 +39,7 @@ mt_plan
 mt_check_config
 mt_check_plan "objective.teacher.hf_checkpoint=$MT_TEACHER_MODEL"
 mt_start_rollout
-mt_start_servers teacher MT_TEACHER_HOSTS "$MT_TEACHER_PORT" "$MT_TEACHER_MODEL" "$MT_CONFIG" "${MT_OVERRIDE_ARGS[@]}"
 mt_learner_preflight
 mt_wait_healthy
-teacher=()
-[[ -n "${MT_TEACHER_URLS_KEY:-}" ]] && teacher=("$(mt_urls_override "$MT_TEACHER_URLS_KEY" teacher)")
-export MT_TEACHER_URLS="${MT_POOL_URLS[teacher]:-}"
 mt_train rollout.engine.deployment=server "$(mt_urls_override rollout.engine.server_urls)" \
-  "objective.teacher.hf_checkpoint=$MT_TEACHER_MODEL" "${teacher[@]}"
+  "objective.teacher.hf_checkpoint=$MT_TEACHER_MODEL"

@@ -9,7 +9,8 @@ the same events as the trainer delivers a burst -- each queued behind the next, 
 holds their work and the last one releases it (ready-work packing: everything in one packed
 ``backward_sum``, sync's own work). Reports step times,
 the thunder/sync ratio, training tokens/s and, on GPUs, model FLOPs utilisation from the model's
-FLOPs per token (6 N + 12 L h s). ``--nproc N`` relaunches itself under torchrun.
+FLOPs (6 N + 12 L h s a token: ``megathunder.plan.flops``, the trainer's and the sweep's formula;
+HFU with recomputation counted). ``--nproc N`` relaunches itself under torchrun.
 """
 
 from __future__ import annotations
@@ -26,7 +27,6 @@ from collections.abc import Sequence
 
 import torch
 
-PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "B200": 2250.0, "A100": 312.0}  # dense bf16
 
 
 def _args(argv: Sequence[str]) -> argparse.Namespace:
@@ -97,6 +97,8 @@ def main(argv: Sequence[str]) -> int:
     from megathunder.learner.batches import grpo_gradient
     from megathunder.learner.learner import MegatronLearner
     from megathunder.learner.parallel import destroy_distributed, init_distributed
+    from megathunder.plan.flops import peak_tflops, training_flops, utilisation
+    from megathunder.plan.memory_plan import ModelShape
     from megathunder.streaming import synthetic as syn
     from megathunder.trajectory import batch_plan
 
@@ -163,8 +165,8 @@ def main(argv: Sequence[str]) -> int:
     median = {m: statistics.median(v) for m, v in times.items()}
     tokens = sum(t.tokens.numel() - 1 for t in batch)
     num_params = sum(p.numel() for p in learner.model.parameters()) * pgs.dims.tp * pgs.dims.pp
-    m = learner.model_cfg
-    flops_per_token = 6 * num_params + 12 * m.num_layers * m.hidden_size * args.seq_len
+    flops = training_flops(ModelShape.of(learner.model_cfg), [t.tokens.numel() - 1 for t in batch],
+                           cfg.activations.recompute)
     result = {
         "bench": "learner",
         "layout": {"tp": pgs.dims.tp, "pp": pgs.dims.pp, "dp": pgs.dims.dp},
@@ -181,11 +183,11 @@ def main(argv: Sequence[str]) -> int:
     }
     if pgs.device.type == "cuda":
         name = torch.cuda.get_device_name()
-        peak = args.peak_tflops or next((v for k, v in PEAK_TFLOPS.items() if k in name), None)
+        peak = args.peak_tflops or peak_tflops(name)
         if peak:
-            world = pgs.world_size
             for mode in ("sync", "thunder_Kinf"):
-                result[f"mfu_{mode}"] = round(flops_per_token * tokens / median[mode] / (peak * 1e12 * world), 4)
+                result[f"mfu_{mode}"] = round(utilisation(flops.model, median[mode], pgs.world_size, peak), 4)
+                result[f"hfu_{mode}"] = round(utilisation(flops.hardware, median[mode], pgs.world_size, peak), 4)
     if pgs.rank == 0:
         print(f"model {num_params / 1e6:.2f}M params, {len(batch)} trajectories x {args.seq_len} tokens, "
               f"layout tp={pgs.dims.tp} pp={pgs.dims.pp} dp={pgs.dims.dp}, pack_tokens {cfg.pack_tokens}, "

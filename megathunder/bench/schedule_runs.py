@@ -25,7 +25,7 @@ reverse order so that a machine drifting during the invocation favours no schedu
 then the median of its N per-round ratios (each round's runs against that round's sync): on a
 shared machine one invocation's ratio moves by several points from the next one's.
 
-``--paired`` adds one thunder run with ``schedule.paired_sync`` (sync's path at even steps,
+``--paired`` adds one thunder run with ``bench_train --paired`` (sync's path at even steps,
 thunder's at odd ones): thunder/sync from the steps of that one run, the median over pairs (step
 2k's sync path against step 2k + 1's thunder path; the first pair left out) of sync's step time
 over thunder's. The two paths then meet the same machine minutes apart at most a step, where
@@ -70,7 +70,7 @@ ABLATIONS = {  # thunder with one mechanism off (the run's own overrides set the
     "pending": ["ledger.max_pending=0", "ledger.per_turn_scores=off"],  # per-turn scores fill pending buffers
     "per_turn": ["ledger.per_turn_scores=off"],
     "hold": ["ledger.hold_while_generating=never"],
-    "tail": ["schedule.probe_overlap=false"],  # sync keeps it: the probe is ours, not sync's algorithm
+    "tail": ["probe.overlap=false"],  # sync keeps it: the probe is ours, not sync's algorithm
 }
 
 
@@ -83,8 +83,9 @@ def _latencies(name: str, args) -> tuple[float, float]:
     return 0.0, 0.0
 
 
-def _train(config: str, out: Path, overrides: list[str]) -> dict:
-    cmd = [sys.executable, "-m", "megathunder.cli", "train", config, f"run.output_dir={out}", *overrides]
+def _train(config: str, out: Path, overrides: list[str], knobs: tuple[str, ...] | list[str] = ()) -> dict:
+    """One run of ``megathunder train`` with the benchmark's ``knobs`` installed (``bench_train``)."""
+    cmd = [sys.executable, "-m", "megathunder.bench.bench_train", *knobs, config, f"run.output_dir={out}", *overrides]
     env = {**os.environ, "VLLM_LOGGING_LEVEL": "WARNING", "TORCHDYNAMO_DISABLE": "1"}
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
@@ -98,21 +99,23 @@ def run_workload(name: str, args, root: Path) -> dict:
     tool_s, verifier_s = _latencies(name, args)
     common = [*WORKLOADS[name], f"run.num_steps={args.steps}", "run.progress=false", "run.wandb=disabled",
               "run.checkpoint_every=0", "objective.tis=token", "eval.every_n_steps=0",
-              f"agent.added_tool_latency_s={tool_s}", f"agent.added_verifier_latency_s={verifier_s}",
               f"batch.num_prompts_per_batch={args.prompts}", f"batch.samples_per_prompt={args.samples}",
               *args.overrides]
     warm = [f"sft.num_steps={args.sft_steps}"]
+    latency = [f"--tool-latency={tool_s}", f"--verifier-latency={verifier_s}"]
     runs: list[tuple[str, str, list[str]]] = [(s, s, []) for s in args.schedules]  # (label, schedule, overrides)
     runs += [(f"thunder-no_{a}", "thunder", ABLATIONS[a]) for a in args.ablate]
     if args.paired:
-        runs.append(("paired", "thunder", ["schedule.paired_sync=true"]))
+        runs.append(("paired", "thunder", ["--paired"]))
     rounds = args.rounds
     per_round, first = [], True
     for r in range(rounds):
         results = {}
         for label, schedule, ablation in alternate(runs, r):
             out = root / name / label if rounds == 1 else root / name / f"round{r}" / label
-            summary = _train(args.config, out, [*common, *warm, f"schedule.mode={schedule}", *ablation])
+            knobs = [*latency, *(a for a in ablation if a.startswith("--"))]
+            overrides = [*common, *warm, f"schedule.mode={schedule}", *(a for a in ablation if not a.startswith("--"))]
+            summary = _train(args.config, out, overrides, knobs)
             if first:  # the others start from this run's model (none built here: the configured one)
                 first = False
                 model = out / ("sft_model" if args.sft_steps else "init_model")
@@ -156,12 +159,12 @@ def steady_state(metrics: Path) -> tuple[float, float]:
 
 
 def paired(metrics: Path) -> dict[str, float]:
-    """A ``schedule.paired_sync`` run's figures: each path's median step time (and thunder's
+    """A paired run (``bench_train --paired``)'s figures: each path's median step time (and thunder's
     learner idle share) and ``paired_vs_sync``, the median over pairs of sync's step time over the
     next step's, thunder's (steps per hour, thunder over sync), over ``compared_pairs``."""
     pairs = compared_pairs(step_rows(metrics))
     if not pairs:
-        raise ValueError(f"{metrics}: no sync step followed by a thunder step (schedule.paired_sync, >= 2 steps)")
+        raise ValueError(f"{metrics}: no sync step followed by a thunder step (bench_train --paired, >= 2 steps)")
     return {
         "sync_step_s": statistics.median(a["step_s"] for a, _ in pairs),
         "thunder_step_s": statistics.median(b["step_s"] for _, b in pairs),
@@ -230,7 +233,7 @@ def step_phases(trace: Path) -> dict[int, dict[str, float]]:
 
 
 def paired_phases(metrics: Path, trace: Path) -> dict[str, float]:
-    """A ``schedule.paired_sync`` run: per phase (``step_phases``), ``phase_<name>_ms``, the median
+    """A paired run (``bench_train --paired``): per phase (``step_phases``), ``phase_<name>_ms``, the median
     over the pairs ``paired`` compares (``compared_pairs``) of thunder's time in it minus sync's, in
     milliseconds, and ``sync_<name>_ms``, sync's own time in it over the same pairs (the scale of the
     differences), ``answers`` too. Pairs the trace does not cover are left out; none left: no figures."""

@@ -29,8 +29,9 @@ path could not be tested; ``--backend`` reports what it finds.
 
 Per run, from its metrics.jsonl, journal.jsonl and final_model/: steps, mean step time, trained
 tokens/s (every token of every trajectory the learner trained on, over the summed step time),
-generated tokens/s, and MFU = 6 x parameters x trained tokens/s / (GPUs x peak FLOP/s) where the
-peak is given (n/a on CPU). Writes DIR/sweep.csv, DIR/sweep.md and DIR/sweep.png.
+generated tokens/s, and MFU = the model FLOPs of the trained trajectories (6 N + 12 L h s a token,
+``megathunder.plan.flops``: the formula ``bench learner`` and the trainer use) / (summed step time x
+GPUs x peak FLOP/s) where the peak is given (n/a on CPU), and HFU counting recomputation too. Writes DIR/sweep.csv, DIR/sweep.md and DIR/sweep.png.
 """
 
 from __future__ import annotations
@@ -51,10 +52,14 @@ from pathlib import Path
 
 import yaml
 
+from megathunder.config import load_config
+from megathunder.plan.flops import Utilisation
+from megathunder.plan.memory_plan import ModelShape, read_model_config
+
 TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL",
             "DEADLINE", "PREEMPTED"}
 COLUMNS = ("run", "job_id", "state", "steps", "mean_step_s", "trained_tokens_per_s", "generated_tokens_per_s",
-           "params", "gpus", "mfu")
+           "params", "gpus", "mfu", "hfu")
 
 
 @dataclass
@@ -197,22 +202,35 @@ def measure(run_dir: Path, gpus: int | None, peak_tflops: float | None) -> dict:
         rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     if not rows:
         return {}
-    trained = 0
+    lengths = []  # each trained trajectory's sequence (its tokens but the last: the positions forwarded)
     if (run_dir / "journal.jsonl").is_file():
         for line in (run_dir / "journal.jsonl").read_text().splitlines():
             entry = json.loads(line)
             entry = entry.get("rec", entry)  # journal records are {"crc": ..., "rec": {...}}
             if entry.get("type") == "trajectory":
-                trained += len(entry["tokens"])
+                lengths.append(len(entry["tokens"]) - 1)
+    trained = sum(n + 1 for n in lengths)
     step_s = sum(r["step_s"] for r in rows)
     params = count_parameters(run_dir / "final_model") if (run_dir / "final_model").is_dir() else None
     trained_tps = trained / step_s if step_s > 0 else 0.0
-    mfu = None
-    if params and gpus and peak_tflops:
-        mfu = 6 * params * trained_tps / (gpus * peak_tflops * 1e12)
+    mfu = hfu = None
+    shape = _shape(run_dir)
+    if shape is not None and gpus and peak_tflops and step_s > 0:
+        cfg = load_config(run_dir / "config.yaml")
+        columns = Utilisation(shape, cfg.learner.activations.recompute, gpus, peak_tflops).columns(lengths, step_s)
+        mfu, hfu = columns["mfu"], columns["hfu"]
     return {"steps": len(rows), "mean_step_s": step_s / len(rows), "trained_tokens_per_s": trained_tps,
             "generated_tokens_per_s": sum(r["generated_tokens"] for r in rows) / step_s if step_s > 0 else 0.0,
-            "params": params, "gpus": gpus, "mfu": mfu}
+            "params": params, "gpus": gpus, "mfu": mfu, "hfu": hfu}
+
+
+def _shape(run_dir: Path) -> ModelShape | None:
+    """The run's model shape, from its final model's config.json (None before it exists)."""
+    model = run_dir / "final_model"
+    if not (model / "config.json").is_file() or not (run_dir / "config.yaml").is_file():
+        return None
+    cfg = load_config(run_dir / "config.yaml")
+    return ModelShape.of(read_model_config(model, cfg.learner.model, "final_model"))
 
 
 def _fmt(value) -> str:

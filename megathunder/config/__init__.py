@@ -58,6 +58,7 @@ from megathunder.config.run_config import (
     BatchConfig,
     ChaosConfig,
     ChaosFault,
+    ProbeConfig,
     EPISODE_FAULTS,
     ENGINE_FAULTS,
     IN_PROCESS_FAULTS,

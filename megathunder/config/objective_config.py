@@ -56,6 +56,10 @@ class RLObjective(_Kind):
     tis_cap: float = Field(2.0, gt=0)
     dapo_dynamic_sampling: bool = False
     """Drop groups whose rewards are all equal (zero std) from the gradient and the normaliser."""
+    dapo_singletons: Literal["drop", "keep"] = "drop"
+    """Under dynamic sampling, a group of one sample (all its rewards equal, trivially): drop it as
+    any other, or keep it as verl's DAPO recipe does (it keeps groups of one). A kept singleton
+    trains its reward-free terms, and its score term under ``singleton_group: raw_score``."""
     overlong_filter: bool = False
     """Mask the loss of truncated trajectories (they still count in their group's statistics)."""
     num_ppo_epochs: int = Field(1, ge=1)

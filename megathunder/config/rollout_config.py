@@ -218,10 +218,6 @@ class AgentLoopConfig(Strict):
     max_tool_calls_per_turn: int = Field(4, ge=1)
     episode_wall_time_s: float = Field(600.0, gt=0)
     max_concurrent_episodes: int = Field(32, ge=1)
-    added_tool_latency_s: float = Field(0.0, ge=0)
-    """Benchmarks: extra seconds each tool call takes (a stand-in for slow sandboxes/containers)."""
-    added_verifier_latency_s: float = Field(0.0, ge=0)
-    """Benchmarks: extra seconds before each reward (a stand-in for running a test suite)."""
 
     @model_validator(mode="after")
     def _check(self) -> AgentLoopConfig:

@@ -64,39 +64,37 @@ class ScheduleConfig(Strict):
     max_staleness: int = Field(2, ge=1)
     """fully_async: a group whose oldest turn was sampled more than this many optimizer steps
     before the step that would train on it is dropped (and logged)."""
-    probe_tokens: int = Field(16, ge=0)
+    @property
+    def on_policy(self) -> bool:
+        """sync and thunder: every batch is sampled by the weights it trains (policy lag 0)."""
+        return self.mode in ("sync", "thunder")
+
+
+class ProbeConfig(Strict):
+    """The zero-staleness probe after every weight push (``megathunder.trainer.probe``): vLLM must
+    sample from exactly the weights being trained."""
+
+    tokens: int = Field(16, ge=0)
     """Zero-staleness probe after each weight sync: the length of the continuation the engine samples
     once and then scores after every push in one prefill, as the learner does (0: off)."""
-    probe_tolerance: float = Field(1e-3, gt=0)
+    tolerance: float = Field(1e-3, gt=0)
     """The smallest tolerance of the probe: a push is stale when its largest per-token |logprob gap|
-    exceeds max(probe_tolerance, probe_noise_margin * the noise floor) (``megathunder.trainer.probe``)."""
-    probe_calibration_probes: int = Field(3, ge=1)
+    exceeds max(probe.tolerance, probe.noise_margin * the noise floor) (``megathunder.trainer.probe``)."""
+    calibration_probes: int = Field(3, ge=1)
     """Continuations on the first pushed weights (the same on both sides), scored as a push's probe
     is, that measure the noise floor; each is also compared as sampled, at the run's temperature."""
-    probe_noise_margin: float = Field(10.0, ge=1)
+    noise_margin: float = Field(10.0, ge=1)
     """How many times the noise floor a gap may reach (measured: the largest later gap was 3.2x the
     floor over 300 probes with a bf16 engine, 2.6x with fp32: BENCHMARKS.md, "probe noise")."""
-    probe_max_noise_floor: float = Field(1.0, gt=0)
+    max_noise_floor: float = Field(1.0, gt=0)
     """A floor above this is not numerics: vLLM and the learner compute different models (a RoPE,
     vocabulary or layout mismatch); the run stops at its first push."""
-    probe_overlap: bool = True
+    overlap: bool = True
     """sync and thunder: after a push vLLM's part of the probe (one prefill) runs at once, alone, and
     the learner scores it while the next batch generates; the probe is checked before that batch's
     gradient is closed, so a failed probe stops the run before anything sampled after it is trained
     on. The step's records are written then. Not at the run's last step, nor before an evaluation,
     a checkpoint or a chaos fault of the step: those run after the whole probe, as without it."""
-    paired_sync: bool = False
-    """thunder only: the even optimizer steps take sync's path (the whole batch, then its gradient)
-    and the odd ones thunder's; each step's metrics row names its path (``schedule``). Both give
-    the same update, so the run trains as either would; only the timing differs, and here it is
-    measured step against step in one run, where a shared machine's drift moves two separate runs
-    apart by more than the difference (``megathunder bench schedules --paired``)."""
-
-    @model_validator(mode="after")
-    def _check(self) -> ScheduleConfig:
-        if self.paired_sync and self.mode != "thunder":
-            raise ValueError(f"paired_sync: alternates thunder's steps with sync's; needs mode thunder (not {self.mode})")
-        return self
 
 
 class SftConfig(Strict):
@@ -314,6 +312,7 @@ class ExactnessConfig(Strict):
 class Config(Strict):
     run: RunConfig = RunConfig()
     schedule: ScheduleConfig = ScheduleConfig()
+    probe: ProbeConfig = ProbeConfig()
     batch: BatchConfig = BatchConfig()
     objective: ObjectiveConfig = GRPOObjective()
     ledger: LedgerConfig = LedgerConfig()
@@ -401,14 +400,14 @@ class Config(Strict):
                 if engine.deployment != "in_process":
                     raise ValueError(f"chaos.faults.{i}.kind: {fault.kind} needs rollout.engine.deployment=in_process "
                                      f"({fault.kind.replace('engine', 'server')} is a server's)")
-                if self.schedule.mode not in ("sync", "thunder") or engine.max_restarts == 0:
+                if not self.schedule.on_policy or engine.max_restarts == 0:
                     raise ValueError(f"chaos.faults.{i}.kind: {fault.kind} is survived in place under schedule.mode "
                                      f"sync or thunder with rollout.engine.max_restarts >= 1 (now "
                                      f"{self.schedule.mode}, {engine.max_restarts})")
             if fault.kind == "stale_push":
-                if engine.deployment != "in_process" or self.schedule.probe_tokens == 0:
+                if engine.deployment != "in_process" or self.probe.tokens == 0:
                     raise ValueError(f"chaos.faults.{i}.kind: stale_push needs rollout.engine.deployment=in_process "
-                                     "and the probe (schedule.probe_tokens > 0), which must catch it")
+                                     "and the probe (probe.tokens > 0), which must catch it")
             dp = self.learner.parallel.data_parallel  # the world size is known here only when it is set
             if fault.kind in LEARNER_FAULTS and dp is not None:
                 par = self.learner.parallel
@@ -436,7 +435,7 @@ class Config(Strict):
         """Routing replay: the engine records what the learner replays."""
         if not self.learner.moe.routing_replay:
             return self
-        if self.schedule.mode not in ("sync", "thunder"):
+        if not self.schedule.on_policy:
             raise ValueError(f"learner.moe.routing_replay: needs schedule.mode sync or thunder (under "
                              f"{self.schedule.mode} a weight push between an episode's turns would clear the "
                              "engine's record of its earlier turns)")
@@ -465,7 +464,7 @@ class Config(Strict):
         obj = self.objective
         if not isinstance(obj, DistillObjective):
             return self
-        if self.schedule.mode not in ("sync", "thunder"):
+        if not self.schedule.on_policy:
             raise ValueError(
                 f"schedule.mode: objective.kind={obj.kind} trains on the student's own samples (sync or "
                 f"thunder); {self.schedule.mode} would train on stale samples"
@@ -547,7 +546,7 @@ class Config(Strict):
     def _check_on_policy_sampling(self) -> Config:
         """sync and thunder train the distribution sampled: the learner reproduces the temperature,
         not a truncation of the vocabulary."""
-        if self.schedule.mode in ("sync", "thunder"):
+        if self.schedule.on_policy:
             r = self.rollout
             if r.top_p < 1:
                 raise ValueError(f"rollout.top_p: {r.top_p} truncates the sampled distribution, whose logprobs the "

@@ -1,9 +1,13 @@
 """Resumable learner checkpoints with ``megatron.core.dist_checkpointing`` (torch_dist format).
 
 One directory per step: the model's and the optimizer's sharded state (so a checkpoint saved with
-one TP x PP layout loads into another), the LR scheduler, the step count and the RNG state.
-Writing goes to ``step_N.tmp`` and is renamed to ``step_N`` only when every rank has finished,
-so a crash mid-save never leaves a directory that looks complete; ``latest`` names the newest.
+one TP x PP layout loads into another), the LR scheduler and the step count. No RNG state: the
+learner draws no random numbers (dropout is 0 in every layer it builds, ``learner/model.py``;
+sampling is vLLM's, seeded per request from ``run.seed`` and the step), so a resumed run computes
+what the uninterrupted one would have. Writing goes to ``step_N.tmp`` and is renamed to ``step_N``
+only when every rank has finished, so a crash mid-save never leaves a directory that looks
+complete; ``latest`` names the newest. Before the first optimizer step there is nothing to save
+(``save_checkpoint``).
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from megathunder.diskspace import DiskFullError, replace_text, writing
+from megathunder.diskspace import replace_text, writing
 from megathunder.learner.learner import MegatronLearner
 
 # The optimizer state layout that reshards across TP/PP/DP (Megatron's "fully reshardable").
@@ -120,28 +124,32 @@ def _die_with_parent(parent_thread: int) -> None:
         os._exit(0)
 
 
-def save_checkpoint(learner: MegatronLearner, root: str | Path) -> Path:
+def save_checkpoint(learner: MegatronLearner, root: str | Path) -> Path | None:
+    """The learner's state as ``root/step_N`` (N: its optimizer steps), or None before its first
+    step: the weights are then the initial model's, which the same command builds again, and
+    Megatron's distributed optimizer has no state to write (its ``state_dict`` asserts a step)."""
     from megatron.core import dist_checkpointing
 
+    if learner.num_steps == 0:
+        return None
     _forked_results_queue()
-
     root = Path(root)
     final = root / f"step_{learner.num_steps}"
     tmp = root / f"step_{learner.num_steps}.tmp"
     last = latest_checkpoint(root)
     detail = f" (checkpoint {final.name}; the last complete one, {last.name if last else 'none'}, is intact)"
+    state = _sharded_state(learner, is_loading=False)  # before anything is written: it may refuse
+    state["scheduler"] = learner.scheduler.state_dict()
+    state["num_steps"] = learner.num_steps
     if learner.pgs.rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         with writing(tmp, detail):
             tmp.mkdir(parents=True)
     dist.barrier()
-    state = _sharded_state(learner, is_loading=False)
-    state["scheduler"] = learner.scheduler.state_dict()
-    state["num_steps"] = learner.num_steps
     try:
         with writing(tmp, detail):
             dist_checkpointing.save(state, str(tmp), content_metadata=_OPTIM_METADATA)
-    except DiskFullError:
+    except BaseException:
         if learner.pgs.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)  # frees what it took; `latest` still names the last one
         raise

@@ -53,7 +53,7 @@ class LearnerEndpoint:
     """What a learner rank does for the controller; one instance per rank, called in lockstep."""
 
     WINDOW_CALLS = ("turn", "finished", "reward")
-    """The event calls whose backward work may be held for ``ready_work`` (``LearnerService.pack_window_s``)."""
+    """The event calls whose backward work may be held for ``ready_work`` (``megathunder.learner.pack_window``)."""
     EVENT_CALLS = ("add_group", *WINDOW_CALLS)
     """The calls the rollout's events make, sent in bursts (``LearnerService.submit_event``)."""
 
@@ -144,8 +144,10 @@ class LearnerEndpoint:
         out = self.learner.token_logprobs([traj], temperature=temperature)
         return from_last_stage(self.learner.pgs, None if out is None else out[0][prompt_len - 1 :])
 
-    def checkpoint(self) -> str:
-        return str(save_checkpoint(self.learner, self.checkpoint_dir))
+    def checkpoint(self) -> str | None:
+        """The learner's state under the run's checkpoints/ (None before its first optimizer step)."""
+        path = save_checkpoint(self.learner, self.checkpoint_dir)
+        return None if path is None else str(path)
 
     def export(self, path: str) -> None:
         self.learner.export_hf(path)

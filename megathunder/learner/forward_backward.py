@@ -83,8 +83,9 @@ class PassOptions:
     temperature: float = 1.0  # the sampling temperature: logprobs of softmax(z / T)
 
     @classmethod
-    def of(cls, cfg: LearnerConfig, model: torch.nn.Module, temperature: float) -> PassOptions:
-        return cls(cfg.pack_tokens, cfg.loss_logits_only, cfg.share_prefixes and shared_prefix.supported(model),
+    def of(cls, cfg: LearnerConfig, model: torch.nn.Module, temperature: float, report: bool = True) -> PassOptions:
+        """``report``: this rank says so when ``learner.share_prefixes`` cannot apply to ``model``."""
+        return cls(cfg.pack_tokens, cfg.loss_logits_only, shared_prefix.resolve(cfg.share_prefixes, model, report),
                    temperature)
 
 
@@ -122,7 +123,7 @@ class ForwardBackward:
     @classmethod
     def build(cls, ddp: DistributedDataParallel, pgs: ProcessGroups, cfg: LearnerConfig,
               temperature: float) -> ForwardBackward:
-        return cls(ddp, pgs, PassOptions.of(cfg, ddp, temperature))
+        return cls(ddp, pgs, PassOptions.of(cfg, ddp, temperature, report=pgs.rank == 0))
 
     @property
     def num_passes(self) -> int:

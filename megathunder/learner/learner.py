@@ -69,7 +69,9 @@ class MegatronLearner:
         self.gradients = GradientSpace(ddp)  # DDP's buffers, as the batches see them
         self.forward_backward = ForwardBackward.build(ddp, pgs, cfg, temperature)  # every whole-trajectory pass
         self.backend = MegatronBackend(self.forward_backward, self.gradients, rl, self.router_losses)
-        self.ledger = (GradientLedger(self.backend, rl, ledger_cfg, model_reward_free=self.router_losses)
+        self.ledger = (GradientLedger(self.backend, rl, ledger_cfg, model_reward_free=self.router_losses,
+                                      dp_group=pgs.dp if pgs.dims.data_units > 1 else None,
+                                      dp_copies=pgs.dims.expert_span)
                        if rl is not None else None)
         self.reference = reference
         self.hf_dir = hf_dir  # the Hugging Face directory the weights came from (tokenizer, config)

@@ -30,18 +30,8 @@ it when it started (``more_queued``, set on the endpoint before the call). An en
 ``ready_work`` method has it run after each call that had none queued behind it: the learner is
 about to be free, so work that the queued calls held back (``LearnerEndpoint``: backward passes
 of a run of events) runs then, packed. The flag travels with the call, so all ranks hold and
-release at the same calls. With ``pack_window_s`` > 0, an event call (a method the endpoint lists in
-``WINDOW_CALLS``) that finds nothing queued waits up to that long for the next call before it
-decides: events come in bursts (a batch of sequences finishing in one engine step), and a burst's
-first event would otherwise start a one-trajectory backward pass that the rest of the burst waits
-behind. Only events wait, only on an idle learner, and only when packing is on; what is computed
-is the same either way (``GradientLedger.hold``). With ``generating`` set (the trainer sets it when
-the rollout engine computes on the learner's own cores or devices: ``ledger.hold_while_generating``),
-the window stays open past ``pack_window_s`` while it returns true: a backward pass started then
-would take compute from the sequences still generating, and the work goes packed once they pause --
-after one more ``pack_window_s``: the sequences of generation's last steps are still on their way
-to the learner when the engine stops (on SmolLM2 the first of them would start a pass over half
-the batch that the other half then waited behind: BENCHMARKS.md, "the generation tail").
+release at the same calls. An event call that finds nothing queued may wait a little for the next
+one before it decides (``window``: ``megathunder.learner.pack_window.PackWindow``).
 
 Failure (``megathunder.learner.liveness``): every rank writes a heartbeat to the job's store each
 second, and the index of the learner call it started and finished as it runs each call. When a
@@ -73,6 +63,7 @@ import torch.distributed as dist
 from megathunder.cpu_cores import pin_this_thread
 from megathunder.learner import cpu_compat
 from megathunder.learner.liveness import CLEANUP_S, LEARNER_HUNG, Heartbeat, InFlight, Watchdog
+from megathunder.learner.pack_window import PackWindow
 
 E = TypeVar("E")  # the endpoint: LearnerEndpoint in training
 P = ParamSpec("P")
@@ -81,8 +72,6 @@ _STOP = "__stop__"
 _EVENTS = "__events__"  # event calls sent together (``flush_events``): [(method, args), ...]
 _FAULT = "__chaos_fault__"
 FAULT_SIGNALS = {"kill_learner": signal.SIGKILL, "hang_learner": signal.SIGSTOP}
-GENERATING_POLL_S = 0.005
-"""How often a pack window kept open by ``LearnerService.generating`` asks again."""
 
 
 class LearnerRankLost(RuntimeError):
@@ -119,11 +108,8 @@ class LearnerService(Generic[E]):
     """Rank 0's watchdog: a rank whose heartbeat is silent this long while a call is in flight hung."""
     call_timeout_s: float = 0.0
     """Rank 0's watchdog: a call in flight this long names the ranks that have not finished it (0: never)."""
-    pack_window_s: float = 0.0
-    """Rank 0: how long an event call that finds no call queued behind it waits for one (module docstring)."""
-    generating: Callable[[], bool] | None = None
-    """Rank 0: is the rollout engine generating on the learner's cores or devices now? An event's
-    pack window stays open while it is (module docstring). Called from the learner thread."""
+    window: PackWindow = field(default_factory=PackWindow)
+    """Rank 0: how long an event call that finds no call queued behind it waits for one."""
     cpu_cores: list[int] | None = None
     """Rank 0: the cores its learner thread computes on (``megathunder.cpu_cores``; None: unpinned,
     wherever the thread that starts it runs)."""
@@ -138,7 +124,7 @@ class LearnerService(Generic[E]):
         self._group = dist.new_group(backend="gloo") if self.world_size > 1 else None
         self._heartbeat = Heartbeat(self.rank, self.world_size) if self.world_size > 1 else None
         self._lock = threading.Lock()
-        self._submitted = threading.Condition(self._lock)  # notified on each submit (``pack_window_s``)
+        self._submitted = threading.Condition(self._lock)  # notified on each submit (the pack window)
         self._window_calls: frozenset[str] = frozenset(getattr(self.endpoint, "WINDOW_CALLS", ()))
         self._event_calls: frozenset[str] = frozenset(getattr(self.endpoint, "EVENT_CALLS", ()))
         self._queued: set[concurrent.futures.Future] = set()
@@ -219,14 +205,12 @@ class LearnerService(Generic[E]):
             self._submitted.notify_all()
 
     def _packing(self) -> bool:
-        """Does the endpoint hold work for ``ready_work`` now (``pack_window_s`` waits only then)?"""
+        """Does the endpoint hold work for ``ready_work`` now (the pack window waits only then)?"""
         packing = getattr(self.endpoint, "packing", None)
         return bool(packing()) if packing is not None else False
 
     def _wait_for_next_call(self) -> bool:
-        """(``_lock`` held) An event's pack window: whether the next call arrived within
-        ``pack_window_s``, or while ``generating()`` held after it (asked every GENERATING_POLL_S)
-        and ``pack_window_s`` after it stopped."""
+        """(``_lock`` held) An event's pack window (``PackWindow.wait``): whether the next call arrived."""
         wakes = self._num_wakes
 
         def arrived() -> bool:
@@ -235,16 +219,7 @@ class LearnerService(Generic[E]):
         def ended() -> bool:
             return arrived() or self._num_wakes != wakes
 
-        if self._submitted.wait_for(ended, timeout=self.pack_window_s):
-            return arrived()
-        held = False
-        while self.generating is not None and self.generating():
-            held = True
-            if self._submitted.wait_for(ended, timeout=GENERATING_POLL_S):
-                return arrived()
-        if held:  # generation ended: the sequences of its last steps reach the learner as a burst now
-            return self._submitted.wait_for(ended, timeout=self.pack_window_s) and arrived()
-        return False
+        return self.window.wait(self._submitted, arrived, ended)
 
     def _on_hang(self) -> None:
         if self.on_hang is not None:
@@ -301,7 +276,7 @@ class LearnerService(Generic[E]):
                 more = self._num_submitted > self._num_started  # calls queued behind this one
                 last = args[0][-1][0] if method == _EVENTS else method  # the others have more queued
                 window = last in self._window_calls
-                if not more and self.pack_window_s > 0 and window and self._packing():
+                if not more and self.window.open and window and self._packing():
                     more = self._wait_for_next_call()
         if self.world_size == 1:
             return self._execute(method, args, kwargs, more)

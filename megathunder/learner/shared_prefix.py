@@ -47,6 +47,7 @@ trajectories of a call share a group -- a pass packs one trajectory per row as b
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -55,6 +56,8 @@ from megatron.core.utils import get_attr_wrapped_model
 
 from megathunder.learner.sdpa_attention import SDPAttention
 from megathunder.trajectory import Trajectory
+
+log = logging.getLogger(__name__)
 
 PAD, PREFIX = -2, -1  # segment ids of a row's columns; a member's suffix is its index in the row
 MAX_ROW = 4096
@@ -66,11 +69,31 @@ longer group is split into several rows, each with the prefix."""
 def supported(model: torch.nn.Module) -> bool:
     """Whether ``model`` (a GPTModel, possibly wrapped) can take shared rows: every core attention
     ours (it reads the mask), rotary positions (the hook gives them per column), no experts."""
+    return unsupported_because(model) is None
+
+
+def unsupported_because(model: torch.nn.Module) -> str | None:
+    """Why ``model`` cannot take shared rows (None: it can)."""
     cores = [m.core_attention for m in model.modules() if hasattr(m, "core_attention")]
     config = get_attr_wrapped_model(model, "config")
-    return (bool(cores) and all(isinstance(c, SDPAttention) for c in cores)
-            and get_attr_wrapped_model(model, "position_embedding_type") == "rope"
-            and not config.num_moe_experts and not config.apply_rope_fusion)
+    if not cores or not all(isinstance(c, SDPAttention) for c in cores):
+        return "its core attention is not megathunder's (the Transformer Engine spec, or a fused one): it cannot read a row's mask"
+    if get_attr_wrapped_model(model, "position_embedding_type") != "rope" or config.apply_rope_fusion:
+        return "its positions are not unfused rotary ones, which shared rows set per column"
+    if config.num_moe_experts:
+        return "a MoE model's router losses and routing replay see whole rows"
+    return None
+
+
+def resolve(requested: bool, model: torch.nn.Module, report: bool = True) -> bool:
+    """``learner.share_prefixes`` as it applies to ``model``: on when asked and supported; when asked
+    and not supported, off with one line saying why (``report``: this rank says it)."""
+    if not requested:
+        return False
+    why = unsupported_because(model)
+    if why is not None and report:
+        log.warning("learner.share_prefixes: off for this model (%s); each trajectory is forwarded whole", why)
+    return why is None
 
 
 @dataclass(frozen=True)

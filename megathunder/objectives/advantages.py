@@ -65,9 +65,12 @@ def size_coef(size: int, cfg: RLObjective) -> float:
 
 
 def keeps_group(rewards: Sequence[float], cfg: RLObjective) -> bool:
-    """DAPO dynamic sampling: a group whose rewards are all equal carries no signal."""
+    """DAPO dynamic sampling: a group whose rewards are all equal carries no signal (a group of one
+    is kept under ``dapo_singletons: keep``, verl's recipe)."""
     if not cfg.dapo_dynamic_sampling:
         return True
+    if len(rewards) == 1:
+        return cfg.dapo_singletons == "keep"
     return any(r != rewards[0] for r in rewards)
 
 

@@ -362,6 +362,7 @@ class Plan:
     ledger_slots: int | None = None
     stage: int = 0  # the most loaded pipeline stage
     rank0: list[Line] = field(default_factory=list)  # what global rank 0 holds alone (stage 0)
+    rollout: list[Line] = field(default_factory=list)  # the rollout engine's share of GPUs (``_rollout_lines``)
 
     @property
     def device_total(self) -> float:
@@ -389,6 +390,7 @@ class Plan:
             "host": {line.part: round(line.host) for line in self.lines if line.host},
             "node_host": {line.part: round(line.host) for line in self.node_host},
             "links": {k: round(v) for k, v in self.links.items()},
+            "rollout_device": {line.part: round(line.device) for line in self.rollout},
         }
 
 
@@ -448,12 +450,14 @@ def plan(cfg: Config, shape: ModelShape, machine: Machine, teacher: ModelShape |
 
     best: tuple[float, int, list[Line]] | None = None
     rank0: list[Line] = []
+    stage0_device = 0.0
     for stage in range(pp):
         micro = min((pp - stage) * rows, calls)  # 1F1B: stage r holds up to pp - r micro-batches' activations
         lines = _rank_lines(cfg, shape, act, stage, tp, pp, dp, e, s_padded, micro, gpu, out, teacher, rows)
+        total = sum(line.device for line in lines)
         if stage == 0:
             rank0 = [line for line in lines if line.rank0_only]
-        total = sum(line.device for line in lines)
+            stage0_device = total
         if best is None or total > best[0]:
             best = (total, stage, lines)
     assert best is not None
@@ -468,8 +472,47 @@ def plan(cfg: Config, shape: ModelShape, machine: Machine, teacher: ModelShape |
                           "measured separately on CPU"))
     _node_host(out, machine, gpu)
     _links(out, cfg, shape, tp, pp, cp, dp, e, s_padded, per_rank)
+    if gpu:
+        _rollout_lines(out, cfg, shape, machine, stage0_device + GPU_RUNTIME_GIB * GiB)
     _fit(out, machine, gpu)
     return out
+
+
+def _rollout_lines(out: Plan, cfg: Config, shape: ModelShape, machine: Machine, rank0_device: float) -> None:
+    """What the rollout engine holds on GPUs the plan must see (``Plan.rollout``): an in-process
+    engine shares learner rank 0's GPU (vLLM takes ``gpu_memory_utilization`` of it); with sparse
+    patches every rollout worker keeps the whole model in checkpoint layout, outside vLLM's share."""
+    assert machine.gpu_memory_gb is not None
+    engine, budget = cfg.rollout.engine, machine.gpu_memory_gb * GiB
+    vllm = engine.gpu_memory_utilization * budget
+    if engine.deployment == "in_process":
+        out.rollout.append(Line("in-process engine", device=vllm,
+                                note=f"vLLM on learner rank 0's GPU: rollout.engine.gpu_memory_utilization "
+                                     f"{engine.gpu_memory_utilization:g}"))
+        if rank0_device + vllm > budget:
+            out.problems.append(
+                f"rollout.engine.deployment: in_process puts vLLM on learner rank 0's GPU, which then needs "
+                f"{(rank0_device + vllm) / GiB:.1f} GiB of {machine.gpu_memory_gb:g} (the learner's "
+                f"{rank0_device / GiB:.1f} + vLLM's {engine.gpu_memory_utilization:g} x {machine.gpu_memory_gb:g}); "
+                "use deployment=server on GPUs of their own (the launch scripts do), or a "
+                "rollout.engine.gpu_memory_utilization that leaves the learner its share")
+    wt = engine.weight_transfer
+    if isinstance(wt, CollectiveTransfer) and wt.sparse_threshold > 0:
+        copy = shape.num_params * (4 if engine.dtype == "float32" else 2)
+        out.rollout.append(Line("sparse-patch copy", device=copy,
+                                note="each rollout worker's copy of the whole model (checkpoint layout)"))
+        if vllm + copy > budget:
+            out.problems.append(
+                f"rollout.engine.weight_transfer.sparse_threshold: {wt.sparse_threshold:g} keeps a copy of the whole "
+                f"model ({copy / GiB:.1f} GiB) on every rollout GPU beside vLLM's "
+                f"{engine.gpu_memory_utilization:g} x {machine.gpu_memory_gb:g} GiB; use 0 (dense pushes)")
+
+
+def pinned(nbytes: int) -> int:
+    """What torch's caching host allocator takes for a pinned allocation of ``nbytes``: the next power
+    of two (its round-up threshold defaults to unbounded; one allocation per ledger buffer, one
+    tensor per DDP bucket: an estimate when a buffer has several)."""
+    return 1 << max(int(nbytes) - 1, 0).bit_length() if nbytes > 0 else 0
 
 
 def _pad(n: int, multiple: int) -> int:
@@ -587,8 +630,10 @@ def _ledger_lines(cfg: Config, rl: RLObjective, p: int, gpu: bool, out: Plan) ->
     note = f"K = {k_eff} x {per_slot} buffers ({where})"
     if led.slot_placement == "host":
         staging = grad_bytes if k_eff else 0
-        lines.append(Line("ledger slots", device=staging if gpu else 0, host=slots + staging,
-                          note=note + " + fp32 staging"))
+        if gpu:  # pinned: torch's host allocator rounds every allocation up to a power of two
+            slots, note = k_eff * per_slot * pinned(slot_bytes), note + ", pinned (power-of-two rounded)"
+        lines.append(Line("ledger slots", device=staging if gpu else 0,
+                          host=slots + (pinned(staging) if gpu else staging), note=note + " + fp32 staging"))
     else:
         lines.append(Line("ledger slots", device=slots, note=note))
     pending = led.max_pending  # gradients before the reward: the budget's rest after K slots
@@ -599,6 +644,8 @@ def _ledger_lines(cfg: Config, rl: RLObjective, p: int, gpu: bool, out: Plan) ->
         pending = groups * cfg.batch.samples_per_prompt
     if pending:
         size, note = pending * slot_bytes, f"max_pending = {pending} buffers ({where})"
+        if led.slot_placement == "host" and gpu:
+            size, note = pending * pinned(slot_bytes), note + ", pinned (power-of-two rounded)"
         if led.slot_placement == "host":
             lines.append(Line("ledger pending", host=size, note=note))
         else:

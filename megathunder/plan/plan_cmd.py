@@ -61,10 +61,10 @@ def _tiny(t: TinyModelConfig) -> ModelShape:
     moe = {} if not t.num_experts else dict(
         family="qwen3_moe", num_experts=t.num_experts, moe_router_topk=t.num_experts_per_tok,
         moe_ffn_hidden_size=t.moe_intermediate_size)
-    return ModelShape.of(PolicyModelConfig.model_validate(dict(
-        family="qwen2", vocab_size=TINY_VOCAB, hidden_size=t.hidden_size, ffn_hidden_size=t.intermediate_size,
-        num_layers=t.num_layers, num_attention_heads=t.num_heads, num_query_groups=t.num_kv_heads,
-        tie_word_embeddings=False, **moe)))
+    dense = dict(family="qwen2", vocab_size=TINY_VOCAB, hidden_size=t.hidden_size, ffn_hidden_size=t.intermediate_size,
+                 num_layers=t.num_layers, num_attention_heads=t.num_heads, num_query_groups=t.num_kv_heads,
+                 tie_word_embeddings=False)
+    return ModelShape.of(PolicyModelConfig.model_validate({**dense, **moe}))  # a MoE's family replaces qwen2
 
 
 def host_memory_gb() -> float:
@@ -92,6 +92,10 @@ def render(p: Plan, machine: Machine) -> str:
         for line in p.node_host:
             rows.append(f"{line.part:<18} {'':>18} {_gib(line.host):>10}  {line.note}")
         rows.append(f"{'total':<18} {'':>18} {_gib(p.node_host_total):>10}  of {machine.host_memory_gb:.0f} GiB")
+        if p.rollout:
+            rows.append(f"\n{'rollout engine':<18} {'GPU':>18}")
+            for line in p.rollout:
+                rows.append(f"{line.part:<18} {_gib(line.device):>18} {'':>10}  {line.note}")
         rows.append("\nlinks (bytes)")
         for name, value in p.links.items():
             rows.append(f"  {name:<32} {value:,.0f}" if "trajectories" in name else f"  {name:<32} {_gib(value)} GiB")

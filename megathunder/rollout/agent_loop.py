@@ -89,6 +89,7 @@ class AgentLoop:
         emit: EventSink | None = None,
         scheduling: Scheduling = "fifo",
         routing: RoutingSource | None = None,
+        faults: EpisodeFaults | None = None,
     ) -> None:
         self.engine, self.codec, self.task = engine, codec, task
         self.routing = routing  # routing replay: where each finished episode's routed experts are read
@@ -98,7 +99,7 @@ class AgentLoop:
         self.emit = emit or (lambda event: None)
         self.tools: dict[str, Tool] = {t.name: t for t in task.tools}
         self._slots = asyncio.Semaphore(agent_cfg.max_concurrent_episodes)
-        self.faults: EpisodeFaults | None = None  # chaos.faults of episodes (none unless configured)
+        self.faults = faults  # chaos.faults of episodes (none unless configured)
 
     def _event(self, kind, ep: Episode, **kw) -> None:
         self.emit(
@@ -214,8 +215,6 @@ class AgentLoop:
         self._event("trajectory_finished", ep, payload={"episode": ep, "failure": ep.failure})
 
         if ep.failure is None:
-            if self.cfg.added_verifier_latency_s:
-                await asyncio.sleep(self.cfg.added_verifier_latency_s)
             verify: Verify = lambda: self.task.verify(inst, ep, sandbox)  # noqa: E731
             if self.faults is not None:
                 await self.faults.after_turns(ep, sandbox)
@@ -296,8 +295,6 @@ class AgentLoop:
         self, call: ToolCall | ToolCallError, sandbox, deadline: float, turn: Turn
     ) -> str:
         t0 = time.monotonic()
-        if self.cfg.added_tool_latency_s:
-            await asyncio.sleep(min(self.cfg.added_tool_latency_s, _remaining(deadline)))
         name, args = getattr(call, "name", "?"), getattr(call, "arguments", None)
         if isinstance(call, ToolCallError):
             obs, ok = f"[error: {call.message}]", False
@@ -341,12 +338,13 @@ def _remaining(deadline: float) -> float:
 
 def build_agent_loop(cfg: Config, engine: RolloutEngine, codec: ChatCodec, task: Task, *,
                      temperature: float | None = None, emit: EventSink | None = None,
-                     routing: RoutingSource | None = None) -> AgentLoop:
+                     routing: RoutingSource | None = None, faults: EpisodeFaults | None = None) -> AgentLoop:
     """The agent loop of a run's config: ``task`` (built once per run), the ``agent`` limits, the
     ``sandbox`` and ``verifier`` sections, sampling at ``temperature`` (default
     ``rollout.temperature``; ``rollout.top_p`` / ``top_k`` apply unless a temperature is given:
     evaluation samples its own way); events go to ``emit``; each finished episode's routed experts
-    are read from ``routing`` (routing replay: the engine, when it records them)."""
+    are read from ``routing`` (routing replay: the engine, when it records them); ``faults``: chaos's
+    episode faults."""
     r = cfg.rollout
     scheduling = r.engine.scheduling
     if temperature is not None:
@@ -354,4 +352,4 @@ def build_agent_loop(cfg: Config, engine: RolloutEngine, codec: ChatCodec, task:
                          temperature=temperature, emit=emit, scheduling=scheduling)
     return AgentLoop(engine, codec, task, cfg.agent, cfg.sandbox, VerifierPool(cfg.verifier),
                      temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, emit=emit, scheduling=scheduling,
-                     routing=routing)
+                     routing=routing, faults=faults)

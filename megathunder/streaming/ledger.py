@@ -95,9 +95,13 @@ reference's operations in the reference's order and is bitwise equal to it.
 from __future__ import annotations
 
 import math
+import numbers
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
 
 from megathunder.config import LedgerConfig, RLObjective
 from megathunder.objectives import (
@@ -206,11 +210,31 @@ class GradientLedger:
         *,
         reward_shift: bool = True,
         model_reward_free: bool = False,
+        dp_group: dist.ProcessGroup | None = None,
+        dp_copies: int = 1,
     ) -> None:
         """``reward_shift=False`` exists only to demonstrate why the shift b_g is needed.
         ``model_reward_free``: the backend's model adds reward-free terms of its own to every
         reward-free pass (MoE router losses, ``megathunder.learner.router_losses``), so q_i exists
-        even when the objective has no KL or entropy term."""
+        even when the objective has no KL or entropy term. ``dp_group``: under data parallelism,
+        the ranks whose ledgers split the batch's trajectories (each trajectory owned by one of them,
+        or by ``dp_copies`` of them that run it together: an expert grid's data unit); Z is then
+        cross-checked at close (``close_batch``).
+
+        The objective must be an ``RLObjective`` (GRPO and its variants: the ledger streams its
+        score term) and the backend's own objective, if it has one, the same: a backend computing
+        another loss than the ledger's coefficients assume gives a wrong gradient, not an error."""
+        if not isinstance(objective, RLObjective):
+            raise LedgerError(f"GradientLedger: objective.kind={getattr(objective, 'kind', type(objective).__name__)} "
+                              "has no reward part to stream; the ledger takes an RLObjective (GRPO and its variants)")
+        own = getattr(backend, "objective", None)
+        if own is not None and own != objective:
+            changed = sorted(k for k in type(objective).model_fields if getattr(own, k, None) != getattr(objective, k))
+            raise LedgerError(f"GradientLedger: the backend computes the loss of another objective than the ledger's "
+                              f"(they differ in {', '.join(changed) or 'kind'}); build both with the same one")
+        if dp_copies < 1:
+            raise ValueError(f"dp_copies: {dp_copies} < 1")
+        self.dp_group, self.dp_copies = dp_group, dp_copies
         self.backend = backend
         self.objective = objective
         self.config = config or LedgerConfig()
@@ -339,9 +363,7 @@ class GradientLedger:
             for m in g.members:  # the group leaves the batch: its pending gradients are worthless
                 self._discard_pending(m)
         else:
-            reward = float(reward)
-            if not math.isfinite(reward):
-                raise LedgerError(f"trajectory {traj_id}: non-finite reward {reward}")
+            reward = _real(traj_id, reward)
         t.reward, t.has_reward = reward, True
         g.num_rewards += 1
         self._log("reward", traj_id)
@@ -379,6 +401,32 @@ class GradientLedger:
         self._direct_sum([t for t in held if t.group.closed])
         self._advance_all(held)
 
+    def _check_counts(self, kept: Sequence[_Traj]) -> None:
+        """Under data parallelism every rank's Z counts every kept trajectory's loss tokens: its own
+        from the trajectory (``on_finished``), the others' as ``on_remote_finished`` was told. Summed
+        over the owners, the own counts are the batch's true count; a rank told a wrong count (an
+        ``int(mask.sum())`` that is not the objective's ``num_loss_tokens``) would divide by a wrong
+        Z, silently. So the own counts are summed over ``dp_group`` (each unit's ``dp_copies``
+        ranks count theirs alike) and every rank's total compared with it; every rank sees the same
+        figures (one all-reduce of the sum, one of the extremes), so all raise or none does."""
+        if self.dp_group is None:
+            return
+        own = float(sum(t.finished_tokens for t in kept if t.data is not None))
+        total = float(sum(t.finished_tokens for t in kept))
+        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(self.dp_group) == "nccl" \
+            else torch.device("cpu")
+        sums = torch.tensor([own / self.dp_copies], dtype=torch.float64, device=device)
+        extremes = torch.tensor([total, -total], dtype=torch.float64, device=device)
+        dist.all_reduce(sums, group=self.dp_group)
+        dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=self.dp_group)
+        true, most, least = float(sums[0]), float(extremes[0]), -float(extremes[1])
+        if most != true or least != true:
+            raise LedgerError(
+                f"close_batch: the data-parallel ranks' loss-token counts disagree: the owners' own "
+                f"trajectories hold {true:g} loss tokens, while the ranks counted {least:g}..{most:g} "
+                f"(this rank {total:g}); a count given to on_remote_finished is not the objective's "
+                "num_loss_tokens of that trajectory")
+
     def close_batch(self) -> BatchResult:
         """All groups closed: normalise once and hand the gradient to the backend."""
         if self._P is None:
@@ -394,6 +442,7 @@ class GradientLedger:
         assert not pending, f"internal: trajectories {pending} were never processed"
         assert self._num_pending == 0, f"internal: {self._num_pending} pending gradients were never folded"
         kept = [t for t in self._order if t.group.keep]
+        self._check_counts(kept)
         z = normaliser([t.finished_tokens for t in kept], self.objective)
         self.pool.sync()
         if self._PA is not None:
@@ -685,3 +734,16 @@ class GradientLedger:
             return sum(1 for m in g.members if m.data is not None and m.reward is not None and not m.score_done)
         best = max(waiting, key=num_ready)
         self._advance_all(best.members)
+
+
+def _real(traj_id: int, reward: object) -> float:
+    """A reward as a finite float; anything but a real number (a bool, a string, a tensor) is refused
+    rather than converted: ``float("1")`` and ``float(True)`` would both train as 1.0."""
+    if isinstance(reward, bool) or not isinstance(reward, numbers.Real):
+        hint = " (a tensor: pass .item())" if isinstance(reward, torch.Tensor) else ""
+        raise LedgerError(f"trajectory {traj_id}: reward {reward!r} of type {type(reward).__name__} is not a real "
+                          f"number{hint}")
+    value = float(reward)
+    if not math.isfinite(value):
+        raise LedgerError(f"trajectory {traj_id}: non-finite reward {value}")
+    return value

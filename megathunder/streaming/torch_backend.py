@@ -20,6 +20,9 @@ from megathunder.trajectory import Trajectory
 
 class TorchBackend:
     def __init__(self, model: nn.Module, objective: RLObjective) -> None:
+        if not isinstance(objective, RLObjective):
+            raise TypeError(f"TorchBackend: objective.kind={getattr(objective, 'kind', type(objective).__name__)} has "
+                            "no reward part; it computes the losses of an RLObjective (GRPO and its variants)")
         self.model = model
         self.objective = objective
         self.params = [p for p in model.parameters() if p.requires_grad]

@@ -43,10 +43,11 @@ def should_supervise() -> bool:
             and os.environ.get(SUPERVISE_ENV, "1") != "0" and not any(k in os.environ for k in LAUNCHER_ENV))
 
 
-def supervise(argv: Sequence[str]) -> int:
-    """Run ``megathunder ARGV`` as a child in its own session; SIGINT becomes its stop requests."""
+def supervise(argv: Sequence[str], module: str = "megathunder.cli") -> int:
+    """Run ``python -m MODULE ARGV`` (``megathunder ARGV``) as a child in its own session; SIGINT
+    becomes its stop requests."""
     env = {**os.environ, SUPERVISOR_ENV: str(os.getpid())}
-    child = subprocess.Popen([sys.executable, "-m", "megathunder.cli", *argv], env=env, start_new_session=True)
+    child = subprocess.Popen([sys.executable, "-m", module, *argv], env=env, start_new_session=True)
     interrupts = 0
 
     def kill_later() -> None:

@@ -1,7 +1,7 @@
 """The zero-staleness probe: two checks that vLLM samples from the weights being trained.
 
 After every weight push vLLM scores a fixed token sequence -- the probe's prompt and a
-continuation of ``schedule.probe_tokens`` tokens that vLLM sampled once, at the run's temperature,
+continuation of ``probe.tokens`` tokens that vLLM sampled once, at the run's temperature,
 when the probe was calibrated -- in one prefill, and samples one token after it (``engine_probe``):
 the logprobs of the continuation and of that token, of softmax(logits) (temperature 1: vLLM's
 prompt logprobs apply no sampling processor). The learner scores the same tokens at temperature 1.
@@ -17,11 +17,11 @@ One prefill instead of ``probe_tokens`` decode steps: on SmolLM2-135M on a CPU ~
    the check miss a stale push, never stop a good run.)
 2. **vLLM agrees with the learner, up to numerics.** The gap of a push is the largest per-token
    |logprob difference|: other kernels, other summation orders and, with bf16, rounding. When the
-   probe is calibrated both sides hold the same weights, and ``schedule.probe_calibration_probes``
+   probe is calibrated both sides hold the same weights, and ``probe.calibration_probes``
    other continuations (sampled with other seeds), scored the same way, give the noise floor f0,
    the largest gap numerics alone caused. A push fails when
 
-       gap > tau = max(schedule.probe_tolerance, schedule.probe_noise_margin * f0)
+       gap > tau = max(probe.tolerance, probe.noise_margin * f0)
 
    A later probe's gap is the max of its n token errors and f0 the max of the calibration's K * n;
    with exchangeable errors a later max would exceed f0 with probability up to 1 / (K + 1), so tau
@@ -36,7 +36,7 @@ One prefill instead of ``probe_tokens`` decode steps: on SmolLM2-135M on a CPU ~
    weights; it cannot see a stale push whose update moves the policy by less than tau, which check 1
    does. The tolerance of every push is reported with its gap (``probe_tolerance`` in metrics.jsonl).
 
-A floor above ``schedule.probe_max_noise_floor`` is not numerics: the engine and the learner compute
+A floor above ``probe.max_noise_floor`` is not numerics: the engine and the learner compute
 different models (RoPE, vocabulary, layout), and the run stops at its first push. The decode path
 and the temperature are checked once, at calibration: vLLM's logprobs of each calibration
 continuation as it sampled it (at the run's temperature) must be within tau of the learner's
@@ -47,12 +47,15 @@ Measured: the sampled gaps are 1-2x the scored floor (``bench probe``), so the c
 """
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
-from megathunder.rollout.types import RolloutEngine, SamplingParams
+from megathunder.config import ProbeConfig
+from megathunder.rollout.types import Completion, RolloutEngine, RoutingSource, SamplingParams
 
 
 PROBE_SEED = 0  # the seed of the probe's continuation and of the request every push ends with (check 1)
@@ -133,3 +136,169 @@ async def engine_probe(engine: RolloutEngine, prompt: Sequence[int], continuatio
         raise RuntimeError(f"{type(engine).__name__} returned no prompt logprobs (SamplingParams.prompt_logprobs_from)")
     return EngineProbe(list(continuation) + list(out.token_ids), list(out.prompt_logprobs) + list(out.logprobs),
                        out.policy_version)
+
+
+@dataclass(frozen=True)
+class _EngineSide:
+    """vLLM's part of one probe: the tokens after the prompt, their logprobs, the routed experts."""
+
+    version: int
+    prompt: list[int]
+    tokens: list[int]
+    logprobs: list[float]
+    routed: torch.Tensor | None
+
+
+class Scorer(Protocol):
+    """The learner's side of the probe (``megathunder.learner.client.LearnerClient.score``)."""
+
+    async def score(self, tokens: list[int], prompt_len: int, routed_experts: torch.Tensor | None = None,
+                    temperature: float | None = None) -> torch.Tensor: ...
+
+
+class Probe:
+    """The probe of every push (module docstring): ``check`` runs it whole; ``start`` runs vLLM's
+    part now and returns the learner's part as a task (``probe.overlap``), whose result is the
+    push's gap and which raises ``StaleWeightsError`` when the push is stale. The first probe
+    calibrates the noise floor. ``prompt``: the probe's prompt tokens; ``temperature`` and
+    ``processed_logprobs``: how the run samples (``rollout.temperature``,
+    ``rollout.engine.logprobs_mode``); ``routing``: the engine's recorded routing (routing replay)."""
+
+    def __init__(self, engine: RolloutEngine, learner: Scorer, prompt: Sequence[int], cfg: ProbeConfig,
+                 temperature: float, processed_logprobs: bool, routing: RoutingSource | None = None) -> None:
+        self.engine, self.learner, self.prompt, self.cfg = engine, learner, list(prompt), cfg
+        self.temperature, self.processed_logprobs, self.routing = temperature, processed_logprobs, routing
+        self.tolerance = ProbeTolerance(cfg.tolerance, cfg.noise_margin)
+        self.last_gap = float("nan")  # the last checked push's
+        self.last_gap_own_routing = float("nan")  # routing replay: the same probe without it
+        self._last: ProbeSample | None = None
+        self._continuation: list[int] | None = None  # the tokens every push's probe scores
+
+    @property
+    def enabled(self) -> bool:
+        return self.cfg.tokens > 0
+
+    @property
+    def calibrated(self) -> bool:
+        return self.tolerance.floor is not None
+
+    async def check(self, version: int, unchanged: bool = False) -> float:
+        """The whole probe of the push of ``version`` (calibrating first, the first time); its gap.
+        ``unchanged``: no weight moved in the inference dtype at that push (vLLM may then repeat
+        the previous probe bit for bit)."""
+        if not self.enabled:
+            return float("nan")
+        if not self.calibrated:
+            await self._calibrate(version)
+        return await self._checked(await self._engine_side(version), unchanged)
+
+    async def start(self, version: int, unchanged: bool = False) -> asyncio.Task[float]:
+        """vLLM's part of the probe now (alone: nothing else generates); the learner's part as a
+        task that returns the gap (or raises ``StaleWeightsError``). Needs a calibrated probe."""
+        if not self.calibrated:
+            raise RuntimeError("Probe.start: calibrate first (Probe.check)")
+        side = await self._engine_side(version)
+        self.last_gap = float("nan")
+        return asyncio.create_task(self._checked(side, unchanged))
+
+    async def check_revived(self, version: int) -> float:
+        """A restarted engine, loaded with the learner's weights of ``version``: its gap to the
+        learner on the push's probe (no comparison with the previous push: same weights)."""
+        gap = _gap(await self._learner_side(await self._engine_side(version)))
+        if gap > self.tolerance.value:
+            raise StaleWeightsError(f"the restarted engine's logprobs differ from the learner's by {gap:.3e} (> "
+                                    f"{self.tolerance.value:.3e}): it is not sampling from the weights being trained")
+        return gap
+
+    def columns(self) -> dict[str, float]:
+        """The last checked push's figures for the metrics row."""
+        return {"probe_gap": self.last_gap, "probe_tolerance": self.tolerance.value,
+                **({"probe_gap_own_routing": self.last_gap_own_routing} if self.routing else {})}
+
+    async def _checked(self, side: _EngineSide, unchanged: bool) -> float:
+        """The learner's logprobs of vLLM's probe, then both checks; returns the push's gap."""
+        sample, previous = await self._learner_side(side), self._last
+        if previous is not None and not unchanged and engine_kept_its_weights(previous, sample):
+            moved = float((sample.learner_logprobs - previous.learner_logprobs).abs().max())
+            raise StaleWeightsError(
+                f"after the weight sync of policy version {side.version}: vLLM computed the previous push's probe "
+                f"bit for bit while the learner's logprobs of it moved by {moved:.3e}; the engine is not "
+                "sampling from the weights being trained")
+        self._last = sample
+        gap = _gap(sample)
+        tau = self.tolerance
+        if gap > tau.value:
+            raise StaleWeightsError(
+                f"after the weight sync of policy version {side.version}: vLLM's logprobs differ from the "
+                f"learner's by {gap:.3e} (> {tau.value:.3e} = max(probe.tolerance, probe.noise_margin x the "
+                f"noise floor {tau.floor:.2e})); the engine is not sampling from the weights being trained")
+        tau.accept(gap)
+        self.last_gap = gap
+        return gap
+
+    async def _calibrate(self, version: int) -> None:
+        """The noise floor, on the same weights: other continuations scored the probe's way. A floor
+        above ``probe.max_noise_floor`` is not numerics. Then the decode path, once: vLLM's logprobs
+        of its own samples against the learner's at the run's temperature (of the unscaled logits
+        under ``logprobs_mode: raw_logprobs``) must be within the tolerance too."""
+        cfg = self.cfg
+        sampled_at = self.temperature if self.processed_logprobs else 1.0
+        scored, sampled = [], []
+        for k in range(cfg.calibration_probes):
+            draw = await self._draw(seed=1 + k)
+            scored.append(_gap(await self._learner_side(await self._engine_side(version, draw.token_ids))))
+            tokens = self.prompt + draw.token_ids  # the probe's prefill computed (and routed) every position
+            learner = await self.learner.score(tokens, len(self.prompt), await self._routed(tokens), sampled_at)
+            sampled.append(max_logprob_gap(draw.logprobs, learner))
+        self.tolerance.calibrate(scored)
+        if max(scored) > cfg.max_noise_floor:
+            raise StaleWeightsError(
+                f"on the same weights vLLM's logprobs differ from the learner's by {max(scored):.3e} (> "
+                f"probe.max_noise_floor={cfg.max_noise_floor:g}): not numerics; the engine "
+                "and the learner compute different models (RoPE scaling, vocabulary, layout?)")
+        if max(sampled) > self.tolerance.value:
+            raise StaleWeightsError(
+                f"vLLM's logprobs of its own samples differ from the learner's softmax(logits / {sampled_at:g}) by "
+                f"{max(sampled):.3e} (> the probe's tolerance {self.tolerance.value:.3e}) while its scores of "
+                "the same tokens agree: the engine samples another distribution than the one trained (temperature?)")
+
+    async def _draw(self, seed: int) -> Completion:
+        """``probe.tokens`` tokens vLLM samples after the probe's prompt at the run's temperature."""
+        params = SamplingParams(max_new_tokens=self.cfg.tokens, temperature=self.temperature, seed=seed,
+                                ignore_eos=True)
+        return await self.engine.generate(self.prompt, params, session_id=PROBE_SESSION)
+
+    async def _engine_side(self, version: int, continuation: Sequence[int] | None = None) -> _EngineSide:
+        """vLLM's part of a probe: one prefill of the prompt and ``continuation`` (default: the
+        push's own, drawn with ``PROBE_SEED`` the first time) and one sampled token, with the
+        experts it routed to under routing replay. ``version``: the weights vLLM must have."""
+        if continuation is None:
+            if self._continuation is None:
+                self._continuation = (await self._draw(seed=PROBE_SEED)).token_ids
+            continuation = self._continuation
+        out = await engine_probe(self.engine, self.prompt, continuation)
+        if out.policy_version != version:
+            raise StaleWeightsError(f"after the weight sync of policy version {version}: vLLM sampled with "
+                                    f"version {out.policy_version}")
+        tokens = self.prompt + out.tokens
+        return _EngineSide(version, self.prompt, out.tokens, out.logprobs, await self._routed(tokens))
+
+    async def _learner_side(self, side: _EngineSide) -> ProbeSample:
+        """The learner's logprobs of the tokens vLLM probed (routed as vLLM routed them under
+        routing replay; the gap without replay is reported beside it)."""
+        tokens = side.prompt + side.tokens
+        if side.routed is not None:
+            own = await self.learner.score(tokens, len(side.prompt), None, 1.0)
+            self.last_gap_own_routing = max_logprob_gap(side.logprobs, own)
+        learner_logp = await self.learner.score(tokens, len(side.prompt), side.routed, 1.0)
+        return ProbeSample(tuple(side.tokens), tuple(side.logprobs), learner_logp)
+
+    async def _routed(self, tokens: list[int]) -> torch.Tensor | None:
+        """Routing replay: the experts vLLM's probe request routed ``tokens`` to (None without it)."""
+        if self.routing is None:
+            return None
+        return torch.from_numpy((await self.routing.routed_experts(tokens, session_id=PROBE_SESSION)).copy())
+
+
+def _gap(sample: ProbeSample) -> float:
+    return max_logprob_gap(sample.engine_logprobs, sample.learner_logprobs)

@@ -83,8 +83,7 @@ def digest(path: Path) -> str:
 
 def main(run_dir: str | Path, overrides: list[str], out: str) -> int:
     run_dir = Path(run_dir)
-    # a paired run's alternation is timing only: its journal replays under any schedule's path
-    cfg = load_config(run_dir / "config.yaml", ["schedule.paired_sync=false", *overrides])
+    cfg = load_config(run_dir / "config.yaml", overrides)
     learner = build_replay_learner(cfg, run_dir)
     teacher = None
     if cfg.objective.needs_teacher:

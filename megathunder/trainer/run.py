@@ -18,41 +18,56 @@ same command resumes from checkpoints/latest. SIGTERM or a second Ctrl-C stops a
 from __future__ import annotations
 
 import asyncio
-import gc
 import json
 import logging
 import os
 import shutil
 import sys
 import threading
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
+import torch
 import yaml
-from tqdm import tqdm
 from transformers import AutoTokenizer
 
-from megathunder import cpu_cores
 from megathunder.config import Config, ConfigError
-from megathunder.learner import cpu_compat
+from megathunder.host import HostTuning, freeze_startup_heap
 from megathunder.learner.checkpoint import latest_checkpoint, load_checkpoint
+from megathunder.learner.client import LearnerClient
 from megathunder.learner.endpoint import LearnerEndpoint
 from megathunder.learner.parallel import init_distributed
-from megathunder.learner.service import LearnerService
+from megathunder.learner.pack_window import PackWindow
+from megathunder.learner.service import LearnerRankLost, LearnerService
 from megathunder.learner.teacher import build_teacher
+from megathunder.plan.flops import Utilisation
+from megathunder.plan.memory_plan import ModelShape
 from megathunder.rollout.chat_template import make_codec
 from megathunder.rollout.engines import start_engine
-from megathunder.rollout.engines.inprocess import InProcessEngine
+from megathunder.rollout.engines.inprocess import EngineRestartError, EngineUpdateError, InProcessEngine
 from megathunder.rollout.engines.transfer import StageSenders
 from megathunder.rollout.tasks import build_task
 from megathunder.rollout.tasks.task import Task
 from megathunder.trainer.chaos import ChaosStop, check_learner_faults
 from megathunder.trainer.interrupt import STOPPED_EARLY, STOPPED_NOW, StopNow, StopSignals
-from megathunder.trainer.schedules import SCHEDULES
+from megathunder.trainer.schedules import SCHEDULES, Schedule
 from megathunder.trainer.setup import barrier, build_learner, build_teacher_model, initial_model
 from megathunder.trainer.summary import print_summary, write_summary
 from megathunder.trainer.trainer import Trainer
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Extras:
+    """What a caller adds to a run without the product code knowing of it (benchmarks, tests):
+    ``schedule`` in place of ``SCHEDULES[schedule.mode]``; ``install(trainer)``, run once the
+    trainer is built, wraps its parts (e.g. the benchmarks' stand-in latencies)."""
+
+    schedule: Schedule | None = None
+    install: Callable[[Trainer], None] | None = None
+
 
 class StepsUntilSignal:
     """``range(start, stop)`` that ends early once ``stop_requested`` is set (checked before each step)."""
@@ -76,10 +91,22 @@ def prepare_run_dir(cfg: Config) -> Path:
     return out
 
 
-def train(cfg: Config) -> int:
+def train_command(cfg: Config, extras: Extras = Extras()) -> int:
+    """``train``, with the failures a run reports in one line (exit 1) instead of a traceback."""
+    from megathunder.diskspace import DiskFullError
+    from megathunder.rollout.engines.server import ServerError
+
+    try:
+        return train(cfg, extras)
+    except (LearnerRankLost, DiskFullError, ServerError, EngineRestartError, EngineUpdateError) as err:
+        print(f"megathunder: {err}", file=sys.stderr, flush=True)
+        return 1
+
+
+def train(cfg: Config, extras: Extras = Extras()) -> int:
     signals = StopSignals()  # every rank: SIGUSR1's default action would kill the process
     try:
-        return _train(cfg, signals)
+        return _train(cfg, signals, extras)
     except ChaosStop as err:  # chaos.faults: a crash, as injected
         print(f"megathunder: {err}", file=sys.stderr, flush=True)
         return STOPPED_NOW
@@ -91,15 +118,22 @@ def train(cfg: Config) -> int:
         raise
 
 
-def _train(cfg: Config, signals: StopSignals) -> int:
-    learner_cores, rollout_cores = cfg.learner.cpu_cores, cfg.rollout.engine.cpu_cores
-    try:  # on the machine itself (a config may be written elsewhere), before anything starts
-        cpu_cores.check_available("learner.cpu_cores", learner_cores)
-        cpu_cores.check_available("rollout.engine.cpu_cores", rollout_cores)
-    except ValueError as err:
-        raise ConfigError(str(err)) from None
-    if learner_cores is not None:
-        learner_cores = cpu_cores.share(learner_cores, *cpu_cores.local_rank())
+def check_engine_placement(cfg: Config, cuda: bool) -> None:
+    """On a GPU machine the in-process engine runs in learner rank 0's process, on its GPU, where
+    vLLM takes ``gpu_memory_utilization`` (0.9 by default) of the learner's memory: refused unless
+    that share was set (as ``megathunder plan`` shows it fits; the launch scripts run servers)."""
+    engine = cfg.rollout.engine
+    if cuda and engine.deployment == "in_process" and "gpu_memory_utilization" not in engine.model_fields_set:
+        raise ConfigError(
+            "rollout.engine.deployment: in_process on a GPU puts vLLM on learner rank 0's GPU, taking "
+            f"rollout.engine.gpu_memory_utilization={engine.gpu_memory_utilization:g} of it; run the engine as servers "
+            "on GPUs of their own (deployment=server), or set gpu_memory_utilization to a share `megathunder plan` "
+            "shows fits beside the learner")
+
+
+def _train(cfg: Config, signals: StopSignals, extras: Extras) -> int:
+    check_engine_placement(cfg, torch.cuda.is_available())
+    host = HostTuning(cfg)  # on the machine itself (a config may be written elsewhere), before anything starts
     out = prepare_run_dir(cfg)
     pgs = init_distributed(cfg.learner)
     check_learner_faults(cfg.chaos.faults, pgs.world_size)  # every rank: all stop before any work
@@ -129,36 +163,21 @@ def _train(cfg: Config, signals: StopSignals) -> int:
     watchdog = cfg.learner.watchdog
     service = LearnerService(LearnerEndpoint(learner, ckpt_dir, teacher), pgs.rank, pgs.world_size,
                              heartbeat_timeout_s=watchdog.heartbeat_timeout_s, call_timeout_s=watchdog.call_timeout_s,
-                             pack_window_s=cfg.ledger.pack_window_s, cpu_cores=learner_cores)
+                             window=PackWindow(cfg.ledger.pack_window_s), cpu_cores=host.learner_cores)
     if pgs.rank != 0:
-        cpu_cores.pin_this_thread(learner_cores, threads=True)  # a follower computes on its main thread
-        freeze_startup_heap()
-        service.serve()
-        gc.unfreeze()
+        with host.follower():  # computes on its main thread
+            service.serve()
         return 0
     try:
-        # rank 0's Megatron work runs on the service's learner thread (its own CUDA->CPU mapping); the
-        # controller's torch calls (episodes into trajectories, 160 a step on the quickstart) skip it
-        with cpu_compat.suspended():
-            summary = asyncio.run(_control(cfg, task, out, service, model_dir, start, signals))
+        with host.controller():
+            flops = Utilisation.on_this_device(ModelShape.of(learner.model_cfg), cfg.learner.activations.recompute,
+                                               pgs.world_size)
+            summary = asyncio.run(_control(cfg, task, out, service, model_dir, start, signals, extras, host, flops))
     finally:
         service.stop(cancel_pending=signals.now.is_set())
-        gc.unfreeze()  # the interpreter's last collection then frees the frozen cycles
     status = STOPPED_EARLY if summary == STOPPED_EARLY else 0 if summary is not None else 1
     report_status(status)
     return status
-
-
-def freeze_startup_heap() -> None:
-    """Move every object alive after start-up (torch, Megatron, vLLM's client, transformers: ~0.8M
-    objects on the quickstart) out of the garbage collector's sight. Its full collections scan
-    them all, 0.3-0.6 s with the GIL held, which stalls the learner thread and the rollout alike:
-    on the quickstart one such pause in a 6-step run made a 0.35 s step 0.9 s (BENCHMARKS.md).
-    Frozen objects are still freed by reference counting; only cycles among them are not -- until
-    ``gc.unfreeze()`` at the run's end, without which triton's bindings (installed with vLLM, imported
-    by torch's dynamo) print "nanobind: leaked ..." for their cycles as the interpreter exits."""
-    gc.collect()
-    gc.freeze()
 
 
 STATUS_FILE_ENV = "MEGATHUNDER_STATUS_FILE"
@@ -175,7 +194,8 @@ def report_status(status: int) -> None:
 
 
 async def _control(cfg: Config, task: Task, out: Path, service: LearnerService[LearnerEndpoint], model_dir: Path,
-                   start: int, signals: StopSignals) -> dict | int | None:
+                   start: int, signals: StopSignals, extras: Extras, host: HostTuning,
+                   flops: Utilisation | None) -> dict | int | None:
     loop, control = asyncio.get_running_loop(), asyncio.current_task()
     assert control is not None
     signals.on_stop_now.append(lambda: loop.call_soon_threadsafe(control.cancel))
@@ -192,35 +212,35 @@ async def _control(cfg: Config, task: Task, out: Path, service: LearnerService[L
     codec = make_codec(AutoTokenizer.from_pretrained(model_dir), cfg.agent.chat_template, cfg.agent.tool_parser)
     senders = StageSenders(cfg.learner.parallel.pipeline_parallel,  # each stage joins the weight-transfer groups
                            lambda rdv: service.call(LearnerEndpoint.join_weight_transfer, rdv))
-    cpu_cores.pin_this_thread(cfg.rollout.engine.cpu_cores)  # the rollout's side; the engine's processes inherit it
+    host.pin_rollout()
     engine = await start_engine(cfg.rollout.engine, model_dir, log_dir=out / "logs", policy_version=start,
                                 senders=senders)
-    own_cores = cfg.learner.cpu_cores is not None and cfg.rollout.engine.cpu_cores is not None  # disjoint
-    if isinstance(engine, InProcessEngine) and cfg.ledger.hold_while_generating == "in_process" and not own_cores:
-        service.generating = engine.generating  # it generates on the learner's own cores or devices
+    service.window.hold_while(host.generation_hold(engine.generating if isinstance(engine, InProcessEngine) else None))
     trainer = None
     try:
-        trainer = Trainer(cfg, out, service, engine, codec, task, start)
+        trainer = Trainer(cfg, out, LearnerClient(service), engine, codec, task, start, flops)
+        if extras.install is not None:
+            extras.install(trainer)
         await trainer.push_weights()  # the engine samples from exactly the learner's weights
         if cfg.eval.every_n_steps and start == 0:  # the warm-started model, before RL
-            before = await trainer.periodic_eval(-1, force=True)
+            before = await trainer.evaluate(-1, force=True)
             (out / "eval_before.json").write_text(json.dumps(before, indent=2) + "\n")
         steps = StepsUntilSignal(range(start, cfg.run.num_steps), signals.after_step)
         freeze_startup_heap()
-        trainer.bar = tqdm(total=len(steps), desc=f"{cfg.objective.kind}/{cfg.schedule.mode}", unit="step",
-                           disable=not cfg.run.progress, mininterval=1.0)
-        await SCHEDULES[cfg.schedule.mode](trainer, steps)
-        trainer.bar.close()
+        trainer.records.show_progress(len(steps), f"{cfg.objective.kind}/{cfg.schedule.mode}", cfg.run.progress)
+        await (extras.schedule or SCHEDULES[cfg.schedule.mode])(trainer, steps)
+        trainer.records.close_progress()
         if trainer.version < cfg.run.num_steps:  # asked to stop after a step: checkpoint now, resume later
-            path = await service.call(LearnerEndpoint.checkpoint)
-            print(f"megathunder: stopped after step {trainer.version} of {cfg.run.num_steps}; checkpoint {path}; "
+            path = await trainer.learner.checkpoint()
+            saved = f"checkpoint {path}" if path else "no checkpoint: no optimizer step taken yet"
+            print(f"megathunder: stopped after step {trainer.version} of {cfg.run.num_steps}; {saved}; "
                   "the same command resumes from it", file=sys.stderr, flush=True)
             return STOPPED_EARLY
         if steps:
-            await service.call(LearnerEndpoint.checkpoint)
-        await service.call(LearnerEndpoint.export, str(out / "final_model"))  # a HF directory: eval, serve, distill
-        trainer.timeline.write(out, service.spans, trainer.metrics.rows)  # the trace the summary's estimates replay
-        summary = write_summary(out, trainer.metrics.rows)
+            await trainer.learner.checkpoint()
+        await trainer.learner.export(out / "final_model")  # a HF directory: eval, serve, distill
+        trainer.records.timeline.write(out, service.spans, trainer.records.metrics.rows)  # the trace the summary's estimates replay
+        summary = write_summary(out, trainer.records.metrics.rows)
         if (out / "eval_before.json").is_file():
             before = json.loads((out / "eval_before.json").read_text())
             if "eval/pass@1" in before:
@@ -230,10 +250,6 @@ async def _control(cfg: Config, task: Task, out: Path, service: LearnerService[L
     finally:
         signals.closing()  # a stop-now request from here on waits for the close
         if trainer is not None:
-            trainer.abandon_probe()
-            if trainer.bar is not None:
-                trainer.bar.close()
-            trainer.metrics.close()
-            trainer.journal.close()
+            trainer.close()
         await engine.close()
         closed.set()

@@ -2,10 +2,9 @@
 
     sync         rollout(k) ........ | learner(k) | push |
     thunder      rollout(k) + learner(k) streaming  | close, step, push |   (same update as sync)
-                 (``schedule.paired_sync``: sync's path at even steps, to time both in one run)
 
-    (sync and thunder: the learner scores push k's probe while batch k + 1 generates, and
-     ``settle_probe`` checks it before batch k + 1 is trained on: ``schedule.probe_overlap``)
+    (sync and thunder: the learner scores push k's probe while batch k + 1 generates, and step
+     k + 1 awaits it before its gradient is applied: ``probe.overlap``)
     async        rollout(k+1) || learner(k)         | push |               (data one step stale)
     fully_async  episodes run continuously; learner takes the next complete groups; push under them
 
@@ -24,9 +23,9 @@ import time
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Protocol
 
-from megathunder.learner.endpoint import LearnerEndpoint
 from megathunder.rollout.episode import Episode
-from megathunder.trainer.trainer import StepRecord, Trainer
+from megathunder.trainer.records import StepRecord
+from megathunder.trainer.trainer import Pending, Trainer, done
 
 log = logging.getLogger(__name__)
 
@@ -42,37 +41,48 @@ class Steps(Protocol):
     def __len__(self) -> int: ...
 
 
+Step = Callable[[Trainer, int, Pending], Awaitable[Pending]]
+"""One step of an on-policy schedule: given what the step before left running (``Pending``: its
+records, behind its push's trailing probe), returns what this one leaves."""
+
+
 async def run_sync(tr: Trainer, steps: Steps) -> None:
-    for step in steps:
-        await sync_step(tr, step)
-    await tr.settle_probe()
+    await run_steps(tr, steps, sync_step)
 
 
 async def run_thunder(tr: Trainer, steps: Steps) -> None:
-    paired = tr.cfg.schedule.paired_sync  # the even steps take sync's path: both timed in one run
-    for step in steps:
-        await (sync_step(tr, step, label="sync") if paired and step % 2 == 0 else thunder_step(tr, step))
-    await tr.settle_probe()
+    await run_steps(tr, steps, thunder_step)
 
 
-async def sync_step(tr: Trainer, step: int, label: str | None = None) -> None:
+async def run_steps(tr: Trainer, steps: Steps, step_fn: Step) -> None:
+    """Each step hands the next what it left running; the last is awaited (or cancelled on an error)."""
+    last = done()
+    try:
+        for step in steps:
+            last = await step_fn(tr, step, last)
+        await last
+    finally:
+        last.cancel()
+
+
+async def sync_step(tr: Trainer, step: int, last: Pending, label: str | None = None) -> Pending:
     """One step of sync: the whole batch, then its gradient (``label``: the path's name in the
     metrics row when the run's schedule is another's)."""
     started = time.monotonic()
     episodes = await tr.rollout(step)
-    await tr.settle_probe()  # the last push's probe, scored while this batch generated
+    await last  # the last push's probe, scored while this batch generated
     outcome = await tr.train_at_end(episodes)
-    await tr.finish_step(step, StepRecord(episodes, started, schedule=label), outcome)
+    return await tr.finish(step, StepRecord(episodes, started, schedule=label), outcome)
 
 
-async def thunder_step(tr: Trainer, step: int) -> None:
+async def thunder_step(tr: Trainer, step: int, last: Pending) -> Pending:
     """One step of thunder: the batch's events reach the learner as they happen."""
     started = time.monotonic()
-    tr.service.submit(LearnerEndpoint.begin, tr.plan(), True)
+    tr.learner.begin(tr.plan(), streamed=True)
     episodes = await tr.rollout(step, stream=True)
-    await tr.settle_probe()  # checked before this batch's gradient is closed and applied
-    outcome = await tr.service.call(LearnerEndpoint.close)
-    await tr.finish_step(step, StepRecord(episodes, started), outcome)
+    await last  # checked before this batch's gradient is closed and applied
+    outcome = await tr.learner.close()
+    return await tr.finish(step, StepRecord(episodes, started), outcome)
 
 
 async def run_async(tr: Trainer, steps: Steps) -> None:
@@ -85,14 +95,14 @@ async def run_async(tr: Trainer, steps: Steps) -> None:
         if step + 1 < steps.stop:
             pending = asyncio.create_task(tr.rollout(step + 1))  # overlaps the learner's work below
         outcome = await tr.train_at_end(episodes)
-        await tr.finish_step(step, StepRecord(episodes, started), outcome, push=False)
+        await tr.finish(step, StepRecord(episodes, started), outcome, push=False)
     await tr.push_weights()
 
 
 async def run_fully_async(tr: Trainer, steps: Steps) -> None:
     cfg = tr.cfg
     num_groups, size = cfg.batch.num_prompts_per_batch, cfg.batch.samples_per_prompt
-    done: asyncio.Queue[list[Episode]] = asyncio.Queue()
+    finished: asyncio.Queue[list[Episode]] = asyncio.Queue()
     slots = asyncio.Semaphore(2 * num_groups)  # groups in flight: one batch ahead of the learner
     counter = itertools.count()
 
@@ -104,7 +114,7 @@ async def run_fully_async(tr: Trainer, steps: Steps) -> None:
                 tr.agent_loop.run_episode(inst, traj_id=g * size + k, group_id=g, seed=cfg.run.seed * 7919 + g * size + k)
                 for k in range(size)
             ))  # fmt: skip
-            await done.put(list(eps))
+            await finished.put(list(eps))
         finally:
             slots.release()
 
@@ -124,7 +134,7 @@ async def run_fully_async(tr: Trainer, steps: Steps) -> None:
             batch: list[list[Episode]] = []
             stale = refilled = 0  # refilled: dropped groups taken beyond num_groups (batch.max_refill_groups)
             while len(batch) - refilled < num_groups:
-                group = await done.get()
+                group = await finished.get()
                 oldest = min((t.policy_version for e in group for t in e.turns), default=tr.version)
                 if tr.version - oldest > cfg.schedule.max_staleness:
                     stale += 1
@@ -136,7 +146,7 @@ async def run_fully_async(tr: Trainer, steps: Steps) -> None:
                     refilled += 1  # the learner drops it: the next finished group takes its place
             episodes = [e for group in batch for e in group]
             outcome = await tr.train_at_end(episodes)
-            await tr.finish_step(step, StepRecord(episodes, started, dropped_stale=stale), outcome)
+            await tr.finish(step, StepRecord(episodes, started, dropped_stale=stale), outcome)
     finally:
         producer.cancel()
         for task in tasks:
@@ -144,6 +154,8 @@ async def run_fully_async(tr: Trainer, steps: Steps) -> None:
         await asyncio.gather(producer, *tasks, return_exceptions=True)
 
 
-SCHEDULES: dict[str, Callable[[Trainer, Steps], Awaitable[None]]] = {
+Schedule = Callable[[Trainer, Steps], Awaitable[None]]
+
+SCHEDULES: dict[str, Schedule] = {
     "sync": run_sync, "thunder": run_thunder, "async": run_async, "fully_async": run_fully_async,
 }

@@ -7,9 +7,6 @@ import logging
 import math
 from pathlib import Path
 
-from megathunder.config import ConfigError
-from megathunder.simulate.calibrate import schedule_estimates
-
 log = logging.getLogger(__name__)
 
 
@@ -32,8 +29,6 @@ def write_summary(out: Path, rows: list[dict]) -> dict:
         if rows and key in rows[0]:
             summary[f"{key}_first_steps"] = round(mean(key, rows[:k]), 4)
             summary[f"{key}_last_steps"] = round(mean(key, rows[-k:]), 4)
-    if rows and summary["schedule"] in ("sync", "thunder"):
-        summary.update(_what_thunder_bought(out))
     evals = [r for r in rows if "eval/pass@1" in r]
     if evals:
         summary["eval_pass@1_first"] = round(evals[0]["eval/pass@1"], 4)
@@ -42,22 +37,11 @@ def write_summary(out: Path, rows: list[dict]) -> dict:
     return summary
 
 
-def _what_thunder_bought(out: Path) -> dict:
-    """This run's own events replayed under sync and thunder by the calibrated simulator
-    (``megathunder.simulate.calibrate.schedule_estimates``): the gain on the user's workload, not
-    ours. Needs the run's trace of every step (``run.timeline_steps`` covering the run); else
-    nothing is reported."""
-    try:
-        est = schedule_estimates(out)
-    except (ConfigError, ValueError, KeyError) as err:
-        log.info("no schedule estimate for %s: %s", out, err)
-        return {}
-    return {key: round(value, 4) for key, value in est.items()}
-
-
 def print_summary(summary: dict, out: Path) -> None:
     print(f"\n{'metric':<34} value")
     for key, value in summary.items():
         print(f"{key:<34} {value:.4g}" if isinstance(value, float) else f"{key:<34} {value}")
     print(f"run directory: {out}  (metrics.jsonl, journal.jsonl, timeline.png, trace.json, checkpoints/)")
+    if summary.get("schedule") in ("sync", "thunder"):
+        print(f"this run replayed under sync and thunder: megathunder simulate --calibrate {out}")
     print(json.dumps(summary))

@@ -23,11 +23,17 @@ NUM_STEPS = 8
 
 def test_dry_run_prints_the_128_gpu_plan_and_refuses_a_bad_split(tmp_path):
     env = dict(os.environ, MT_DRY_RUN="1", MT_NODELIST="gpu[01-16]", MT_LOG_DIR=str(tmp_path),
-               MT_CONFIG="launch/slurm/grpo_128gpu.yaml")
+               MT_CONFIG="launch/slurm/grpo_128gpu.yaml", SLURM_CPUS_PER_TASK="12", SLURM_CPUS_ON_NODE="96")
     env.pop("SLURM_JOB_NODELIST", None)
     out = subprocess.run(["bash", SCRIPT], env=env, cwd=REPO, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
+    # every step names its CPUs (Slurm 22.05-23.02 steps do not inherit the job's --cpus-per-task):
+    # a rank its 12, a rollout node's servers the node's 96
+    steps = [line for line in lines if " srun " in f" {line} "]
+    assert steps and all("--cpus-per-task=" in line for line in steps), steps
+    assert all("--cpus-per-task=96" in line for line in steps if "rollout_node.sh" in line)
+    assert all("--cpus-per-task=12" in line for line in steps if "megathunder.cli train" in line)
     assert "rollout: 4 nodes (gpu01 gpu02 gpu03 gpu04), 1 vLLM servers per node, TP 8 each" in out.stdout
     assert "learner: 12 nodes (gpu05" in out.stdout and "8 ranks per node, world 96" in out.stdout
     assert sum("launch/slurm/rollout_node.sh" in line for line in lines) == 4
@@ -129,7 +135,7 @@ def test_a_layout_that_does_not_divide_the_learner_world_fails_the_job_naming_it
     assert job.seconds < HEALTH_TIMEOUT_S, job.seconds
 
 
-def test_opd_dry_run_trains_opd_with_the_teacher_and_an_optional_teacher_pool(tmp_path):
+def test_opd_dry_run_trains_opd_with_the_teacher_on_the_learner_ranks(tmp_path):
     env = dict(os.environ, MT_DRY_RUN="1", MT_NODELIST="gpu[01-16]", MT_LOG_DIR=str(tmp_path),
                MT_TEACHER_MODEL="/models/teacher")
     env.pop("SLURM_JOB_NODELIST", None)
@@ -140,20 +146,14 @@ def test_opd_dry_run_trains_opd_with_the_teacher_and_an_optional_teacher_pool(tm
         train = [line for line in out.stdout.splitlines() if "megathunder.cli train" in line]
         return out, train[0] if train else ""
 
-    # default: the teacher runs on the learner ranks (objective.kind: opd in the default config)
     out, train = dry_run()
     assert out.returncode == 0, out.stderr
     assert "learner: 12 nodes (gpu05" in out.stdout and "world 96" in out.stdout
     assert "--job-name=teacher" not in out.stdout
     assert "train launch/slurm/opd_128gpu.yaml" in train and "objective.teacher.hf_checkpoint=/models/teacher" in train
-    # with a vLLM teacher pool on its own nodes, between rollout and learner nodes
-    out, train = dry_run(MT_TEACHER_NODES="2", MT_TEACHER_URLS_KEY="teacher.server_urls")
-    assert out.returncode == 0, out.stderr
-    assert "teacher: 2 nodes (gpu05 gpu06), 1 vLLM servers per node of /models/teacher" in out.stdout
-    assert "learner: 10 nodes (gpu07" in out.stdout and "world 80" in out.stdout
-    teacher = [line for line in out.stdout.splitlines() if "--job-name=teacher" in line]
-    assert len(teacher) == 2 and all("MT_ROLLOUT_MODEL=/models/teacher" in line for line in teacher)
-    assert 'teacher.server_urls=["http://gpu05:8200","http://gpu06:8200"]' in train
+    # no teacher server pool: the trainer has no client for one, so asking for it is refused, not ignored
+    pool, _ = dry_run(MT_TEACHER_NODES="2")
+    assert pool.returncode != 0 and "MT_TEACHER_NODES=2: the teacher runs on the learner ranks" in pool.stdout + pool.stderr
     missing, _ = dry_run(MT_TEACHER_MODEL="")
     assert missing.returncode != 0 and "MT_TEACHER_MODEL" in missing.stderr
 

@@ -384,10 +384,25 @@ def ppo(args) -> None:
     destroy_distributed()
 
 
+def checkpoint_before_step(args) -> None:
+    """A checkpoint asked for before the learner's first optimizer step (Ctrl-C during the warm
+    start's first push): nothing to save, nothing written -- not Megatron's distributed optimizer
+    asserting a step in its ``state_dict`` and a ``step_0.tmp`` left behind."""
+    from megathunder.learner.checkpoint import latest_checkpoint, save_checkpoint
+
+    learner = _learner(args)
+    assert save_checkpoint(learner, args.ckpt) is None
+    assert not Path(args.ckpt).exists() or not any(Path(args.ckpt).iterdir()), list(Path(args.ckpt).iterdir())
+    assert latest_checkpoint(args.ckpt) is None
+    _streamed_step(learner, seed=1)
+    assert save_checkpoint(learner, args.ckpt) is not None and latest_checkpoint(args.ckpt).name == "step_1"
+    destroy_distributed()
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("mode", choices=["equivalence", "checkpoint_save", "checkpoint_resume", "hf_roundtrip", "saved_bytes",
-                                    "ppo", "packing", "routing_record"])
+    p.add_argument("mode", choices=["equivalence", "checkpoint_save", "checkpoint_resume", "checkpoint_before_step",
+                                    "hf_roundtrip", "saved_bytes", "ppo", "packing", "routing_record"])
     p.add_argument("--seq", type=int, default=64)
     p.add_argument("--ckpt")
     p.add_argument("--export")
@@ -415,9 +430,10 @@ def main() -> None:
     p.add_argument("--ledger", default="{}", help="JSON LedgerConfig fields besides max_group_slots (equivalence)")
     args = p.parse_args()
     {"equivalence": equivalence, "checkpoint_save": checkpoint_save, "checkpoint_resume": checkpoint_resume,
-     "hf_roundtrip": hf_roundtrip, "saved_bytes": saved_bytes, "ppo": ppo,
+     "checkpoint_before_step": checkpoint_before_step, "hf_roundtrip": hf_roundtrip, "saved_bytes": saved_bytes, "ppo": ppo,
      "packing": packing, "routing_record": routing_record}[args.mode](args)
 
 
 if __name__ == "__main__":
     main()
+

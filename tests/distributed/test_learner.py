@@ -140,6 +140,14 @@ def test_other_families_import_and_match_transformers(tmp_path, family, tie):
     _assert_logprobs_match_transformers(hf_dir, torch.load(out)["logprobs"], temperature=0.7)
 
 
+def test_a_checkpoint_before_the_first_optimizer_step_writes_nothing(hf_qwen2, tmp_path):
+    """Ctrl-C / SIGUSR1 before the first step: Megatron's distributed optimizer has no state to save
+    (its ``state_dict`` asserts a step); the save is skipped, nothing half-written stays behind, and
+    the first step's checkpoint is then written as usual (learner_worker.checkpoint_before_step)."""
+    launch(1, "checkpoint_before_step", "--out", str(tmp_path / "unused"), "--hf", str(hf_qwen2),
+           "--ckpt", str(tmp_path / "ckpt"), "--dist-opt")
+
+
 @pytest.mark.parametrize("dist_opt", [[], ["--dist-opt"], ["--ckpt-optimizer", "sgd"]],
                          ids=["plain_optimizer", "distributed_optimizer", "sgd_with_momentum"])
 def test_checkpoint_resume_is_exact_and_reshards_tp1_to_tp2(hf_qwen2, tmp_path, dist_opt):

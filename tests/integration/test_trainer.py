@@ -49,9 +49,12 @@ replaying thunder in the journal's order gives 0.0). 1e-3 is 80x that, and 60x b
 batch changes (one of 16 trajectories dropped or counted twice moves the update by ~6e-2)."""
 
 
-def train(out: Path, *overrides: str, timeout: int = 600) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "megathunder.cli", "train", str(ROOT / "configs/quickstart.yaml"),
-           f"run.output_dir={out}", *SMALL, *overrides]
+def train(out: Path, *overrides: str, timeout: int = 600, knobs: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+    """``megathunder train`` of the quickstart (``knobs``: the benchmarks' ``bench_train`` instead,
+    with those options)."""
+    entry = ["megathunder.bench.bench_train", *knobs] if knobs else ["megathunder.cli", "train"]
+    cmd = [sys.executable, "-m", *entry, str(ROOT / "configs/quickstart.yaml"), f"run.output_dir={out}", *SMALL,
+           *overrides]
     proc = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     assert "nanobind: leaked" not in proc.stderr, proc.stderr[-3000:]  # the frozen heap is thawed before exit
@@ -113,10 +116,7 @@ def test_quickstart_writes_its_report_and_checks_every_step(base):
     assert all(x["num_episodes"] == 16 and x["kept_groups"] + x["dropped_groups"] == 4 for x in r)
     summary = json.loads((base / "summary.json").read_text())
     assert summary["steps"] == 3 and summary["schedule"] == "thunder"
-    # what thunder bought on this run's own workload: its events replayed under sync and thunder
-    assert summary["sim_sync_step_s"] > 0 and summary["sim_thunder_step_s"] > 0
-    assert summary["sim_thunder_speedup"] == pytest.approx(summary["sim_sync_step_s"] / summary["sim_thunder_step_s"],
-                                                           rel=1e-2)
+    assert not any(key.startswith("sim_") for key in summary)  # the simulator is a command of its own
     assert (base / "timeline.png").stat().st_size > 10_000
     trace = json.loads((base / "trace.json").read_text())["traceEvents"]
     assert {"finished", "reward", "close", "step", "send_weights"} <= {e["name"] for e in trace}
@@ -136,10 +136,16 @@ def test_the_simulator_calibrates_on_the_quickstart_run(base):
     from megathunder.simulate.calibrate import calibrate
     from megathunder.simulate.run_dir import load_run
 
+    from megathunder.simulate.calibrate import schedule_estimates
+
     result = calibrate(load_run(base))
     assert result["schedule"] == "thunder" and result["steps"] == 3
     assert result["fitted"]["learner_seconds_per_token"] > 0 and result["fitted"]["weight_sync_s"] > 0
     assert abs(result["error"]) < 0.5, result
+    # what thunder bought on this run's own workload: its events replayed under sync and thunder
+    est = schedule_estimates(base)
+    assert est["sim_sync_step_s"] > 0 and est["sim_thunder_step_s"] > 0
+    assert est["sim_thunder_speedup"] == pytest.approx(est["sim_sync_step_s"] / est["sim_thunder_step_s"], rel=1e-2)
 
 
 def test_replay_through_sync_and_thunder_gives_the_live_parameters(base, tmp_path):
@@ -235,20 +241,20 @@ def test_per_turn_score_gradients_stream_every_trajectory_and_replay_through_syn
     r = rows(run)
     assert all(x["turn_scores"] == x["num_episodes"] == 16 and x["pending_backward"] == 0 for x in r), r
     assert all(x["policy_lag_max"] == 0 and x["probe_gap"] <= 1e-3 for x in r)
-    # step 0's probe was scored while step 1's turns streamed (schedule.probe_overlap); the last runs whole
+    # step 0's probe was scored while step 1's turns streamed (probe.overlap); the last runs whole
     assert [x["probe_trailed"] for x in r] == [1, 0]
     replay(run, tmp_path / "sync", "sync")
     assert update_error(base / "sft_model", tmp_path / "sync", run / "final_model") <= UPDATE_RTOL
 
 
 def test_a_paired_run_alternates_sync_and_thunder_steps_and_trains_as_sync(base, tmp_path):
-    """``schedule.paired_sync``: even steps take sync's path, odd ones thunder's, each named in its
+    """``bench_train --paired``: even steps take sync's path, odd ones thunder's, each named in its
     metrics row, every one zero-stale; the run's update is sync's (its journal replayed through
     sync) within UPDATE_RTOL. ``megathunder bench schedules --paired`` reads these rows."""
     from megathunder.bench.schedule_runs import paired
 
     run = tmp_path / "run"
-    train(run, "schedule.paired_sync=true", "run.num_steps=3", "eval.every_n_steps=0", *warm(base))
+    train(run, "run.num_steps=3", "eval.every_n_steps=0", *warm(base), knobs=("--paired",))
     r = rows(run)
     assert [x["schedule"] for x in r] == ["sync", "thunder", "sync"]
     assert all(x["policy_lag_max"] == 0 and x["probe_gap"] <= 1e-3 for x in r)
@@ -259,11 +265,11 @@ def test_a_paired_run_alternates_sync_and_thunder_steps_and_trains_as_sync(base,
 
 
 def test_a_stale_push_stops_the_run_at_its_trailing_probe_before_the_next_batch_is_trained(base, tmp_path):
-    """``schedule.probe_overlap``: vLLM's part of push k's probe runs at once, the learner scores it
+    """``probe.overlap``: vLLM's part of push k's probe runs at once, the learner scores it
     while batch k + 1 generates, and the schedules check it before batch k + 1's gradient is closed.
     ``chaos.faults`` stale_push: the push after step 1 loads nothing while the engine stamps version
     2, so vLLM repeats the previous probe bit for bit while the learner's logprobs moved: the run
-    must stop there, in ``settle_probe`` (before step 2's close and optimizer step), with step 0's
+    must stop there, where step 2 awaits it (before step 2's close and optimizer step), with step 0's
     records written (its own probe trailed and passed) and step 1's not."""
     cmd = [sys.executable, "-m", "megathunder.cli", "train", str(ROOT / "configs/quickstart.yaml"),
            f"run.output_dir={tmp_path}", *SMALL, *warm(base), "run.num_steps=3", "eval.every_n_steps=0",
@@ -271,7 +277,7 @@ def test_a_stale_push_stops_the_run_at_its_trailing_probe_before_the_next_batch_
     proc = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 1, proc.stderr[-5000:]
     assert "StaleWeightsError" in proc.stderr and "policy version 2" in proc.stderr, proc.stderr[-3000:]
-    assert "bit for bit" in proc.stderr and "in settle_probe" in proc.stderr, proc.stderr[-3000:]
+    assert "bit for bit" in proc.stderr and "in thunder_step" in proc.stderr, proc.stderr[-3000:]
     r = rows(tmp_path)
     assert [x["step"] for x in r] == [0] and r[0]["probe_trailed"] == 1 and 0 <= r[0]["probe_gap"] <= 1e-3, r
     journal = [json.loads(line)["rec"] for line in (tmp_path / "journal.jsonl").read_text().splitlines()]
@@ -300,9 +306,10 @@ def test_fully_async_schedule_bounds_staleness(base, tmp_path):
     assert all(x["probe_gap"] <= 1e-3 for x in r)
 
 
-SLOW_STEPS = ["agent.added_verifier_latency_s=2", "eval.every_n_steps=0"]
-"""For tests that act between two steps of a 4-step run, which the run must not finish first: each
-step then takes >= 2 s (a quickstart step is ~0.3 s), so the test's 0.2 s polls have seconds to spare."""
+SLOW_STEPS = ("--verifier-latency=2",)
+"""For tests that act between two steps of a 4-step run, which the run must not finish first: run
+through ``bench_train`` with 2 s before every reward, each step then takes >= 2 s (a quickstart step
+is ~0.3 s), so the test's 0.2 s polls have seconds to spare."""
 
 
 # a crash and resume equal to the journal replay: tests/integration/test_chaos.py (corrupt_journal, full disk)
@@ -312,8 +319,8 @@ def test_kill_and_resume_reproduces_the_uninterrupted_parameters(base, tmp_path)
     the journal holds each step once, and the final weights equal a replay of the journal from
     the start (what the uninterrupted run would have computed from the same trajectories)."""
     out = tmp_path / "run"
-    args = ["run.num_steps=4", "run.checkpoint_every=2", *SLOW_STEPS, *warm(base)]
-    cmd = [sys.executable, "-m", "megathunder.cli", "train", str(ROOT / "configs/quickstart.yaml"),
+    args = ["run.num_steps=4", "run.checkpoint_every=2", "eval.every_n_steps=0", *warm(base)]
+    cmd = [sys.executable, "-m", "megathunder.bench.bench_train", *SLOW_STEPS, str(ROOT / "configs/quickstart.yaml"),
            f"run.output_dir={out}", *SMALL, *args]
     # the machine dies: every process of the run at once (as under a launcher: no supervisor)
     proc = subprocess.Popen(cmd, env={**ENV, "MEGATHUNDER_SUPERVISE": "0"}, cwd=ROOT, stdout=subprocess.DEVNULL,
@@ -326,7 +333,7 @@ def test_kill_and_resume_reproduces_the_uninterrupted_parameters(base, tmp_path)
         time.sleep(0.2)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
-    resumed = train(out, *args)
+    resumed = train(out, *args, knobs=SLOW_STEPS)
     assert "resumed from" in resumed.stdout + resumed.stderr
     assert [x["step"] for x in rows(out)] == [0, 1, 2, 3]
     steps = [json.loads(line)["rec"] for line in (out / "journal.jsonl").read_text().splitlines()]
@@ -349,12 +356,13 @@ def _run_children(supervisor_pid: int) -> list[int]:
     return alive
 
 
-def _start_interactive(out: Path, *args: str, shm: Path | None = None) -> subprocess.Popen:
-    """``megathunder train`` as a person starts it (supervised: no launcher in the environment).
-    ``shm``: as root, the run sees this directory as its /dev/shm (a mount namespace of its own,
-    as the chaos soak's runs), so what it leaves there is its own, not another job's on the machine."""
-    cmd = [sys.executable, "-m", "megathunder.cli", "train", str(ROOT / "configs/quickstart.yaml"),
-           f"run.output_dir={out}", *SMALL, *args]
+def _start_interactive(out: Path, *args: str, shm: Path | None = None, knobs: tuple[str, ...] = ()) -> subprocess.Popen:
+    """``megathunder train`` as a person starts it (supervised: no launcher in the environment;
+    ``knobs``: ``bench_train`` with them, supervised the same way). ``shm``: as root, the run sees
+    this directory as its /dev/shm (a mount namespace of its own, as the chaos soak's runs), so what
+    it leaves there is its own, not another job's on the machine."""
+    entry = ["megathunder.bench.bench_train", *knobs] if knobs else ["megathunder.cli", "train"]
+    cmd = [sys.executable, "-m", *entry, str(ROOT / "configs/quickstart.yaml"), f"run.output_dir={out}", *SMALL, *args]
     if shm is not None:
         shm.mkdir(parents=True, exist_ok=True)
         shm.chmod(0o1777)
@@ -399,9 +407,9 @@ def test_ctrl_c_finishes_the_step_checkpoints_and_resumes(base, tmp_path):
     to resume and exits 75, leaving no process and no shared-memory segment; the same command then
     continues from the checkpoint and trains each step once."""
     out = tmp_path / "run"
-    args = ["run.num_steps=4", *SLOW_STEPS, *warm(base)]
+    args = ["run.num_steps=4", "eval.every_n_steps=0", *warm(base)]
     shm = ShmLeaks(tmp_path)
-    proc = _start_interactive(out, *args, shm=shm.dir)
+    proc = _start_interactive(out, *args, shm=shm.dir, knobs=SLOW_STEPS)
     _wait_for_step(proc, out, 0)
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=300)
@@ -412,7 +420,7 @@ def test_ctrl_c_finishes_the_step_checkpoints_and_resumes(base, tmp_path):
     assert 1 <= stopped < 4 and (out / "checkpoints" / "latest").read_text().strip() == f"step_{stopped}"
     assert _run_children(proc.pid) == []
     assert shm.left() == set()
-    resumed = train(out, *args)
+    resumed = train(out, *args, knobs=SLOW_STEPS)
     assert "resumed from" in resumed.stdout + resumed.stderr
     assert [x["step"] for x in rows(out)] == [0, 1, 2, 3]
 
@@ -426,8 +434,8 @@ def test_a_second_ctrl_c_stops_at_once_and_cleanly(base, tmp_path):
     did once, and the second Ctrl-C met the run's close instead -- the next test)."""
     out = tmp_path / "run"
     shm = ShmLeaks(tmp_path)
-    proc = _start_interactive(out, "run.num_steps=50", f"agent.added_verifier_latency_s={VERIFIER_S}",
-                              "eval.every_n_steps=0", *warm(base), shm=shm.dir)  # no evaluation's rewards to wait for
+    proc = _start_interactive(out, "run.num_steps=50", "eval.every_n_steps=0", *warm(base), shm=shm.dir,
+                              knobs=(f"--verifier-latency={VERIFIER_S}",))  # no evaluation's rewards to wait for
     _wait_for_step(proc, out, 0)
     proc.send_signal(signal.SIGINT)
     time.sleep(0.2)

@@ -27,7 +27,7 @@ def test_ablations_run_thunder_with_one_mechanism_off_against_the_same_sync(monk
 
     calls = []
 
-    def fake_train(config, out, overrides):
+    def fake_train(config, out, overrides, knobs):
         calls.append((out.name, overrides))
         thunder = "schedule.mode=thunder" in overrides
         step = 3.0 if not thunder else (2.5 if "ledger.per_turn_scores=off" in overrides else 2.0)
@@ -69,7 +69,7 @@ def test_rounds_alternate_the_order_and_report_the_median_of_per_round_ratios(mo
              ("round2", "sync"): 2.0, ("round2", "thunder"): 2.5}   # 0.8
     calls = []
 
-    def fake_train(config, out, overrides):
+    def fake_train(config, out, overrides, knobs):
         calls.append((out.parent.name, out.name, [o for o in overrides if o.startswith(("sft.", "learner.model"))]))
         (out / "sft_model").mkdir(parents=True)
         _write_steps(out, [9.0, steps[out.parent.name, out.name]], 0.5)
@@ -89,7 +89,7 @@ def test_rounds_alternate_the_order_and_report_the_median_of_per_round_ratios(mo
 
 
 def test_the_paired_run_compares_each_sync_step_with_the_thunder_step_after_it(monkeypatch, tmp_path) -> None:
-    """``--paired``: one more thunder run with ``schedule.paired_sync``; its ratio is the median over
+    """``--paired``: one more thunder run with ``bench_train --paired``; its ratio is the median over
     (sync step, next thunder step) pairs of sync's time over thunder's, the first pair left out --
     not the ratio of the two paths' median times -- and the rounds' medians of that."""
     from megathunder.bench import schedule_runs
@@ -98,8 +98,8 @@ def test_the_paired_run_compares_each_sync_step_with_the_thunder_step_after_it(m
     steps = [9.0, 8.0, 3.0, 2.0, 2.0, 2.0, 1.8, 2.0]
     calls = []
 
-    def fake_train(config, out, overrides):
-        calls.append((out.name, overrides[-1]))
+    def fake_train(config, out, overrides, knobs):
+        calls.append((out.name, overrides[-1], knobs[-1]))
         out.mkdir(parents=True)
         rows = [{"step": k, "step_s": s, "learner_idle_share": 0.5, "schedule": ("sync", "thunder")[k % 2]}
                 for k, s in enumerate(steps)]
@@ -108,7 +108,8 @@ def test_the_paired_run_compares_each_sync_step_with_the_thunder_step_after_it(m
 
     monkeypatch.setattr(schedule_runs, "_train", fake_train)
     res = schedule_runs.run_workload("quickstart", _args(schedules=["sync"], paired=True), tmp_path)
-    assert calls == [("sync", "schedule.mode=sync"), ("paired", "schedule.paired_sync=true")]
+    assert calls == [("sync", "schedule.mode=sync", "--verifier-latency=0.0"),
+                     ("paired", "schedule.mode=thunder", "--paired")]
     p = res["paired"]
     assert p["pairs"] == 3 and p["paired_vs_sync"] == pytest.approx(1.0)  # the median of 1.5, 1.0, 0.9
     assert p["sync_step_s"] == 2.0 and p["thunder_step_s"] == 2.0 and p["step_s"] == 2.0
@@ -171,7 +172,7 @@ def test_the_paired_run_reports_thunder_minus_sync_per_phase(monkeypatch, tmp_pa
     steps = {k: (base if k % 2 == 0 else thunder) for k in range(8)}
     steps[1] = dict(base, rollout=99.0)  # the first pair, left out
 
-    def fake_train(config, out, overrides):
+    def fake_train(config, out, overrides, knobs):
         out.mkdir(parents=True)
         rows = [{"step": k, "step_s": 0.1, "learner_idle_share": 0.5, "schedule": ("sync", "thunder")[k % 2]}
                 for k in steps]

@@ -102,9 +102,9 @@ def test_learner_faults_are_sent_once_after_their_trajectories(tmp_path):
     assert service.faults == [("kill_learner", 1), ("hang_learner", 3)]
 
 
-@pytest.mark.parametrize("overrides", [["rollout.engine.deployment=server"], ["schedule.probe_tokens=0"]])
+@pytest.mark.parametrize("overrides", [["rollout.engine.deployment=server"], ["probe.tokens=0"]])
 def test_a_stale_push_needs_the_in_process_engine_and_the_probe_that_catches_it(overrides):
     with pytest.raises(ConfigError) as err:
         load_config(None, ["chaos.faults=[{kind: stale_push, step: 0}]", "run.num_steps=2", *overrides])
-    assert "chaos.faults.0.kind" in str(err.value) and "probe_tokens > 0" in str(err.value), str(err.value)
+    assert "chaos.faults.0.kind" in str(err.value) and "probe.tokens > 0" in str(err.value), str(err.value)
     assert load_config(None, ["chaos.faults=[{kind: stale_push, step: 1}]", "run.num_steps=3"]).chaos.faults[0].step == 1

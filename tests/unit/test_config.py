@@ -47,7 +47,6 @@ def test_overrides_are_typed_and_nested():
         (["objective.entropy_quantile_mask=0.2"], "objective.entropy_quantile_mask"),
         (["batch.max_refill_groups=2"], "batch.max_refill_groups"),  # nothing is ever dropped
         (["batch.max_refill_groups=-1"], "batch.max_refill_groups"),
-        (["schedule.mode=sync", "schedule.paired_sync=true"], "schedule.paired_sync"),
         (["nonsense.key=1"], "nonsense"),
     ],
 )

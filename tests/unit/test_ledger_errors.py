@@ -133,3 +133,45 @@ def test_finish_in_the_wrong_group(setup):
             ledger.on_finished(t)
     finally:
         t.group_id -= 1000
+
+
+@pytest.mark.parametrize("bad", ["1", True, torch.tensor(1.0), torch.tensor([1.0]), [1.0]])
+def test_a_reward_that_is_not_a_real_number_is_refused_by_name(setup, bad):
+    """``float("1")``, ``float(True)`` and ``float(torch.tensor(1.0))`` are all 1.0: taken as given
+    they would train; refused, the batch goes on and stays exact."""
+    model, objective, batch, rewards, backend, ledger = setup
+    ledger.on_finished(batch[0])
+    with pytest.raises(LedgerError, match=f"trajectory {batch[0].traj_id}: reward .* is not a real number"):
+        ledger.on_reward(batch[0].traj_id, bad)
+    _finish_rest(ledger, batch, rewards, finished={batch[0].traj_id})
+    _assert_still_exact(model, objective, batch, rewards, backend)
+
+
+def test_integer_and_numpy_rewards_are_real_numbers(setup):
+    import numpy as np
+
+    model, objective, batch, rewards, backend, ledger = setup
+    ledger.on_finished(batch[0])
+    ledger.on_reward(batch[0].traj_id, np.float64(rewards[0]))  # a numpy float is a real number
+    _finish_rest(ledger, batch, rewards, finished={batch[0].traj_id}, rewarded={batch[0].traj_id})
+    _assert_still_exact(model, objective, batch, rewards, backend)
+
+
+def test_a_backend_built_with_another_objective_is_refused():
+    """A ``TorchBackend`` computing token-mean losses under a ledger whose coefficients assume
+    seq-mean-token-mean gave a gradient 4x off, silently."""
+    model = small_model("float64")
+    backend = TorchBackend(model, GRPOObjective(loss_agg="token_mean"))
+    with pytest.raises(LedgerError, match="another objective than the ledger's .*loss_agg"):
+        GradientLedger(backend, GRPOObjective(loss_agg="seq_mean_token_mean"))
+    GradientLedger(backend, GRPOObjective(loss_agg="token_mean"))  # an equal objective is the same one
+
+
+def test_an_objective_without_a_reward_part_is_refused_at_construction():
+    from megathunder.config import OPDObjective
+
+    model = small_model("float64")
+    with pytest.raises(LedgerError, match="objective.kind=opd has no reward part"):
+        GradientLedger(TorchBackend(model, GRPOObjective()), OPDObjective())  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="objective.kind=opd has no reward part"):
+        TorchBackend(model, OPDObjective())  # type: ignore[arg-type]

@@ -12,7 +12,7 @@ import pytest
 
 from megathunder.config import PolicyModelConfig, load_config
 from megathunder.plan import plan_cmd
-from megathunder.plan.memory_plan import GiB, Machine, ModelShape, plan, read_model_config, stage_params
+from megathunder.plan.memory_plan import GiB, Machine, ModelShape, pinned, plan, read_model_config, stage_params
 from megathunder.streaming.buffers import slots_within_budget
 
 REPO = Path(__file__).resolve().parents[2]
@@ -233,7 +233,7 @@ def test_qwen3_30b_a3b_counts_experts_per_rank_and_per_push():
                              "learner.parallel.tensor_parallel=4", "learner.parallel.sequence_parallel=true",
                              "learner.parallel.expert_parallel=4", "learner.parallel.pipeline_parallel=4",
                              "learner.optimizer.use_distributed_optimizer=true",
-                             "learner.activations.recompute=full", "agent.max_total_tokens=8192",
+                             "learner.activations.recompute=full", "agent.max_total_tokens=8192", "rollout.engine.deployment=server",
                              "ledger.slot_placement=host", "ledger.slot_budget_gb=64", "ledger.max_group_slots=null"])
     result = plan_cmd.run_plan(cfg, Machine(gpu_memory_gb=80.0, ranks_per_node=8, world=32))
     assert result.feasible, result.problems
@@ -275,8 +275,85 @@ def test_pending_buffers_are_planned_within_the_slot_budget():
     capped = plan_cmd.run_plan(load_config(REPO / "launch/slurm/grpo_128gpu.yaml", base + ["ledger.max_pending=2", "ledger.max_group_slots=2"]), H100)
     (line,) = [line for line in capped.lines if line.part == "ledger pending"]
     buffer = sum(stage_params(shape_of("32B"), 8, 2, 1)) * 4
-    assert line.host == 2 * buffer and line.device == 0  # the shipped config places slots on the host
+    assert line.host == 2 * pinned(buffer) and line.device == 0  # on the host (pinned: power-of-two rounded)
     rest = plan_cmd.run_plan(load_config(REPO / "launch/slurm/grpo_128gpu.yaml",
                                          base + ["ledger.max_pending=null", "ledger.max_group_slots=2"]), H100)
     (line,) = [line for line in rest.lines if line.part == "ledger pending"]
-    assert line.host == pending_within_budget(None, 2, 64.0, buffer, 2) * buffer > 0
+    assert line.host == pending_within_budget(None, 2, 64.0, buffer, 2) * pinned(buffer) > 0
+
+
+SHIPPED_MODELS = {  # the launch configs' /models/... paths, as the fixtures' shapes
+    "launch/slurm/grpo_128gpu.yaml": ["learner.model.hf_checkpoint=" + qwen("32B")],
+    "launch/slurm/opd_128gpu.yaml": ["learner.model.hf_checkpoint=" + qwen("7B"),
+                                     "objective.teacher.hf_checkpoint=" + qwen("32B")],
+}
+
+
+@pytest.mark.parametrize("config", sorted(str(p.relative_to(REPO)) for p in [*REPO.glob("configs/*.yaml"),
+                                                                              *REPO.glob("launch/slurm/*.yaml")]))
+def test_every_shipped_config_is_planned(config, capsys):
+    """``megathunder plan`` on every config the repository ships (the CPU ones as CPU ranks, the
+    cluster ones at their launch's world with their models' shapes): a table and a feasible plan,
+    never a crash (it was: a TypeError on the tiny MoE of configs/quickstart_moe.yaml)."""
+    cluster = config.startswith("launch/")
+    argv = [str(REPO / config), *SHIPPED_MODELS.get(config, [])]
+    argv += ["--world", "96", "--host-memory-gb", "2048"] if cluster else ["--cpu", "--host-memory-gb", "24"]
+    status = plan_cmd.main(argv)
+    out = capsys.readouterr().out.strip().splitlines()
+    assert status == 0, out[-5:]
+    assert out[0].startswith("layout: world") and json.loads(out[-1])["plan"]["feasible"]
+
+
+def test_the_in_process_engine_on_a_learner_gpu_is_counted_and_refused_when_it_does_not_fit(capsys):
+    """A single-node GPU run with the default in-process engine: vLLM takes 0.9 of learner rank 0's
+    GPU, which the plan counts (it did not: "fits"), and refuses naming the field; with the engine
+    on servers of its own the same layout fits; a share that leaves the learner room is planned."""
+    argv = [str(REPO / "configs/quickstart.yaml"), "learner.model.hf_checkpoint=" + qwen("7B"),
+            "learner.precision.params_dtype=bfloat16", "learner.parallel.tensor_parallel=4", "ledger.max_group_slots=0"]
+    options = ["--world", "8", "--host-memory-gb", "2048"]
+    assert plan_cmd.main([*argv, "rollout.engine.gpu_memory_utilization=0.9", *options]) == 1  # vLLM's default
+    err = capsys.readouterr().err
+    assert "rollout.engine.deployment: in_process puts vLLM on learner rank 0's GPU" in err, err
+    assert plan_cmd.main([*argv, "rollout.engine.deployment=server", *options]) == 0
+    capsys.readouterr()
+    assert plan_cmd.main([*argv, "rollout.engine.gpu_memory_utilization=0.1", *options]) == 0
+    out = capsys.readouterr().out
+    assert "in-process engine" in out and json.loads(out.strip().splitlines()[-1])["plan"]["rollout_device"][
+        "in-process engine"] == round(0.1 * 80 * GiB)
+
+
+def test_sparse_patches_count_the_whole_model_copy_on_every_rollout_gpu(capsys):
+    """``sparse_threshold`` > 0 keeps the whole model in checkpoint layout on each rollout GPU beside
+    vLLM's share: ~61 GiB at 32B in bf16 -- refused at the shipped 0.85 (the plan never counted it)."""
+    argv = [str(REPO / "launch/slurm/grpo_128gpu.yaml"), "learner.model.hf_checkpoint=" + qwen("32B"),
+            "rollout.engine.weight_transfer.sparse_threshold=0.5", "--world", "96", "--host-memory-gb", "2048"]
+    assert plan_cmd.main(argv) == 1
+    err = capsys.readouterr().err
+    assert "rollout.engine.weight_transfer.sparse_threshold: 0.5 keeps a copy of the whole model (61.0 GiB)" in err, err
+
+
+def test_pinned_host_slots_are_planned_as_torch_rounds_them():
+    """Host-placed slots are pinned on GPUs, and torch's host allocator rounds a pinned allocation up
+    to a power of two: at 32B (TP8 x PP2) a 7.63 GiB slot takes 8 GiB. On CPU nothing is pinned."""
+    from megathunder.plan.memory_plan import pinned
+
+    assert pinned(3) == 4 and pinned(4) == 4 and pinned(7 * GiB + 1) == 8 * GiB and pinned(0) == 0
+    cfg = load_config(REPO / "launch/slurm/grpo_128gpu.yaml", ["learner.model.hf_checkpoint=" + qwen("32B")])
+    result = plan_cmd.run_plan(cfg, Machine(world=96, host_memory_gb=2048))
+    slots = next(line for line in result.lines if line.part == "ledger slots")
+    k = result.ledger_slots
+    assert slots.host == (2 * k + 1) * 8 * GiB and "pinned" in slots.note
+
+
+def test_a_run_with_the_in_process_engine_on_a_gpu_is_refused_unless_its_share_is_set():
+    """Before anything starts (``megathunder train`` on a GPU machine): the default in-process engine
+    would take 0.9 of learner rank 0's GPU; refused naming the field unless the share is set."""
+    from megathunder.config import ConfigError
+    from megathunder.trainer.run import check_engine_placement
+
+    default = load_config(None, [])
+    with pytest.raises(ConfigError, match="rollout.engine.deployment: in_process on a GPU"):
+        check_engine_placement(default, cuda=True)
+    check_engine_placement(default, cuda=False)  # CPU: vLLM's KV cache is its own memory
+    check_engine_placement(load_config(None, ["rollout.engine.gpu_memory_utilization=0.2"]), cuda=True)
+    check_engine_placement(load_config(None, ["rollout.engine.deployment=server"]), cuda=True)

@@ -63,6 +63,15 @@ def test_dapo_keeps_only_groups_with_signal():
     assert keeps_group([1.0, 1.0], GRPOObjective())
 
 
+def test_dapo_singletons_are_dropped_or_kept_as_verl_keeps_them():
+    """A group of one has all its rewards equal, trivially: dropped by default, kept with
+    ``dapo_singletons: keep`` (verl's DAPO recipe keeps groups of one); larger groups as before."""
+    drop = GRPOObjective(dapo_dynamic_sampling=True)
+    keep = GRPOObjective(dapo_dynamic_sampling=True, dapo_singletons="keep")
+    assert not keeps_group([1.0], drop) and keeps_group([1.0], keep)
+    assert not keeps_group([1.0, 1.0], keep) and keeps_group([1.0, 0.0], keep)
+
+
 @pytest.mark.parametrize(
     "mode,expected_z,expected_nu",
     [

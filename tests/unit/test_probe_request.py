@@ -62,11 +62,11 @@ def test_prompt_logprobs_are_read_from_vllms_objects_and_from_its_json():
         scored_prompt(prompt, 2, objects[:3], lambda lp: lp.logprob)
 
 
-class TemperedService:
+class TemperedLearner:
     """The learner of a fake model whose logit of token t is -t / 10: its logprob of t at temperature
-    T is taken as -t / (10 T) (the score call ``Trainer`` makes: tokens, prompt length, routing, T)."""
+    T is taken as -t / (10 T) (the score call the ``Probe`` makes: tokens, prompt length, routing, T)."""
 
-    async def call(self, fn, tokens, prompt_len, routed=None, temperature=None):
+    async def score(self, tokens, prompt_len, routed_experts=None, temperature=None):
         return torch.tensor([-0.1 * t / temperature for t in tokens[prompt_len:]], dtype=torch.float64)
 
 
@@ -85,27 +85,21 @@ class TemperedEngine:
         return Completion(tokens, [-0.1 * t / self.sample_temperature for t in tokens], "length", 0)
 
 
-def _calibrated_trainer(engine_samples_at: float, *overrides: str):
-    from types import SimpleNamespace
-
+def _calibrated_probe(engine_samples_at: float, *overrides: str):
     from megathunder.config import load_config
-    from megathunder.trainer.probe import ProbeTolerance
-    from megathunder.trainer.trainer import Trainer
+    from megathunder.trainer.probe import Probe
 
-    trainer = Trainer.__new__(Trainer)  # only what the probe's calibration reads
-    trainer.cfg = load_config(None, ["rollout.temperature=0.8", *overrides])
-    trainer.service, trainer.engine = TemperedService(), TemperedEngine(engine_samples_at)
-    trainer.agent_loop, trainer.version = SimpleNamespace(routing=None), 0
-    trainer._probe_continuation, trainer._probe_prompt = None, lambda: [1, 2, 3]
-    trainer.probe_tolerance = ProbeTolerance(1e-3, 10.0)
-    asyncio.run(trainer._calibrate_probe())
-    return trainer
+    cfg = load_config(None, ["rollout.temperature=0.8", *overrides])
+    probe = Probe(TemperedEngine(engine_samples_at), TemperedLearner(), [1, 2, 3], cfg.probe, cfg.rollout.temperature,
+                  cfg.rollout.engine.logprobs_mode == "processed_logprobs")
+    asyncio.run(probe.check(version=0))  # the first check calibrates
+    return probe
 
 
 def test_calibration_stops_an_engine_that_samples_at_another_temperature():
     from megathunder.trainer.probe import StaleWeightsError
 
-    assert _calibrated_trainer(0.8).probe_tolerance.floor <= 1e-15  # the fake's scores agree up to rounding
-    _calibrated_trainer(1.0, "rollout.engine.logprobs_mode=raw_logprobs")  # raw: of the unscaled logits
+    assert _calibrated_probe(0.8).tolerance.floor <= 1e-15  # the fake's scores agree up to rounding
+    _calibrated_probe(1.0, "rollout.engine.logprobs_mode=raw_logprobs")  # raw: of the unscaled logits
     with pytest.raises(StaleWeightsError, match="samples another distribution"):
-        _calibrated_trainer(1.0)  # its samples' logprobs are of T = 1, the learner trains T = 0.8
+        _calibrated_probe(1.0)  # its samples' logprobs are of T = 1, the learner trains T = 0.8

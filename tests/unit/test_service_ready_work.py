@@ -9,6 +9,7 @@ import time
 
 import pytest
 
+from megathunder.learner.pack_window import PackWindow
 from megathunder.learner.service import LearnerService
 
 
@@ -49,7 +50,7 @@ def test_calls_queued_behind_others_are_told_and_ready_work_follows_the_last():
 
 
 class Windowed(Recorder):
-    """An endpoint whose ``event`` calls may wait for the next call (``pack_window_s``)."""
+    """An endpoint whose ``event`` calls may wait for the next call (``PackWindow``)."""
 
     WINDOW_CALLS = ("event",)
 
@@ -67,10 +68,10 @@ class Windowed(Recorder):
 @pytest.mark.parametrize("window_s, told", [(60.0, True), (0.0, False)], ids=["window", "no_window"])
 def test_an_event_on_an_idle_learner_waits_for_the_next_call_within_the_window(window_s, told):
     """The first event starts with nothing queued (the test submits the next call only once it
-    has started); within ``pack_window_s`` (60 s here, so the test cannot race it) that call
+    has started); within the window (60 s here, so the test cannot race it) that call
     arrives and the event is told more is queued. Without the window it is not: the control."""
     rec = Windowed()
-    service = LearnerService(rec, pack_window_s=window_s)
+    service = LearnerService(rec, window=PackWindow(window_s))
     try:
         first = service.submit(Windowed.event, 0)
         deadline = time.monotonic() + 30
@@ -94,13 +95,13 @@ def _started(service: LearnerService, calls: int) -> None:
 
 def test_the_window_stays_open_while_the_engine_generates_and_closes_when_it_stops():
     """``generating`` (the in-process engine has sequences in flight) keeps an event's window open
-    far past ``pack_window_s`` (1 ms): the next call, submitted only after the window's own bound,
+    far past the window (1 ms): the next call, submitted only after the window's own bound,
     still finds the event waiting and it is told more is queued. When generation stops with no
     call behind it, the window closes (the event runs with nothing queued; bounded by the poll)."""
     rec = Windowed()
     generating = threading.Event()
     generating.set()
-    service = LearnerService(rec, pack_window_s=0.001, generating=generating.is_set)
+    service = LearnerService(rec, window=PackWindow(0.001, generating.is_set))
     try:
         first = service.submit(Windowed.event, 0)
         _started(service, 1)
@@ -121,7 +122,7 @@ def test_the_window_stays_open_while_the_engine_generates_and_closes_when_it_sto
 
 def test_when_generation_ends_the_window_waits_once_more_for_the_burst_it_releases():
     """The engine's last sequences reach the learner just after it stops generating: the window
-    held open by ``generating`` waits ``pack_window_s`` once more after it turns false, and the
+    held open by ``generating`` waits the window once more after it turns false, and the
     call that arrives then finds the event waiting. ``generating`` itself starts that call on
     another thread the moment it first answers false: the call needs the service's lock, which the
     window releases only when it waits, so it arrives during that wait and never before."""
@@ -136,7 +137,7 @@ def test_when_generation_ends_the_window_waits_once_more_for_the_burst_it_releas
             follow[0].start()
         return now
 
-    service = LearnerService(rec, pack_window_s=1.0, generating=generating)
+    service = LearnerService(rec, window=PackWindow(1.0, generating))
     try:
         service.submit(Windowed.event, 0).result(timeout=30)
         follow[0].join(timeout=30)
@@ -149,7 +150,7 @@ def test_stop_ends_a_window_held_open_by_generation():
     """A message that is not a call (stop, a learner fault) ends the window: the event runs with
     nothing queued, then the service stops, though the engine still generates."""
     rec = Windowed()
-    service = LearnerService(rec, pack_window_s=0.001, generating=lambda: True)
+    service = LearnerService(rec, window=PackWindow(0.001, lambda: True))
     first = service.submit(Windowed.event, 0)
     _started(service, 1)
     service.stop()  # returns only after the event ran: the window did not outlast it
@@ -161,14 +162,14 @@ def test_the_window_ends_at_its_bound_and_only_events_of_a_packing_batch_wait():
     ``WINDOW_CALLS``, or any call while the batch does not pack, never waits (a 60 s window would
     show as a 60 s call: each must finish well within it)."""
     rec = Windowed()
-    service = LearnerService(rec, pack_window_s=0.05)
+    service = LearnerService(rec, window=PackWindow(0.05))
     try:
         service.submit(Windowed.event, 0).result(timeout=30)
     finally:
         service.stop()
     assert rec.seen == [("event0", False), ("ready", False)]
     for endpoint, method in ((Windowed(), Windowed.ready_work), (Windowed(packing=False), Windowed.event)):
-        service = LearnerService(endpoint, pack_window_s=60.0)
+        service = LearnerService(endpoint, window=PackWindow(60.0))
         try:
             args = (0,) if method is Windowed.event else ()
             service.submit(method, *args).result(timeout=30)  # would take 60 s if it waited
@@ -235,7 +236,7 @@ def test_a_burst_whose_last_event_finds_nothing_queued_waits_the_window():
     lone event, and the call that arrives within it (60 s: the test cannot race it) tells it more
     is queued."""
     rec = Evented()
-    service = LearnerService(rec, pack_window_s=60.0)
+    service = LearnerService(rec, window=PackWindow(60.0))
     try:
         service.submit_event(Evented.event, 0)
         service.submit_event(Evented.event, 1)

@@ -89,3 +89,35 @@ def test_share_prefixes_set_where_it_cannot_apply_is_refused_at_parse_time():
         with pytest.raises(ValueError, match="share_prefixes"):
             LearnerConfig.model_validate({"share_prefixes": True, **bad})
         LearnerConfig.model_validate(bad)  # the default steps aside
+
+
+def _model(core: torch.nn.Module, num_moe_experts: int | None = None) -> torch.nn.Module:
+    from types import SimpleNamespace
+
+    model = torch.nn.Module()
+    model.config = SimpleNamespace(num_moe_experts=num_moe_experts, apply_rope_fusion=False)
+    model.position_embedding_type = "rope"
+    model.layer = torch.nn.Module()
+    model.layer.core_attention = core
+    return model
+
+
+def test_share_prefixes_on_a_model_that_cannot_take_shared_rows_is_off_with_one_line(caplog):
+    """``learner.share_prefixes`` (on by default) cannot apply on the Transformer Engine spec (its
+    core attention does not read a row's mask) nor to a MoE model: it is off there -- said once,
+    with why, instead of silently."""
+    import logging
+
+    from megathunder.learner.sdpa_attention import SDPAttention
+    from megathunder.learner.shared_prefix import resolve
+
+    ours = SDPAttention.__new__(SDPAttention)
+    torch.nn.Module.__init__(ours)
+    with caplog.at_level(logging.WARNING, logger="megathunder.learner.shared_prefix"):
+        assert resolve(True, _model(ours)) and not caplog.records
+        assert not resolve(True, _model(torch.nn.Module()))  # TE's DotProductAttention, say
+        assert not resolve(True, _model(ours, num_moe_experts=8))
+        assert not resolve(False, _model(ours)) and not resolve(True, _model(torch.nn.Module()), report=False)
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 2 and all(m.startswith("learner.share_prefixes: off for this model") for m in said), said
+    assert "core attention" in said[0] and "MoE" in said[1]

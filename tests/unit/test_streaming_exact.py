@@ -36,6 +36,7 @@ def random_objective(rng: random.Random, advantage: str, loss_agg: str) -> GRPOO
         dapo_dynamic_sampling=rng.random() < 0.5,
         overlong_filter=rng.random() < 0.5,
         singleton_group=rng.choice(["zero", "raw_score"]),
+        dapo_singletons=rng.choice(["drop", "keep"]),  # drawn last: the earlier draws stay what they were
     )
 
 

@@ -42,9 +42,9 @@ from megathunder.learner.teacher import build_teacher
 from megathunder.rollout.chat_template import make_codec
 from megathunder.rollout.engines import start_engine
 from megathunder.rollout.engines.inprocess import InProcessEngine
-from megathunder.rollout.engines.transfer import StageSenders
 from megathunder.rollout.tasks import build_task
 from megathunder.rollout.tasks.task import Task
+from megathunder.rollout.types import RolloutEngine
 from megathunder.trainer.chaos import ChaosStop, check_learner_faults
 from megathunder.trainer.interrupt import STOPPED_EARLY, STOPPED_NOW, StopNow, StopSignals
 from megathunder.trainer.schedules import SCHEDULES
@@ -190,17 +190,22 @@ async def _control(cfg: Config, task: Task, out: Path, service: LearnerService[L
 
     service.on_hang = on_hang
     codec = make_codec(AutoTokenizer.from_pretrained(model_dir), cfg.agent.chat_template, cfg.agent.tool_parser)
-    senders = StageSenders(cfg.learner.parallel.pipeline_parallel,  # each stage joins the weight-transfer groups
-                           lambda rdv: service.call(LearnerEndpoint.join_weight_transfer, rdv))
+    trainer: Trainer | None = None
+
+    async def revive(engine: RolloutEngine) -> None:  # a dead engine core, started again in place
+        if trainer is None:
+            raise RuntimeError("the rollout engine died before training began")
+        await trainer.revive_engine()  # the learner's weights (its senders join the new groups), then the probe
+
     cpu_cores.pin_this_thread(cfg.rollout.engine.cpu_cores)  # the rollout's side; the engine's processes inherit it
     engine = await start_engine(cfg.rollout.engine, model_dir, log_dir=out / "logs", policy_version=start,
-                                senders=senders)
+                                senders="learner", revive=revive)
     own_cores = cfg.learner.cpu_cores is not None and cfg.rollout.engine.cpu_cores is not None  # disjoint
     if isinstance(engine, InProcessEngine) and cfg.ledger.hold_while_generating == "in_process" and not own_cores:
         service.generating = engine.generating  # it generates on the learner's own cores or devices
-    trainer = None
     try:
         trainer = Trainer(cfg, out, service, engine, codec, task, start)
+        await trainer.weights.connect()  # each stage's sender joins the engine's weight-transfer groups
         await trainer.push_weights()  # the engine samples from exactly the learner's weights
         if cfg.eval.every_n_steps and start == 0:  # the warm-started model, before RL
             before = await trainer.periodic_eval(-1, force=True)

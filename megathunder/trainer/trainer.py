@@ -6,8 +6,9 @@
 
 Per optimizer step: episodes run on the engine; their events become ``LearnerEndpoint`` calls
 (``begin``, ``turn`` (OPD), ``finished``, ``reward``, ``close``); then ``step``, the new weights
-are gathered, resharded to the inference layout and pushed into vLLM, and the zero-staleness probe
-checks that vLLM now samples from exactly the weights being trained. Everything is journaled.
+are pushed into vLLM (``WeightSync.push``: every pipeline stage streams its own), and the
+zero-staleness probe checks that vLLM now samples from exactly the weights being trained.
+Everything is journaled.
 The walk of one trajectory through these calls is in ``megathunder.learner.endpoint``.
 """
 
@@ -24,7 +25,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from megathunder.config import CollectiveTransfer, Config, RLObjective
+from megathunder.config import Config, RLObjective
 from megathunder.eval.evaluate import evaluate
 from megathunder.eval.instances import eval_due, eval_instances
 from megathunder.learner.batches import BatchOutcome
@@ -38,8 +39,7 @@ from megathunder.rollout.engines.inprocess import InProcessEngine
 from megathunder.rollout.episode import Episode, RolloutEvent, trained_reward
 from megathunder.rollout.tasks.split import InstanceDrawError, step_instances
 from megathunder.rollout.tasks.task import Task, TaskInstance
-from megathunder.rollout.types import (Completion, RolloutEngine, RoutingSource, SamplingParams, StreamedWeights,
-                                       WeightSource)
+from megathunder.rollout.types import Completion, RolloutEngine, RoutingSource, SamplingParams
 from megathunder.trainer.journal import Journal
 from megathunder.trainer.metrics import MetricsLog
 from megathunder.trainer.chaos import Chaos
@@ -54,6 +54,7 @@ from megathunder.trainer.probe import (
     max_logprob_gap,
 )
 from megathunder.trainer.timeline import Timeline
+from megathunder.trainer.weight_sync import WeightSync
 from megathunder.trajectory import BatchPlan, Trajectory
 
 log = logging.getLogger(__name__)
@@ -93,8 +94,8 @@ class Trainer:
         self.metrics = MetricsLog(out, cfg, keep_steps=start_step)
         self.timeline = Timeline()
         self.chaos = Chaos(cfg.chaos.faults, out, engine, cfg.sandbox, cfg.verifier, service)  # none unless configured
-        if isinstance(engine, InProcessEngine):
-            engine.revive = self.revive_engine  # a dead engine core is restarted in place
+        self.weights = WeightSync(engine, service, cfg.rollout.engine.weight_transfer,
+                                  cfg.learner.parallel.pipeline_parallel)
         if self.chaos.has_episode_faults:
             self.agent_loop.faults = self.chaos
         self._finished_in_step: dict[int, int] = {}
@@ -287,7 +288,7 @@ class Trainer:
 
     async def push_weights(self, trail_probe: bool = False) -> None:
         """New weights into vLLM, then the probe. By default each learner stage streams its own
-        buckets into the engine's transfer groups while the engine is paused (``StreamedWeights``);
+        buckets into the engine's transfer groups while the engine is paused (``WeightSync.push``);
         with ``weight_transfer.kind=rpc`` rank 0 gathers them first. ``trail_probe``: vLLM's part of
         the probe runs now, the learner's is queued behind it and checked by ``settle_probe``."""
         start = time.monotonic()
@@ -296,7 +297,7 @@ class Trainer:
             await cast(InProcessEngine, self.engine).stamp_version(self.version)
             stats: dict[str, float] = {}
         else:
-            stats = await self._load_weights()
+            stats = await self.weights.push(self.version)
         self.last_push = {"push_s": time.monotonic() - start, "push_bytes": stats.get("payload_bytes", float("nan")),
                           "push_changed_fraction": stats.get("changed_fraction", float("nan"))}
         probe_start = time.monotonic()
@@ -310,31 +311,17 @@ class Trainer:
         self.last_push["probe_trailed"] = int(trail_probe)
         self.timeline.add_sync(start, time.monotonic(), self.version)
 
-    async def _load_weights(self) -> dict[str, float]:
-        """The learner's weights into the engine, stamped with its version; the push's statistics."""
-        stats: dict[str, float] = {}
-        if isinstance(self.cfg.rollout.engine.weight_transfer, CollectiveTransfer):
-            async def send() -> None:
-                stats.update(await self.service.call(LearnerEndpoint.send_weights))
-
-            weights: WeightSource = StreamedWeights(send)
-        else:
-            gathered = await self.service.call(LearnerEndpoint.gather_weights)
-            assert gathered is not None  # gathered on global rank 0, the controller
-            weights = gathered
-        await self.engine.update_weights(weights, self.version)
-        return stats
-
     async def revive_engine(self) -> None:
-        """A restarted in-process engine (its engine core died mid-batch): the learner's weights
-        into it, then the probe's gap. Under sync and thunder the learner steps only after the
-        batch's rollout, so these are the weights the dead engine sampled from (the requests it
-        cut off, sent again with their seeds, give the same tokens); under async schedules the
-        learner may already be ahead of the batch's policy, so there is no restart there."""
+        """A restarted in-process engine (its engine core died mid-batch; the engine's ``revive``
+        hook, ``trainer/run.py``): the learner's weights into it, then the probe's gap. Under sync
+        and thunder the learner steps only after the batch's rollout, so these are the weights the
+        dead engine sampled from (the requests it cut off, sent again with their seeds, give the
+        same tokens); under async schedules the learner may already be ahead of the batch's
+        policy, so there is no restart there."""
         if self.cfg.schedule.mode not in ("sync", "thunder"):
             raise RuntimeError(f"schedule.mode={self.cfg.schedule.mode}: the learner's weights may be ahead of the "
                                "policy the batch is sampled from")
-        await self._load_weights()  # a dense push: the senders' sparse baseline went with the old groups
+        await self.weights.push(self.version)  # new groups first, so a dense push (the senders' baseline is reset)
         sample = await self._probe_sample()
         gap = self._gap(sample)
         if gap > self.probe_tolerance.value:

@@ -7,7 +7,8 @@ The package is organised by component (``docs/design.md`` has a line per module)
 - ``streaming``   ThunderSyncRL's core: the gradient ledger, per-turn OPD, their batch references
 - ``learner``     everything on a learner rank: Megatron model and learner, batches, the endpoint
 - ``rollout``     vLLM engines, the agent loop, tools, sandboxes, verifiers, tasks
-- ``trainer``     the rank-0 controller: ``megathunder train``, the schedules, replay, run outputs
+- ``weights``     the weight push's wire (frames, groups, rendezvous), below the learner and rollout
+- ``trainer``     the rank-0 controller: ``megathunder train``, the schedules, the weight sync, replay, run outputs
 - ``eval``        pass@k on held-out instances, schedule comparison reports
 - ``bench``       ``megathunder bench NAME``, ``megathunder sweep``, the exactness demo
 - ``simulate``    the discrete-event simulator of the schedules at cluster scale

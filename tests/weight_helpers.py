@@ -1,9 +1,11 @@
-"""A stand-in for vLLM workers in weight-transfer tests: megathunder's worker extension itself on
-a fake worker, whose ``reload_weights`` records what it was given (tensors cloned)."""
+"""Stand-ins for weight-transfer tests: vLLM workers (megathunder's worker extension itself on a
+fake worker, whose ``reload_weights`` records what it was given, tensors cloned), an engine's end of
+a push over them, and a learner service of one rank."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import types
 
 import torch
@@ -42,3 +44,58 @@ def engine_rpc(workers: list[FakeWorker]):
         return [r for rs in await asyncio.gather(*(w.rpc(call) for w in workers)) for r in rs]
 
     return rpc
+
+
+class FakeEngine:
+    """An engine's end of a streamed push (``megathunder.rollout.types.WeightReceiver``) over fake
+    workers: the engine's own ``WeightTransfer``, with ``events`` recording the update around it
+    (pause, open, receive, resume). ``engines``: the workers of each engine."""
+
+    def __init__(self, engines: list[list[FakeWorker]], cfg) -> None:
+        self.cfg, self.workers = cfg, [w for ws in engines for w in ws]
+        self.rpcs = [engine_rpc(ws) for ws in engines]
+        self.rpc = engine_rpc(self.workers)
+        self.transfer = None
+        self.events: list[str] = []
+        self.policy_version = 0
+
+    @contextlib.asynccontextmanager
+    async def updating(self, policy_version: int):
+        self.events.append("pause")
+        yield  # a failure here propagates: no resume (the engine stays paused)
+        self.policy_version = policy_version
+        self.events.append("resume")
+
+    @property
+    def transfer_open(self) -> bool:
+        return self.transfer is not None and self.transfer.joined
+
+    async def open_transfer(self, num_senders: int):
+        from megathunder.rollout.engines.transfer import WeightTransfer
+
+        self.events.append("open")
+        self.transfer = await WeightTransfer.serve(self.cfg, self.rpcs, num_senders)
+        return self.transfer.rdv
+
+    async def join_transfer(self) -> None:
+        await self.transfer.join()
+
+    async def receive_weights(self) -> dict[str, float]:
+        self.events.append("receive")
+        return await self.transfer.receive(self.rpc)
+
+    async def close(self) -> None:
+        if self.transfer is not None:
+            await self.transfer.close(self.rpc)
+
+
+class ThreadService:
+    """``LearnerService.call`` for one learner rank: the endpoint's method, on a thread."""
+
+    def __init__(self, endpoint) -> None:
+        self.endpoint = endpoint
+        self.calls: list[str] = []
+
+    async def call(self, method, *args):
+        self.calls.append(method.__name__)
+        return await asyncio.to_thread(method, self.endpoint, *args)

@@ -207,31 +207,27 @@ def _rank(args: argparse.Namespace) -> None:
 
 async def _control(args: argparse.Namespace, service) -> dict:
     from megathunder.rollout.engines import start_engine
-    from megathunder.rollout.engines.transfer import StageSenders
-    from megathunder.rollout.types import StreamedWeights
+    from megathunder.trainer.weight_sync import WeightSync
 
     bandwidth = await service.call(BenchEndpoint.link_bandwidth, int(args.bucket_mb * 2**20))
     out: dict[str, Any] = {"link_bytes_per_s": bandwidth, "runs": {}}
     for deployment in (d.strip() for d in args.deployments.split(",") if d.strip()):
         for mode in (m.strip() for m in args.modes.split(",") if m.strip()):
-            senders = StageSenders(args.pp, lambda rdv: service.call(BenchEndpoint.join_weight_transfer, rdv))
-            engine = await start_engine(_engine_cfg(deployment, mode, args), args.hf,
-                                        log_dir=Path(args.result).with_name(f"logs_{deployment}"),
-                                        senders=senders if mode == "collective" else None)
+            cfg = _engine_cfg(deployment, mode, args)
+            engine = await start_engine(cfg, args.hf, log_dir=Path(args.result).with_name(f"logs_{deployment}"),
+                                        senders="learner")
+            sync = WeightSync(engine, service, cfg.weight_transfer, args.pp, endpoint=BenchEndpoint)
             pushes = []
             try:
+                await sync.connect()  # each stage's sender joins the engine's groups (collective)
                 for version in range(1, args.repeats + 2):  # the first push warms up (and is always dense)
                     if version > 1:
                         await service.call(BenchEndpoint.step, args.step, version)
                     stats: dict[str, float] = {}
-
-                    async def send() -> None:
-                        stats.update(await service.call(BenchEndpoint.send_weights))
-
                     await service.call(BenchEndpoint.mark_memory)
                     t0 = time.perf_counter()
                     if mode == "collective":
-                        await engine.update_weights(StreamedWeights(send), version)
+                        stats.update(await sync.push(version))  # the trainer's push
                     else:
                         weights = await service.call(BenchEndpoint.gather_weights)
                         raw = sum(t.numel() * t.element_size() for _, t in weights)

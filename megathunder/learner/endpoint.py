@@ -24,10 +24,12 @@ learner rank, the owner of the trajectory doing its backward passes)::
       LearnerEndpoint.close       batch.close() -> ledger.close_batch(): P / Z into DDP's buffers
     Trainer.finish_step           service.call(LearnerEndpoint.step)
       LearnerEndpoint.step        MegatronLearner.step: DP reduce (finalize_model_grads), optimizer step
-    Trainer.push_weights          engine.update_weights(StreamedWeights(send), version)   pauses vLLM,
-                                  its workers receive while send = service.call(LearnerEndpoint.send_weights)
+    Trainer.push_weights          WeightSync.push(version)    (trainer/weight_sync.py) pauses vLLM,
+                                  its workers receive (engine.receive_weights) while
+                                  service.call(LearnerEndpoint.send_weights)
       LearnerEndpoint.send_weights     StageSender.send: each PP stage broadcasts its own buckets
-                                  (learner/push.py; weight_transfer=rpc: gather_weights, all on rank 0)
+                                  (learner/push.py, over weights/wire.py; weight_transfer=rpc:
+                                  gather_weights, all on rank 0)
     Trainer.probe                 engine.generate, then service.call(LearnerEndpoint.score, ...)
 
 OPD, and GRPO with ``ledger.per_turn_scores``, add ``turn`` (a model turn was generated: its
@@ -119,7 +121,8 @@ class LearnerEndpoint:
         return self.learner.step()
 
     def join_weight_transfer(self, rendezvous_json: str) -> None:
-        """Once, when the engine opens its transfer groups: each stage's sender joins its group."""
+        """When the engine opens its transfer groups (``WeightSync.connect``: at start-up, and
+        after the engine lost a worker): each stage's sender joins its group."""
         self.sender.join(rendezvous_json)
 
     def send_weights(self) -> dict[str, float]:

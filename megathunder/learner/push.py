@@ -1,7 +1,8 @@
 """The learner's side of a weight push: every pipeline stage sends its own tensors, bucket by bucket.
 
-    join(rendezvous)   once: stage s's (TP rank 0, DP rank 0) rank joins transfer group s as its
-                       rank 0 (``megathunder.rollout.engines.transfer``); every vLLM worker is in it
+    join(rendezvous)   once (and again when the engine re-opens its groups): stage s's (TP rank 0,
+                       DP rank 0) rank joins transfer group s as its rank 0
+                       (``megathunder.weights.wire``); every vLLM worker is in it
     send()             per push, on every learner rank: the stage's parameters one at a time, cast
                        to the workers' dtype on each TP rank, gathered onto TP rank 0
                        (``hf.stage_hf_tensors``), split into HF tensors (views) and packed straight
@@ -34,7 +35,7 @@ import torch.distributed as dist
 from megathunder.config import PolicyModelConfig
 from megathunder.learner import hf
 from megathunder.learner.parallel import ProcessGroups
-from megathunder.rollout.engines.transfer import FrameWriter, PushStats, Rendezvous, TransferGroup
+from megathunder.weights.wire import FrameWriter, PushStats, Rendezvous, TransferGroup
 
 _INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 

@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import os
 from collections.abc import Awaitable, Callable, Hashable, Iterable, Sequence
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal, Protocol, Union
+from typing import TYPE_CHECKING, Literal, Protocol, Union
 
 if TYPE_CHECKING:
     import numpy as np
     import torch
+
+    from megathunder.weights.wire import Rendezvous
 
 
 @dataclass(frozen=True)
@@ -47,19 +50,9 @@ class Completion:
     # tokens from there on, each given the tokens before it
 
 
-@dataclass(frozen=True)
-class StreamedWeights:
-    """Weights that the learner's pipeline stages broadcast into the engine's transfer groups
-    themselves (``megathunder.rollout.engines.transfer``): ``send()`` starts them and returns (their
-    result) once every stage has sent its last frame. Only an engine whose groups were opened with
-    the learner's stage senders takes it."""
-
-    send: Callable[[], Awaitable[Any]]
-
-
-WeightSource = Union[str, os.PathLike, StreamedWeights, Iterable[tuple[str, "torch.Tensor"]]]
-"""A safetensors checkpoint directory the engine can read, (checkpoint_name, tensor) pairs, or
-weights the learner's stages stream (``StreamedWeights``)."""
+WeightSource = Union[str, os.PathLike, Iterable[tuple[str, "torch.Tensor"]]]
+"""A safetensors checkpoint directory the engine can read, or (checkpoint_name, tensor) pairs. The
+learner's weights reach the engine another way: its stages stream them (``WeightReceiver``)."""
 
 
 class RolloutEngine(Protocol):
@@ -90,6 +83,49 @@ class RolloutEngine(Protocol):
     async def reset_prefix_cache(self) -> None: ...
 
     async def close(self) -> None: ...
+
+
+Revive = Callable[[RolloutEngine], Awaitable[None]]
+"""Given to an engine at its start: awaited once a dead engine core has been started again in
+place, before the requests it cut off go again -- the owner loads its current weights into the
+engine it is given and checks them (the trainer: ``WeightSync.push``, then the probe)."""
+
+
+class WeightReceiver(Protocol):
+    """An engine's end of a weight push that the learner's pipeline stages stream
+    (``weight_transfer.kind=collective``, started with ``senders="learner"``). The controller drives
+    both ends (``megathunder.trainer.weight_sync``)::
+
+        rdv = await engine.open_transfer(num_stages)       # once, and whenever not transfer_open
+        both(engine.join_transfer(), <each stage joins rdv>)
+        async with engine.updating(version):               # drain, pause ... reset, stamp, resume
+            both(engine.receive_weights(), <each stage sends>)
+    """
+
+    def updating(self, policy_version: int) -> AbstractAsyncContextManager[None]:
+        """Drain the requests in flight and pause; the block loads the weights; on its clean exit
+        reset the prefix cache, stamp ``policy_version`` and resume. If the block fails the engine
+        stays paused: better no tokens than tokens from half-loaded weights."""
+        ...
+
+    @property
+    def transfer_open(self) -> bool:
+        """Are the transfer groups open with every worker the engine samples from? (Not after a
+        server was lost or the engine core restarted: ``open_transfer`` again.)"""
+        ...
+
+    async def open_transfer(self, num_senders: int) -> Rendezvous:
+        """Serve the store of ``num_senders`` new transfer groups; where and how to join them."""
+        ...
+
+    async def join_transfer(self) -> None:
+        """Every worker joins the groups; returns once the senders have too."""
+        ...
+
+    async def receive_weights(self) -> dict[str, float]:
+        """Inside ``updating``: every worker receives the senders' frames and reloads from them;
+        the slowest worker's seconds (``total_s``, and ``wait_s`` blocked on the wire)."""
+        ...
 
 
 class RoutingSource(Protocol):

@@ -46,9 +46,9 @@ from megathunder.plan.memory_plan import ModelShape
 from megathunder.rollout.chat_template import make_codec
 from megathunder.rollout.engines import start_engine
 from megathunder.rollout.engines.inprocess import EngineRestartError, EngineUpdateError, InProcessEngine
-from megathunder.rollout.engines.transfer import StageSenders
 from megathunder.rollout.tasks import build_task
 from megathunder.rollout.tasks.task import Task
+from megathunder.rollout.types import RolloutEngine
 from megathunder.trainer.chaos import ChaosStop, check_learner_faults
 from megathunder.trainer.interrupt import STOPPED_EARLY, STOPPED_NOW, StopNow, StopSignals
 from megathunder.trainer.schedules import SCHEDULES, Schedule
@@ -210,17 +210,22 @@ async def _control(cfg: Config, task: Task, out: Path, service: LearnerService[L
 
     service.on_hang = on_hang
     codec = make_codec(AutoTokenizer.from_pretrained(model_dir), cfg.agent.chat_template, cfg.agent.tool_parser)
-    senders = StageSenders(cfg.learner.parallel.pipeline_parallel,  # each stage joins the weight-transfer groups
-                           lambda rdv: service.call(LearnerEndpoint.join_weight_transfer, rdv))
+    trainer: Trainer | None = None
+
+    async def revive(engine: RolloutEngine) -> None:  # a dead engine core, started again in place
+        if trainer is None:
+            raise RuntimeError("the rollout engine died before training began")
+        await trainer.revive_engine()  # the learner's weights (its senders join the new groups), then the probe
+
     host.pin_rollout()
     engine = await start_engine(cfg.rollout.engine, model_dir, log_dir=out / "logs", policy_version=start,
-                                senders=senders)
+                                senders="learner", revive=revive)
     service.window.hold_while(host.generation_hold(engine.generating if isinstance(engine, InProcessEngine) else None))
-    trainer = None
     try:
         trainer = Trainer(cfg, out, LearnerClient(service), engine, codec, task, start, flops)
         if extras.install is not None:
             extras.install(trainer)
+        await trainer.weights.connect()  # each stage's sender joins the engine's weight-transfer groups
         await trainer.push_weights()  # the engine samples from exactly the learner's weights
         if cfg.eval.every_n_steps and start == 0:  # the warm-started model, before RL
             before = await trainer.evaluate(-1, force=True)

@@ -6,10 +6,10 @@
 
 Per optimizer step (``megathunder.trainer.schedules``): episodes run on the engine; their events
 become learner calls (``begin``, ``turn`` (OPD), ``finished``, ``reward``, ``close``); then ``step``,
-the new weights are pushed into vLLM and the zero-staleness probe (``Probe``) checks that vLLM now
-samples from exactly the weights being trained; the step's records (``StepRecords``) are written
-once the probe is checked. The walk of one trajectory through these calls is in
-``megathunder.learner.endpoint``.
+the new weights are pushed into vLLM (``WeightSync.push``: every pipeline stage streams its own)
+and the zero-staleness probe (``Probe``) checks that vLLM now samples from exactly the weights being
+trained; the step's records (``StepRecords``) are written once the probe is checked. The walk of
+one trajectory through these calls is in ``megathunder.learner.endpoint``.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import cast
 
-from megathunder.config import CollectiveTransfer, Config, RLObjective
+from megathunder.config import Config, RLObjective
 from megathunder.eval.evaluate import evaluate
 from megathunder.eval.instances import eval_due, eval_instances
 from megathunder.learner.batches import BatchOutcome
@@ -34,10 +34,11 @@ from megathunder.rollout.engines.inprocess import InProcessEngine
 from megathunder.rollout.episode import Episode, RolloutEvent, trained_reward
 from megathunder.rollout.tasks.split import InstanceDrawError, step_instances
 from megathunder.rollout.tasks.task import Task, TaskInstance
-from megathunder.rollout.types import RolloutEngine, RoutingSource, StreamedWeights, WeightSource
+from megathunder.rollout.types import RolloutEngine, RoutingSource
 from megathunder.trainer.chaos import Chaos
 from megathunder.trainer.probe import Probe
 from megathunder.trainer.records import StepRecord, StepRecords
+from megathunder.trainer.weight_sync import WeightSync
 from megathunder.trajectory import BatchPlan, Trajectory
 
 log = logging.getLogger(__name__)
@@ -70,10 +71,10 @@ class Trainer:
         prompt = codec.prompt_ids(task.messages(self.instances(0)[0]), task.tool_schemas())
         self.probe = Probe(engine, learner, prompt, cfg.probe, cfg.rollout.temperature,
                            cfg.rollout.engine.logprobs_mode == "processed_logprobs", routing)
+        self.weights = WeightSync(engine, learner.service, cfg.rollout.engine.weight_transfer,
+                                  cfg.learner.parallel.pipeline_parallel)
         self.records = StepRecords(cfg, out, learner, start_step, self.evaluate, after_step=[self.chaos.after_step],
                                    flops=flops)
-        if isinstance(engine, InProcessEngine):
-            engine.revive = self.revive_engine  # a dead engine core is restarted in place
         self.last_push: dict[str, float] = {}
         self.eval_set: list[TaskInstance] | None = None
         self._finished_in_step: dict[int, int] = {}
@@ -211,17 +212,17 @@ class Trainer:
     # ------------------------------------------------------------------ weights
 
     async def push_weights(self, trail: bool = False) -> asyncio.Task[float] | None:
-        """New weights into vLLM, then the probe: whole, or (``trail``) vLLM's part now and the
-        learner's as the returned task (None: checked already). By default each learner stage streams its own buckets into
-        the engine's transfer groups while the engine is paused (``StreamedWeights``); with
-        ``weight_transfer.kind=rpc`` rank 0 gathers them first."""
+        """New weights into vLLM (``WeightSync.push``: each learner stage streams its own buckets into
+        the engine's transfer groups while the engine is paused; ``weight_transfer.kind=rpc``: rank
+        0 gathers them first), then the probe: whole, or (``trail``) vLLM's part now and the
+        learner's as the returned task (None: checked already)."""
         start = time.monotonic()
         if self.chaos.stale_push(self.version - 1):  # chaos.faults: the transfer fails silently
             log.warning("chaos: stale_push: policy version %d is stamped, not loaded", self.version)
             await cast(InProcessEngine, self.engine).stamp_version(self.version)
             stats: dict[str, float] = {}
         else:
-            stats = await self._load_weights()
+            stats = await self.weights.push(self.version)
         self.last_push = {"push_s": time.monotonic() - start, "push_bytes": stats.get("payload_bytes", float("nan")),
                           "push_changed_fraction": stats.get("changed_fraction", float("nan"))}
         probe_start = time.monotonic()
@@ -236,31 +237,17 @@ class Trainer:
         self.records.timeline.add_sync(start, time.monotonic(), self.version)
         return check
 
-    async def _load_weights(self) -> dict[str, float]:
-        """The learner's weights into the engine, stamped with its version; the push's statistics."""
-        stats: dict[str, float] = {}
-        if isinstance(self.cfg.rollout.engine.weight_transfer, CollectiveTransfer):
-            async def send() -> None:
-                stats.update(await self.learner.send_weights())
-
-            weights: WeightSource = StreamedWeights(send)
-        else:
-            gathered = await self.learner.gather_weights()
-            assert gathered is not None  # gathered on global rank 0, the controller
-            weights = gathered
-        await self.engine.update_weights(weights, self.version)
-        return stats
-
     async def revive_engine(self) -> None:
-        """A restarted in-process engine (its engine core died mid-batch): the learner's weights
-        into it, then the probe's gap. Under sync and thunder the learner steps only after the
-        batch's rollout, so these are the weights the dead engine sampled from (the requests it
-        cut off, sent again with their seeds, give the same tokens); under async schedules the
-        learner may already be ahead of the batch's policy, so there is no restart there."""
+        """A restarted in-process engine (its engine core died mid-batch; the engine's ``revive``
+        hook, ``trainer/run.py``): the learner's weights into it, then the probe's gap. Under sync
+        and thunder the learner steps only after the batch's rollout, so these are the weights the
+        dead engine sampled from (the requests it cut off, sent again with their seeds, give the
+        same tokens); under async schedules the learner may already be ahead of the batch's
+        policy, so there is no restart there."""
         if not self.cfg.schedule.on_policy:
             raise RuntimeError(f"schedule.mode={self.cfg.schedule.mode}: the learner's weights may be ahead of the "
                                "policy the batch is sampled from")
-        await self._load_weights()  # a dense push: the senders' sparse baseline went with the old groups
+        await self.weights.push(self.version)  # new groups first, so a dense push (the senders' baseline is reset)
         gap = await self.probe.check_revived(self.version)
         log.warning("restarted engine checked: probe gap %.2e at policy version %d", gap, self.version)
 

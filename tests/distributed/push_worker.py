@@ -2,11 +2,11 @@
 
     python -m torch.distributed.run --nproc-per-node N push_worker.py --out FILE --hf DIR ...
 
-The trainer's wiring without vLLM: every rank runs the ``LearnerService``; rank 0 opens the
-transfer groups (``WeightTransfer.open`` with the learner's ``StageSenders``) for two fake vLLM
-workers (``tests/weight_helpers.py``: megathunder's worker extension on threads) and pushes three
-times -- the initial weights, then after each of two optimizer steps -- exporting the HF directory
-after each push. Rank 0 saves, per push, whether each worker's reloaded tensors equal the export
+The trainer's wiring without vLLM: every rank runs the ``LearnerService``; rank 0's ``WeightSync``
+connects the learner's stage senders to the transfer groups of an engine of two fake vLLM workers
+(``tests/weight_helpers.py``: the engine's own ``WeightTransfer``, megathunder's worker extension
+on threads) and pushes three times -- the initial weights, then after each of two optimizer steps
+-- exporting the HF directory after each push. Rank 0 saves, per push, whether each worker's reloaded tensors equal the export
 (cast to the workers' dtype) bit for bit, and the push's figures.
 """
 
@@ -29,19 +29,19 @@ from megathunder.learner.learner import MegatronLearner  # noqa: E402
 from megathunder.learner.parallel import destroy_distributed, init_distributed  # noqa: E402
 from megathunder.learner.safetensors_io import load_dir  # noqa: E402
 from megathunder.learner.service import LearnerService  # noqa: E402
-from megathunder.rollout.engines.transfer import StageSenders, WeightTransfer  # noqa: E402
 from megathunder.streaming import synthetic as syn  # noqa: E402
+from megathunder.trainer.weight_sync import WeightSync  # noqa: E402
 from megathunder.trajectory import batch_plan  # noqa: E402
-from tests.weight_helpers import FakeWorker, engine_rpc  # noqa: E402
+from tests.weight_helpers import FakeEngine, FakeWorker  # noqa: E402
 
 
 async def control(args, service: LearnerService[LearnerEndpoint], learner: MegatronLearner) -> dict:
     dtype = getattr(torch, args.dtype)
     workers = [FakeWorker(0, dtype), FakeWorker(1, dtype)]
-    rpc = engine_rpc(workers)
     cfg = CollectiveTransfer(backend="gloo", bucket_mb=args.bucket_kb / 1024, sparse_threshold=args.sparse)
-    senders = StageSenders(learner.pgs.dims.pp, lambda rdv: service.call(LearnerEndpoint.join_weight_transfer, rdv))
-    transfer = await WeightTransfer.open(cfg, [rpc], senders)
+    engine = FakeEngine([workers], cfg)
+    sync = WeightSync(engine, service, cfg, learner.pgs.dims.pp)  # type: ignore[arg-type]
+    await sync.connect()
     pushes = []
     rng = random.Random(0)
     for push in range(3):
@@ -55,7 +55,7 @@ async def control(args, service: LearnerService[LearnerEndpoint], learner: Megat
                 service.submit(LearnerEndpoint.reward, traj.traj_id, r)
             await service.call(LearnerEndpoint.close)
             await service.call(LearnerEndpoint.step)
-        stats = await transfer.receive(rpc, lambda: service.call(LearnerEndpoint.send_weights))
+        stats = await sync.push(push)
         export = Path(args.out).with_name(f"export{push}")
         await service.call(LearnerEndpoint.export, str(export))
         expected = {n: t.to(dtype) for n, t in load_dir(export).items()}
@@ -64,8 +64,8 @@ async def control(args, service: LearnerService[LearnerEndpoint], learner: Megat
             "names_equal": [sorted(w.loaded) == sorted(expected) for w in workers],
             "bit_exact": [all(torch.equal(w.loaded[n], t) for n, t in expected.items()) for w in workers],
         })
-    await transfer.close(rpc)
-    return {"pushes": pushes}
+    await engine.close()
+    return {"pushes": pushes, "events": engine.events}
 
 
 def main() -> None:

@@ -23,7 +23,9 @@ def test_tp2_pp2_push_equals_the_export_bit_for_bit(hf_qwen2, tmp_path, dtype, s
     out = tmp_path / "push.pt"
     launch(4, "push", "--out", str(out), "--hf", str(hf_qwen2), "--dtype", dtype, "--sparse", str(sparse),
            "--lr", lr, *WORKER_ARGS, worker=WORKER, mode_arg=False)
-    pushes = torch.load(out)["pushes"]
+    result = torch.load(out)
+    pushes = result["pushes"]
+    assert result["events"] == ["open", *(["pause", "receive", "resume"] * 3)]  # WeightSync: connect, then pushes
     for push in pushes:
         assert push["names_equal"] == [True, True] and push["bit_exact"] == [True, True], push
         assert push["stats"]["num_frames"] > 4  # 4 KiB buckets: many frames, from both stages

@@ -1,6 +1,7 @@
 """A learner (one process, or PP=2 under torchrun) with an in-process vLLM engine on rank 0: push
-weights after a step, probe staleness -- the trainer's wiring (``LearnerService``, the stages'
-senders joining the engine's transfer groups, ``StreamedWeights``) without the agent loop. The
+weights after a step, probe staleness -- the trainer's wiring (``LearnerService``, ``WeightSync``:
+the stages' senders joining the engine's transfer groups, then streaming into them) without the
+agent loop. The
 probe's noise floor is calibrated on the same weights (fp32 or bf16 engine), a step without a push is
 caught (vLLM repeats the previous probe bit for bit), a push after it is accepted.
 
@@ -31,8 +32,7 @@ from megathunder.learner.parallel import destroy_distributed, init_distributed  
 from megathunder.learner.service import LearnerService  # noqa: E402
 from megathunder.models.tiny_hf import TinyModelSpec, save_tiny_qwen2  # noqa: E402
 from megathunder.rollout.engines import start_engine  # noqa: E402
-from megathunder.rollout.engines.transfer import StageSenders  # noqa: E402
-from megathunder.rollout.types import RolloutEngine, SamplingParams, StreamedWeights  # noqa: E402
+from megathunder.rollout.types import RolloutEngine, SamplingParams  # noqa: E402
 from megathunder.streaming import synthetic as syn  # noqa: E402
 from megathunder.trainer.probe import (  # noqa: E402
     PROBE_SEED,
@@ -42,20 +42,10 @@ from megathunder.trainer.probe import (  # noqa: E402
     engine_probe,
     max_logprob_gap,
 )
+from megathunder.trainer.weight_sync import WeightSync  # noqa: E402
 from megathunder.trajectory import batch_plan  # noqa: E402
 
 Service = LearnerService[LearnerEndpoint]
-
-
-async def push_weights(service: Service, engine: RolloutEngine, policy_version: int) -> dict:
-    """The trainer's push: the stages stream their buckets while the engine is paused."""
-    stats: dict = {}
-
-    async def send() -> None:
-        stats.update(await service.call(LearnerEndpoint.send_weights))
-
-    await engine.update_weights(StreamedWeights(send), policy_version)
-    return stats
 
 
 async def probe(service: Service, engine: RolloutEngine, prompt: list[int], continuation: list[int]) -> ProbeSample:
@@ -76,16 +66,15 @@ def gap(sample: ProbeSample) -> float:
 
 
 async def control(workdir: Path, model_dir: Path, service: Service, learner: MegatronLearner, engine_dtype: str) -> dict:
-    senders = StageSenders(learner.pgs.dims.pp, lambda rdv: service.call(LearnerEndpoint.join_weight_transfer, rdv))
-    engine = await start_engine(
-        EngineConfig(deployment="in_process", dtype=engine_dtype, max_model_len=512, enforce_eager=True,
-                     gpu_memory_utilization=0.3, kv_cache_memory_bytes=128 * 2**20,
-                     weight_transfer={"kind": "collective", "bucket_mb": 0.05}),
-        model_dir, log_dir=workdir / "logs", senders=senders,
-    )
+    cfg = EngineConfig(deployment="in_process", dtype=engine_dtype, max_model_len=512, enforce_eager=True,
+                       gpu_memory_utilization=0.3, kv_cache_memory_bytes=128 * 2**20,
+                       weight_transfer={"kind": "collective", "bucket_mb": 0.05})
+    engine = await start_engine(cfg, model_dir, log_dir=workdir / "logs", senders="learner")
+    sync = WeightSync(engine, service, cfg.weight_transfer, learner.pgs.dims.pp)  # the trainer's push
     prompt = list(range(5, 45))
     out: dict = {}
     try:
+        await sync.connect()
         tolerance = ProbeTolerance(minimum=1e-3, margin=ScheduleConfig().probe_noise_margin)  # the trainer's defaults
         gaps = [gap(await probe(service, engine, prompt, await draw(engine, prompt, seed))) for seed in range(1, 4)]
         tolerance.calibrate(gaps)  # same weights
@@ -108,7 +97,7 @@ async def control(workdir: Path, model_dir: Path, service: Service, learner: Meg
         out["gap_stale"] = gap(stale)
         out["stale_detected"] = engine_kept_its_weights(before, stale)
 
-        out["push"] = await push_weights(service, engine, policy_version=1)
+        out["push"] = await sync.push(1)  # the stages stream their buckets while the engine is paused
         fresh = await probe(service, engine, prompt, continuation)
         out["policy_version"] = engine.policy_version
         out["kept_after_sync"] = engine_kept_its_weights(before, fresh)

@@ -80,32 +80,38 @@ class FakeLLM:
 
 
 @pytest.fixture
-def engine(monkeypatch):
+def make_engine(monkeypatch):
+    """An engine on a ``FakeLLM`` whose owner's ``revive`` hook (given at construction, as
+    ``start_engine(revive=...)`` does) is ``revive``."""
     from vllm.v1.engine import async_llm
 
     monkeypatch.setattr(async_llm, "AsyncLLM", FakeLLM)
     FakeLLM.made = []
-    first = FakeLLM()
-    eng = InProcessEngine(first, policy_version=0)  # type: ignore[arg-type]
-    eng._restart_with = (None, EngineConfig(weight_transfer="rpc", max_restarts=2), None)  # type: ignore[assignment]
-    return eng
+
+    def make(revive=None, max_restarts: int = 2, senders="engine", weight_transfer="rpc") -> InProcessEngine:
+        eng = InProcessEngine(FakeLLM(), policy_version=0, senders=senders, revive=revive)  # type: ignore[arg-type]
+        cfg = EngineConfig(weight_transfer=weight_transfer, max_restarts=max_restarts)
+        eng._restart_with = (None, cfg)  # type: ignore[assignment]
+        return eng
+
+    return make
 
 
 PARAMS = SamplingParams(max_new_tokens=4, seed=7)
 
 
-def test_requests_cut_off_by_a_death_go_again_after_the_weights_are_loaded(engine):
+def test_requests_cut_off_by_a_death_go_again_after_the_weights_are_loaded(make_engine):
     async def main():
         revived: list[int] = []
 
-        async def revive() -> None:  # the trainer: load the weights, then probe on the new engine
+        async def revive(engine) -> None:  # the trainer: load the weights, then probe on the new engine
             new = FakeLLM.made[-1]
             new.loaded = True
             new.release.set()
             probe = await engine.generate([9, 8], PARAMS)  # must not wait for the revival it is part of
             revived.append(probe.policy_version)
 
-        engine.revive = revive
+        engine = make_engine(revive)
         first = FakeLLM.made[0]
         tasks = [asyncio.ensure_future(engine.generate([i, i + 1], PARAMS)) for i in range(5)]
         await asyncio.sleep(0.05)
@@ -120,12 +126,12 @@ def test_requests_cut_off_by_a_death_go_again_after_the_weights_are_loaded(engin
     asyncio.run(main())
 
 
-def test_spent_restarts_and_a_failed_revival_refuse_later_requests(engine):
+def test_spent_restarts_and_a_failed_revival_refuse_later_requests(make_engine):
     async def main():
-        async def revive() -> None:
+        async def revive(engine) -> None:
             raise RuntimeError("probe gap 3.1e-1")
 
-        engine.revive = revive
+        engine = make_engine(revive)
         FakeLLM.made[0].kill()
         with pytest.raises(EngineRestartError, match="restart failed: probe gap"):
             await asyncio.wait_for(engine.generate([1], PARAMS), 10)
@@ -136,20 +142,17 @@ def test_spent_restarts_and_a_failed_revival_refuse_later_requests(engine):
     asyncio.run(main())
 
 
-def test_no_restart_without_an_owner_or_past_max_restarts(engine):
+def test_no_restart_without_an_owner_or_past_max_restarts(make_engine):
     async def main():
+        engine = make_engine()
         FakeLLM.made[0].kill()
         with pytest.raises(EngineRestartError, match="nothing can load its weights"):
             await asyncio.wait_for(engine.generate([1], PARAMS), 10)
 
     asyncio.run(main())
 
-    cfg = EngineConfig(weight_transfer="rpc", max_restarts=0)
-    fresh = InProcessEngine(FakeLLM(), policy_version=0)  # type: ignore[arg-type]
-    fresh._restart_with = (None, cfg, None)  # type: ignore[assignment]
-
     async def no_owner_needed() -> None:
-        fresh.revive = lambda: asyncio.sleep(0)
+        fresh = make_engine(lambda engine: asyncio.sleep(0), max_restarts=0)
         FakeLLM.made[-1].kill()
         with pytest.raises(EngineRestartError, match="max_restarts=0 spent"):
             await asyncio.wait_for(fresh.generate([1], PARAMS), 10)
@@ -158,7 +161,7 @@ def test_no_restart_without_an_owner_or_past_max_restarts(engine):
     assert inprocess._REVIVING.get() is False
 
 
-def test_an_engine_found_dead_as_a_weight_update_begins_is_restarted_first(engine, tmp_path):
+def test_an_engine_found_dead_as_a_weight_update_begins_is_restarted_first(make_engine, tmp_path):
     """The core died after its last requests had finished (a kill_engine that lands as the batch
     ends): no request sees it, so the next weight update does. Nothing is lost: the engine is
     started again in place and revived (the owner's current weights), and the update then goes to
@@ -168,11 +171,11 @@ def test_an_engine_found_dead_as_a_weight_update_begins_is_restarted_first(engin
     async def main():
         revived = []
 
-        async def revive() -> None:
+        async def revive(engine) -> None:
             revived.append(len(FakeLLM.made))
             FakeLLM.made[-1].loaded = True
 
-        engine.revive = revive
+        engine = make_engine(revive)
         FakeLLM.made[0].kill()
         await asyncio.wait_for(engine.update_weights(str(tmp_path), policy_version=1), 10)
         assert revived == [2] and engine.num_restarts == 1 and engine.llm is FakeLLM.made[1]
@@ -181,22 +184,50 @@ def test_an_engine_found_dead_as_a_weight_update_begins_is_restarted_first(engin
     asyncio.run(main())
 
 
-def test_an_engine_found_stopped_as_a_weight_update_begins_is_killed_and_restarted_first(engine, tmp_path):
+def test_an_engine_found_stopped_as_a_weight_update_begins_is_killed_and_restarted_first(make_engine, tmp_path):
     """A SIGSTOP that landed as the batch's last requests finished: at the next update the engine's
     processes are stopped (it could answer nothing), so it is SIGKILLed and restarted in place
     first, as a dead one -- not left to fail the update's pause after the stall timeout."""
     (tmp_path / "model.safetensors").touch()
     signals = []
+
+    async def revive(engine) -> None:
+        engine._core_stopped = lambda: False  # the new engine runs
+
+    engine = make_engine(revive)
     engine._core_stopped = lambda: True  # type: ignore[method-assign]
     engine.signal_core = lambda sig: signals.append(sig) or []  # type: ignore[method-assign]
 
     async def main():
-        async def revive() -> None:
-            engine._core_stopped = lambda: False  # type: ignore[method-assign]  # the new engine runs
-
-        engine.revive = revive
         await asyncio.wait_for(engine.update_weights(str(tmp_path), policy_version=1), 10)
         assert engine.num_restarts == 1 and engine.llm is FakeLLM.made[1] and engine.policy_version == 1
 
     asyncio.run(main())
     assert signals == [signal.SIGKILL]
+
+
+def test_a_restarted_engine_the_learner_sends_to_gets_its_groups_from_its_owner(make_engine):
+    """``senders="learner"``: the dead engine's transfer groups are dropped and the new engine opens
+    none of its own; the ``revive`` hook is given the engine, whose groups are then closed
+    (``transfer_open``): the owner's push connects the learner's stage senders anew."""
+
+    class Groups:  # the dead engine's groups, every worker joined
+        joined = True
+
+    async def main():
+        seen = []
+
+        async def revive(engine) -> None:
+            seen.append((engine, engine.transfer, engine.transfer_open))
+            FakeLLM.made[-1].release.set()
+
+        engine = make_engine(revive, senders="learner", weight_transfer="collective")
+        engine.transfer = Groups()  # type: ignore[assignment]
+        assert engine.transfer_open
+        job = asyncio.ensure_future(engine.generate([1, 2], PARAMS))
+        await asyncio.sleep(0.05)
+        FakeLLM.made[0].kill()
+        assert (await asyncio.wait_for(job, 10)).token_ids == [2, 1]
+        assert seen == [(engine, None, False)]
+
+    asyncio.run(main())

@@ -1,8 +1,10 @@
-"""Weight transfer over gloo groups: frames, several senders in turn, sparse patches, failures.
+"""Weight transfer over gloo groups: frames, several senders in turn, sparse patches, failures, and
+the controller's push (``WeightSync``) driving both ends.
 
 vLLM workers are stood in for by ``MegathunderWorkerExtension`` itself on a fake worker (threads
 here), whose ``reload_weights`` records what it was given: the code that runs inside vLLM is the
-code under test, everything it talks to is real gloo.
+code under test, everything it talks to is real gloo. The engine's end is the engine's own
+``WeightTransfer`` (``tests/weight_helpers.py``: ``FakeEngine``); the learner's stages are threads.
 """
 
 from __future__ import annotations
@@ -15,15 +17,10 @@ import pytest
 import torch
 
 from megathunder.config import CollectiveTransfer, ConfigError, load_config
-from megathunder.rollout.engines.transfer import (
-    Frame,
-    FrameWriter,
-    Rendezvous,
-    Slot,
-    StageSenders,
-    WeightTransfer,
-)
-from tests.weight_helpers import FakeWorker, engine_rpc
+from megathunder.rollout.engines.transfer import WeightTransfer
+from megathunder.trainer.weight_sync import WeightSync
+from megathunder.weights.wire import Frame, FrameWriter, Rendezvous, Slot, both
+from tests.weight_helpers import FakeEngine, FakeWorker, ThreadService, engine_rpc
 
 
 def _weights(seed: int = 0) -> list[tuple[str, torch.Tensor]]:
@@ -52,7 +49,7 @@ def test_in_memory_push_reaches_two_workers_of_two_engines_exactly():
 
     async def main():
         cfg = CollectiveTransfer(host="127.0.0.1", backend="gloo", bucket_mb=2048 / 2**20)
-        transfer = await WeightTransfer.open(cfg, [w.rpc for w in workers])
+        transfer = await WeightTransfer.open_local(cfg, [w.rpc for w in workers])
         assert transfer.rdv.world_size == 3 and transfer.rdv.num_senders == 1
         stats = await transfer.push_local(iter(weights), _engine_rpc(workers))
         await transfer.close(_engine_rpc(workers))
@@ -66,50 +63,66 @@ def test_in_memory_push_reaches_two_workers_of_two_engines_exactly():
     assert stats.payload_bytes == sum(t.numel() * t.dtype.itemsize for _, t in weights)
 
 
-def _stage_senders(stage_tensors: list[list[tuple[str, torch.Tensor]]], bucket_bytes: int, patches=None):
-    """Learner stages stood in for by threads: each joins its group and pushes its tensors (dense,
-    or as ``patches[stage]``: name -> (indices, values))."""
-    groups: list = [None] * len(stage_tensors)
+class StageThreads:
+    """The learner's ``LearnerEndpoint`` weight calls, its pipeline stages stood in for by threads:
+    each joins its group and pushes its tensors (dense, or as ``patches[stage]``: name -> (indices,
+    values)); ``send_weights`` returns each stage's ``PushStats``."""
 
-    async def join(rdv_json: str) -> None:
+    def __init__(self, stage_tensors: list[list[tuple[str, torch.Tensor]]], bucket_bytes: int) -> None:
+        self.stage_tensors, self.bucket_bytes = stage_tensors, bucket_bytes
+        self.groups: list = [None] * len(stage_tensors)
+        self.patches: list[dict] | None = None
+        self.fail_send = False
+
+    def _each_stage(self, fn):
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(len(self.stage_tensors)) as pool:
+            return list(pool.map(fn, range(len(self.stage_tensors))))
+
+    def join_weight_transfer(self, rdv_json: str) -> None:
         rdv = Rendezvous.from_json(rdv_json)
+        self.groups = self._each_stage(lambda s: rdv.join(s, 0, torch.device("cpu")))
 
+    def send_weights(self) -> list:
         def one(s):
-            groups[s] = rdv.join(s, 0, torch.device("cpu"))
-
-        await asyncio.gather(*(asyncio.to_thread(one, s) for s in range(len(stage_tensors))))
-
-    async def send(stage_patches=None):
-        def one(s):
-            writer = FrameWriter(groups[s], bucket_bytes)
-            for name, t in stage_tensors[s]:
-                if stage_patches and name in stage_patches[s]:
-                    writer.add_sparse(name, t.shape, *stage_patches[s][name])
+            writer = FrameWriter(self.groups[s], self.bucket_bytes)
+            for name, t in self.stage_tensors[s]:
+                if self.patches and name in self.patches[s]:
+                    writer.add_sparse(name, t.shape, *self.patches[s][name])
                 else:
                     writer.add(name, t.shape, t)
+                if self.fail_send:
+                    raise RuntimeError("a stage's sender failed")
             return writer.finish()
-        return await asyncio.gather(*(asyncio.to_thread(one, s) for s in range(len(stage_tensors))))
+        return self._each_stage(one)
 
-    return StageSenders(len(stage_tensors), join), send, groups
+    def close(self) -> None:
+        for group in self.groups:
+            group.close()
 
 
 def test_stage_senders_push_in_turn_and_sparse_patches_equal_the_dense_push():
-    """Two senders (pipeline stages), one worker keeping a copy: a dense push, then a push where
-    stage 1 sends one tensor as a patch of its changed elements -- the worker reloads tensors equal,
-    bit for bit, to the new ones."""
+    """Two senders (pipeline stages), one worker keeping a copy, driven by ``WeightSync``: connect,
+    a dense push, then a push where stage 1 sends one tensor as a patch of its changed elements --
+    the worker reloads tensors equal, bit for bit, to the new ones; each push is pause, receive,
+    resume."""
     g = torch.Generator().manual_seed(1)
     stage0 = [("model.embed_tokens.weight", torch.randn(50, 8, generator=g).to(torch.bfloat16)),
               ("model.layers.0.mlp.up_proj.weight", torch.randn(12, 8, generator=g).to(torch.bfloat16))]
     stage1 = [("model.layers.1.mlp.up_proj.weight", torch.randn(12, 8, generator=g).to(torch.bfloat16)),
               ("model.norm.weight", torch.randn(8, generator=g).to(torch.bfloat16))]
     worker = FakeWorker(dtype=torch.bfloat16)
-    senders, send, groups = _stage_senders([stage0, stage1], bucket_bytes=256)
+    stages = StageThreads([stage0, stage1], bucket_bytes=256)
+    cfg = CollectiveTransfer(host="127.0.0.1", backend="gloo", bucket_mb=256 / 2**20, sparse_threshold=0.5)
+    engine = FakeEngine([[worker]], cfg)
+    sync = WeightSync(engine, ThreadService(stages), cfg, num_stages=2, endpoint=StageThreads)  # type: ignore[arg-type]
 
     async def main():
-        cfg = CollectiveTransfer(host="127.0.0.1", backend="gloo", bucket_mb=256 / 2**20, sparse_threshold=0.5)
-        transfer = await WeightTransfer.open(cfg, [worker.rpc], senders)
+        await sync.connect()
+        transfer = engine.transfer
         assert transfer.local is None and transfer.rdv.dtype == "bfloat16" and transfer.rdv.num_senders == 2
-        first = await transfer.receive(worker.rpc, send)
+        first = await sync.push(1)
         dense = {n: t.clone() for n, t in worker.loaded.items()}
         # the second push: three elements of one tensor changed, sent as a patch
         name, old = stage1[0]
@@ -117,14 +130,15 @@ def test_stage_senders_push_in_turn_and_sparse_patches_equal_the_dense_push():
         idx = torch.tensor([0, 17, 95])
         new.view(-1)[idx] += 1
         stage1[0] = (name, new)
-        patches = [{}, {name: (idx.to(torch.int32), new.view(-1)[idx])}]
-        second = await transfer.receive(worker.rpc, lambda: send(patches))
-        await transfer.close(worker.rpc)
-        for group in groups:
-            group.close()
+        stages.patches = [{}, {name: (idx.to(torch.int32), new.view(-1)[idx])}]
+        second = await sync.push(2)
+        await engine.close()
+        stages.close()
         return first, second, dense
 
     first, second, dense = asyncio.run(main())
+    assert engine.events == ["open", "pause", "receive", "resume", "pause", "receive", "resume"]
+    assert engine.policy_version == 2 and transfer_received(engine)
     assert sorted(worker.loaded) == sorted(n for n, _ in stage0 + stage1)  # the whole copy, reloaded
     for n, t in stage0 + stage1:
         assert torch.equal(worker.loaded[n], t), n
@@ -132,6 +146,68 @@ def test_stage_senders_push_in_turn_and_sparse_patches_equal_the_dense_push():
     assert sum(s.num_sparse_tensors for s in second) == 1 and second[1].changed_elements == 3 + 8
     assert second[1].payload_bytes == 3 * (4 + 2) + 8 * 2  # int32 index + bf16 value; the norm dense
     assert sum(s.num_frames for s in first) >= 3
+
+
+def transfer_received(engine: FakeEngine) -> bool:
+    """The last push's worker timings were recorded (``WeightTransfer.last_received``)."""
+    return set(engine.transfer.last_received) == {"total_s", "wait_s"}
+
+
+def test_groups_that_lost_a_worker_are_opened_again_inside_the_next_push():
+    """An engine whose groups no longer hold every worker (a server lost, an engine core restarted:
+    ``transfer_open`` false) gets new groups inside the next push, after its pause: the stages'
+    senders join them again, then the push goes through them."""
+    weights = _weights()[:3]
+    worker = FakeWorker()
+    stages = StageThreads([[(n, t.float()) for n, t in weights]], bucket_bytes=2048)
+    cfg = CollectiveTransfer(host="127.0.0.1", backend="gloo", bucket_mb=2048 / 2**20)
+    engine = FakeEngine([[worker]], cfg)
+    service = ThreadService(stages)
+    sync = WeightSync(engine, service, cfg, num_stages=1, endpoint=StageThreads)  # type: ignore[arg-type]
+
+    async def main():
+        await sync.connect()
+        await sync.push(1)
+        first_port = engine.transfer.rdv.port
+        engine.transfer.joined = False  # as an engine reports groups that lost a worker
+        await sync.push(2)
+        assert engine.transfer.rdv.port != first_port
+        await engine.close()
+        stages.close()
+
+    asyncio.run(main())
+    assert engine.events == ["open", "pause", "receive", "resume", "pause", "open", "receive", "resume"]
+    assert service.calls == ["join_weight_transfer", "send_weights", "join_weight_transfer", "send_weights"]
+    assert all(torch.equal(worker.loaded[n], t.float()) for n, t in weights)
+
+
+def test_a_failed_push_leaves_the_engine_paused_with_the_workers_error():
+    """A sender that fails mid-push fails its broadcast; the worker's end of the group then fails
+    too, and the push raises -- no resume: the engine stays paused."""
+    worker = FakeWorker()
+    worker.fail_on_receive = True
+    stages = StageThreads([[("w", torch.ones(4))]], bucket_bytes=2048)
+    cfg = CollectiveTransfer(host="127.0.0.1", backend="gloo", bucket_mb=2048 / 2**20)
+    engine = FakeEngine([[worker]], cfg)
+    sync = WeightSync(engine, ThreadService(stages), cfg, num_stages=1, endpoint=StageThreads)  # type: ignore[arg-type]
+
+    async def main():
+        await sync.connect()
+        original = worker.megathunder_receive_stream
+
+        def receive_then_leave():
+            try:
+                return original()
+            finally:  # as a worker process that died would: its end of the group is gone
+                worker.megathunder_transfer_close()
+
+        worker.megathunder_receive_stream = receive_then_leave
+        with pytest.raises(RuntimeError, match="worker failed to load"):
+            await asyncio.wait_for(sync.push(1), 60)
+
+    asyncio.run(main())
+    assert engine.events == ["open", "pause", "receive"] and engine.policy_version == 0
+    stages.close()
 
 
 def test_a_patch_without_a_copy_to_patch_is_an_error(monkeypatch):
@@ -173,7 +249,7 @@ def test_nccl_without_cuda_fails_when_the_engine_starts_not_at_parse_time():
     """A GPU job's config validates anywhere (a CPU-only login node); the transfer group refuses."""
     load_config(None, ["rollout.engine.weight_transfer.backend=nccl"])
     with pytest.raises(ValueError, match="weight_transfer.backend: nccl needs a CUDA device"):
-        asyncio.run(WeightTransfer.open(CollectiveTransfer(backend="nccl"), []))
+        asyncio.run(WeightTransfer.serve(CollectiveTransfer(backend="nccl"), [], 1))
 
 
 def test_a_worker_that_fails_fails_the_push_at_once():
@@ -181,7 +257,8 @@ def test_a_worker_that_fails_fails_the_push_at_once():
     worker = FakeWorker()
 
     async def main():
-        transfer = await WeightTransfer.open(CollectiveTransfer(backend="gloo", bucket_mb=2048 / 2**20), [worker.rpc])
+        transfer = await WeightTransfer.open_local(CollectiveTransfer(backend="gloo", bucket_mb=2048 / 2**20),
+                                                   [worker.rpc])
         worker.fail_on_receive = True
         original = worker.megathunder_receive_stream
 
@@ -206,7 +283,7 @@ def test_frames_are_received_one_ahead_of_the_loader_in_order(monkeypatch):
     thread receives k + 1 and no further (two frames at most); a receive error reaches the loader."""
     import threading
 
-    import megathunder.rollout.engines.transfer as transfer
+    import megathunder.weights.wire as transfer
 
     received: list[tuple[int, int]] = []
     lock = threading.Lock()
@@ -241,30 +318,46 @@ def test_frames_are_received_one_ahead_of_the_loader_in_order(monkeypatch):
         next(frames)
 
 
-def test_a_cancelled_receive_cancels_both_sides():
-    """A weight update's guard cancels the load when the engine died or hung under it
-    (``InProcessEngine._guarded``): the workers' RPC and the senders' broadcast are cancelled with
-    it, not left running unawaited."""
-    transfer = WeightTransfer.__new__(WeightTransfer)
-    transfer.last_received = {}
+def test_a_cancelled_exchange_cancels_both_ends():
+    """A weight update's guard fails the workers' receive when the engine died or hung under it
+    (``InProcessEngine._guarded``), and a stop cancels the push: cancelled, ``both`` cancels the
+    workers' RPC and the senders' broadcast with it, not left running unawaited."""
 
     async def main() -> None:
         never = asyncio.Event()
-
-        async def rpc(call) -> list:
-            await never.wait()
-            return []
-
-        async def send() -> None:
-            await never.wait()
-
-        receive = asyncio.ensure_future(transfer.receive(rpc, send))
+        exchange = asyncio.ensure_future(both(never.wait(), never.wait()))
         await asyncio.sleep(0.01)
-        receive.cancel()
+        exchange.cancel()
         with pytest.raises(asyncio.CancelledError):
-            await receive
+            await exchange
         for _ in range(3):
             await asyncio.sleep(0)
         assert [t for t in asyncio.all_tasks() if t is not asyncio.current_task()] == []
+
+    asyncio.run(main())
+
+
+def test_a_failing_sender_waits_for_the_workers_error_which_says_why():
+    """A sender fails when a worker's end of its group goes: the worker's own error, arriving
+    within the grace period, is the one raised; a worker's failure is raised at once."""
+
+    async def main() -> None:
+        async def sender_fails() -> None:
+            raise RuntimeError("gloo: connection closed by peer")
+
+        async def worker_fails(after_s: float) -> None:
+            await asyncio.sleep(after_s)
+            raise ValueError("worker: out of memory while loading")
+
+        with pytest.raises(ValueError, match="out of memory"):
+            await both(worker_fails(0.05), sender_fails(), grace_s=5.0)
+        never = asyncio.Event()
+        with pytest.raises(RuntimeError, match="connection closed"):  # no word from the workers in the grace
+            await both(never.wait(), sender_fails(), grace_s=0.05)
+        t0 = time.monotonic()
+        with pytest.raises(ValueError):
+            await both(worker_fails(0.0), never.wait())
+        assert time.monotonic() - t0 < 1
+        assert await both(asyncio.sleep(0, "rx"), asyncio.sleep(0, "tx")) == ("rx", "tx")
 
     asyncio.run(main())

@@ -7,11 +7,12 @@ the stamp cannot drift from the weights that actually sampled the tokens.
 
 An engine core that dies (SIGKILL, the OOM killer) takes every request in flight with it, and
 vLLM's ``AsyncLLM`` cannot be revived. Up to ``EngineConfig.max_restarts`` times per run this
-engine starts a new ``AsyncLLM`` from the initial model directory in its place, opens new
-weight-transfer groups with the learner's stage senders (as a server pool does when it loses a
-server), and lets its owner load the current weights into it (``revive``: the trainer pushes the
-learner's weights and checks them with the probe) before the cut-off requests go again with
-their seeds -- the same tokens, as from a server that took over a dead one's requests.
+engine starts a new ``AsyncLLM`` from the initial model directory in its place and awaits the
+``revive`` hook its owner gave it at start: the owner loads its current weights into it (the
+trainer: ``WeightSync.push``, which finds the old transfer groups gone and has the learner's stage
+senders join new ones first, as after a server pool lost a server; then the probe checks them)
+before the cut-off requests go again with their seeds -- the same tokens, as from a server that
+took over a dead one's requests.
 
 An engine core that hangs (a stopped process, a wedged worker) fails nothing, so it is found by
 progress: vLLM reports each engine step to a stat logger of ours (``Progress``, through
@@ -42,8 +43,8 @@ import logging
 import os
 import signal
 import time
-from collections.abc import Awaitable, Callable, Hashable, Iterator, Sequence
-from typing import TYPE_CHECKING, TypeVar
+from collections.abc import AsyncIterator, Awaitable, Callable, Hashable, Iterator, Sequence
+from typing import TYPE_CHECKING, Literal, TypeVar
 
 import numpy as np
 
@@ -58,13 +59,15 @@ from megathunder.rollout.engines.common import (
     single_version,
 )
 from megathunder.rollout.engines.rpc import WeightLoadCall
-from megathunder.rollout.engines.transfer import StageSenders, WeightTransfer, open_transfer, weight_loader
+from megathunder.rollout.engines.transfer import WeightTransfer, weight_loader
 from megathunder.rollout.engines.vllm_plugin import environment as plugin_environment
-from megathunder.rollout.types import Completion, SamplingParams, WeightSource
+from megathunder.rollout.types import Completion, Revive, SamplingParams, WeightSource
 
 if TYPE_CHECKING:
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
+
+    from megathunder.weights.wire import Rendezvous
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -159,19 +162,27 @@ def _environment(values: dict[str, str]) -> Iterator[None]:
 
 
 class InProcessEngine:
-    """One ``AsyncLLM``; implements ``megathunder.rollout.types.RolloutEngine``."""
+    """One ``AsyncLLM``; implements ``megathunder.rollout.types.RolloutEngine`` and, for the
+    learner's streamed weights, ``WeightReceiver``.
 
-    def __init__(self, llm: AsyncLLM, policy_version: int) -> None:
+    ``senders``: who sends over the transfer groups -- ``"engine"``: this process (tensors in
+    memory; the engine opens its groups itself), ``"learner"``: the learner's stage senders, which
+    join groups the owner opens (``open_transfer`` / ``join_transfer``). ``revive``: the owner loads
+    its current weights into a restarted engine (and checks them); without it a dead engine is not
+    restarted."""
+
+    def __init__(self, llm: AsyncLLM, policy_version: int, *, senders: Literal["engine", "learner"] = "engine",
+                 revive: Revive | None = None) -> None:
         self.llm: AsyncLLM | None = llm
         self._policy_version = policy_version
         self._request_ids = itertools.count()
         self._update_lock = asyncio.Lock()
         self.transfer: WeightTransfer | None = None  # weight_transfer=collective
-        self.revive: Callable[[], Awaitable[None]] | None = None
-        """Set by the owner: load the current weights into a restarted engine (and check them).
-        Without it a dead engine is not restarted."""
+        self.senders = senders
+        self.revive = revive
+        self._num_transfers = 0  # transfer groups opened so far (after the first: on an ephemeral port)
         self.num_restarts = 0
-        self._restart_with: tuple[AsyncEngineArgs, EngineConfig, StageSenders | None] | None = None  # set by start
+        self._restart_with: tuple[AsyncEngineArgs, EngineConfig] | None = None  # set by start
         self._restarting: asyncio.Future[None] | None = None
         self._restart_failed: str | None = None  # why the engine in place is not to be used
         self._watcher: asyncio.Task[None] | None = None  # hang detection of the engine in place
@@ -191,9 +202,9 @@ class InProcessEngine:
         return self.llm
 
     @classmethod
-    async def start(cls, model_path: str, cfg: EngineConfig, policy_version: int = 0,
-                    senders: StageSenders | None = None) -> InProcessEngine:
-        """``senders``: the learner's stage senders for the transfer groups (else this process sends)."""
+    async def start(cls, model_path: str, cfg: EngineConfig, policy_version: int = 0, *,
+                    senders: Literal["engine", "learner"] = "engine", revive: Revive | None = None) -> InProcessEngine:
+        """``senders``, ``revive``: see the class."""
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
@@ -203,21 +214,20 @@ class InProcessEngine:
         progress = Progress()
         with _environment(cpu_environment(cfg)):  # read as the engine's processes start
             llm = AsyncLLM.from_engine_args(args, stat_loggers=[progress.stat_logger()])
-        engine = cls(llm, policy_version)
-        engine._restart_with = (args, cfg, senders)
+        engine = cls(llm, policy_version, senders=senders, revive=revive)
+        engine._restart_with = (args, cfg)
         # no local holds the AsyncLLM: vLLM keeps this frame alive, and close() must free it
         try:
-            await engine._prepare(cfg, senders, progress)
+            await engine._prepare(cfg, progress)
         except BaseException:
             await engine.close()
             raise
         return engine
 
-    async def _prepare(self, cfg: EngineConfig, senders: StageSenders | None, progress: Progress,
-                       port: int | None = None) -> None:
+    async def _prepare(self, cfg: EngineConfig, progress: Progress) -> None:
         """A new ``AsyncLLM``'s set-up: its hang detection, version stamp, frozen start-up heap,
-        routing recorder, and the weight-transfer groups (``port``: another than the configured one,
-        for a restart)."""
+        routing recorder, and -- when this process sends -- its weight-transfer groups (the
+        learner's are opened by the owner: ``open_transfer``)."""
         self._progress, self._gone, self._stall_timeout_s = progress, None, cfg.stall_timeout_s
         self._watcher = asyncio.ensure_future(self._watch(self._llm, progress, cfg.stall_timeout_s))
         llm = self._llm
@@ -225,10 +235,19 @@ class InProcessEngine:
         await self._guarded("while starting (heap freeze)", llm.collective_rpc("megathunder_freeze_gc"))
         if cfg.record_routing:
             await self._guarded("while starting (routing recorder)", llm.collective_rpc("megathunder_routing_start"))
-        if port is not None and isinstance(cfg.weight_transfer, CollectiveTransfer):
-            cfg = cfg.model_copy(update={"weight_transfer": cfg.weight_transfer.model_copy(update={"port": port})})
-        self.transfer = await self._guarded("while starting (opening the weight-transfer groups)",
-                                            open_transfer(cfg, [self._rpc], senders), timed=False)
+        if self.senders == "engine" and isinstance(cfg.weight_transfer, CollectiveTransfer):
+            self.transfer = await self._guarded("while starting (opening the weight-transfer groups)",
+                                                WeightTransfer.open_local(self._transfer_cfg(), [self._rpc]), timed=False)
+            self._num_transfers += 1
+
+    def _transfer_cfg(self) -> CollectiveTransfer:
+        """The configured transfer; after the first groups, on an ephemeral port (the old store may
+        still hold the configured one)."""
+        assert self._restart_with is not None, "set by InProcessEngine.start"
+        wt = self._restart_with[1].weight_transfer
+        if not isinstance(wt, CollectiveTransfer):
+            raise RuntimeError("rollout.engine.weight_transfer.kind=rpc: this engine has no transfer groups")
+        return wt if self._num_transfers == 0 else wt.model_copy(update={"port": 0})
 
     async def _watch(self, llm: AsyncLLM, progress: Progress, stall_timeout_s: float) -> None:
         """Hang detection (module docstring): SIGKILL ``llm``'s engine core once it has had requests
@@ -349,7 +368,7 @@ class InProcessEngine:
         from vllm.v1.engine.async_llm import AsyncLLM
 
         assert self._restart_with is not None, "set by InProcessEngine.start"
-        args, cfg, senders = self._restart_with
+        args, cfg = self._restart_with
         updating = self._update_lock.locked()  # requests draining into a weight update (async schedules)
         if self.revive is None or self.num_restarts >= cfg.max_restarts or cfg.record_routing or updating:
             why = ("nothing can load its weights" if self.revive is None else "routing replay records what "
@@ -363,14 +382,14 @@ class InProcessEngine:
         log.warning("the in-process vLLM engine died; starting it again (restart %d of at most %d)",
                     self.num_restarts, cfg.max_restarts)
         dead.shutdown()
-        self.transfer = None  # its groups had the dead workers in them: dropped unused
+        self.transfer = None  # its groups had the dead workers in them: dropped unused (``transfer_open``)
         token = _REVIVING.set(True)
         try:
             progress = Progress()
             with _environment(cpu_environment(cfg)):
                 self.llm = AsyncLLM.from_engine_args(args, stat_loggers=[progress.stat_logger()])
-            await self._prepare(cfg, senders, progress, port=0)  # a new store on an ephemeral port
-            await self.revive()  # the learner's current weights, checked by the probe
+            await self._prepare(cfg, progress)  # this process's own groups: a new store on an ephemeral port
+            await self.revive(self)  # the learner's current weights (new groups first), checked by the probe
         except BaseException as err:  # never sample from a half-revived engine
             self._restart_failed = f"the in-process vLLM engine died and its restart failed: {err}"
             raise EngineRestartError(self._restart_failed) from err
@@ -552,24 +571,24 @@ class InProcessEngine:
             self._policy_version = policy_version
 
     async def update_weights(self, weights: WeightSource, policy_version: int) -> None:
-        """Drain in-flight requests, load, reset the prefix cache, stamp the version, resume (an
-        engine found dead first is restarted in place, as a request would find it).
+        """Weights from a checkpoint path or tensors in memory (``updating`` around the load; the
+        learner's streamed weights: ``receive_weights``)."""
+        await self._revived_if_dead()
+        load = weight_loader(weights, self.transfer)
+        async with self.updating(policy_version):
+            await self._guarded("inside a weight update (load)", load(self._rpc), timed=False)
+
+    @contextlib.asynccontextmanager
+    async def updating(self, policy_version: int) -> AsyncIterator[None]:
+        """Drain in-flight requests and pause; the block loads; then reset the prefix cache, stamp
+        the version, resume (an engine found dead first is restarted in place, as a request would
+        find it).
 
         New requests wait while paused; requests already running finish on the old weights, so
-        every completion has exactly one version. If loading fails the engine stays paused:
+        every completion has exactly one version. If the block fails the engine stays paused:
         better no tokens than tokens from half-loaded weights.
         """
-        if not _REVIVING.get() and self._gone is None and self._core_stopped():  # it could answer nothing
-            log.warning("the in-process vLLM engine is stopped as a weight update begins: hung; SIGKILL its engine "
-                        "core and workers")
-            self._gone = "hung"
-            self.signal_core(signal.SIGKILL)
-        if not _REVIVING.get() and (self._gone is not None or self._llm.errored):
-            # it died or stopped between requests (the last ones finished before it did, or none was in
-            # flight): nothing is lost, so it is started again first -- its revival loads the owner's
-            # current weights, these -- and the update then goes to the new engine as to any
-            await self._restart(self._llm)
-        load = weight_loader(weights, self.transfer)
+        await self._revived_if_dead()
         async with self._update_lock:
             if self._armed is not None:  # chaos: a fault inside the update
                 sig, self._armed = self._armed, None
@@ -577,7 +596,7 @@ class InProcessEngine:
             llm = self._llm
             try:
                 await self._guarded("inside a weight update (pause)", _pause(llm))
-                await self._guarded("inside a weight update (load)", load(self._rpc), timed=False)
+                yield
                 await self._guarded("inside a weight update (prefix-cache reset)", self._reset_prefix_cache(llm))
                 await self._guarded("inside a weight update (version stamp)", llm.update_weight_version(str(policy_version)))
                 self._policy_version = policy_version
@@ -585,6 +604,48 @@ class InProcessEngine:
             except BaseException:
                 self._unfinished_update = True  # paused, mid-load, or gone: close() sends it nothing more
                 raise
+
+    async def _revived_if_dead(self) -> None:
+        """An engine that died or stopped between requests (the last ones finished before it did,
+        or none was in flight) is started again before an update: nothing is lost -- its revival
+        loads the owner's current weights -- and the update then goes to the new engine as to any."""
+        if _REVIVING.get():
+            return
+        if self._gone is None and self._core_stopped():  # it could answer nothing
+            log.warning("the in-process vLLM engine is stopped as a weight update begins: hung; SIGKILL its engine "
+                        "core and workers")
+            self._gone = "hung"
+            self.signal_core(signal.SIGKILL)
+        if self._gone is not None or self._llm.errored:
+            await self._restart(self._llm)
+
+    # ------------------------------------------------------------------ the learner's streamed weights
+
+    @property
+    def transfer_open(self) -> bool:
+        return self.transfer is not None and self.transfer.joined
+
+    async def open_transfer(self, num_senders: int) -> Rendezvous:
+        """Serve new transfer groups for ``num_senders`` senders (``WeightReceiver``)."""
+        old, self.transfer = self.transfer, None
+        if old is not None:  # groups opened before are dropped unused
+            old.abandon()
+        self.transfer = await self._guarded("while opening the weight-transfer groups",
+                                            WeightTransfer.serve(self._transfer_cfg(), [self._rpc], num_senders),
+                                            timed=False)
+        self._num_transfers += 1
+        return self.transfer.rdv
+
+    async def join_transfer(self) -> None:
+        await self._guarded("while joining the weight-transfer groups", self._opened().join(), timed=False)
+
+    async def receive_weights(self) -> dict[str, float]:
+        return await self._guarded("inside a weight update (load)", self._opened().receive(self._rpc), timed=False)
+
+    def _opened(self) -> WeightTransfer:
+        if self.transfer is None:
+            raise RuntimeError("no weight-transfer groups: open_transfer first")
+        return self.transfer
 
     async def reset_prefix_cache(self) -> None:
         await self._reset_prefix_cache(self._llm)

@@ -13,10 +13,11 @@ platform:
   the server's ``/collective_rpc`` accepts only strings, so one string payload serves both.
 
 With ``weight_transfer: {kind: collective}`` (the default) the bytes travel instead by broadcast
-over process groups the workers join once (``transfer.py``; gloo on CPU, NCCL on GPUs) and only
-the call that starts receiving goes through ``collective_rpc``. Either way the engines'
-``update_weights`` do the pause / load / reset prefix cache / stamp version / resume sequence
-around the load step.
+over process groups the workers join once (``megathunder.weights.wire``; gloo on CPU, NCCL on GPUs)
+and only the call that starts receiving goes through ``collective_rpc``: the learner's stages send
+(``trainer/weight_sync.py``), or the engine's own sender for tensors in memory (``transfer.py``).
+Either way the engines' ``updating`` does the pause / load / reset prefix cache / stamp version /
+resume sequence around the load step.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from typing import Any
 import torch
 from safetensors.torch import save
 
-from megathunder.rollout.types import StreamedWeights, WeightSource
+from megathunder.rollout.types import WeightSource
 
 
 @dataclass(frozen=True)
@@ -58,8 +59,6 @@ def weight_load_call(weights: WeightSource) -> WeightLoadCall:
         if not path.is_dir() or not any(path.glob("*.safetensors")):
             raise FileNotFoundError(f"no *.safetensors checkpoint in directory {path}")
         return WeightLoadCall("megathunder_load_path", args=(str(path.resolve()),))
-    if isinstance(weights, StreamedWeights):
-        raise TypeError("StreamedWeights travel over the transfer groups (weight_transfer.kind=collective), not by RPC")
     return WeightLoadCall("megathunder_load_safetensors", args=(encode_tensors(weights),))
 
 

@@ -38,14 +38,14 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Hashable, Sequence
+from collections.abc import AsyncIterator, Hashable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
-from megathunder.config import EngineConfig
+from megathunder.config import CollectiveTransfer, EngineConfig
 from megathunder.rollout.engines.auth import MIDDLEWARE, read_api_key
 from megathunder.rollout.engines.balancer import LeastOutstandingBalancer, NoLiveServerError
 from megathunder.rollout.engines.common import (
@@ -56,8 +56,8 @@ from megathunder.rollout.engines.common import (
     single_version,
 )
 from megathunder.rollout.engines.routing_capture import decode as decode_routing
-from megathunder.rollout.engines.rpc import WeightLoadCall
-from megathunder.rollout.engines.transfer import StageSenders, WeightTransfer, open_transfer, weight_loader
+from megathunder.rollout.engines.rpc import Rpc, WeightLoadCall
+from megathunder.rollout.engines.transfer import WeightTransfer, weight_loader
 from megathunder.rollout.engines.vllm_plugin import environment as plugin_environment
 from megathunder.rollout.types import Completion, SamplingParams, WeightSource
 
@@ -67,6 +67,8 @@ KEEPALIVE_S = 2.0  # below vLLM's HTTP keep-alive timeout (VLLM_HTTP_TIMEOUT_KEE
 
 if TYPE_CHECKING:
     import aiohttp
+
+    from megathunder.weights.wire import Rendezvous
 
 
 log = logging.getLogger(__name__)
@@ -261,7 +263,8 @@ def _shm_names() -> set[str]:
 
 
 class ServerEngine:
-    """Several vLLM servers as one ``RolloutEngine``, least-outstanding-requests balanced."""
+    """Several vLLM servers as one ``RolloutEngine``, least-outstanding-requests balanced; for the
+    learner's streamed weights a ``WeightReceiver`` (``senders``: see ``InProcessEngine``)."""
 
     def __init__(
         self,
@@ -282,7 +285,9 @@ class ServerEngine:
         self._request_ids = (f"mt-{uuid.uuid4().hex[:8]}-{n}" for n in itertools.count())
         self._update_lock = asyncio.Lock()
         self.transfer: WeightTransfer | None = None  # weight_transfer=collective
-        self._regroup_with: tuple[EngineConfig, StageSenders | None] | None = None  # set by start
+        self.senders: Literal["engine", "learner"] = "engine"  # set by start
+        self._cfg: EngineConfig | None = None  # set by start: the transfer groups' configuration
+        self._num_transfers = 0  # transfer groups opened so far (after the first: on an ephemeral port)
         self._grouped: set[int] = set(range(len(self.urls)))  # the servers in the transfer groups
         # hang detection (``_watch``): requests in flight per server, and when each last progressed
         self.stall_timeout_s = stall_timeout_s
@@ -295,10 +300,11 @@ class ServerEngine:
     @classmethod
     async def start(
         cls, model_path: str | None, cfg: EngineConfig, log_dir: str | Path = "logs", policy_version: int = 0,
-        senders: StageSenders | None = None,
+        *, senders: Literal["engine", "learner"] = "engine",
     ) -> ServerEngine:
         """Attach to ``cfg.server_urls``, or launch ``cfg.num_servers`` servers on this machine;
-        ``senders``: the learner's stage senders for the transfer groups (else this process sends)."""
+        ``senders``: who sends over the transfer groups (``"learner"``: the owner opens them,
+        ``open_transfer``; ``"engine"``: this process, whose groups are opened here)."""
         import aiohttp
 
         pool = None
@@ -323,13 +329,13 @@ class ServerEngine:
             headers=None if key is None else {"Authorization": f"Bearer {key}"},
         )
         engine = cls(urls, session, policy_version, pool, cfg.session_affinity_max_imbalance, cfg.stall_timeout_s)
+        engine.senders, engine._cfg = senders, cfg
         try:
             await engine._on_all("/update_weight_version", json={"new_version": str(policy_version)})
             if cfg.record_routing:
                 await engine._on_all("/collective_rpc", json={"method": "megathunder_routing_start"})
-            engine.transfer = await open_transfer(cfg, [functools.partial(engine._rpc_one, url) for url in urls],
-                                                  senders)
-            engine._regroup_with = (cfg, senders)
+            if senders == "engine" and isinstance(cfg.weight_transfer, CollectiveTransfer):
+                await engine._open_local()
         except BaseException:
             await engine.close()
             raise
@@ -545,12 +551,24 @@ class ServerEngine:
         return decode_routing(results[0])
 
     async def update_weights(self, weights: WeightSource, policy_version: int) -> None:
-        """On every server at once: drain, load, reset the prefix cache, stamp, resume.
+        """Weights from a checkpoint path or tensors in memory (``updating`` around the load; the
+        learner's streamed weights: ``receive_weights``)."""
+        load = weight_loader(weights, self.transfer)
+        async with self.updating(policy_version):
+            if self.transfer is not None and self.transfer.local is not None and not self.transfer_open:
+                await self._open_local()  # a server was lost: this process's groups again, with the live ones
+                load = weight_loader(weights, self.transfer)
+            await load(self._rpc)
+
+    @contextlib.asynccontextmanager
+    async def updating(self, policy_version: int) -> AsyncIterator[None]:
+        """On every server at once: drain and pause; the block loads; then reset the prefix cache,
+        stamp, resume.
 
         Requests routed meanwhile wait on their server until it resumes; a server that fails to
-        load stays paused (see ``InProcessEngine.update_weights``).
+        load stays paused (see ``InProcessEngine.updating``). A server found hung or dead meanwhile
+        is dropped from the update (and from the transfer groups: ``transfer_open``).
         """
-        load = weight_loader(weights, self.transfer)
 
         async def finish(server: int) -> None:
             answer = await self._post_control(server, "/reset_prefix_cache")
@@ -564,29 +582,59 @@ class ServerEngine:
 
         async with self._update_lock:
             await self._on_all("/pause", params={"mode": "wait", "clear_cache": "false"})
-            if self.transfer is not None and self._grouped - set(self.balancer.live):
-                await self._regroup()
-                load = weight_loader(weights, self.transfer)
-            await load(self._rpc)
+            yield
             await asyncio.gather(*(finish(server) for server in self.balancer.live))
             self._policy_version = policy_version
         if self.pool is not None:
             for server in self.balancer.live:
                 self.pool.servers[server].record_shm()
 
-    async def _regroup(self) -> None:
-        """Open the transfer groups again with the live servers only (a server was lost: the
-        groups' broadcasts would wait for it). The old groups are dropped unused; the new store
-        takes an ephemeral port. The senders' next push is dense (their sparse baseline is reset)."""
-        if self._regroup_with is None:
-            raise ServerError("weight transfer groups cannot be re-opened (engine not started by ServerEngine.start)")
-        cfg, senders = self._regroup_with
+    # ------------------------------------------------------------------ the transfer groups
+
+    @property
+    def transfer_open(self) -> bool:
+        """Open, and every server in them live (a group's broadcasts wait for all its ranks)."""
+        return self.transfer is not None and self.transfer.joined and not self._grouped - set(self.balancer.live)
+
+    async def open_transfer(self, num_senders: int) -> Rendezvous:
+        """Serve new transfer groups, with the live servers only, for ``num_senders`` senders
+        (``WeightReceiver``). Groups opened before (a server was lost: their broadcasts would wait
+        for it) are dropped unused; the new store takes an ephemeral port. The senders' next push,
+        once they have joined, is dense (their sparse baseline is reset)."""
+        cfg, rpcs = self._next_groups()
+        self.transfer = await WeightTransfer.serve(cfg, rpcs, num_senders)
+        return self.transfer.rdv
+
+    async def join_transfer(self) -> None:
+        await self._opened().join()
+
+    async def receive_weights(self) -> dict[str, float]:
+        return await self._opened().receive(self._rpc)
+
+    async def _open_local(self) -> None:
+        """Transfer groups whose one sender is this process (tensors in memory)."""
+        self.transfer = await WeightTransfer.open_local(*self._next_groups())
+
+    def _next_groups(self) -> tuple[CollectiveTransfer, list[Rpc]]:
+        """The next transfer groups' configuration (after the first groups, on an ephemeral port)
+        and members: the live servers, one RPC each (to every worker of that server)."""
+        if self._cfg is None:
+            raise ServerError("weight transfer groups cannot be opened (engine not started by ServerEngine.start)")
+        wt = self._cfg.weight_transfer
+        if not isinstance(wt, CollectiveTransfer):
+            raise ServerError("rollout.engine.weight_transfer.kind=rpc: this engine has no transfer groups")
         live = list(self.balancer.live)
-        log.warning("re-opening the weight-transfer groups with the %d live servers", len(live))
-        wt = cfg.weight_transfer.model_copy(update={"port": 0})
-        self.transfer = await open_transfer(cfg.model_copy(update={"weight_transfer": wt}),
-                                            [functools.partial(self._rpc_one, self.urls[i]) for i in live], senders)
+        if self._num_transfers:
+            log.warning("re-opening the weight-transfer groups with the %d live servers", len(live))
+            wt = wt.model_copy(update={"port": 0})
+        self._num_transfers += 1
         self._grouped = set(live)
+        return wt, [functools.partial(self._rpc_one, self.urls[i]) for i in live]
+
+    def _opened(self) -> WeightTransfer:
+        if self.transfer is None:
+            raise ServerError("no weight-transfer groups: open_transfer first")
+        return self.transfer
 
     async def _rpc_one(self, url: str, call: WeightLoadCall) -> list:
         """``call`` on every worker of one server; their results."""

@@ -1,5 +1,6 @@
 """The methods megathunder adds to every vLLM worker (``worker_extension_cls``): load weights sent
-inside an RPC, and join / receive from / leave the weight-transfer groups (``transfer.py``).
+inside an RPC, and join / receive from / leave the weight-transfer groups (the receiving end of
+``megathunder.weights.wire``).
 
 Imported by the vLLM worker processes, by name (``EXTENSION_CLS`` in ``common.py``).
 """
@@ -20,7 +21,7 @@ import torch
 from safetensors.torch import load
 
 from megathunder.rollout.engines import routing_capture as routing
-from megathunder.rollout.engines.transfer import (
+from megathunder.weights.wire import (
     Frame,
     Rendezvous,
     TransferGroup,

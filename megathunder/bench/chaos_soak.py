@@ -13,11 +13,15 @@ largest parameter difference from what its claim says the run must equal
 (RELIABILITY.md, "Fault injection"):
 
 - the fault-free run of the same deployment (``kill_server``, ``hang_server``, ``kill_engine``,
-  ``hang_engine``, ``hang_sandbox``, ``oom_tool``: the same episodes token for token): ``update_rel``
-  = ||(w - w0) - (w_ref - w0)|| / ||w_ref - w0|| from the same warm start w0, and the largest
-  absolute parameter difference;
+  ``hang_engine``: the same episodes token for token): ``update_rel`` = ||(w - w0) - (w_ref - w0)||
+  / ||w_ref - w0|| from the same warm start w0, and the largest absolute parameter difference;
 - the replay of the run's own journal through ``megathunder replay`` (``sync``) for the others
-  (their rewards differ from the fault-free run's by design, or they stopped and resumed).
+  (their episodes differ from the fault-free run's by design -- a verifier's reward, a tool call's
+  observation -- or they stopped and resumed): the batch update of the episodes as they happened.
+
+``hang_sandbox`` and ``oom_tool`` take an episode's own ``bash`` call, so their runs train the
+``terminal`` task (a bash tool); a fault whose episodes made no bash call in its step does not fire
+(``not_fired``, reported apart).
 
 Runs take SGD steps, so comparing updates compares the gradients (``tests/integration/
 test_trainer.py``: ``UPDATE_RTOL`` = 1e-3 is derived there for fp32 summation order). Leaks after
@@ -57,7 +61,9 @@ from megathunder.config import ENGINE_FAULTS, EPISODE_FAULTS, IN_PROCESS_FAULTS,
 ROOT = Path(__file__).resolve().parents[2]
 UPDATE_RTOL = 1e-3  # tests/integration/test_trainer.py: fp32 summation order, 60x below a wrong batch
 TAG_ENV = "MEGATHUNDER_CHAOS_SOAK"
-FAULT_FREE_CLAIM = ENGINE_FAULTS + ("hang_sandbox", "oom_tool")
+FAULT_FREE_CLAIM = ENGINE_FAULTS
+TOOL_TASK = ["task.name=terminal", "agent.max_turns=3"]
+"""The runs of a tool fault (``hang_sandbox``, ``oom_tool``): a task whose episodes have a bash tool."""
 STOP_KINDS = ("sigusr1", "sigint", "fill_disk", "corrupt_journal")
 UPDATE_KINDS = ("kill_engine_update", "hang_engine_update")
 """kill_engine / hang_engine with ``during: weight_update``: the run stops in one line (exit 1), resumable."""
@@ -228,6 +234,8 @@ def execute(run: Run, args: argparse.Namespace) -> Run:
         (run.out / FILLER).unlink(missing_ok=True)  # the user frees the space
     if run.attempts[-1] == 0 and not run.error:
         run.outcome = "reference" if run.kind == "none" else ("survived" if len(run.attempts) == 1 else "resumed")
+        if run.kind != "none" and not _fired(run.out):
+            run.outcome = "not_fired"  # a tool fault whose episodes made no bash call in its step
     else:
         run.outcome = "lost"
     run.seconds = time.monotonic() - start
@@ -240,6 +248,12 @@ def execute(run: Run, args: argparse.Namespace) -> Run:
     return run
 
 
+def _fired(out: Path) -> bool:
+    """The run's fault fired (it is in the run's ``chaos.jsonl``)."""
+    record = out / "chaos.jsonl"
+    return record.is_file() and bool(record.read_text().strip())
+
+
 def _weights(path: Path):
     from megathunder.learner.safetensors_io import load_dir
 
@@ -250,7 +264,7 @@ def compare(run: Run, reference: Path, args: argparse.Namespace) -> None:
     """The run's final parameters against its claim's: the fault-free run or its journal replay."""
     import torch
 
-    if run.outcome in ("lost", "skipped"):
+    if run.outcome in ("lost", "skipped", "not_fired"):
         return
     if run.kind in FAULT_FREE_CLAIM:
         run.claim, target = "fault_free", reference / "final_model"
@@ -286,6 +300,8 @@ def plan(args: argparse.Namespace, root: Path) -> tuple[list[Run], list[Run]]:
         extra = [*SERVERS, f"rollout.engine.base_port={args.base_port + 10 * (i + 2)}"] if deployment == "server" else []
         if kind in ("hang_engine", "hang_engine_update"):
             extra = STALL
+        if kind in ("hang_sandbox", "oom_tool"):
+            extra = TOOL_TASK
         out = root / f"run{i:03d}_{kind}"
         mount = None
         if kind == "fill_disk":
@@ -299,7 +315,7 @@ def plan(args: argparse.Namespace, root: Path) -> tuple[list[Run], list[Run]]:
 
 
 def summarize(refs: list[Run], all_runs: list[Run], leaks: dict) -> dict:
-    runs = [r for r in all_runs if r.outcome != "skipped"]
+    runs = [r for r in all_runs if r.outcome not in ("skipped", "not_fired")]
     table = {}
     for kind in sorted({r.kind for r in runs}):
         mine = [r for r in runs if r.kind == kind]
@@ -317,7 +333,8 @@ def summarize(refs: list[Run], all_runs: list[Run], leaks: dict) -> dict:
             "leaked_shm": sum(len(r.leaked_shm) for r in mine),
             "mean_s": sum(r.seconds for r in mine) / len(mine),
         }
-    return {"table": table, "runs": len(runs), "skipped": len(all_runs) - len(runs), "lost": sum(r.outcome == "lost" for r in runs),
+    return {"table": table, "runs": len(runs), "skipped": sum(r.outcome == "skipped" for r in all_runs),
+            "not_fired": sum(r.outcome == "not_fired" for r in all_runs), "lost": sum(r.outcome == "lost" for r in runs),
             "references_ok": all(r.outcome == "reference" for r in refs), "tolerance_update_rel": UPDATE_RTOL,
             **leaks, "details": [{**{k: v for k, v in asdict(r).items() if k not in ("overrides", "mount")},
                                   "out": str(r.out)} for r in (*refs, *all_runs)]}

@@ -415,6 +415,9 @@ class Config(Strict):
                 if fault.rank >= world:
                     raise ValueError(f"chaos.faults.{i}.rank: {fault.rank} >= the learner's world size {world} "
                                      "(learner.parallel: tensor x pipeline x context x data)")
+            if fault.kind in ("hang_sandbox", "oom_tool") and isinstance(self.task, GeneratedTaskConfig):
+                raise ValueError(f"chaos.faults.{i}.kind: {fault.kind} takes an episode's own bash tool call; task "
+                                 f"{self.task.name} has no bash tool (terminal, swe_local and the dataset tasks do)")
             if fault.kind in EPISODE_FAULTS:
                 size = self.batch.num_prompts_per_batch * self.batch.samples_per_prompt
                 if max(fault.trajectories) >= size:

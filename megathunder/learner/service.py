@@ -42,8 +42,9 @@ rank that hangs fails no collective; rank 0's watchdog thread names it (heartbea
 ``heartbeat_timeout_s``, or a call in flight for over ``call_timeout_s`` that it has not finished)
 and ends the process (``LEARNER_HUNG``).
 
-Chaos (``chaos.faults``: ``kill_learner`` / ``hang_learner``): ``fault`` sends a message of its own
-between two calls; the rank it names SIGKILLs / SIGSTOPs itself on receiving it.
+Controls. ``control(name, *args)`` sends a message that is not a learner call between two calls:
+every rank runs its ``controls[name](*args)`` as it receives it (installed at construction on every
+rank; ``chaos.faults``' learner faults are one: the rank they name signals itself).
 """
 
 from __future__ import annotations
@@ -51,7 +52,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import os
-import signal
 import threading
 import time
 from collections.abc import Callable
@@ -70,8 +70,7 @@ P = ParamSpec("P")
 R = TypeVar("R")
 _STOP = "__stop__"
 _EVENTS = "__events__"  # event calls sent together (``flush_events``): [(method, args), ...]
-_FAULT = "__chaos_fault__"
-FAULT_SIGNALS = {"kill_learner": signal.SIGKILL, "hang_learner": signal.SIGSTOP}
+_CONTROL = "__control__"
 
 
 class LearnerRankLost(RuntimeError):
@@ -109,6 +108,8 @@ class LearnerService(Generic[E]):
     call_timeout_s: float = 0.0
     """Rank 0's watchdog: a call in flight this long names the ranks that have not finished it (0: never)."""
     window: PackWindow = field(default_factory=PackWindow)
+    controls: dict[str, Callable[..., None]] = field(default_factory=dict)
+    """Messages that are not learner calls (``control``), by name: what every rank runs on receiving one."""
     """Rank 0: how long an event call that finds no call queued behind it waits for one."""
     cpu_cores: list[int] | None = None
     """Rank 0: the cores its learner thread computes on (``megathunder.cpu_cores``; None: unpinned,
@@ -186,16 +187,14 @@ class LearnerService(Generic[E]):
         future.add_done_callback(self._forget)
         return future
 
-    def fault(self, kind: str, rank: int) -> concurrent.futures.Future[None]:
-        """``chaos.faults``: rank ``rank`` (> 0) SIGKILLs (``kill_learner``) or SIGSTOPs
-        (``hang_learner``) itself when it receives this message, after the calls submitted before
-        it. Not a call: it changes no call's ``more_queued``."""
-        if kind not in FAULT_SIGNALS or not 0 < rank < self.world_size:
-            raise ValueError(f"learner fault {kind!r} of rank {rank}: a kind of {sorted(FAULT_SIGNALS)} and a rank "
-                             f"in 1..{self.world_size - 1}")
+    def control(self, name: str, *args: Any) -> concurrent.futures.Future[None]:
+        """Every rank runs ``controls[name](*args)`` when it receives this message, after the calls
+        submitted before it. Not a call: it changes no call's ``more_queued``."""
+        if name not in self.controls:
+            raise ValueError(f"no learner control {name!r} (installed: {sorted(self.controls)})")
         self.flush_events()
         self._wake()
-        return self._pool.submit(self._run, _FAULT, (kind, rank), {})
+        return self._pool.submit(self._run, _CONTROL, (name, *args), {})
 
     def _wake(self) -> None:
         """A message that is not a call is queued: an event's pack window ends (the event is not
@@ -268,7 +267,7 @@ class LearnerService(Generic[E]):
         return box[0]
 
     def _run(self, method: str, args: tuple, kwargs: dict[str, Any]) -> Any:
-        is_call = method not in (_STOP, _FAULT)
+        is_call = method not in (_STOP, _CONTROL)
         more = False
         if is_call:
             with self._lock:
@@ -278,12 +277,16 @@ class LearnerService(Generic[E]):
                 window = last in self._window_calls
                 if not more and self.window.open and window and self._packing():
                     more = self._wait_for_next_call()
+        if method == _CONTROL and self.world_size == 1:
+            return self._controlled(args)
         if self.world_size == 1:
             return self._execute(method, args, kwargs, more)
-        name = {_STOP: "stop", _FAULT: f"chaos fault {args}", _EVENTS: "events"}.get(method, method)
+        name = {_STOP: "stop", _CONTROL: f"control {args}", _EVENTS: "events"}.get(method, method)
         self._in_flight = InFlight(self._num_calls + 1, name, time.monotonic(), is_call)
         try:
             self._broadcast((method, args, kwargs, more))
+            if method == _CONTROL:
+                return self._controlled(args)
             return self._execute(method, args, kwargs, more) if is_call else None
         except RuntimeError as err:  # gloo: a peer closed its connection or timed out
             silent = self._beats.silent_ranks()
@@ -322,6 +325,10 @@ class LearnerService(Generic[E]):
             with self._lock:
                 self.spans.append(Span(method, start, time.monotonic(), self.step_index))
 
+    def _controlled(self, message: tuple) -> None:
+        name, *args = message
+        self.controls[name](*args)
+
     # ------------------------------------------------------------------ followers (rank > 0)
 
     def serve(self) -> None:
@@ -336,10 +343,8 @@ class LearnerService(Generic[E]):
             if method == _STOP:
                 self._beats.stop()
                 return
-            if method == _FAULT:
-                kind, rank = args
-                if rank == self.rank:  # chaos.faults: this rank dies or hangs, as injected
-                    os.kill(os.getpid(), FAULT_SIGNALS[kind])
+            if method == _CONTROL:
+                self._controlled(args)
                 continue
             self._execute(method, args, kwargs, more)
 

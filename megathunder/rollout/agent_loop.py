@@ -28,11 +28,11 @@ import math
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
 
 from megathunder.config import AgentLoopConfig, Config, LocalSandboxConfig, SandboxConfig
 from megathunder.rollout.chat import ChatCodec, ToolCall, ToolCallError
 from megathunder.rollout.episode import (
+    CURRENT_EPISODE,
     SANDBOX_FAILURE,
     Episode,
     EventSink,
@@ -51,16 +51,6 @@ from megathunder.rollout.verifiers import Verdict, VerifierPool
 log = logging.getLogger(__name__)
 
 Verify = Callable[[], Awaitable[float | Verdict]]
-
-
-class EpisodeFaults(Protocol):
-    """Faults injected into chosen episodes (``chaos.faults``, ``megathunder.trainer.chaos``):
-    ``after_turns`` runs after an episode's last turn (before its verifier), ``verifier`` may
-    replace its verifier."""
-
-    async def after_turns(self, ep: Episode, sandbox: Sandbox | None) -> None: ...
-
-    def verifier(self, ep: Episode, verify: Verify) -> Verify: ...
 
 
 @dataclass(frozen=True)
@@ -89,7 +79,6 @@ class AgentLoop:
         emit: EventSink | None = None,
         scheduling: Scheduling = "fifo",
         routing: RoutingSource | None = None,
-        faults: EpisodeFaults | None = None,
     ) -> None:
         self.engine, self.codec, self.task = engine, codec, task
         self.routing = routing  # routing replay: where each finished episode's routed experts are read
@@ -99,7 +88,6 @@ class AgentLoop:
         self.emit = emit or (lambda event: None)
         self.tools: dict[str, Tool] = {t.name: t for t in task.tools}
         self._slots = asyncio.Semaphore(agent_cfg.max_concurrent_episodes)
-        self.faults = faults  # chaos.faults of episodes (none unless configured)
 
     def _event(self, kind, ep: Episode, **kw) -> None:
         self.emit(
@@ -170,6 +158,7 @@ class AgentLoop:
         async with self._slots:
             prompt = self.codec.prompt_ids(self.task.messages(inst), self.task.tool_schemas())
             ep = Episode.from_prompt(traj_id, group_id, inst.instance_id, prompt, time.monotonic())
+            CURRENT_EPISODE.set(ep)  # this task's: its tool calls and verifier run under it
             self.priorities.started(traj_id, group_id)
             sandbox = None
             try:
@@ -216,9 +205,6 @@ class AgentLoop:
 
         if ep.failure is None:
             verify: Verify = lambda: self.task.verify(inst, ep, sandbox)  # noqa: E731
-            if self.faults is not None:
-                await self.faults.after_turns(ep, sandbox)
-                verify = self.faults.verifier(ep, verify)
             ep.reward = await self.verifiers.score(verify, traj_id=traj_id)
             if ep.reward.status != "ok":
                 ep.failure = f"verifier_{ep.reward.status}: {ep.reward.detail}"
@@ -338,13 +324,12 @@ def _remaining(deadline: float) -> float:
 
 def build_agent_loop(cfg: Config, engine: RolloutEngine, codec: ChatCodec, task: Task, *,
                      temperature: float | None = None, emit: EventSink | None = None,
-                     routing: RoutingSource | None = None, faults: EpisodeFaults | None = None) -> AgentLoop:
+                     routing: RoutingSource | None = None) -> AgentLoop:
     """The agent loop of a run's config: ``task`` (built once per run), the ``agent`` limits, the
     ``sandbox`` and ``verifier`` sections, sampling at ``temperature`` (default
     ``rollout.temperature``; ``rollout.top_p`` / ``top_k`` apply unless a temperature is given:
     evaluation samples its own way); events go to ``emit``; each finished episode's routed experts
-    are read from ``routing`` (routing replay: the engine, when it records them); ``faults``: chaos's
-    episode faults."""
+    are read from ``routing`` (routing replay: the engine, when it records them)."""
     r = cfg.rollout
     scheduling = r.engine.scheduling
     if temperature is not None:
@@ -352,4 +337,4 @@ def build_agent_loop(cfg: Config, engine: RolloutEngine, codec: ChatCodec, task:
                          temperature=temperature, emit=emit, scheduling=scheduling)
     return AgentLoop(engine, codec, task, cfg.agent, cfg.sandbox, VerifierPool(cfg.verifier),
                      temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, emit=emit, scheduling=scheduling,
-                     routing=routing, faults=faults)
+                     routing=routing)

@@ -9,6 +9,7 @@ verifiers type against this module; the agent loop (``megathunder.rollout.agent_
 from __future__ import annotations
 
 import math
+from contextvars import ContextVar
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
@@ -21,6 +22,11 @@ from megathunder.rollout.verifiers import RewardOutcome
 from megathunder.trajectory import Trajectory
 
 SANDBOX_FAILURE = "sandbox_error: "
+
+CURRENT_EPISODE: ContextVar[Episode] = ContextVar("megathunder_episode")
+"""The episode the running code belongs to (set by ``AgentLoop.run_episode`` for its tool calls and
+verifier): what a wrapper installed around a tool or the verifiers (``megathunder.trainer.chaos``)
+reads to know which trajectory a call is for."""
 """Prefix of ``Episode.failure`` when the episode's sandbox could not be built or set up."""
 
 StopReason = Literal["answered", "max_turns", "max_tokens", "wall_time", "engine_abort", "failed"]

@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import Protocol
 from pathlib import Path
 
 from tqdm import tqdm
@@ -37,17 +38,26 @@ class StepRecord:
     schedule: str | None = None  # the path the step took, when not schedule.mode's (a paired benchmark)
 
 
+class AfterStep(Protocol):
+    """A hook run once a step's records are written, before its checkpoint (``chaos.faults``' after-step
+    faults: a full disk meets that checkpoint)."""
+
+    def __call__(self, step: int) -> None: ...
+
+    def acts_after(self, step: int) -> bool:
+        """Does it act after ``step``'s records (then no probe trails past that step)?"""
+        ...
+
+
 class StepRecords:
     """The run's records (module docstring). ``evaluate(step)``: the periodic evaluation's metrics
-    after ``step`` ({} when none is due); ``after_step(step)``: hooks run once a step's records
-    are written, before its checkpoint (``chaos``: a full disk meets it); ``flops``: the run's
-    per-step MFU and HFU (on GPUs)."""
+    after ``step`` ({} when none is due); ``after_step``: hooks installed to run once a step's
+    records are written (``AfterStep``); ``flops``: the run's per-step MFU and HFU (on GPUs)."""
 
     def __init__(self, cfg: Config, out: Path, learner: LearnerClient, start_step: int,
-                 evaluate: Callable[[int], Awaitable[dict]],
-                 after_step: list[Callable[[int], None]] | None = None, flops: Utilisation | None = None) -> None:
+                 evaluate: Callable[[int], Awaitable[dict]], flops: Utilisation | None = None) -> None:
         self.cfg, self.learner, self.evaluate, self.flops = cfg, learner, evaluate, flops
-        self.after_step = after_step or []
+        self.after_step: list[AfterStep] = []
         self.bar: tqdm | None = None
         self.journal = Journal(out / "journal.jsonl", keep_steps=start_step)
         self.metrics = MetricsLog(out, cfg, keep_steps=start_step)
@@ -116,6 +126,10 @@ class StepRecords:
         service = self.learner.service
         service.step_index = max(service.step_index, step + 1)
         self._show_progress(row)
+
+    def acts_after(self, step: int) -> bool:
+        """Does an after-step hook act after ``step``'s records?"""
+        return any(hook.acts_after(step) for hook in self.after_step)
 
     def checkpoint_due(self, step: int) -> bool:
         every = self.cfg.run.checkpoint_every

@@ -49,7 +49,7 @@ from megathunder.rollout.engines.inprocess import EngineRestartError, EngineUpda
 from megathunder.rollout.tasks import build_task
 from megathunder.rollout.tasks.task import Task
 from megathunder.rollout.types import RolloutEngine
-from megathunder.trainer.chaos import ChaosStop, check_learner_faults
+from megathunder.trainer.chaos import Chaos, ChaosStop, check_learner_faults, learner_controls
 from megathunder.trainer.interrupt import STOPPED_EARLY, STOPPED_NOW, StopNow, StopSignals
 from megathunder.trainer.schedules import SCHEDULES, Schedule
 from megathunder.trainer.setup import barrier, build_learner, build_teacher_model, initial_model
@@ -163,7 +163,8 @@ def _train(cfg: Config, signals: StopSignals, extras: Extras) -> int:
     watchdog = cfg.learner.watchdog
     service = LearnerService(LearnerEndpoint(learner, ckpt_dir, teacher), pgs.rank, pgs.world_size,
                              heartbeat_timeout_s=watchdog.heartbeat_timeout_s, call_timeout_s=watchdog.call_timeout_s,
-                             window=PackWindow(cfg.ledger.pack_window_s), cpu_cores=host.learner_cores)
+                             window=PackWindow(cfg.ledger.pack_window_s), cpu_cores=host.learner_cores,
+                             controls=learner_controls(cfg.chaos.faults, pgs.rank))
     if pgs.rank != 0:
         with host.follower():  # computes on its main thread
             service.serve()
@@ -223,6 +224,8 @@ async def _control(cfg: Config, task: Task, out: Path, service: LearnerService[L
     service.window.hold_while(host.generation_hold(engine.generating if isinstance(engine, InProcessEngine) else None))
     try:
         trainer = Trainer(cfg, out, LearnerClient(service), engine, codec, task, start, flops)
+        if cfg.chaos.faults:
+            Chaos(cfg.chaos.faults, out).install(trainer)  # wrappers around the trainer's parts
         if extras.install is not None:
             extras.install(trainer)
         await trainer.weights.connect()  # each stage's sender joins the engine's weight-transfer groups

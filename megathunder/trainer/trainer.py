@@ -35,7 +35,6 @@ from megathunder.rollout.episode import Episode, RolloutEvent, trained_reward
 from megathunder.rollout.tasks.split import InstanceDrawError, step_instances
 from megathunder.rollout.tasks.task import Task, TaskInstance
 from megathunder.rollout.types import RolloutEngine, RoutingSource
-from megathunder.trainer.chaos import Chaos
 from megathunder.trainer.probe import Probe
 from megathunder.trainer.records import StepRecord, StepRecords
 from megathunder.trainer.weight_sync import WeightSync
@@ -64,20 +63,16 @@ class Trainer:
         self.engine, self.codec, self.task = engine, codec, task
         self.start_step = start_step
         self.version = start_step  # the learner's policy version == optimizer steps taken
-        self.chaos = Chaos(cfg.chaos.faults, out, engine, cfg.sandbox, cfg.verifier, learner.service)  # none unless configured
         routing = cast(RoutingSource, engine) if cfg.rollout.engine.record_routing else None  # routing replay
-        self.agent_loop = build_agent_loop(cfg, engine, codec, task, emit=self._on_event, routing=routing,
-                                           faults=self.chaos if self.chaos.has_episode_faults else None)
+        self.agent_loop = build_agent_loop(cfg, engine, codec, task, emit=self._on_event, routing=routing)
         prompt = codec.prompt_ids(task.messages(self.instances(0)[0]), task.tool_schemas())
         self.probe = Probe(engine, learner, prompt, cfg.probe, cfg.rollout.temperature,
                            cfg.rollout.engine.logprobs_mode == "processed_logprobs", routing)
         self.weights = WeightSync(engine, learner.service, cfg.rollout.engine.weight_transfer,
                                   cfg.learner.parallel.pipeline_parallel)
-        self.records = StepRecords(cfg, out, learner, start_step, self.evaluate, after_step=[self.chaos.after_step],
-                                   flops=flops)
+        self.records = StepRecords(cfg, out, learner, start_step, self.evaluate, flops=flops)
         self.last_push: dict[str, float] = {}
         self.eval_set: list[TaskInstance] | None = None
-        self._finished_in_step: dict[int, int] = {}
         self._streaming = False  # thunder: route the rollout's events to the learner
         # turn events reach the learner: per-turn distillation, or GRPO's per-turn score gradients
         self._turns_stream = cfg.objective.needs_teacher or cfg.ledger.per_turn_scores != "off"
@@ -93,7 +88,6 @@ class Trainer:
         """One batch of episodes (group g = instance g), dropped groups replaced when
         ``batch.max_refill_groups`` says so; ``stream`` routes events to the learner."""
         self._streaming = stream
-        self.chaos.rollout_step = step  # chaos.faults of this step's episodes
         try:
             return await self.agent_loop.run_batch(self.instances(step), self.cfg.batch.samples_per_prompt,
                                                    seed=self.cfg.run.seed * 7919 + step, refill=self._refill(step))
@@ -129,10 +123,6 @@ class Trainer:
         return isinstance(objective, RLObjective) and not keeps_group([r for r in rewards if r is not None], objective)
 
     def _on_event(self, event: RolloutEvent) -> None:
-        if event.kind == "trajectory_finished" and self.chaos.pending:
-            self.learner.flush()  # a learner fault fires after the events before it, as they happened
-            self._finished_in_step[self.version] = self._finished_in_step.get(self.version, 0) + 1
-            self.chaos.trajectory_finished(self.version, self._finished_in_step[self.version])
         if not self._streaming:
             return
         if event.kind == "turn_finished" and self._turns_stream:  # its tool call starts now
@@ -184,11 +174,12 @@ class Trainer:
 
     def may_trail(self, step: int) -> bool:
         """``probe.overlap``: sync and thunder, once the probe is calibrated, never at the run's last
-        step nor when an evaluation, a checkpoint or a chaos fault follows the step's records."""
+        step nor when an evaluation, a checkpoint or an after-step hook (a chaos fault) follows the
+        step's records."""
         cfg = self.cfg
         return (cfg.probe.overlap and cfg.schedule.on_policy and self.probe.enabled and self.probe.calibrated
                 and step + 1 < cfg.run.num_steps and not eval_due(cfg, step + 1)
-                and not self.records.checkpoint_due(step) and not self.chaos.fires_after(step))
+                and not self.records.checkpoint_due(step) and not self.records.acts_after(step))
 
     async def evaluate(self, step: int, force: bool = False) -> dict:
         """pass@1..k on the held-out instances with the weights just pushed (``eval.every_n_steps``)."""
@@ -217,12 +208,7 @@ class Trainer:
         0 gathers them first), then the probe: whole, or (``trail``) vLLM's part now and the
         learner's as the returned task (None: checked already)."""
         start = time.monotonic()
-        if self.chaos.stale_push(self.version - 1):  # chaos.faults: the transfer fails silently
-            log.warning("chaos: stale_push: policy version %d is stamped, not loaded", self.version)
-            await cast(InProcessEngine, self.engine).stamp_version(self.version)
-            stats: dict[str, float] = {}
-        else:
-            stats = await self.weights.push(self.version)
+        stats = await self.weights.push(self.version)
         self.last_push = {"push_s": time.monotonic() - start, "push_bytes": stats.get("payload_bytes", float("nan")),
                           "push_changed_fraction": stats.get("changed_fraction", float("nan"))}
         probe_start = time.monotonic()

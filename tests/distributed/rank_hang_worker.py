@@ -27,8 +27,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+from megathunder.config import ChaosFault  # noqa: E402
 from megathunder.learner.liveness import HEARTBEAT_S  # noqa: E402
 from megathunder.learner.service import LearnerRankLost, LearnerService  # noqa: E402
+from megathunder.trainer.chaos import learner_controls  # noqa: E402
 
 NUM_CALLS = 6
 
@@ -65,8 +67,9 @@ def main() -> int:
             dist.all_reduce(t)  # a collective, as every learner step has: rank 0 waits in it
             return x
 
+    controls = learner_controls([ChaosFault(kind=mode, rank=1)], rank) if mode in ("hang_learner", "kill_learner") else {}
     service = LearnerService(Endpoint(), rank, dist.get_world_size(), heartbeat_timeout_s=heartbeat_timeout_s,
-                             call_timeout_s=call_timeout_s)
+                             call_timeout_s=call_timeout_s, controls=controls)
     if rank != 0:
         service.serve()
         return 0
@@ -76,7 +79,7 @@ def main() -> int:
         for i in range(NUM_CALLS):
             if i == 2 and mode in ("hang_learner", "kill_learner"):
                 write_fault_time()
-                service.fault(mode, 1)
+                service.control("fault", mode, 1)
             service.submit(Endpoint.step, i).result()
             print(f"CALL {i} done", flush=True)
     except LearnerRankLost as err:

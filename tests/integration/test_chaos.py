@@ -94,24 +94,20 @@ def _quick(out: Path, *overrides: str) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=600, cwd=ROOT)
 
 
-def test_verifier_sandbox_and_journal_faults_in_a_real_run_equal_its_journal_replay(tmp_path):
+def test_verifier_and_journal_faults_in_a_real_run_equal_its_journal_replay(tmp_path):
     """Step 0: trajectory 1's verifier raises, trajectory 5's hangs past verifier.timeout_s (both get
-    on_failure's zero reward, in the journal). Step 1: trajectory 2 runs a tool call that hangs past
-    sandbox.wall_time_s and trajectory 7 one that allocates past sandbox.memory_mb, each stopped by
-    the real local sandbox (an error observation), the episodes going on to their ordinary rewards;
-    after step 1 the journal's last record (step 1's own) is torn and the run stops as a crash would,
-    before step 1's checkpoint. The same command resumes from step 1's start (no fault fires again):
-    the CRC drops the torn record, step 1 runs again, and the run equals the replay of its journal."""
+    on_failure's zero reward, in the journal); after step 1 the journal's last record (step 1's own)
+    is torn and the run stops as a crash would, before step 1's checkpoint. The same command resumes
+    from step 1's start (no fault fires again): the CRC drops the torn record, step 1 runs again, and
+    the run equals the replay of its journal. (A tool fault takes an episode's own bash call: the
+    quickstart has none, and refuses it -- tests/unit/test_chaos_episodes.py runs them on the real
+    sandbox.)"""
     out = tmp_path / "run"
-    args = ("run.num_steps=3", "run.checkpoint_every=1", "verifier.timeout_s=2", "sandbox.wall_time_s=2",
-            "sandbox.memory_mb=256",
+    args = ("run.num_steps=3", "run.checkpoint_every=1", "verifier.timeout_s=2",
             "chaos.faults=[{kind: crash_verifier, step: 0, trajectories: [1]}, "
-            "{kind: hang_verifier, step: 0, trajectories: [5]}, {kind: hang_sandbox, step: 1, trajectories: [2]}, "
-            "{kind: oom_tool, step: 1, trajectories: [7]}, {kind: corrupt_journal, step: 1}]")
+            "{kind: hang_verifier, step: 0, trajectories: [5]}, {kind: corrupt_journal, step: 1}]")
     first = _quick(out, *args)
     assert first.returncode == 130, first.stdout[-3000:] + first.stderr[-5000:]
-    log = first.stdout + first.stderr
-    assert "hang_sandbox in trajectory 2 of step 1" in log and "oom_tool in trajectory 7 of step 1" in log
     ours = [line for line in first.stderr.splitlines() if line.startswith("megathunder: ")]
     assert len(ours) == 1 and ours[0].startswith("megathunder: chaos: corrupt_journal: tore"), first.stderr[-3000:]
     assert "Traceback" not in first.stderr
@@ -127,7 +123,7 @@ def test_verifier_sandbox_and_journal_faults_in_a_real_run_equal_its_journal_rep
     assert "chaos: crash_verifier" in failures[0, 1] and failures[0, 5].startswith("verifier_timeout")
     assert [r["metrics"]["num_failed"] for r in recs if r["type"] == "step"] == [0, 0, 0]  # zero_reward: trained
     fired = [json.loads(line)["kind"] for line in (out / "chaos.jsonl").read_text().splitlines()]
-    assert sorted(fired) == ["corrupt_journal", "crash_verifier", "hang_sandbox", "hang_verifier", "oom_tool"]
+    assert sorted(fired) == ["corrupt_journal", "crash_verifier", "hang_verifier"]
     replay(out, tmp_path / "sync", "sync")
     assert update_error(out / "sft_model", tmp_path / "sync", out / "final_model") <= UPDATE_RTOL
 

@@ -20,6 +20,7 @@ from megathunder.config import ConfigError, load_config
     ("[{kind: kill_learner, rank: 2}]", "chaos.faults.0.rank", "world size 2"),
     ("[{kind: hang_sandbox, during: weight_update}]", "chaos.faults.0.during", "kill_engine and hang_engine"),
     ("[{kind: hang_engine, during: push}]", "chaos.faults.0.during", "generation"),
+    ("[{kind: oom_tool, trajectories: [0]}]", "chaos.faults.0.kind", "task arithmetic has no bash tool"),
 ])
 def test_bad_faults_are_refused_by_field(faults, field, words):
     extra = ["rollout.engine.deployment=server", "rollout.engine.num_servers=2"] if "server:" in faults else []
@@ -34,6 +35,12 @@ def test_server_faults_parse_for_launched_servers():
     cfg = load_config(None, ["chaos.faults=[{kind: hang_server, step: 1, after_trajectories: 4, server: 1}]",
                              "rollout.engine.deployment=server", "rollout.engine.num_servers=2", "run.num_steps=3"])
     assert cfg.chaos.faults[0].after_trajectories == 4
+
+
+def test_tool_faults_parse_on_a_task_with_a_bash_tool():
+    cfg = load_config(None, ["chaos.faults=[{kind: hang_sandbox, step: 1, trajectories: [2]}]", "task.name=terminal",
+                             "run.num_steps=3"])
+    assert cfg.chaos.faults[0].kind == "hang_sandbox"
 
 
 def test_episode_and_journal_faults_parse():
@@ -78,17 +85,26 @@ class FakeService:
     def __init__(self) -> None:
         self.faults: list[tuple[str, int]] = []
 
-    def fault(self, kind: str, rank: int) -> None:
+    def control(self, name: str, kind: str, rank: int) -> None:
+        assert name == "fault"
         self.faults.append((kind, rank))
 
 
-def test_learner_faults_are_sent_once_after_their_trajectories(tmp_path):
+def _installed(faults, tmp_path, service):
+    from types import SimpleNamespace
+
     from megathunder.trainer.chaos import Chaos
 
+    chaos = Chaos(faults, tmp_path)
+    chaos.trainer = SimpleNamespace(learner=SimpleNamespace(service=service))  # type: ignore[assignment]
+    return chaos
+
+
+def test_learner_faults_are_sent_once_after_their_trajectories(tmp_path):
     faults = load_config(None, ["chaos.faults=[{kind: kill_learner, step: 1, after_trajectories: 2, rank: 1}, "
                                 "{kind: hang_learner, step: 2, rank: 3}]", "run.num_steps=3"]).chaos.faults
     service = FakeService()
-    chaos = Chaos(faults, tmp_path, engine=None, service=service)  # type: ignore[arg-type]
+    chaos = _installed(faults, tmp_path, service)
     chaos.trajectory_finished(0, 5)
     chaos.trajectory_finished(1, 1)
     chaos.after_step(1)  # learner faults are not the after-step kinds
@@ -96,10 +112,28 @@ def test_learner_faults_are_sent_once_after_their_trajectories(tmp_path):
     chaos.trajectory_finished(1, 2)
     chaos.trajectory_finished(1, 3)
     assert service.faults == [("kill_learner", 1)]
-    resumed = Chaos(faults, tmp_path, engine=None, service=service)  # type: ignore[arg-type]
+    resumed = _installed(faults, tmp_path, service)
     resumed.trajectory_finished(1, 2)  # fired once per run directory
     resumed.trajectory_finished(2, 1)
     assert service.faults == [("kill_learner", 1), ("hang_learner", 3)]
+
+
+def test_every_learner_rank_obeys_only_the_fault_that_names_it(monkeypatch):
+    """The ``fault`` control (installed with the service on every rank): the named rank signals
+    itself (SIGKILL / SIGSTOP), the others do nothing; no control without learner faults."""
+    import os
+    import signal
+
+    from megathunder.trainer.chaos import learner_controls
+
+    faults = load_config(None, ["chaos.faults=[{kind: kill_learner, step: 1, rank: 1}]", "run.num_steps=3"]).chaos.faults
+    sent = []
+    monkeypatch.setattr(os, "kill", lambda pid, sig: sent.append((pid, sig)))
+    learner_controls(faults, rank=2)["fault"]("kill_learner", 1)
+    assert sent == []
+    learner_controls(faults, rank=1)["fault"]("hang_learner", 1)
+    assert sent == [(os.getpid(), signal.SIGSTOP)]
+    assert learner_controls([], rank=1) == {}
 
 
 @pytest.mark.parametrize("overrides", [["rollout.engine.deployment=server"], ["probe.tokens=0"]])

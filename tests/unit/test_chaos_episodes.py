@@ -1,10 +1,11 @@
-"""Episode faults of ``chaos.faults`` (``megathunder.trainer.chaos.Chaos`` as the agent loop's
-``EpisodeFaults``) on the scripted engine and the real local sandbox: a crashed or hung verifier
-gives its trajectory ``verifier.on_failure``'s outcome and nothing else changes; a tool call that
-hangs past ``sandbox.wall_time_s`` or allocates past ``sandbox.memory_mb`` is stopped by the sandbox
-(an error observation) and the episode goes on to its ordinary reward; each fault is recorded
-once (``chaos.jsonl``) and a resumed run does not fire it again. ``corrupt_journal``'s tear: the
-CRC drops exactly the torn record."""
+"""Episode faults of ``chaos.faults`` (``megathunder.trainer.chaos.Chaos``, its episode part
+installed around an agent loop: ``install_episodes``) on the scripted engine and the real local
+sandbox: a crashed or hung verifier gives its trajectory ``verifier.on_failure``'s outcome and
+nothing else changes; the episode's own first ``bash`` call, replaced by one that hangs past
+``sandbox.wall_time_s`` or allocates past ``sandbox.memory_mb``, is stopped by the sandbox (an error
+observation in the episode's transcript) and the episode goes on to its reward; a task without a
+bash tool is refused by name; each fault is recorded once (``chaos.jsonl``) and a resumed run does
+not fire it again. ``corrupt_journal``'s tear: the CRC drops exactly the torn record."""
 
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ import pytest
 from megathunder.config import AgentLoopConfig, ChaosFault, VerifierConfig
 from megathunder.rollout.agent_loop import AgentLoop
 from megathunder.rollout.scripted import ScriptedPolicy
-from megathunder.rollout.tasks.task import Task, TaskInstance
+from megathunder.rollout.tasks.task import Task, TaskInstance, tool_call_text
+from megathunder.rollout.tools import BASH
 from megathunder.rollout.verifiers import VerifierPool
 from megathunder.trainer.chaos import RECORD, Chaos, tear_last_record
 from megathunder.trainer.journal import Journal, read_records
@@ -35,15 +37,22 @@ class _OkTask(Task):
         return float("ok" in episode.final_text)
 
 
-def _batch(tmp_path, faults, *, step=0, policy="zero_reward"):
-    task, c = _OkTask(), codec()
+class _BashTask(_OkTask):
+    """Every episode runs one bash call, then answers."""
+
+    name = "bash_probe"
+    tools = (BASH,)
+
+
+def _batch(tmp_path, faults, *, step=0, policy="zero_reward", task=None):
+    task, c = task or _OkTask(), codec()
     insts = task.instances(2)
+    turns = [tool_call_text("bash", command="echo fine"), "ok"] if task.tools else ["ok"]
     verifier = VerifierConfig(timeout_s=1, on_failure=policy, failure_reward=-1.0)
-    loop = AgentLoop(ScriptedPolicy(c, {i.prompt: ["ok"] for i in insts}), c, task, AgentLoopConfig(max_turns=2),
+    loop = AgentLoop(ScriptedPolicy(c, {i.prompt: turns for i in insts}), c, task, AgentLoopConfig(max_turns=3),
                      sandbox_cfg(tmp_path, wall_time_s=2, memory_mb=128), VerifierPool(verifier))
-    chaos = Chaos([ChaosFault(**f) for f in faults], tmp_path, engine=None,  # type: ignore[arg-type]
-                  sandbox=loop.sandbox_cfg, verifier=verifier)
-    loop.faults = chaos
+    chaos = Chaos([ChaosFault(**f) for f in faults], tmp_path)
+    chaos.install_episodes(loop, loop.sandbox_cfg, verifier)
     chaos.rollout_step = step
     start = time.monotonic()
     episodes = asyncio.run(loop.run_batch(insts, 2))
@@ -74,16 +83,27 @@ def test_faults_of_another_step_do_not_fire(tmp_path):
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="the local sandbox's uids and cgroups need root")
-def test_hung_and_memory_hungry_tool_calls_are_stopped_by_the_real_sandbox(tmp_path, caplog):
+def test_an_episodes_own_tool_call_hung_or_memory_hungry_is_stopped_by_the_real_sandbox(tmp_path, caplog):
     faults = [{"kind": "hang_sandbox", "trajectories": [0]}, {"kind": "oom_tool", "trajectories": [3]}]
     with caplog.at_level("WARNING"):
-        episodes, _, took = _batch(tmp_path, faults)
+        episodes, _, took = _batch(tmp_path, faults, task=_BashTask())
     assert took < 40  # killed at sandbox.wall_time_s (2 s), not slept out
-    assert [e.reward.status for e in episodes] == ["ok"] * 4  # the episodes went on, unchanged
+    assert [e.reward.status for e in episodes] == ["ok"] * 4  # the episodes went on to their verifiers
     assert all(e.reward.reward == 1.0 and e.failure is None for e in episodes)
+    observed = [e.turns[0].tool_runs[0].observation for e in episodes]  # each episode's own bash call
+    assert "[error:" in observed[0] and "[error:" in observed[3], observed  # the faults took them
+    assert "fine" in observed[1] and "fine" in observed[2], observed  # the others ran their own command
     said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("chaos:")]
     assert any("hang_sandbox in trajectory 0" in m and "[error:" in m for m in said), said
     assert any("oom_tool in trajectory 3" in m and "[error:" in m for m in said), said
+
+
+def test_a_tool_fault_on_a_task_without_a_bash_tool_is_refused_by_name(tmp_path):
+    from megathunder.config import ConfigError
+
+    with pytest.raises(ConfigError, match="chaos.faults.0.kind: oom_tool hits an episode's own bash tool call; "
+                                          "task 'ok_probe' has no bash tool"):
+        _batch(tmp_path, [{"kind": "oom_tool", "trajectories": [0]}])
 
 
 def test_a_torn_last_record_is_dropped_by_its_crc(tmp_path):

@@ -5,32 +5,35 @@ The controller submits ``LearnerEndpoint`` methods to the ``LearnerService``
 ranks and runs it on every rank, in submission order, on the learner's worker thread. Collectives
 inside the calls (DP reduce, TP/PP exchange, the weight gather) line up by construction.
 
-One thunder trajectory, from its reward to the weight push (GRPO; every call below runs on every
-learner rank, the owner of the trajectory doing its backward passes)::
+One thunder trajectory, from its episode's end to the weight push (GRPO). This is the one copy of
+the walk (docs/design.md points here); each numbered line is one hop, file by file, and every
+learner call runs on every learner rank, the trajectory's owner doing its backward passes::
 
-    agent_loop._finish            emits RolloutEvent("trajectory_finished"), then ("reward")
-    Trainer._on_event             service.submit_event(LearnerEndpoint.finished, traj)   (a burst of
-                                  events goes in one message: LearnerService.flush_events)
-      LearnerEndpoint.finished    batch.on_finished(traj)     GRPOBatch: DP owner, reference logprobs
-        GradientLedger.on_finished                            streaming/ledger.py: waits for its reward
-    Trainer._on_event             service.submit_event(LearnerEndpoint.reward, traj_id, reward)
-      LearnerEndpoint.reward      batch.on_reward(traj_id, r)
-        GradientLedger.on_reward  backend.backward -> ForwardBackward.backward -> trajectories_loss
-                                  group complete: slot folded into P with the group's advantages
-                                  (more calls queued behind it: the work is held, and the call
-                                  that finds the queue empty runs it -- LearnerEndpoint.ready_work,
-                                  GradientLedger.release: closed groups' members in one packed call)
-    run_thunder                   service.call(LearnerEndpoint.close)
-      LearnerEndpoint.close       batch.close() -> ledger.close_batch(): P / Z into DDP's buffers
-    Trainer.finish_step           service.call(LearnerEndpoint.step)
-      LearnerEndpoint.step        MegatronLearner.step: DP reduce (finalize_model_grads), optimizer step
-    Trainer.push_weights          WeightSync.push(version)    (trainer/weight_sync.py) pauses vLLM,
-                                  its workers receive (engine.receive_weights) while
-                                  service.call(LearnerEndpoint.send_weights)
-      LearnerEndpoint.send_weights     StageSender.send: each PP stage broadcasts its own buckets
-                                  (learner/push.py, over weights/wire.py; weight_transfer=rpc:
-                                  gather_weights, all on rank 0)
-    Trainer.probe                 engine.generate, then service.call(LearnerEndpoint.score, ...)
+     1  rollout/agent_loop.py     AgentLoop._finish: emits RolloutEvent("trajectory_finished"), scores
+                                  the episode (the verifier pool), emits ("reward")
+     2  trainer/trainer.py        Trainer._on_event: learner.finished(traj), learner.reward(id, r)
+     3  learner/client.py         LearnerClient: queued as event calls, a burst sent as one message
+     4  learner/service.py        LearnerService: broadcast to every rank, run on the learner thread
+     5  learner/endpoint.py       LearnerEndpoint.finished / .reward (below)
+     6  learner/batches.py        GRPOBatch.on_finished (DP owner, reference logprobs) / .on_reward
+     7  streaming/ledger.py       GradientLedger.on_finished waits for the reward; on_reward runs the
+                                  trajectory's backward now (or folds it at its group's close; with
+                                  calls queued behind, the work is held and released packed at
+                                  LearnerEndpoint.ready_work: GradientLedger.release)
+     8  learner/backend.py        MegatronBackend.backward_sum -> ForwardBackward.backward
+     9  learner/forward_backward.py   one Megatron schedule call over the micro-batch layouts
+                                  (learner/micro_batches.py) -> objectives/loss.py trajectories_loss
+    10  trainer/schedules.py      thunder_step: learner.close() -> LearnerEndpoint.close ->
+                                  ledger.close_batch(): P / Z into DDP's buffers
+    11  trainer/trainer.py        Trainer.finish: learner.step() -> MegatronLearner.step (DP reduce,
+                                  optimizer step)
+    12  trainer/weight_sync.py    WeightSync.push(version): engine.updating (pause), the workers'
+                                  receive_weights beside learner send_weights, resume
+    13  learner/push.py           StageSender.send: each PP stage broadcasts its own buckets over
+                                  weights/wire.py (FrameWriter) into rollout/engines/worker_extension.py
+    14  trainer/probe.py          Probe.start: vLLM's prefill now, the learner's score
+                                  (LearnerEndpoint.score) while the next batch generates
+    15  trainer/records.py        StepRecords.write once the probe is checked: metrics, journal
 
 OPD, and GRPO with ``ledger.per_turn_scores``, add ``turn`` (a model turn was generated: its
 gradient while its tool call runs).

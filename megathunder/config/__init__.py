@@ -2,8 +2,9 @@
 
 One file per component: ``objective_config`` (objective, ledger), ``rollout_config`` (engine,
 sampling, agent loop, sandbox, verifier, task), ``learner_config`` (parallel layout, model,
-precision, optimizer, reference model) and ``run_config`` (run, schedule, batch, SFT, evaluation,
-the exactness demo, and the ``Config`` root with the rules that span sections). Where a mode
+precision, optimizer, reference model), ``chaos_config`` (fault injection) and ``run_config`` (run,
+schedule, probe, batch, SFT, evaluation, the exactness demo, and the ``Config`` root); the rules
+that span sections are named functions grouped by feature in ``rules``. Where a mode
 selects a set of fields (objective kind, weight transfer, sandbox backend, task source) the
 section is a discriminated union: each variant holds only its own fields.
 """
@@ -53,28 +54,29 @@ from megathunder.config.rollout_config import (
     VerifierConfig,
     WeightTransfer,
 )
-from megathunder.config.run_config import (
-    SCHEDULE_MODES,
-    BatchConfig,
-    ChaosConfig,
-    ChaosFault,
-    ProbeConfig,
-    EPISODE_FAULTS,
+from megathunder.config.chaos_config import (
     ENGINE_FAULTS,
+    EPISODE_FAULTS,
     IN_PROCESS_FAULTS,
     LEARNER_FAULTS,
     SERVER_FAULTS,
-    Config,
+    ChaosConfig,
+    ChaosFault,
+)
+from megathunder.config.root import Config, check_paths
+from megathunder.config.run_config import (
+    SCHEDULE_MODES,
+    BatchConfig,
     DecoderConfig,
     DecoderOptimizerConfig,
     EvalConfig,
     ExactnessConfig,
+    ProbeConfig,
     RunConfig,
     ScheduleConfig,
     ScheduleMode,
     SftConfig,
     TinyModelConfig,
-    check_paths,
 )
 
 __all__ = [

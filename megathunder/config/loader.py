@@ -10,7 +10,7 @@ from typing import Any, get_args, get_origin
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from megathunder.config.run_config import Config, check_paths
+from megathunder.config.root import Config, check_paths
 
 
 class _Loader(yaml.SafeLoader):

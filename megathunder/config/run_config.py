@@ -345,8 +345,8 @@ class Config(Strict):
 
     @model_validator(mode="after")
     def _check_rollout_side(self) -> Config:
-        # Terminal-Bench tasks also run on the local sandbox (their environment's files uploaded);
-        # a SWE-bench / SWE-smith repository exists only in its instance image.
+        # Terminal-Bench tasks whose environment is files only also run on the local sandbox (it
+        # refuses the others by name); a SWE-bench / SWE-smith repository exists only in its image.
         if (isinstance(self.task, DatasetTaskConfig) and self.task.name != "terminal_bench"
                 and isinstance(self.sandbox, LocalSandboxConfig)):
             raise ValueError(
@@ -378,11 +378,15 @@ class Config(Strict):
 
     @model_validator(mode="after")
     def _derive_ledger(self) -> Config:
-        """A group can be dropped at its last reward only if nothing of it reached the update."""
-        if self.verifier.on_failure == "drop_group" and not self.ledger.hold_groups_until_close:
+        """A group can be dropped at its last reward only if nothing of it reached the update. An
+        infrastructure failure of a benchmark task drops its group unless configured otherwise."""
+        if self.verifier.on_infra_failure is None and isinstance(self.task, DatasetTaskConfig):
+            self.verifier = self.verifier.model_copy(update={"on_infra_failure": "drop_group"})
+        drops = "drop_group" in (self.verifier.on_failure, self.verifier.infra_policy())
+        if drops and not self.ledger.hold_groups_until_close:
             if "hold_groups_until_close" in self.ledger.model_fields_set:
-                raise ValueError("ledger.hold_groups_until_close: must be true with verifier.on_failure="
-                                 "drop_group (a failed trajectory's group must still be droppable)")
+                raise ValueError("ledger.hold_groups_until_close: must be true with verifier.on_failure (or "
+                                 "on_infra_failure) drop_group (a failed trajectory's group must still be droppable)")
             self.ledger = self.ledger.model_copy(update={"hold_groups_until_close": True})
         return self
 
@@ -613,7 +617,10 @@ def check_paths(cfg: Config) -> None:
         _check_model_dir("objective.teacher.hf_checkpoint", Path(obj.teacher.hf_checkpoint))
     if isinstance(cfg.task, DatasetTaskConfig):
         path = Path(cfg.task.path)
-        if not path.is_file():
+        if cfg.task.name == "terminal_bench":  # a directory of task directories
+            if not path.is_dir():
+                raise ValueError(f"task.path: {path}: no such directory (Terminal-Bench / Harbor tasks)")
+        elif not path.is_file():
             raise ValueError(f"task.path: {path}: no such file")
         try:
             path.open("rb").close()

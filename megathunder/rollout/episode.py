@@ -17,10 +17,10 @@ import numpy as np
 import torch
 
 from megathunder.rollout.types import FinishReason
-from megathunder.rollout.verifiers import RewardOutcome
+from megathunder.rollout.verifiers import SANDBOX_FAILURE_PREFIX, RewardOutcome
 from megathunder.trajectory import Trajectory
 
-SANDBOX_FAILURE = "sandbox_error: "
+SANDBOX_FAILURE = SANDBOX_FAILURE_PREFIX
 """Prefix of ``Episode.failure`` when the episode's sandbox could not be built or set up."""
 
 StopReason = Literal["answered", "max_turns", "max_tokens", "wall_time", "engine_abort", "failed"]

@@ -165,11 +165,11 @@ def apptainer_start_argv(cfg: ContainerSandboxConfig, image: str, name: str, env
 
 def apptainer_exec_argv(
     cfg: ContainerSandboxConfig, name: str, argv: Sequence[str], interactive: bool, wall_s: float,
-    workdir: str = DEFAULT_WORKDIR, limits: CommandLimits | None = None,
+    workdir: str | None = None, limits: CommandLimits | None = None,
 ) -> list[str]:
     del interactive  # apptainer exec always forwards stdin
     return [
-        cfg.cli or "apptainer", "exec", "--pwd", workdir,
+        cfg.cli or "apptainer", "exec", "--pwd", workdir or _fixed_workdir(cfg, None),
         f"instance://{name}", *_limited(cfg, argv, wall_s, limits),
     ]  # fmt: skip
 
@@ -184,12 +184,12 @@ def enroot_start_argv(cfg: ContainerSandboxConfig, image: str, name: str, env: E
 
 def enroot_exec_argv(
     cfg: ContainerSandboxConfig, name: str, argv: Sequence[str], interactive: bool, wall_s: float,
-    workdir: str = DEFAULT_WORKDIR, limits: CommandLimits | None = None,
+    workdir: str | None = None, limits: CommandLimits | None = None,
 ) -> list[str]:
     del interactive
     return [
         cfg.cli or "enroot", "start", "--rw", *cfg.extra_args, name,
-        "sh", "-c", 'cd "$0" && exec "$@"', workdir, *_limited(cfg, argv, wall_s, limits),
+        "sh", "-c", 'cd "$0" && exec "$@"', workdir or _fixed_workdir(cfg, None), *_limited(cfg, argv, wall_s, limits),
     ]  # fmt: skip
 
 

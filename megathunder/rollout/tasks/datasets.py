@@ -40,6 +40,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import secrets
 import shlex
 from collections.abc import Callable, Sequence
 from dataclasses import replace
@@ -124,8 +125,9 @@ def _field(
 SWE_WORKDIR = "/testbed"
 """The harness's repository directory in SWE-bench and SWE-smith images (swebench's
 ``CONTAINER_WORKDIR``), where the eval script and the agent run."""
-EVAL_NAME, GRADE_NAME = ".megathunder_eval.sh", ".megathunder_grade.sh"
-"""Written to the sandbox's ``tmp_dir`` at grading (a container's /tmp; the local sandbox's work dir)."""
+EVAL_NAME, GRADE_NAME = ".megathunder_eval_{}.sh", ".megathunder_grade_{}.sh"
+"""Written to the sandbox's ``tmp_dir`` at grading (a container's /tmp; the local sandbox's work
+dir), each with a name of its own (``{}``: a random suffix)."""
 CONVERT = "megathunder tasks convert-swe"
 
 
@@ -260,7 +262,8 @@ class SweTask(DatasetTask):
     async def verify(self, inst, episode, sandbox) -> Verdict:
         meta = inst.metadata
         smith = meta["harness"] == "swesmith"
-        eval_path, grade_path = (f"{sandbox.tmp_dir}/{name}" for name in (EVAL_NAME, GRADE_NAME))
+        suffix = secrets.token_hex(4)
+        eval_path, grade_path = (f"{sandbox.tmp_dir}/{name.format(suffix)}" for name in (EVAL_NAME, GRADE_NAME))
         script = eval_path
         for path, text in ((eval_path, meta["eval_script"]),
                            *([(grade_path, swe_smith_grade_script(inst.instance_id, meta["test_files"], eval_path))]

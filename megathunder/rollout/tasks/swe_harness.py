@@ -6,7 +6,9 @@ records from the ``swesmith`` package's repository profiles (test command, log p
 ``swesmith`` is written against the 4.x harness. Neither installs beside the ``swebench`` 5.x this
 package grades with, so they live in a virtual environment of their own
 (:func:`setup_harness`, ``megathunder tasks setup-harness``: pinned versions from the package
-index) and run there as a worker process (``swe_harness_worker.py``) that answers JSON lines:
+index) and run there as a worker process (``swe_harness_worker.py``, under ``python -I``: neither its
+directory, whose ``datasets.py`` would shadow the package of that name, nor ``PYTHONPATH`` on its
+path) that answers JSON lines:
 
 - :func:`convert_file` (``megathunder tasks convert-swe IN OUT``): every classic record to the 5.x
   form, in one worker;
@@ -74,10 +76,10 @@ def setup_harness(directory: str = DEFAULT_DIR, python: str = sys.executable) ->
 def run_worker(requests: list[dict], python: str | None = None, timeout_s: float = 1800.0) -> list[Any]:
     """Answers to ``requests`` from one worker process, in order; a request the harness refused is
     answered by a :class:`HarnessError` (returned, not raised: the caller names the record)."""
-    py = python or harness_python()
+    py = harness_python(python)
     body = "".join(json.dumps(r) + "\n" for r in requests)
     try:
-        proc = subprocess.run([py, str(WORKER)], input=body, capture_output=True, text=True, timeout=timeout_s)
+        proc = subprocess.run([py, "-I", str(WORKER)], input=body, capture_output=True, text=True, timeout=timeout_s)
     except subprocess.TimeoutExpired:
         raise HarnessError(f"the SWE harness worker took over {timeout_s:g} s") from None
     lines = proc.stdout.splitlines()
@@ -131,7 +133,7 @@ class HarnessWorker:
 
     def _start(self) -> subprocess.Popen[str]:
         if self._proc is None or self._proc.poll() is not None:
-            self._proc = subprocess.Popen([harness_python(self.python), str(WORKER)], stdin=subprocess.PIPE,
+            self._proc = subprocess.Popen([harness_python(self.python), "-I", str(WORKER)], stdin=subprocess.PIPE,
                                           stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
         return self._proc
 

@@ -77,7 +77,7 @@ def _convert_smith(record: dict, profile: Any) -> dict:
     script = "\n".join(["#!/bin/bash", "set -uxo pipefail", f"cd {workdir}", f": '{constants.TEST_OUTPUT_START}'",
                         test_cmd, f": '{constants.TEST_OUTPUT_END}'"]) + "\n"
     return {**record, "image": profile.image_name, "eval_script": script, "log_parser": SWESMITH_PARSER,
-            "eval_type": "pass_and_fail", "eval_test_files": [*f2p_files, *p2p_files]}
+            "eval_type": "pass_and_fail", "eval_test_files": list(dict.fromkeys([*f2p_files, *p2p_files]))}
 
 
 def grade_swesmith(record: dict, log: str) -> dict:

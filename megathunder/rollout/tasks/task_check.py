@@ -66,10 +66,12 @@ class EpisodeCheck:
         out = ep.reward
         assert out is not None  # the agent loop scores every episode it returns
         try:
-            test_s = json.loads(out.detail).get("test_s") if out.detail.startswith("{") else None
+            verdict = json.loads(out.detail) if out.detail.startswith("{") else {}
         except json.JSONDecodeError:
-            test_s = None
-        return cls(out.reward, out.status, out.infra, seconds, test_s, (ep.failure or out.detail)[-500:])
+            verdict = {}
+        test_s = verdict.get("test_s")
+        why = ep.failure or verdict.get("log_tail") or verdict.get("resolution") or out.detail
+        return cls(out.reward, out.status, out.infra, seconds, test_s, str(why)[-300:])
 
 
 @dataclass
@@ -94,7 +96,7 @@ def _judge(check: TaskCheck, pass_reward: float) -> None:
             return
     if check.oracle is not None and (check.oracle.status != "ok" or (check.oracle.reward or 0.0) < pass_reward):
         check.problems.append("broken_oracle")
-        check.detail = check.detail or f"oracle: reward {check.oracle.reward} ({check.oracle.status}) {check.oracle.detail}"
+        check.detail = check.detail or f"oracle: reward {check.oracle.reward} ({check.oracle.status}): {check.oracle.detail}"
     if check.null is not None and check.null.status == "ok" and (check.null.reward or 0.0) >= pass_reward:
         check.problems.append("false_positive")
         check.detail = check.detail or f"null agent: reward {check.null.reward}"

@@ -47,38 +47,32 @@ def add_check_arguments(p: argparse.ArgumentParser) -> None:
                    "(default task.check_concurrency)")
 
 
-def _task_config(cfg: Config, path: str) -> dict:
-    """The task section for ``path``: its kind from what it is, the config's limits kept."""
-    base = cfg.task.model_dump(exclude={"name", "path"}) if hasattr(cfg.task, "test_run") else {}
-    base = {k: v for k, v in base.items() if k in ("test_run", "check_concurrency", "harness_python")}
+def _kind(path: str) -> str:
+    """The task kind of ``path``: a directory of task directories, else a file of SWE records
+    (SWE-smith ones when converted so)."""
     if Path(path).is_dir():
-        base.pop("harness_python", None)
-        return {**base, "name": "terminal_bench", "path": path}
+        return "terminal_bench"
     from megathunder.rollout.tasks.datasets import read_records
     from megathunder.rollout.tasks.swe_harness import SWESMITH_PARSER
 
-    first = read_records(path)[0][1]
-    return {**base, "name": "swe_smith" if first.get("log_parser") == SWESMITH_PARSER else "swe_bench", "path": path}
+    return "swe_smith" if read_records(path)[0][1].get("log_parser") == SWESMITH_PARSER else "swe_bench"
 
 
 def load_tasks(args: argparse.Namespace) -> tuple[Config, list]:
-    """The check's config and, per PATH, its built task."""
-    from pydantic import ValidationError
-
+    """The check's config and, per PATH, the config with that task and the task built."""
     from megathunder.config import load_config
     from megathunder.rollout.tasks import build_task
 
-    cfg = load_config(args.config, args.set)
-    paths = args.paths or ([cfg.task.path] if hasattr(cfg.task, "path") else [])
+    paths = args.paths
     if not paths:
-        raise ConfigError("megathunder tasks check: no PATH, and the config's task has no task.path")
+        task = load_config(args.config, args.set).task
+        if not hasattr(task, "path"):
+            raise ConfigError("megathunder tasks check: no PATH, and the config's task has no task.path")
+        paths = [task.path]
+    cfg = load_config(args.config, [o for o in args.set if not o.startswith("task.")])  # the task comes per PATH
     tasks = []
     for path in paths:
-        try:
-            section = _task_config(cfg, path)
-            full = cfg.model_copy(update={"task": Config.model_validate({**cfg.model_dump(), "task": section}).task})
-        except ValidationError as err:
-            raise ConfigError(f"{path}: {err}") from None
+        full = load_config(args.config, [*args.set, f"task.name={_kind(path)}", f"task.path={path}"])
         tasks.append((full, build_task(full.task)))
     return cfg, tasks
 

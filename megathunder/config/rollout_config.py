@@ -399,7 +399,8 @@ class TestRunLimits(Strict):
     memory_mb: int | None = Field(None, ge=32)
     """Per process address space; null: none (the container's memory limit binds the whole run)."""
     max_processes: int = Field(1024, ge=4)
-    """Per command (RLIMIT_NPROC); the container's pids limit is ``sandbox.max_processes``."""
+    """Per command (RLIMIT_NPROC), at most the container's own (``sandbox.max_processes``, its pids
+    limit and hard ``nproc`` ulimit)."""
     max_output_bytes: int = Field(8 << 20, ge=4096)
     """The test log kept for grading (Django's suite prints ~1 MB); the rest is dropped."""
 

@@ -71,12 +71,14 @@ def test_a_task_s_environment_and_a_test_run_s_limits_in_the_command_lines():
     closed = " ".join(ct.docker_start_argv(_cfg(network="none", drop_capabilities=False), "img", "ep1", env))
     assert "--network none" in closed and "--cap-drop" not in closed and "no-new-privileges" in closed
     assert "--network none" in " ".join(ct.docker_start_argv(cfg, "img", "ep1", Environment(name="t")))
-    test = CommandLimits(wall_time_s=1800, cpu_time_s=None, memory_mb=None, max_processes=1024)
+    test = CommandLimits(wall_time_s=1800, cpu_time_s=None, memory_mb=None, max_processes=16)
     exec_ = ct.docker_exec_argv(cfg, "ep1", ["bash", "eval.sh"], False, 1800, limits=test)
-    assert exec_[exec_.index("prlimit"):] == ["prlimit", "--nproc=1024", "--", "bash", "eval.sh"]
+    assert exec_[exec_.index("prlimit"):] == ["prlimit", "--nproc=16", "--", "bash", "eval.sh"]
+    over = ct.docker_exec_argv(cfg, "ep1", ["x"], False, 9, limits=CommandLimits(9, max_processes=4096))
+    assert "--nproc=32" in over  # not above the container's own hard limit (sandbox.max_processes)
     assert exec_[exec_.index("timeout"):exec_.index("prlimit")] == ["timeout", "-s", "KILL", "1800"]
-    capped = ct.docker_exec_argv(cfg, "ep1", ["x"], False, 60, limits=CommandLimits(60, 30, 2048, 99))
-    assert capped[capped.index("prlimit"):] == ["prlimit", "--cpu=30:31", f"--as={2048 << 20}", "--nproc=99", "--", "x"]
+    capped = ct.docker_exec_argv(cfg, "ep1", ["x"], False, 60, limits=CommandLimits(60, 30, 2048, 20))
+    assert capped[capped.index("prlimit"):] == ["prlimit", "--cpu=30:31", f"--as={2048 << 20}", "--nproc=20", "--", "x"]
     apptainer = _cfg(backend="apptainer")
     assert "--net" not in ct.apptainer_start_argv(apptainer, "x.sif", "ep1", env)  # the host's network
     assert ct.apptainer_start_argv(apptainer, "x.sif", "ep1", env)[-4:-2] == ["--pwd", "/app"]

@@ -73,7 +73,8 @@ def _limited(cfg: ContainerSandboxConfig, argv: Sequence[str], wall_s: float,
             rlimits.append(f"--cpu={cpu}:{cpu + 1}")
         if limits.memory_mb is not None:
             rlimits.append(f"--as={limits.memory_mb << 20}")
-        rlimits.append(f"--nproc={limits.max_processes or cfg.max_processes}")
+        # not above the container's own hard limit (``--ulimit nproc``), which no command can raise
+        rlimits.append(f"--nproc={min(limits.max_processes or cfg.max_processes, cfg.max_processes)}")
     return [
         "env", "PYTHONDONTWRITEBYTECODE=1",  # no stale .pyc hiding a same-size edit
         "timeout", "-s", "KILL", f"{wall_s:g}",
@@ -302,8 +303,10 @@ class ContainerSandbox(Sandbox):
             await self._kill_group(pid_file)
         else:
             self._finished.append(pid_file)
-        if result.exit_code == 137 or result.timed_out:
-            kills = await self._read_oom_kills()  # a SIGKILL: the wall-time limit or the OOM killer
+        # a SIGKILL (the wall-time limit or the OOM killer), or a test run (a test script that goes on
+        # after one of its processes was killed still reports it)
+        if result.exit_code == 137 or result.timed_out or limits is not None:
+            kills = await self._read_oom_kills()
             if kills > self._oom_kills:
                 self._oom_kills = kills
                 result = dataclasses.replace(result, oom_killed=True, memory_limit_mb=self.memory_mb)

@@ -286,7 +286,8 @@ class ContainerSandbox(Sandbox):
         wall_s = limits.wall_time_s if limits is not None else timeout_s or self.cfg.wall_time_s
         out_bytes = max_output_bytes or (limits.max_output_bytes if limits is not None else None)
         if not self._tracked:
-            full = self._exec(self.cfg, self.name, argv, stdin is not None, wall_s, self.workdir, limits)
+            builder = apptainer_exec_argv if self.cfg.backend == "apptainer" else enroot_exec_argv
+            full = builder(self.cfg, self.name, argv, stdin is not None, wall_s, self.workdir, limits)
             # The host-side kill is a little later than the in-container `timeout`, a backstop.
             return await self._check_gone(await self._run(full, stdin, wall_s + 5.0, out_bytes))
         pid_file = f"/tmp/.megathunder-exec-{self.name}-{next(self._exec_ids)}"

@@ -81,8 +81,8 @@ def local_layout(dockerfile: Path, context: Path) -> LocalLayout:
             for m in matches:
                 if not m.exists() or not m.resolve().is_relative_to(context.resolve()):
                     return LocalLayout(refusal=f"{where}: {word} {src}: not in the build context {context}")
-                files = [f for f in sorted(m.rglob("*")) if f.is_file()] if m.is_dir() else [m]
-                for f in files:
+                found = [f for f in sorted(m.rglob("*")) if f.is_file()] if m.is_dir() else [m]
+                for f in found:
                     rel = f.relative_to(m).as_posix() if m.is_dir() else f.name
                     target = posixpath.join(dest_abs, rel) if m.is_dir() or into_dir else dest_abs
                     copied[posixpath.normpath(target)] = f.read_bytes()

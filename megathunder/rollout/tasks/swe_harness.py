@@ -65,8 +65,10 @@ def setup_harness(directory: str = DEFAULT_DIR, python: str = sys.executable) ->
                 return py
         except HarnessError:
             pass
-    subprocess.run([python, "-m", "venv", directory], check=True, timeout=600)
-    subprocess.run([py, "-m", "pip", "install", "-q", SWEBENCH_4, SWESMITH], check=True, timeout=1800)
+    for cmd in ([python, "-m", "venv", directory], [py, "-m", "pip", "install", "-q", SWEBENCH_4, SWESMITH]):
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+        if done.returncode != 0:
+            raise HarnessError(f"{' '.join(cmd)} failed (exit {done.returncode}): {(done.stdout + done.stderr)[-1500:]}")
     got = run_worker([{"op": "versions"}], py)[0]
     if got != want:
         raise HarnessError(f"the harness environment at {directory} has {got}, not {want}")

@@ -58,7 +58,7 @@ def convert(record: dict, namespace: str = "swebench") -> dict:
     if str(version) not in specs[repo]:
         raise ValueError(f"version {version!r} of {repo} is not in the swebench 4.x specs ({', '.join(sorted(specs[repo]))})")
     ts = importlib.import_module("swebench.harness.test_spec.test_spec")
-    ts.make_env_script_list = lambda instance, specs, env_name: []  # the image's set-up script (see above)
+    setattr(ts, "make_env_script_list", lambda instance, specs, env_name: [])  # the image's set-up script (above)
     spec = ts.make_test_spec({**record, "version": str(version)}, namespace=namespace)
     parsers = importlib.import_module("swebench.harness.log_parsers").MAP_REPO_TO_PARSER
     fail_only = importlib.import_module("swebench.harness.constants").FAIL_ONLY_REPOS

@@ -161,9 +161,11 @@ def _fake_cli(tmp_path, fail_run=False) -> str:
         f'echo "$@" >> {tmp_path}/calls.log\n'
         'case "$1" in\n'
         + (_RUN_FAILS if fail_run else "  run) echo 0123abcd; exit 0;;\n")
-        + '  exec) shift\n'
+        + f'  exec) [ -e {tmp_path}/gone ] && {{ echo "Error: no container with name or ID found: no such container" >&2; exit 125; }}\n'
+        '        shift\n'
         '        while [ "${1#-}" != "$1" ]; do [ "$1" = --workdir ] && { cd "$2"; shift; }; shift; done\n'
         '        shift; exec "$@";;\n'
+        f'  container) [ -e {tmp_path}/gone ] && echo false || echo true; exit 0;;\n'
         "  rm) exit 0;;\n"
         "esac\n"
     )  # fmt: skip
@@ -270,3 +272,33 @@ def test_base_image_key_and_the_sandbox_command_errors(capsys):
     assert "megathunder sandbox probe: 'no-such-podman' is not on PATH" in capsys.readouterr().err
     with pytest.raises(SandboxError, match="needs an image"):
         images.probe_runtime("true")
+
+
+def test_a_container_gone_mid_episode_is_an_infrastructure_failure(tmp_path):
+    """A runtime error from `exec` whose container the runtime says is not running raises
+    SandboxError (an infrastructure failure), never a failing command; a command's own error is a
+    result as before."""
+    from megathunder.rollout.verifiers import InfrastructureError
+
+    async def go():
+        sb = await build_sandbox(_cfg(cli=_fake_cli(tmp_path), workdir=str(tmp_path)), "img:1")
+        (tmp_path / "gone").write_text("")  # removed behind the sandbox's back
+        try:
+            await sb.shell("true")
+        finally:
+            await sb.close()
+
+    with pytest.raises(SandboxError, match="sandbox lost: docker container megathunder-.* is not running") as err:
+        asyncio.run(go())
+    assert isinstance(err.value, InfrastructureError)
+    (tmp_path / "gone").unlink()
+
+    async def own_error():
+        sb = await build_sandbox(_cfg(cli=_fake_cli(tmp_path), workdir=str(tmp_path)), "img:1")
+        try:
+            return await sb.shell("echo 'Error: my own' >&2; exit 1")
+        finally:
+            await sb.close()
+
+    own = asyncio.run(own_error())
+    assert own.exit_code == 1 and "Error: my own" in own.output

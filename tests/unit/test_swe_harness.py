@@ -11,18 +11,15 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 import textwrap
 
 import pytest
 
+from megathunder.cli import main
 from megathunder.rollout.tasks import grading
 from megathunder.rollout.tasks.datasets import DatasetError, load_swe_bench, load_swe_smith, swe_bench_image
 from megathunder.rollout.tasks.swe_harness import HarnessError, HarnessWorker, harness_python
 from tests.swe_records import VERIFIED_REPOS, classic_record, smith_record
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
 
 @pytest.fixture(scope="module")
 def harness() -> str:
@@ -60,7 +57,7 @@ REFERENCE = """
 """
 
 
-def test_classic_verified_records_convert_to_the_harness_s_own_eval_scripts(harness, tmp_path):
+def test_classic_verified_records_convert_to_the_harness_s_own_eval_scripts(harness, tmp_path, capsys):
     """One classic record per repository of SWE-bench Verified, converted by `megathunder tasks
     convert-swe` and loaded: each eval script is byte for byte the one swebench 4.x's
     make_test_spec generates for the record, with its instance image and the repository's parser."""
@@ -69,11 +66,8 @@ def test_classic_verified_records_convert_to_the_harness_s_own_eval_scripts(harn
     classic.write_text("".join(json.dumps(r) + "\n" for r in records))
     with pytest.raises(DatasetError, match="a classic SWE-bench record"):
         load_swe_bench(classic)
-    env = {**os.environ, "PYTHONPATH": ROOT}
-    proc = subprocess.run([sys.executable, "-m", "megathunder.cli", "tasks", "convert-swe", str(classic), str(out),
-                           "--harness-python", harness], capture_output=True, text=True, timeout=600, env=env)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert json.loads(proc.stdout.splitlines()[-1])["records"] == 12
+    assert main(["tasks", "convert-swe", str(classic), str(out), "--harness-python", harness]) == 0
+    assert json.loads(capsys.readouterr().out.splitlines()[-1])["records"] == 12
     converted = [json.loads(line) for line in out.read_text().splitlines()]
     reference = _in_harness(harness, REFERENCE, records)
     assert isinstance(reference, dict)
@@ -95,20 +89,17 @@ def test_classic_verified_records_convert_to_the_harness_s_own_eval_scripts(harn
     assert all(grading.check_log_parser(i.metadata["log_parser"]) for i in insts.values())  # 5.x grades them
 
 
-def test_records_the_harness_does_not_know_are_refused_by_name(harness, tmp_path):
+def test_records_the_harness_does_not_know_are_refused_by_name(harness, tmp_path, capsys):
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps(classic_record("django/django")) + "\n"
                    + json.dumps({**classic_record("pallets/flask"), "version": "0.1"}) + "\n")
-    env = {**os.environ, "PYTHONPATH": ROOT}
-    proc = subprocess.run([sys.executable, "-m", "megathunder.cli", "tasks", "convert-swe", str(bad),
-                           str(tmp_path / "o.jsonl"), "--harness-python", harness], capture_output=True, text=True,
-                          timeout=600, env=env)
-    assert proc.returncode == 2 and f"{bad}:2: " in proc.stderr and "version '0.1' of pallets/flask" in proc.stderr
+    assert main(["tasks", "convert-swe", str(bad), str(tmp_path / "o.jsonl"), "--harness-python", harness]) == 2
+    err = capsys.readouterr().err
+    assert f"{bad}:2: " in err and "version '0.1' of pallets/flask is not in the swebench 4.x specs" in err
     assert not (tmp_path / "o.jsonl").exists()
-    proc = subprocess.run([sys.executable, "-m", "megathunder.cli", "tasks", "convert-swe", str(bad),
-                           str(tmp_path / "o.jsonl"), "--harness-python", str(tmp_path / "nope")],
-                          capture_output=True, text=True, timeout=600, env=env)
-    assert proc.returncode == 2 and "megathunder tasks setup-harness" in proc.stderr
+    assert main(["tasks", "convert-swe", str(bad), str(tmp_path / "o.jsonl"), "--harness-python",
+                 str(tmp_path / "nope")]) == 2
+    assert "make it with `megathunder tasks setup-harness`" in capsys.readouterr().err
 
 
 PROFILE = """
@@ -136,10 +127,7 @@ def test_swe_smith_records_take_their_profile_s_command_image_and_parser(harness
     raw.write_text("".join(json.dumps(r) + "\n" for r in [*records, five]))
     with pytest.raises(DatasetError, match="a SWE-smith record not yet converted"):
         load_swe_smith(raw)
-    env = {**os.environ, "PYTHONPATH": ROOT}
-    proc = subprocess.run([sys.executable, "-m", "megathunder.cli", "tasks", "convert-swe", str(raw), str(out),
-                           "--harness-python", harness], capture_output=True, text=True, timeout=600, env=env)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert main(["tasks", "convert-swe", str(raw), str(out), "--harness-python", harness]) == 0
     *converted, copied = (json.loads(line) for line in out.read_text().splitlines())
     assert copied == five  # a 5.x record is run as written: converting it changes nothing
     out.write_text("".join(json.dumps(r) + "\n" for r in converted))

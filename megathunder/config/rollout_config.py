@@ -232,14 +232,18 @@ class AgentLoopConfig(Strict):
 
 
 class SandboxLimits(Strict):
-    """Limits of every backend: per command (``wall_time_s``, ``cpu_time_s``) or per process tree
-    (``memory_mb`` is per process address space locally, per container otherwise)."""
+    """Limits of the agent's tool calls, per command (``wall_time_s``, ``cpu_time_s``) or per process
+    tree (``memory_mb`` is per process address space locally, per container otherwise). The test run
+    that scores an episode has limits of its own (``task.test_run``)."""
 
     wall_time_s: float = Field(30.0, gt=0)
     cpu_time_s: float = Field(10.0, gt=0)
     memory_mb: int = Field(1024, ge=32)
-    """Per process (address space); with a cgroup or a container, also for the whole sandbox."""
+    """Per process (address space); with a cgroup or a container, also for the whole sandbox (a
+    task's own ``memory_mb`` replaces the container's)."""
     max_processes: int = Field(64, ge=4)
+    """Per command (RLIMIT_NPROC, which binds no root process) and, docker/podman, the container's
+    pids limit (which counts threads): size it for the task's test suite as well."""
     max_file_size_mb: int = Field(64, ge=1)
     max_output_bytes: int = Field(16_384, ge=256)
     """Tool output kept for the model; the rest is drained and dropped, marked as truncated."""
@@ -257,7 +261,9 @@ class SandboxLimits(Strict):
 
 class LocalSandboxConfig(SandboxLimits):
     """``backend: local``: namespaces on this machine, a uid and a cgroup per sandbox as root;
-    rootless (an ordinary user) through a user namespace, as that user (``sandbox/local.py``)."""
+    rootless (an ordinary user) through a user namespace, as that user (``sandbox/local.py``).
+    It has no images: a task whose environment needs one (a Dockerfile that runs commands, a
+    compose file, a prebuilt image) is refused by name."""
 
     backend: Literal["local"] = "local"
     isolation: Literal["bwrap", "unshare"] = "bwrap"
@@ -272,6 +278,9 @@ class LocalSandboxConfig(SandboxLimits):
     cgroup: Literal["auto", "off", "required"] = "auto"
     """A cgroup per sandbox bounding its whole tree's memory (``memory_mb``) and process count
     (``max_processes``); auto = where the cgroup filesystem is writable."""
+    network: Literal["task", "none"] = "task"
+    """The local sandbox has no network. task: a task whose harness gives it one (Terminal-Bench 1,
+    Harbor's ``allow_internet``) is refused by name; none: such tasks run without one."""
 
 
 class ContainerSandboxConfig(SandboxLimits):
@@ -289,12 +298,33 @@ class ContainerSandboxConfig(SandboxLimits):
     """The image for tasks whose instances name none (the local SWE-style and terminal tasks in a
     container, e.g. the base image of ``megathunder sandbox build-base``); an instance's own image
     wins."""
-    workdir: str = "/workspace"
+    workdir: str | None = None
+    """Where commands run. null: the task's own (a SWE-bench record's repository, /testbed; Harbor's
+    ``[environment] workdir``), else the image's WORKDIR (docker/podman; /workspace on apptainer and
+    enroot, whose images have none). Set: replaces the image's WORKDIR, never a task's own."""
     cpus: float = Field(1.0, gt=0)
+    """The container's CPUs, unless the task names its own (Harbor's ``[environment] cpus``)."""
+    network: Literal["task", "none"] = "task"
+    """docker/podman. task: the network the task's harness gives it -- one for Terminal-Bench 1 tasks
+    and Harbor tasks with ``allow_internet`` (its default), none for SWE-bench, SWE-smith and the
+    built-in tasks (no harness step needs one, and an agent must not fetch the upstream fix); none:
+    never (a task whose test script downloads its runner then fails its tests as an
+    infrastructure failure). apptainer and enroot always run without one."""
+    drop_capabilities: bool = True
+    """docker/podman: ``--cap-drop ALL`` (root in the container cannot chown, switch users or write
+    what it does not own). false: the runtime's default set, as Docker and the benchmarks' harnesses
+    run their containers -- what a task whose test script runs ``apt-get install`` needs."""
     max_open_files: int = Field(1024, ge=16)
     """docker/podman: the container's ``RLIMIT_NOFILE`` (podman's default, 1048576, cannot be set
     where the host lacks ``CAP_SYS_RESOURCE``)."""
     extra_args: list[str] = []
+
+    @field_validator("workdir")
+    @classmethod
+    def _absolute_workdir(cls, value: str | None) -> str | None:
+        if value is not None and not value.startswith("/"):
+            raise ValueError(f"must be an absolute path, got {value!r}")
+        return value
 
     @model_validator(mode="after")
     def _check_runtime_args(self) -> ContainerSandboxConfig:
@@ -314,12 +344,26 @@ class VerifierConfig(Strict):
     """Reward computation: an async pool; a crash or timeout has a defined outcome, never a hang."""
 
     timeout_s: float = Field(60.0, gt=0)
+    """How long one verifier may take besides its test run: a task that runs tests in the sandbox
+    gets this plus the test run's own wall-time limit (the task's test timeout, else
+    ``task.test_run.wall_time_s``), which kills the test run first."""
     max_concurrent: int = Field(4, ge=1)
     on_failure: Literal["zero_reward", "drop_group"] = "zero_reward"
     """zero_reward: the trajectory gets ``failure_reward``; drop_group: its whole group is
     excluded from the batch (the reward event says so). Applies to every failed episode: a
     verifier that raises, times out or returns NaN/inf, and non-finite engine logprobs."""
+    on_infra_failure: Literal["zero_reward", "drop_group"] | None = None
+    """The outcome of an infrastructure failure -- the episode's environment, not its agent, failed:
+    a sandbox that could not be built or set up (image missing, build failed, a backend that cannot
+    provide the task's environment), a sandbox lost, a test run that never reached its tests (the
+    harness's markers missing, its runner not found, no reward file written). null: drop_group for
+    the benchmark tasks (swe_bench, swe_smith, terminal_bench: never a 0 that trains), else
+    ``on_failure``."""
     failure_reward: float = 0.0
+
+    def infra_policy(self) -> Literal["zero_reward", "drop_group"]:
+        """``on_infra_failure`` where set, else ``on_failure`` (a run's config resolves null)."""
+        return self.on_infra_failure or self.on_failure
 
 
 class GeneratedTaskConfig(Strict):
@@ -336,14 +380,64 @@ class LocalTaskConfig(Strict):
     name: Literal["swe_local", "terminal"]
 
 
+class TestRunLimits(Strict):
+    """Limits of the test run that scores an episode -- a SWE eval script, a Terminal-Bench test
+    script -- apart from the agent's tool limits (``sandbox``): per command, in the episode's
+    sandbox. The container's own limits (memory, CPUs, pids) bound both."""
+
+    __test__ = False  # not a pytest test class, whatever its name
+
+    wall_time_s: float = Field(1800.0, gt=0)
+    """Used when the task names no test timeout of its own (Harbor's ``[verifier] timeout_sec``,
+    Terminal-Bench 1's ``max_test_timeout_sec``); 1800 s is the SWE-bench harness's default."""
+    cpu_time_s: float | None = Field(None, gt=0)
+    """Per process; null: none (the wall time and the container's CPUs bound it)."""
+    memory_mb: int | None = Field(None, ge=32)
+    """Per process address space; null: none (the container's memory limit binds the whole run)."""
+    max_processes: int = Field(1024, ge=4)
+    """Per command (RLIMIT_NPROC), at most the container's own (``sandbox.max_processes``, its pids
+    limit and hard ``nproc`` ulimit)."""
+    max_output_bytes: int = Field(8 << 20, ge=4096)
+    """The test log kept for grading (Django's suite prints ~1 MB); the rest is dropped."""
+
+
 class DatasetTaskConfig(Strict):
-    """Instances in a benchmark's format; each names its container image."""
+    """Instances in a benchmark's published format; each names its container image (or how to build
+    it). ``megathunder tasks check`` runs each one's oracle and a do-nothing agent."""
 
-    name: Literal["swe_bench", "swe_smith", "terminal_bench"]
     path: str
-    """swe_bench / swe_smith: a JSONL or parquet file of records; terminal_bench: a directory of
-    Terminal-Bench 1 (task.yaml) or Terminal-Bench 2 / Harbor (task.toml) task directories."""
+    test_run: TestRunLimits = TestRunLimits()
+    check_before_training: Literal["off", "drop", "refuse"] = "off"
+    """Before step 0, rank 0 runs ``megathunder tasks check`` on every instance (in the run's
+    sandbox): drop removes each task whose oracle fails, whose do-nothing agent passes or whose
+    environment fails, naming it; refuse stops the run naming them. The report goes to
+    ``RUN_DIR/tasks_check.json``."""
+    check_concurrency: int = Field(4, ge=1)
+    """Instances checked at once (each runs two episodes)."""
 
 
-TaskConfig = Annotated[GeneratedTaskConfig | LocalTaskConfig | DatasetTaskConfig, Field(discriminator="name")]
+class SweTaskConfig(DatasetTaskConfig):
+    """SWE-bench records (5.x, each with its own eval script; classic records converted by
+    ``megathunder tasks convert-swe``) and converted SWE-smith records."""
+
+    name: Literal["swe_bench", "swe_smith"]
+    path: str
+    """A JSONL or parquet file of records."""
+    harness_python: str | None = None
+    """The Python of the SWE harness environment (``megathunder tasks setup-harness``: swebench 4.x
+    and swesmith), which grades SWE-smith records with its profiles' log parsers. null:
+    ``$MEGATHUNDER_SWE_HARNESS_PYTHON``, else /opt/megathunder-swe-harness/bin/python."""
+
+
+class TerminalBenchTaskConfig(DatasetTaskConfig):
+    """Terminal-Bench 1 (task.yaml) and Terminal-Bench 2 / Harbor (task.toml) task directories."""
+
+    name: Literal["terminal_bench"]
+    path: str
+    """A task directory, or a directory of them."""
+
+
+TaskConfig = Annotated[
+    GeneratedTaskConfig | LocalTaskConfig | SweTaskConfig | TerminalBenchTaskConfig, Field(discriminator="name")
+]
 """The ``task`` section: which task episodes come from."""

@@ -91,7 +91,10 @@ def check_paths(cfg: Config) -> None:
         _check_model_dir("objective.teacher.hf_checkpoint", Path(obj.teacher.hf_checkpoint))
     if isinstance(cfg.task, DatasetTaskConfig):
         path = Path(cfg.task.path)
-        if not path.is_file():
+        if cfg.task.name == "terminal_bench":  # a directory of task directories
+            if not path.is_dir():
+                raise ValueError(f"task.path: {path}: no such directory (Terminal-Bench / Harbor tasks)")
+        elif not path.is_file():
             raise ValueError(f"task.path: {path}: no such file")
         try:
             path.open("rb").close()

@@ -67,9 +67,9 @@ class Sections(Protocol):
 
 
 def tasks_run_where_their_files_are(cfg: Sections) -> None:
-    """Terminal-Bench tasks also run on the local sandbox (their environment's files uploaded); a
-    SWE-bench / SWE-smith repository exists only in its instance image; a local task on a container
-    backend needs an image; each open local sandbox needs its own uid."""
+    """Terminal-Bench tasks whose environment is files only also run on the local sandbox (it refuses
+    the others by name); a SWE-bench / SWE-smith repository exists only in its instance image; a
+    local task on a container backend needs an image; each open local sandbox needs its own uid."""
     if (isinstance(cfg.task, DatasetTaskConfig) and cfg.task.name != "terminal_bench"
             and isinstance(cfg.sandbox, LocalSandboxConfig)):
         raise ValueError(
@@ -103,11 +103,15 @@ def cores_are_disjoint(cfg: Sections) -> None:
 
 
 def failed_groups_stay_droppable(cfg: Sections) -> None:
-    """A group can be dropped at its last reward only if nothing of it reached the update."""
-    if cfg.verifier.on_failure == "drop_group" and not cfg.ledger.hold_groups_until_close:
+    """A group can be dropped at its last reward only if nothing of it reached the update. An
+    infrastructure failure of a benchmark task drops its group unless configured otherwise."""
+    if cfg.verifier.on_infra_failure is None and isinstance(cfg.task, DatasetTaskConfig):
+        cfg.verifier = cfg.verifier.model_copy(update={"on_infra_failure": "drop_group"})
+    drops = "drop_group" in (cfg.verifier.on_failure, cfg.verifier.infra_policy())
+    if drops and not cfg.ledger.hold_groups_until_close:
         if "hold_groups_until_close" in cfg.ledger.model_fields_set:
-            raise ValueError("ledger.hold_groups_until_close: must be true with verifier.on_failure="
-                             "drop_group (a failed trajectory's group must still be droppable)")
+            raise ValueError("ledger.hold_groups_until_close: must be true with verifier.on_failure (or "
+                             "on_infra_failure) drop_group (a failed trajectory's group must still be droppable)")
         cfg.ledger = cfg.ledger.model_copy(update={"hold_groups_until_close": True})
 
 

@@ -12,7 +12,8 @@ outputs and template glue are masked (logprob 0.0, never used).
 
 Limits: ``agent.max_turns``; ``agent.max_total_tokens`` over the whole episode (a turn gets at most
 the room left; a turn cut by a length limit ends the episode as truncated, a tool output that
-would not fit ends it before the output); ``agent.episode_wall_time_s`` (generation and tools are
+would not fit ends it before the output); ``agent.episode_wall_time_s``, or the instance's own
+``agent_timeout_s`` (a benchmark task's harness limit) (generation and tools are
 cancelled at the deadline, killing the tool's processes; the verifier still scores the state).
 
 Faults: a failed episode (non-finite or mismatched engine logprobs, a sandbox that cannot be set
@@ -29,7 +30,7 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
-from megathunder.config import AgentLoopConfig, Config, LocalSandboxConfig, SandboxConfig
+from megathunder.config import AgentLoopConfig, Config, SandboxConfig
 from megathunder.rollout.chat import ChatCodec, ToolCall, ToolCallError
 from megathunder.rollout.episode import (
     CURRENT_EPISODE,
@@ -163,17 +164,8 @@ class AgentLoop:
             sandbox = None
             try:
                 try:
-                    if self.task.needs_sandbox:
-                        build = inst.build
-                        if build is not None and build.compose_file is not None and not isinstance(
-                                self.sandbox_cfg, LocalSandboxConfig):
-                            raise SandboxError(f"{build.compose_file}: docker-compose task environments are "
-                                               "not run on container backends yet")
-                        if build is None or build.dockerfile is None:
-                            sandbox = await build_sandbox(self.sandbox_cfg, inst.image)
-                        else:  # the task's own environment, built on docker / podman when missing
-                            sandbox = await build_sandbox(self.sandbox_cfg, inst.image, dockerfile=build.dockerfile,
-                                                          context=build.context)
+                    if self.task.needs_sandbox:  # the task's own environment, or a refusal naming it
+                        sandbox = await build_sandbox(self.sandbox_cfg, inst.image, environment=inst.environment)
                     await self.task.setup(inst, sandbox)
                 except SandboxError as err:  # this episode fails (recorded); the batch goes on
                     ep.failure, ep.stop_reason = f"{SANDBOX_FAILURE}{err}", "failed"
@@ -187,7 +179,7 @@ class AgentLoop:
                     await sandbox.close()
 
     async def _episode(self, ep: Episode, inst, seed, sandbox: Sandbox | None) -> Episode:
-        deadline = ep.started_at + self.cfg.episode_wall_time_s
+        deadline = ep.started_at + (inst.agent_timeout_s or self.cfg.episode_wall_time_s)  # the task's own first
         try:
             ep.stop_reason = await self._turns(ep, sandbox, deadline, seed)
         except TimeoutError:
@@ -205,7 +197,8 @@ class AgentLoop:
 
         if ep.failure is None:
             verify: Verify = lambda: self.task.verify(inst, ep, sandbox)  # noqa: E731
-            ep.reward = await self.verifiers.score(verify, traj_id=traj_id)
+            ep.reward = await self.verifiers.score(
+                verify, traj_id=traj_id, timeout_s=self.task.verifier_timeout_s(inst, self.verifiers.cfg.timeout_s))
             if ep.reward.status != "ok":
                 ep.failure = f"verifier_{ep.reward.status}: {ep.reward.detail}"
         else:  # nothing to score: the configured failure outcome, as for a failed verifier

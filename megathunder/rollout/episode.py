@@ -18,10 +18,10 @@ import numpy as np
 import torch
 
 from megathunder.rollout.types import FinishReason
-from megathunder.rollout.verifiers import RewardOutcome
+from megathunder.rollout.verifiers import SANDBOX_FAILURE_PREFIX, RewardOutcome
 from megathunder.trajectory import Trajectory
 
-SANDBOX_FAILURE = "sandbox_error: "
+SANDBOX_FAILURE = SANDBOX_FAILURE_PREFIX
 
 CURRENT_EPISODE: ContextVar[Episode] = ContextVar("megathunder_episode")
 """The episode the running code belongs to (set by ``AgentLoop.run_episode`` for its tool calls and

@@ -3,7 +3,7 @@ limits become error observations, and the agent loop turns bad arguments or an e
 a tool into one too, so a tool never ends an episode.
 
 Sandbox tools (``bash``, ``read_file``, ``write_file``, ``str_replace``) run everything inside
-the episode's sandbox; ``calculator`` is pure and runs in-process on a restricted expression tree.
+the episode's sandbox (``bash`` under bash, not ``sh``: benchmark tasks are written for it); ``calculator`` is pure and runs in-process on a restricted expression tree.
 """
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ def _in_sandbox(sb: Sandbox | None) -> Sandbox:
 
 
 async def _bash(sb: Sandbox | None, args: Mapping[str, str]) -> str:
-    result = await _in_sandbox(sb).shell(args["command"])
+    result = await _in_sandbox(sb).bash(args["command"])  # bash, as the benchmarks' agents have it
     return result.observation() or f"[exit code {result.exit_code}, no output]"
 
 

@@ -11,6 +11,12 @@ produces ``verifier.on_failure`` -- ``zero_reward`` (the trajectory gets ``failu
 ``drop_group`` (its group leaves the batch) -- and a warning in the log. The agent loop applies the
 same policy to an episode that failed before scoring (:meth:`VerifierPool.failed`). Timed-out verifiers are
 cancelled; one that runs a sandbox command has that command's process tree killed.
+
+Infrastructure failures are told apart from the agent's: a verifier that raises
+:class:`InfrastructureError` (its test run never reached the tests, the runner was not found, the
+sandbox was lost) and an episode whose sandbox could not be set up get ``verifier.on_infra_failure``
+(a run's config makes it ``drop_group`` for the benchmark tasks) and ``infra=True`` in the reward
+event: a broken environment is an error of the episode, never a reward of 0 that trains.
 """
 
 from __future__ import annotations
@@ -32,6 +38,14 @@ log = logging.getLogger(__name__)
 VerifierStatus = Literal["ok", "error", "timeout", "skipped"]
 """skipped: the episode had failed before its verifier could run."""
 
+SANDBOX_FAILURE_PREFIX = "sandbox_error: "
+"""How an episode whose sandbox could not be set up reports it (``episode.SANDBOX_FAILURE``)."""
+
+
+class InfrastructureError(RuntimeError):
+    """The episode's environment failed, not its agent: a sandbox that could not be built or was
+    lost, a test run that never reached its tests. Gets ``verifier.on_infra_failure``."""
+
 
 @dataclass(frozen=True)
 class Verdict:
@@ -51,6 +65,7 @@ class RewardOutcome:
     duration_s: float
     detail: str = ""
     tests: Mapping[str, str] | None = None  # per-test outcome, when the verifier reports one
+    infra: bool = False  # the failure was the environment's (on_infra_failure), not the agent's
 
     def as_payload(self) -> dict:
         return {
@@ -60,6 +75,7 @@ class RewardOutcome:
             "verifier_s": self.duration_s,
             "detail": self.detail,
             "tests": None if self.tests is None else dict(self.tests),
+            "infra": self.infra,
         }
 
 
@@ -69,18 +85,25 @@ class VerifierPool:
         self._slots = asyncio.Semaphore(cfg.max_concurrent)
         self.num_failures = 0
 
-    async def score(self, verify: Callable[[], Awaitable[float | Verdict]], *, traj_id: int) -> RewardOutcome:
+    async def score(self, verify: Callable[[], Awaitable[float | Verdict]], *, traj_id: int,
+                    timeout_s: float | None = None) -> RewardOutcome:
+        """``timeout_s``: this verifier's limit (a task's test run's included), else
+        ``verifier.timeout_s``."""
+        limit = timeout_s or self.cfg.timeout_s
         async with self._slots:
             start = time.monotonic()
             try:
-                got = await asyncio.wait_for(verify(), self.cfg.timeout_s)
+                got = await asyncio.wait_for(verify(), limit)
                 verdict = got if isinstance(got, Verdict) else Verdict(float(got))
                 reward = float(verdict.reward)
                 if not math.isfinite(reward):
                     raise ValueError(f"verifier returned a non-finite reward {reward}")
             except TimeoutError as err:  # the pool's limit, or a test run the verifier saw killed
-                why = str(err) or f"verifier exceeded {self.cfg.timeout_s:g} s"
+                why = str(err) or f"verifier exceeded {limit:g} s"
                 return self._failed(traj_id, "timeout", why, start)
+            except InfrastructureError as err:
+                return self._failed(traj_id, "error", f"infrastructure: {type(err).__name__}: {err}", start,
+                                    infra=True)
             except Exception as err:  # a crashing verifier is an outcome, not a crash of the loop
                 return self._failed(
                     traj_id, "error", f"verifier raised {type(err).__name__}: {err}", start
@@ -88,13 +111,16 @@ class VerifierPool:
             return RewardOutcome(reward, "ok", False, time.monotonic() - start, verdict.detail, verdict.tests)
 
     def failed(self, traj_id: int, detail: str) -> RewardOutcome:
-        """The ``on_failure`` outcome of an episode that failed before its verifier could run
-        (status ``skipped``): the same policy as a verifier failure."""
-        return self._failed(traj_id, "skipped", detail, time.monotonic())
+        """The outcome of an episode that failed before its verifier could run (status
+        ``skipped``): the same policy as a verifier failure -- ``on_infra_failure`` when its
+        sandbox could not be set up (``detail`` starts with :data:`SANDBOX_FAILURE_PREFIX`)."""
+        infra = detail.startswith(SANDBOX_FAILURE_PREFIX)
+        return self._failed(traj_id, "skipped", detail, time.monotonic(), infra=infra)
 
-    def _failed(self, traj_id: int, status: VerifierStatus, detail: str, start: float) -> RewardOutcome:
+    def _failed(self, traj_id: int, status: VerifierStatus, detail: str, start: float, *,
+                infra: bool = False) -> RewardOutcome:
         self.num_failures += 1
-        drop = self.cfg.on_failure == "drop_group"
+        drop = (self.cfg.infra_policy() if infra else self.cfg.on_failure) == "drop_group"
         log.warning(
             "trajectory %d: %s -> %s",
             traj_id,
@@ -102,7 +128,7 @@ class VerifierPool:
             "group dropped" if drop else f"reward {self.cfg.failure_reward}",
         )
         reward = None if drop else self.cfg.failure_reward
-        return RewardOutcome(reward, status, drop, time.monotonic() - start, detail)
+        return RewardOutcome(reward, status, drop, time.monotonic() - start, detail, infra=infra)
 
 
 async def in_subprocess(fn: Callable[..., float], *args) -> float:

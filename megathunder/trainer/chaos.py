@@ -320,8 +320,13 @@ class FaultyVerifiers:
     def __init__(self, pool: VerifierPool, chaos: Chaos) -> None:
         self.pool, self.chaos = pool, chaos
 
-    async def score(self, verify: Verify, *, traj_id: int) -> RewardOutcome:
-        return await self.pool.score(self.chaos.verifier(CURRENT_EPISODE.get(None), verify), traj_id=traj_id)
+    async def score(self, verify: Verify, *, traj_id: int, timeout_s: float | None = None) -> RewardOutcome:
+        return await self.pool.score(self.chaos.verifier(CURRENT_EPISODE.get(None), verify), traj_id=traj_id,
+                                     timeout_s=timeout_s)
+
+    @property
+    def cfg(self) -> VerifierConfig:
+        return self.pool.cfg
 
     def failed(self, traj_id: int, detail: str) -> RewardOutcome:
         return self.pool.failed(traj_id, detail)

@@ -5,7 +5,7 @@ continuation of ``probe.tokens`` tokens that vLLM sampled once, at the run's tem
 when the probe was calibrated -- in one prefill, and samples one token after it (``engine_probe``):
 the logprobs of the continuation and of that token, of softmax(logits) (temperature 1: vLLM's
 prompt logprobs apply no sampling processor). The learner scores the same tokens at temperature 1.
-One prefill instead of ``probe_tokens`` decode steps: on SmolLM2-135M on a CPU ~0.25 s instead of
+One prefill instead of ``probe.tokens`` decode steps: on SmolLM2-135M on a CPU ~0.25 s instead of
 ~1.7 s a push (BENCHMARKS.md, "the probe").
 
 1. **vLLM moved with the learner.** Every push ends with the same probe request (same tokens, same

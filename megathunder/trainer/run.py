@@ -2,6 +2,7 @@
 
     pgs   = init_distributed(cfg.learner)                # TP x PP x DP, gloo or NCCL
     task     = build_task(cfg.task)                           # once per run: SFT, rollouts, evaluation
+               check_before_training(cfg, task, ...)          # task.check_before_training: bad tasks out
     model    = initial_model(cfg, task, out, pgs)             # HF directory (+ SFT): learner and vLLM load it
     learner  = MegatronLearner.build(...); resume from checkpoints/latest
     teacher  = objective.kind=opd/opd_grpo: frozen Megatron model (given, or built: tiny model + SFT)
@@ -48,6 +49,7 @@ from megathunder.rollout.engines import start_engine
 from megathunder.rollout.engines.inprocess import EngineRestartError, EngineUpdateError, InProcessEngine
 from megathunder.rollout.tasks import build_task
 from megathunder.rollout.tasks.task import Task
+from megathunder.rollout.tasks.task_check import check_before_training
 from megathunder.rollout.types import RolloutEngine
 from megathunder.trainer.chaos import Chaos, ChaosStop, check_learner_faults, learner_controls
 from megathunder.trainer.interrupt import STOPPED_EARLY, STOPPED_NOW, StopNow, StopSignals
@@ -150,6 +152,7 @@ def _train(cfg: Config, signals: StopSignals, extras: Extras) -> int:
         (out / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
     barrier()
     task = build_task(cfg.task)
+    check_before_training(cfg, task, out, rank=pgs.rank, barrier=barrier)  # task.check_before_training: bad tasks out
     model_dir = initial_model(cfg, task, out, pgs)
     learner = build_learner(cfg, pgs, model_dir)
     teacher = None

@@ -236,8 +236,9 @@ def test_64_episodes_with_faults_leave_no_container(podman):
 def test_terminal_bench_and_harbor_task_directories_build_their_environment_and_score(podman, tmp_path):
     """Task directories as Terminal-Bench 1 and Harbor ship them: each task's own Dockerfile (``FROM``
     the local base image: nothing can be pulled here) is built once when its first episode starts,
-    the agent works in that image, the tests are copied in after the episode and the task's own test
-    script scores it (exit status; Harbor's reward file)."""
+    the agent works in that image at its WORKDIR (/app, not the sandbox's default), the tests are
+    copied in after the episode and the task's own test script scores it (Terminal-Bench 1: its
+    pytest summary; Harbor: its reward file)."""
     from megathunder.rollout.tasks.terminal_bench import TerminalBenchTask
 
     tag, _ = podman
@@ -247,7 +248,10 @@ def test_terminal_bench_and_harbor_task_directories_build_their_environment_and_
     (tb1 / "task.yaml").write_text("instruction: |\n  Write hello into greeting.txt.\nmax_test_timeout_sec: 20\n")
     (tb1 / "Dockerfile").write_text(f"FROM {tag}\nWORKDIR /app\nCOPY seed.txt /app/\n")
     (tb1 / "seed.txt").write_text("seed\n")
-    (tb1 / "run-tests.sh").write_text('set -e\ntest "$(cat greeting.txt)" = "$(cat "$TEST_DIR/expected.txt")"\n')
+    (tb1 / "run-tests.sh").write_text(  # pytest's -rA summary, which Terminal-Bench 1's parser reads, written by bash
+        "echo '=========================== short test summary info ============================'\n"
+        'if [ "$(cat greeting.txt)" = "$(cat "$TEST_DIR/expected.txt")" ]; then echo PASSED test_outputs.py::test_hello; '
+        "else echo FAILED test_outputs.py::test_hello; fi\n")
     (tb1 / "tests" / "expected.txt").write_text("hello\n")
     (tb1 / "solution.sh").write_text("echo hello > greeting.txt\n")
     for sub in ("environment", "tests", "solution"):
@@ -269,7 +273,8 @@ def test_terminal_bench_and_harbor_task_directories_build_their_environment_and_
     def run(scripts):
         loop = AgentLoop(ScriptedPolicy(c, scripts), c, task,
                          AgentLoopConfig(max_total_tokens=8192, max_new_tokens_per_turn=1024),
-                         _cfg(podman, workdir="/app"), VerifierPool(VerifierConfig(timeout_s=60)))
+                         _cfg(podman, drop_capabilities=False),  # as Docker runs them: root writes /solution
+                         VerifierPool(VerifierConfig(timeout_s=60)))
         return asyncio.run(loop.run_batch(insts, 2))
 
     try:

@@ -334,7 +334,7 @@ def test_escape_attempts_as_tool_calls_become_error_observations(tmp_path):
     expected = {
         "network": "Network is unreachable",
         "write outside": "Read-only file system",
-        "fork bomb": "Cannot fork",
+        "fork bomb": "Resource temporarily unavailable",  # bash's fork failure (the bash tool runs bash)
         "memory": "MemoryError",
         "infinite loop": "[error: command terminated by signal SIGXCPU: CPU-time limit of 1 s exceeded]",
         "hang": "[error: command killed: wall-time limit of 3 s exceeded]",

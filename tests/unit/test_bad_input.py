@@ -202,7 +202,7 @@ def _all_finite(x) -> bool:
 
 LOADERS = {"swe_bench": load_swe_bench, "swe_smith": load_swe_smith}
 RECORD_KEYS = ["instance_id", "problem_statement", "repo", "base_commit", "FAIL_TO_PASS",
-               "PASS_TO_PASS", "test_patch", "test_command", "image_name", "patch", "eval_script",
+               "PASS_TO_PASS", "test_patch", "test_command", "image_name", "image", "patch", "eval_script", "eval_test_files",
                "log_parser", "eval_type"]  # fmt: skip
 json_values = st.recursive(
     st.one_of(st.none(), st.booleans(), st.integers(), st.floats(allow_nan=False), st.text(max_size=10),

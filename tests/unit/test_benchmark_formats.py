@@ -1,22 +1,35 @@
-"""Benchmark formats: SWE-bench grading on the harness's log formats, SWE-bench 5.x records,
-Terminal-Bench 1 / Harbor task directories (well-formed and malformed), and their episodes on the
+"""Benchmark formats: SWE-bench grading on the harness's log formats (and the infrastructure
+failures it tells apart from failing tests), SWE-bench 5.x records, Terminal-Bench 1 / Harbor task
+directories (well-formed and malformed, with their harness settings), and their episodes on the
 local sandbox. Every record, log and task directory is written here (no benchmark content)."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import logging
 
 import pytest
 
-from megathunder.rollout.tasks.datasets import DatasetError, SweTask, load_swe_bench, load_swe_smith, swe_smith_setup
-from megathunder.rollout.sandbox import SandboxError
-from megathunder.rollout.tasks.grading import GradingError, eval_script, grade
+from megathunder.config import LocalSandboxConfig
+from megathunder.rollout.sandbox import LocalSandbox, SandboxError
+from megathunder.rollout.tasks.datasets import (
+    DatasetError,
+    load_swe_bench,
+    swe_smith_grade_script,
+    swe_smith_setup,
+)
+from megathunder.rollout.tasks.grading import GradingError, grade
 from megathunder.rollout.tasks.swe_local import SweLocalTask
 from megathunder.rollout.tasks.task import tool_call_text
-from megathunder.rollout.tasks.terminal_bench import TerminalBenchTask, harbor_reward, load_task_dirs
-from tests.rollout_helpers import needs_root, run_scripted
+from megathunder.rollout.tasks.terminal_bench import (
+    TerminalBenchTask,
+    harbor_reward,
+    load_task_dirs,
+    tb1_pytest_results,
+)
+from tests.rollout_helpers import needs_root, run_scripted, sandbox_cfg
 
 START, END = ">>>>> Start Test Output", ">>>>> End Test Output"
 
@@ -104,17 +117,34 @@ def test_harness_edge_cases():
     skipped = "SKIPPED t.py::test_a\nPASSED t.py::test_b"
     assert grade(_log(skipped, 0), ["t.py::test_a"], []).reward == 0.0
     assert grade(_log("PASSED t.py::test_b\nSKIPPED t.py::test_a", 0), ["t.py::test_b"], ["t.py::test_a"]).reward == 1.0
-    with pytest.raises(GradingError, match="never reached the test command"):
-        grade("bash: pytest: command not found\n", ["t.py::test_a"], [])
     with pytest.raises(GradingError, match="unknown log_parser 'parse_log_nope'"):
         grade(_log(passing, 0), ["t.py::test_a"], [], log_parser="parse_log_nope")
-    script = eval_script("pytest -rA t.py", "diff --git a/t.py b/t.py\n", reset_files=["t.py"], reset_to="abc123")
-    assert script.index("git checkout -q abc123 -- t.py") < script.index("git apply") < script.index(START)
-    assert script.index("SWEBENCH_TEST_EXIT_CODE=$?") < script.index(END) < script.index(">>>>> Test Exit Code")
+
+
+def test_infrastructure_failures_are_errors_not_failing_tests():
+    """A run that never reached its tests, a test runner that was not found (bash's 127) or could
+    not run (126), and an unresolved log with one of the harness's environment signatures are
+    infrastructure failures (GradingError: an InfrastructureError), never reward 0; a failing
+    test, a patch that did not apply and an out-of-memory kill (which a patch can cause) are 0."""
+    from megathunder.rollout.verifiers import InfrastructureError
+
+    assert issubclass(GradingError, InfrastructureError)
+    with pytest.raises(GradingError, match="never reached the test command"):
+        grade("bash: pytest: command not found\n", ["t.py::test_a"], [])
+    for code, why in ((127, "was not found"), (126, "could not be executed")):
+        with pytest.raises(GradingError, match=f"the test command {why} \\(exit {code}\\)"):
+            grade(_log("bash: line 9: pytest: command not found", code), ["t.py::test_a"], [])
+    dns = _log("FAILED t.py::test_a - ConnectionError: Could not resolve host: pypi.org", 1)
+    with pytest.raises(GradingError, match="the test environment failed \\(network_unreachable\\)"):
+        grade(dns, ["t.py::test_a"], [])
+    assert grade(_log("FAILED t.py::test_a - assert 1 == 2", 1), ["t.py::test_a"], []).reward == 0.0
+    assert grade(_log("FAILED t.py::test_a\nKilled", 137), ["t.py::test_a"], []).reward == 0.0  # OOM: the tests'
+    # the same signature in a resolved log is not a failure at all
+    assert grade(_log("PASSED t.py::test_a\nCould not resolve host: x", 0), ["t.py::test_a"], []).reward == 1.0
 
 
 def test_swe_bench_5_record_with_its_own_eval_script(tmp_path):
-    rec = {"instance_id": "owner__proj-1", "repo": "owner/proj", "base_commit": "0" * 40,
+    rec = {"instance_id": "owner__proj-1", "repo": "owner/proj", "base_commit": "0" * 40, "image": "reg/proj:1",
            "problem_statement": "x is wrong", "FAIL_TO_PASS": '["test_x (proj.tests.T.test_x)"]', "PASS_TO_PASS": "[]",
            "log_parser": "parse_log_django", "eval_type": "pass_and_fail",
            "eval_script": f"#!/bin/bash\nset -uxo pipefail\ncd /testbed\necho '{START}'\n./runtests.py -v 2\necho '{END}'\n"}  # fmt: skip
@@ -128,20 +158,38 @@ def test_swe_bench_5_record_with_its_own_eval_script(tmp_path):
     assert script.startswith("#!/bin/bash\nset -uxo pipefail\ncd /testbed\n") and "./runtests.py -v 2" in script
     assert script.index("SWEBENCH_TEST_EXIT_CODE=$?") < script.index(END)  # as the harness runs it
     assert inst.metadata["log_parser"] == "parse_log_django" and inst.metadata["setup"] == []
+    # in its own image, in the harness's repository directory, with no network (no harness step needs one)
+    assert inst.image == "reg/proj:1" and inst.environment.workdir == "/testbed" and not inst.environment.network
+    for drop, field in (("image", "image"), ("eval_type", "eval_type"), ("log_parser", "log_parser")):
+        path.write_text(json.dumps({k: v for k, v in rec.items() if k != drop}) + "\n")
+        with pytest.raises(DatasetError, match=f"v.jsonl:1: missing field '{field}'"):
+            load_swe_bench(path)
 
 
 # --- Terminal-Bench 1 and Harbor task directories -------------------------------------------------
 
-TB1_RUN_TESTS = 'set -e\ntest "$(cat greeting.txt)" = "$(cat "$TEST_DIR/expected.txt")"\n'
+TB1_RUN_TESTS = """\
+#!/bin/bash
+# a stand-in for `uv run pytest $TEST_DIR/test_outputs.py -rA`: pytest's -rA summary, written by bash
+echo '=========================== short test summary info ============================'
+if [ "$(cat greeting.txt 2>/dev/null)" = "$(cat "$TEST_DIR/expected.txt")" ]; then
+  echo 'PASSED ../tests/test_outputs.py::test_greeting'
+else
+  echo 'FAILED ../tests/test_outputs.py::test_greeting - AssertionError'
+fi
+echo 'PASSED ../tests/test_outputs.py::test_seed_kept'
+"""
 HARBOR_TEST_SH = ('if [ "$(cat greeting.txt)" = "$(cat /tests/expected.txt)" ]; then echo 1 > /logs/verifier/reward.txt; '
                   'else echo 0 > /logs/verifier/reward.txt; fi\n')  # fmt: skip
+HARBOR_TOML = ('version = "1.0"\n[metadata]\ndifficulty = "easy"\n[verifier]\ntimeout_sec = 30.0\n'
+               '[agent]\ntimeout_sec = 60.0\n[environment]\nallow_internet = false\n')
 
 
 def _tb1(root, name, **over):
     d = root / name
     (d / "tests").mkdir(parents=True)
     (d / "task.yaml").write_text(over.get("yaml", "instruction: |\n  Write hello into greeting.txt.\n"
-                                                  "max_test_timeout_sec: 20\n"))
+                                                  "max_test_timeout_sec: 20\nmax_agent_timeout_sec: 40\n"))
     (d / "Dockerfile").write_text("FROM megathunder/base\nWORKDIR /app\nCOPY seed.txt /app/\n")
     (d / "seed.txt").write_text("seed\n")
     (d / "run-tests.sh").write_text(TB1_RUN_TESTS)
@@ -154,8 +202,7 @@ def _harbor(root, name, **over):
     d = root / name
     for sub in ("environment", "tests", "solution"):
         (d / sub).mkdir(parents=True)
-    (d / "task.toml").write_text(over.get("toml", 'version = "1.0"\n[metadata]\ndifficulty = "easy"\n'
-                                                  "[verifier]\ntimeout_sec = 30.0\n[agent]\ntimeout_sec = 60.0\n"))
+    (d / "task.toml").write_text(over.get("toml", HARBOR_TOML))
     (d / "instruction.md").write_text("# Greeting\nWrite hi into greeting.txt.\n")
     (d / "environment" / "Dockerfile").write_text("FROM megathunder/base\nWORKDIR /app\nCOPY data.txt /app/\n")
     (d / "environment" / "data.txt").write_text("data\n")
@@ -171,17 +218,65 @@ def test_task_directories_load_both_formats(tmp_path):
     assert skipped == [] and [i.instance_id for i in insts] == ["hello-harbor", "hello-tb1"]
     h, t = insts
     assert h.prompt.startswith("# Greeting") and t.prompt == "Write hello into greeting.txt.\n"
-    assert h.image == "megathunder-tb/hello-harbor:latest" and h.build is not None
+    # the image is tagged by its build context's content: an edited task is built again
+    assert h.image.startswith("megathunder-tb/hello-harbor:") and h.build is not None
     assert h.build.dockerfile == str(harbor / "environment" / "Dockerfile") and h.build.context == str(harbor / "environment")
     assert t.build is not None and t.build.dockerfile == str(tb1 / "Dockerfile")
-    # the environment's files for the local sandbox; tests and solutions never among them
+    # the environment's files for the local sandbox (at the Dockerfile's WORKDIR); tests and solutions never among them
     assert set(h.files) == {"data.txt"} and set(t.files) == {"seed.txt"}
-    assert set(t.metadata["tests"]) == {"run-tests.sh", "tests/expected.txt"} and t.metadata["test_timeout_s"] == 20
-    assert set(h.metadata["tests"]) == {"tests/test.sh", "tests/expected.txt"} and h.metadata["test_timeout_s"] == 30
-    # a prebuilt image named in task.toml replaces the built one's name
-    (harbor / "task.toml").write_text('[environment]\ndocker_image = "registry.local/hello:1"\n')
+    assert h.environment.local.workdir == t.environment.local.workdir == "/app"
+    assert set(t.metadata["tests"]) == {"run-tests.sh", "expected.txt"} and set(h.metadata["tests"]) == {"test.sh", "expected.txt"}
+    # the harness's limits: the agent's and the test run's own, the network (TB1: always; Harbor: allow_internet)
+    assert (t.test_timeout_s, t.agent_timeout_s, t.environment.network) == (20, 40, True)
+    assert (h.test_timeout_s, h.agent_timeout_s, h.environment.network) == (30, 60, False)
+    (harbor / "environment" / "data.txt").write_text("changed\n")
     (h2,), _ = load_task_dirs(harbor)
-    assert h2.image == "registry.local/hello:1"
+    assert h2.image != h.image
+    # a prebuilt image named in task.toml replaces the built one, and allow_internet defaults to true
+    (harbor / "task.toml").write_text('[environment]\ndocker_image = "registry.local/hello:1"\ncpus = 2\nmemory = "3G"\n'
+                                      'workdir = "/srv"\n')
+    (h3,), _ = load_task_dirs(harbor)
+    env = h3.environment
+    assert h3.image == "registry.local/hello:1" and h3.build is None and env.network
+    assert (env.cpus, env.memory_mb, env.workdir) == (2, 3072, "/srv") and "prebuilt image" in env.local.refusal
+    (harbor / "task.toml").write_text("[environment]\nmemory_mb = 512\n")
+    assert load_task_dirs(harbor)[0][0].environment.memory_mb == 512
+
+
+def test_what_the_local_sandbox_can_lay_out_of_a_dockerfile(tmp_path):
+    """Files copied into the WORKDIR are laid out; a RUN step, a copy elsewhere or a one-service
+    compose file's other settings are refusals naming the file and line."""
+    from megathunder.rollout.tasks.dockerfile_layout import local_layout
+
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "a.py").write_text("a\n")
+    (tmp_path / "b.txt").write_text("b\n")
+    df = tmp_path / "Dockerfile"
+    df.write_text("# syntax=docker/dockerfile:1\nFROM base AS x\nWORKDIR /app\nCOPY src/ ./lib/\n"
+                  "COPY --chown=1:1 b.txt \\\n  /app/data/\nCMD [\"bash\"]\n")
+    layout = local_layout(df, tmp_path)
+    assert layout.refusal is None and layout.workdir == "/app"
+    assert layout.files == {"lib/a.py": b"a\n", "data/b.txt": b"b\n"}
+    for text, why in (("FROM x\nWORKDIR /app\nRUN apt-get install -y curl\n", "Dockerfile:3: RUN apt-get"),
+                      ("FROM x\nWORKDIR /app\nCOPY b.txt /etc/b.txt\n", "copies /etc/b.txt, outside its work directory"),
+                      ("FROM x\nWORKDIR /app\nENV A=1\n", "Dockerfile:3: ENV A=1"),
+                      ("FROM x\nCOPY b.txt /b.txt\n", "no WORKDIR"),
+                      ("FROM x\nWORKDIR /app\nCOPY --from=build /x /app/x\n", "not a copy of the build context")):
+        df.write_text(text)
+        assert why in (local_layout(df, tmp_path).refusal or ""), text
+
+
+def test_terminal_bench_1_results_are_its_pytest_parser_s():
+    """Solved when every test of the pytest summary passed (skipped and xfail count as passed);
+    no summary means the tests never ran: an infrastructure failure, not a 0."""
+    out = ("===== short test summary info =====\nPASSED tests/test_outputs.py::test_a\n"
+           "SKIPPED tests/test_outputs.py::test_b\nFAILED tests/test_outputs.py::test_c - assert 0\n")
+    assert tb1_pytest_results(out) == {"tests/test_outputs.py::test_a": "PASSED", "tests/test_outputs.py::test_b": "SKIPPED",
+                                       "tests/test_outputs.py::test_c": "FAILED"}
+    for bad in ("curl: (6) Could not resolve host: astral.sh\nbash: uv: command not found\n",
+                "===== short test summary info =====\n"):
+        with pytest.raises(GradingError):
+            tb1_pytest_results(bad)
 
 
 @pytest.mark.parametrize(("make", "message"), [
@@ -227,70 +322,130 @@ def test_harbor_reward_files():
 
 @needs_root
 def test_terminal_bench_episodes_on_the_local_sandbox(tmp_path):
+    """The local sandbox lays each task's environment out at its own paths (its WORKDIR, /tests,
+    /logs): the task's own test scripts run unchanged. The tests are not there during the episode."""
     tasks = tmp_path / "tasks"
     _tb1(tasks, "hello-tb1")
     _harbor(tasks, "hello-harbor")
     task = TerminalBenchTask(str(tasks))
     insts = task.instances(2)
-    episodes, _ = run_scripted(task, insts, tmp_path)
-    assert [ep.reward.reward for ep in episodes] == [1.0, 1.0]
-    # the tests are not in the sandbox during the episode; the environment's files are
-    look = tool_call_text("bash", command="ls -a; ls .megathunder tests 2>&1 | head -3")
-    episodes, _ = run_scripted(task, insts, tmp_path, scripts={i.prompt: [look, "Done."] for i in insts})
+    local = {"network": "none"}  # Terminal-Bench 1's harness gives a network, which the local sandbox has not
+    episodes, _ = run_scripted(task, insts, tmp_path, sandbox=local)
+    assert [ep.reward.reward for ep in episodes] == [1.0, 1.0], [ep.reward for ep in episodes]
+    assert episodes[1].reward.tests == {"../tests/test_outputs.py::test_greeting": "PASSED",
+                                        "../tests/test_outputs.py::test_seed_kept": "PASSED"}
+    look = tool_call_text("bash", command="pwd; ls -a; ls /tests 2>&1 | head -3")
+    episodes, _ = run_scripted(task, insts, tmp_path, scripts={i.prompt: [look, "Done."] for i in insts}, sandbox=local)
     for inst, ep in zip(insts, episodes, strict=True):
         seen = ep.turns[0].tool_runs[0].observation
-        assert next(iter(inst.files)) in seen and "expected.txt" not in seen and "No such file" in seen
+        assert seen.startswith("/app\n") and next(iter(inst.files)) in seen and "expected.txt" not in seen
         assert ep.reward.reward == 0.0 and ep.reward.status == "ok"
-    # a Harbor test script that writes no reward file: the verifier failure policy
+    # a Harbor test script that writes no reward file: an infrastructure failure (never a 0 that trains)
     (tasks / "hello-harbor" / "tests" / "test.sh").write_text("true\n")
     task = TerminalBenchTask(str(tasks))
-    (ep, _), _ = run_scripted(task, task.instances(2), tmp_path)
-    assert ep.reward.status == "error" and "no reward file" in ep.reward.detail and ep.reward.reward == 0.0
+    (ep, _), _ = run_scripted(task, task.instances(2), tmp_path, sandbox=local, verifier={"on_infra_failure": "drop_group"})
+    assert ep.reward.status == "error" and ep.reward.infra and "no reward file" in ep.reward.detail
+    assert ep.reward.reward is None and ep.reward.drop_group
+
+
+@needs_root
+def test_the_local_sandbox_refuses_an_environment_it_cannot_provide(tmp_path):
+    """The lying reward: a Harbor task whose test compares the file the agent must write with one
+    its environment makes (a RUN step). Run without that environment, both sides were empty and a
+    do-nothing agent scored 1.0; now the local sandbox refuses the task, naming it and the step,
+    as an infrastructure failure of the episode (its group dropped, not a reward)."""
+    tasks = tmp_path / "tasks"
+    d = _harbor(tasks, "made-by-run")
+    (d / "environment" / "Dockerfile").write_text("FROM megathunder/base\nWORKDIR /app\nRUN echo 42 > /app/expected\n")
+    (d / "tests" / "test.sh").write_text('[ "$(cat /app/answer 2>/dev/null)" = "$(cat /app/expected 2>/dev/null)" ] '
+                                        '&& echo 1 > /logs/verifier/reward.txt || echo 0 > /logs/verifier/reward.txt\n')
+    _harbor(tasks, "needs-network", toml='[environment]\nallow_internet = true\n')
+    task = TerminalBenchTask(str(tasks))
+    insts = task.instances(2)
+    from megathunder.config import AgentLoopConfig, VerifierConfig
+    from megathunder.rollout.agent_loop import AgentLoop
+    from megathunder.rollout.scripted import ScriptedPolicy
+    from megathunder.rollout.verifiers import VerifierPool
+    from tests.rollout_helpers import codec
+
+    c = codec()
+    loop = AgentLoop(ScriptedPolicy(c, {i.prompt: ["Done."] for i in insts}), c, task, AgentLoopConfig(),
+                     sandbox_cfg(tmp_path), VerifierPool(VerifierConfig(on_infra_failure="drop_group")))
+    with pytest.raises(SandboxError, match="no sandbox of the batch could be set up"):
+        asyncio.run(loop.run_batch(insts, 1))
+    eps = [asyncio.run(loop.run_episode(i, traj_id=k, group_id=k)) for k, i in enumerate(insts)]
+    why = {ep.instance_id: ep.reward.detail for ep in eps}
+    assert all(ep.reward.infra and ep.reward.drop_group and ep.reward.reward is None for ep in eps)
+    assert "task made-by-run: the local sandbox cannot provide its environment" in why["made-by-run"]
+    assert "Dockerfile:3: RUN echo 42" in why["made-by-run"]
+    assert "gives it a network" in why["needs-network"]
+    with pytest.raises(SandboxError, match="sandbox.isolation=bwrap"):
+        LocalSandbox(LocalSandboxConfig(isolation="unshare", network="none"), insts[1].environment)
 
 
 @needs_root
 def test_swe_test_timeout_gets_the_failure_policy(tmp_path):
     task = SweLocalTask()
     inst = task.instances(1, seed=2)[0]
-    slow = dataclasses.replace(inst, metadata={**inst.metadata, "test_timeout_s": 0.5,
-                                                "eval_script": f"echo '{START}'\nsleep 5\n"})
+    slow = dataclasses.replace(inst, test_timeout_s=0.5, metadata={**inst.metadata, "eval_script": f"echo '{START}'\nsleep 5\n"})
     (ep,), _ = run_scripted(task, [slow], tmp_path, scripts={slow.prompt: ["Done."]},
                             verifier={"on_failure": "drop_group"})
     assert ep.reward.status == "timeout" and ep.reward.drop_group and "exceeded 0.5 s" in ep.reward.detail
 
 
 @needs_root
-def test_swe_smith_instance_is_set_up_on_the_buggy_repository(tmp_path):
-    """SWE-smith: the instance's branch in the image's repository is checked out; without the
-    branch, the record's bug ``patch`` is applied; with neither, set-up fails (a sandbox failure).
-    The image's repository is made by set-up commands here (the local sandbox has no image)."""
+def test_swe_smith_set_up_and_the_harness_s_evaluation_state(tmp_path):
+    """SWE-smith: set-up checks the instance's branch out (bug commit, then a commit removing the
+    FAIL_TO_PASS test file), else applies the record's bug patch, else fails naming both. Grading
+    rebuilds SWE-smith's evaluation state in place: the branch's parent (the tests back) with the
+    agent's changes applied and the record's test files reverted; a change that does not apply
+    there prints the harness's apply-failure marker. (The local sandbox has no image: set-up
+    commands make the image's repository here.)"""
     good = "def double(x):\n    return 2 * x\n"
     bug = ("diff --git a/mod.py b/mod.py\n--- a/mod.py\n+++ b/mod.py\n@@ -1,2 +1,2 @@\n def double(x):\n"
            "-    return 2 * x\n+    return x + x + 1\n")  # fmt: skip
     test = "import unittest\nfrom mod import double\n\n\nclass T(unittest.TestCase):\n    def test_double(self):\n        self.assertEqual(double(4), 8)\n"
-    rec = {"instance_id": "toy__mod.abc123", "repo": "toy/mod", "image_name": "toy/mod:1", "patch": bug,
-           "problem_statement": "double(4) returns 9", "FAIL_TO_PASS": ["test_double (test_mod.T.test_double)"],
-           "PASS_TO_PASS": [], "test_command": "python3 -m unittest -v test_mod", "log_parser": "parse_log_django"}  # fmt: skip
-    path = tmp_path / "smith.jsonl"
-    path.write_text(json.dumps(rec) + "\n")
-    task = SweTask("swe_smith", load_swe_smith(path))
-    (inst,) = task.instances(1)
     git = "git -c user.name=t -c user.email=t@t"
-    image_repo = [f"git init -q -b main && git add -A && {git} commit -qm base"]
-    with_branch = [*image_repo, f"git checkout -q -b toy__mod.abc123 && git apply .bug.patch && {git} commit -qam bug "
-                   "&& git checkout -q main"]  # fmt: skip
-    look = tool_call_text("bash", command="git branch --show-current; cat mod.py")
-    fix = tool_call_text("str_replace", path="mod.py", old="x + x + 1", new="2 * x")
-    for prepare, branch in ((with_branch, "toy__mod.abc123"), (image_repo, "main")):
-        made = dataclasses.replace(inst, files={"mod.py": good, "test_mod.py": test, ".bug.patch": bug},
-                                   metadata={**inst.metadata, "setup": prepare + list(inst.metadata["setup"])})
-        (ep,), _ = run_scripted(task, [made], tmp_path, scripts={made.prompt: [look, "I give up."]})
-        seen = ep.turns[0].tool_runs[0].observation
-        assert seen.startswith(branch) and "x + x + 1" in seen  # the agent works on the bug
-        assert ep.reward.reward == 0.0 and ep.reward.tests == {rec["FAIL_TO_PASS"][0]: "FAILED"}
-        (ep,), _ = run_scripted(task, [made], tmp_path, scripts={made.prompt: [fix, "Fixed."]})
-        assert ep.reward.reward == 1.0
-    no_patch = dataclasses.replace(inst, files={"mod.py": good, "test_mod.py": test},
-                                   metadata={**inst.metadata, "setup": image_repo + swe_smith_setup(rec["instance_id"], "")})
-    with pytest.raises(SandboxError, match="no branch toy__mod.abc123 in the repository, and the record has no patch"):
-        run_scripted(task, [no_patch], tmp_path, scripts={no_patch.prompt: ["Done."]})
+    iid = "toy__mod.abc123.lm_1"
+    image_repo = f"git init -q -b main && git add -A && {git} commit -qm base"
+    with_branch = (f"{image_repo} && git checkout -q -b {iid} && git apply .bug.patch && rm .bug.patch && {git} commit -qam bug "
+                   f"&& git rm -q test_mod.py && {git} commit -qm 'remove F2P tests' && git checkout -q main")
+
+    async def go(prepare: str, agent: str):
+        sb = LocalSandbox(sandbox_cfg(tmp_path))
+        try:
+            await sb.upload({"mod.py": good, "test_mod.py": test, "test_other.py": "# other\n", ".bug.patch": bug})
+            assert (await sb.shell(prepare)).ok
+            setup = await sb.shell(swe_smith_setup(iid, bug)[0])
+            seen = await sb.shell("git branch --show-current; cat mod.py; ls")
+            await sb.shell(agent)
+            eval_path = f"{sb.tmp_dir}/.megathunder_eval.sh"  # outlives a command, and the grade script's clean-up
+            await sb.write_file(eval_path, "git log --format=%s -1; cat mod.py; head -1 test_mod.py; cat test_other.py\n")
+            grade = swe_smith_grade_script(iid, ["test_mod.py", "test_other.py"], eval_path)
+            await sb.write_file(f"{sb.tmp_dir}/.megathunder_grade.sh", grade)
+            return setup, seen, await sb.exec(["bash", f"{sb.tmp_dir}/.megathunder_grade.sh"])
+        finally:
+            await sb.close()
+
+    fix = "sed -i 's/x + x + 1/2 * x/' mod.py && echo '# edited' > test_other.py"
+    setup, seen, graded = asyncio.run(go(with_branch, fix))
+    assert setup.ok and seen.output.startswith(iid) and "x + x + 1" in seen.output and "test_mod.py" not in seen.output
+    # the bug commit (the removed tests back) with the agent's fix; the test files as the harness has them
+    assert graded.output.splitlines() == ["bug", "def double(x):", "    return 2 * x", "import unittest", "# other"]
+    setup, seen, graded = asyncio.run(go(with_branch, "printf 'import os\\n' > test_mod.py"))  # clashes with the parent
+    assert ">>>>> Patch Apply Failed" in graded.output
+    setup, seen, graded = asyncio.run(go(image_repo, fix))  # no branch: the bug patch applied on main
+    assert seen.output.startswith("main") and "x + x + 1" in seen.output
+    assert "    return 2 * x" in graded.output and "import unittest" in graded.output
+    no_patch = asyncio.run(_setup_without_patch(tmp_path, image_repo, iid))
+    assert not no_patch.ok and f"no branch {iid} in the repository, and the record has no patch" in no_patch.output
+
+
+async def _setup_without_patch(tmp_path, image_repo: str, iid: str):
+    sb = LocalSandbox(sandbox_cfg(tmp_path))
+    try:
+        await sb.upload({"mod.py": "x = 1\n"})
+        await sb.shell(image_repo)
+        return await sb.shell(swe_smith_setup(iid, "")[0])
+    finally:
+        await sb.close()

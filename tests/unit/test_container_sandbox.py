@@ -6,6 +6,7 @@ command lines) also runs real episodes in tests/integration/test_podman_sandbox.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import stat
 
@@ -22,9 +23,10 @@ def _no_pid_files_left_on_the_host():
     files land in the host's /tmp (in a real container they go with it): remove them."""
     import glob
 
-    before = set(glob.glob("/tmp/.megathunder-exec-megathunder-*"))
+    patterns = ("/tmp/.megathunder-exec-megathunder-*", "/tmp/.megathunder_eval_*", "/tmp/.megathunder_grade_*")
+    before = {p for pattern in patterns for p in glob.glob(pattern)}
     yield
-    for path in set(glob.glob("/tmp/.megathunder-exec-megathunder-*")) - before:
+    for path in {p for pattern in patterns for p in glob.glob(pattern)} - before:
         os.remove(path)
 
 
@@ -47,12 +49,39 @@ def test_docker_command_lines():
         "swebench/sweb.eval.x86_64.a_1776_b:latest",
         "infinity",
     ]
-    exec_ = ct.docker_exec_argv(cfg, "ep1", ["cat", "f"], True, 7)
+    assert "--workdir" not in start  # no work dir from the task or the config: the image's WORKDIR
+    exec_ = ct.docker_exec_argv(cfg, "ep1", ["cat", "f"], True, 7, workdir="/workspace")
     assert exec_[:6] == ["docker", "exec", "--interactive", "--workdir", "/workspace", "ep1"]
     limits = ["prlimit", "--cpu=3:4", f"--as={512 << 20}", "--nproc=32", f"--fsize={64 << 20}", "--"]
     wall = ["timeout", "-s", "KILL", "7"]
     assert exec_[6:] == ["env", "PYTHONDONTWRITEBYTECODE=1", *wall, *limits, "cat", "f"]
     assert ct.docker_stop_argv(cfg, "ep1") == ["docker", "rm", "--force", "ep1"]
+
+
+def test_a_task_s_environment_and_a_test_run_s_limits_in_the_command_lines():
+    """The task's harness settings reach the container (network with sandbox.network=task, its
+    CPUs, memory and work dir), and a test run's own limits replace the agent's tool limits."""
+    from megathunder.rollout.sandbox import CommandLimits, Environment
+
+    cfg = _cfg(max_processes=32, cpus=1)
+    env = Environment(name="t", workdir="/app", network=True, cpus=2.5, memory_mb=3072)
+    start = " ".join(ct.docker_start_argv(cfg, "img", "ep1", env))
+    assert "--network" not in start and "--cpus 2.5" in start and "--memory 3072m --memory-swap 3072m" in start
+    assert "--workdir /app" in start and "--cap-drop ALL" in start
+    closed = " ".join(ct.docker_start_argv(_cfg(network="none", drop_capabilities=False), "img", "ep1", env))
+    assert "--network none" in closed and "--cap-drop" not in closed and "no-new-privileges" in closed
+    assert "--network none" in " ".join(ct.docker_start_argv(cfg, "img", "ep1", Environment(name="t")))
+    test = CommandLimits(wall_time_s=1800, cpu_time_s=None, memory_mb=None, max_processes=16)
+    exec_ = ct.docker_exec_argv(cfg, "ep1", ["bash", "eval.sh"], False, 1800, limits=test)
+    assert exec_[exec_.index("prlimit"):] == ["prlimit", "--nproc=16", "--", "bash", "eval.sh"]
+    over = ct.docker_exec_argv(cfg, "ep1", ["x"], False, 9, limits=CommandLimits(9, max_processes=4096))
+    assert "--nproc=32" in over  # not above the container's own hard limit (sandbox.max_processes)
+    assert exec_[exec_.index("timeout"):exec_.index("prlimit")] == ["timeout", "-s", "KILL", "1800"]
+    capped = ct.docker_exec_argv(cfg, "ep1", ["x"], False, 60, limits=CommandLimits(60, 30, 2048, 20))
+    assert capped[capped.index("prlimit"):] == ["prlimit", "--cpu=30:31", f"--as={2048 << 20}", "--nproc=20", "--", "x"]
+    apptainer = _cfg(backend="apptainer")
+    assert "--net" not in ct.apptainer_start_argv(apptainer, "x.sif", "ep1", env)  # the host's network
+    assert ct.apptainer_start_argv(apptainer, "x.sif", "ep1", env)[-4:-2] == ["--pwd", "/app"]
 
 
 def test_podman_command_lines():
@@ -64,7 +93,7 @@ def test_podman_command_lines():
                  "--ulimit nproc=64:64", "--memory-swap 512m"):  # fmt: skip
         assert flag in joined
     exec_ = ct.docker_exec_argv(cfg, "ep1", ["ls"], False, 7)
-    assert exec_[:7] == ["podman", "--runtime", "runc", "exec", "--workdir", "/workspace", "ep1"]
+    assert exec_[:5] == ["podman", "--runtime", "runc", "exec", "ep1"]
     sb = ContainerSandbox(cfg, "img")
     assert sb._stop(cfg, "ep1") == ["podman", "--runtime", "runc", "rm", "--force", "--time", "0", "ep1"]
 
@@ -132,9 +161,11 @@ def _fake_cli(tmp_path, fail_run=False) -> str:
         f'echo "$@" >> {tmp_path}/calls.log\n'
         'case "$1" in\n'
         + (_RUN_FAILS if fail_run else "  run) echo 0123abcd; exit 0;;\n")
-        + '  exec) shift\n'
+        + f'  exec) [ -e {tmp_path}/gone ] && {{ echo "Error: no container with name or ID found: no such container" >&2; exit 125; }}\n'
+        '        shift\n'
         '        while [ "${1#-}" != "$1" ]; do [ "$1" = --workdir ] && { cd "$2"; shift; }; shift; done\n'
         '        shift; exec "$@";;\n'
+        f'  container) [ -e {tmp_path}/gone ] && echo false || echo true; exit 0;;\n'
         "  rm) exit 0;;\n"
         "esac\n"
     )  # fmt: skip
@@ -199,17 +230,21 @@ def test_dataset_instance_episode_through_the_container_backend(tmp_path):
         "    def test_double(self):\n        self.assertEqual(double(4), 8)\n"
     )
     record = {
-        "instance_id": "toy__mod-1", "repo": "toy/mod", "image_name": "toy/mod:1", "base_commit": "0" * 40,
+        "instance_id": "toy__mod-1", "repo": "toy/mod", "image": "toy/mod:1", "base_commit": "0" * 40,
         "problem_statement": "double(4) returns 9", "FAIL_TO_PASS": ["test_double (test_mod.T.test_double)"],
-        "PASS_TO_PASS": [], "test_command": "python3 -m unittest -v test_mod", "log_parser": "parse_log_django",
+        "PASS_TO_PASS": [], "log_parser": "parse_log_django", "eval_type": "pass_and_fail",
+        "eval_script": "#!/bin/bash\nset -uxo pipefail\n: '>>>>> Start Test Output'\npython3 -m unittest -v test_mod\n"
+                       ": '>>>>> End Test Output'\n",
     }  # fmt: skip
     path = tmp_path / "bench.jsonl"
     path.write_text(json.dumps(record) + "\n")
     task = ContainerTestTask("swe_bench", load_swe_bench, str(path))
     (inst,) = task.instances(1)
-    assert inst.image == "toy/mod:1"
+    assert inst.image == "toy/mod:1" and inst.environment.workdir == "/testbed"
+    # the stand-in runs the container's commands on the host: its /testbed is the one made here
+    inst = dataclasses.replace(inst, environment=dataclasses.replace(inst.environment, workdir=str(testbed)))
     c = codec()
-    sandbox = _cfg(cli=_fake_cli(tmp_path), workdir=str(testbed))
+    sandbox = _cfg(cli=_fake_cli(tmp_path))
 
     def run(turns):
         policy = ScriptedPolicy(c, {inst.prompt: turns})
@@ -223,7 +258,7 @@ def test_dataset_instance_episode_through_the_container_backend(tmp_path):
     assert ep.turns[0].tool_runs[0].observation == "replaced 1 occurrence in mod.py"
     assert ep.reward.status == "ok" and ep.reward.reward == 1.0
     calls = (tmp_path / "calls.log").read_text()
-    assert "toy/mod:1" in calls and ".megathunder_eval.sh" in calls
+    assert "toy/mod:1" in calls and "-- bash /tmp/.megathunder_eval_" in calls  # the test run under its own limits
 
 
 def test_base_image_key_and_the_sandbox_command_errors(capsys):
@@ -237,3 +272,33 @@ def test_base_image_key_and_the_sandbox_command_errors(capsys):
     assert "megathunder sandbox probe: 'no-such-podman' is not on PATH" in capsys.readouterr().err
     with pytest.raises(SandboxError, match="needs an image"):
         images.probe_runtime("true")
+
+
+def test_a_container_gone_mid_episode_is_an_infrastructure_failure(tmp_path):
+    """A runtime error from `exec` whose container the runtime says is not running raises
+    SandboxError (an infrastructure failure), never a failing command; a command's own error is a
+    result as before."""
+    from megathunder.rollout.verifiers import InfrastructureError
+
+    async def go():
+        sb = await build_sandbox(_cfg(cli=_fake_cli(tmp_path), workdir=str(tmp_path)), "img:1")
+        (tmp_path / "gone").write_text("")  # removed behind the sandbox's back
+        try:
+            await sb.shell("true")
+        finally:
+            await sb.close()
+
+    with pytest.raises(SandboxError, match="sandbox lost: docker container megathunder-.* is not running") as err:
+        asyncio.run(go())
+    assert isinstance(err.value, InfrastructureError)
+    (tmp_path / "gone").unlink()
+
+    async def own_error():
+        sb = await build_sandbox(_cfg(cli=_fake_cli(tmp_path), workdir=str(tmp_path)), "img:1")
+        try:
+            return await sb.shell("echo 'Error: my own' >&2; exit 1")
+        finally:
+            await sb.close()
+
+    own = asyncio.run(own_error())
+    assert own.exit_code == 1 and "Error: my own" in own.output

@@ -208,7 +208,7 @@ def test_a_sandbox_that_cannot_be_set_up_fails_its_episode_not_the_batch(monkeyp
     def broken(inst) -> bool:
         return inst.instance_id in task.broken
 
-    async def build_sandbox(cfg, image=None):
+    async def build_sandbox(cfg, image=None, **environment):
         if where == "build" and image == "broken":
             raise SandboxError("container start failed")
         built.append(_FakeSandbox())

@@ -217,3 +217,36 @@ def test_rootless_root_dir_of_another_user_is_a_clear_error(tmp_path):
     finally:
         os.rmdir(f"{taken}-{uid}")
     assert f"sandbox.root_dir: {taken}-{uid} (the rootless work-dir root) belongs to uid 0" in msg
+
+
+@needs_root
+def test_a_task_s_paths_and_a_test_run_s_limits(tmp_path):
+    """A task's environment is laid out at its own paths under bwrap (the work dir at its WORKDIR,
+    the harness's scratch dirs writable and kept between commands, private to the episode), and a
+    command with a test run's own limits runs under those, not the agent's tool limits."""
+    import asyncio
+
+    from megathunder.rollout.sandbox import CommandLimits, Environment, LocalLayout
+
+    env = Environment(name="t", local=LocalLayout(workdir="/app"), scratch_dirs=("/tests", "/logs"))
+    burn = "import time\nt = time.process_time()\nwhile time.process_time() - t < 1.5: pass\nprint('done')"
+
+    async def go():
+        cfg = sandbox_cfg(tmp_path, cpu_time_s=1, wall_time_s=30)
+        a, b = LocalSandbox(cfg, env), LocalSandbox(cfg, env)
+        try:
+            made = await a.bash("pwd; mkdir -p /logs/verifier && echo 1 > /logs/verifier/reward.txt && echo t > /tests/x")
+            kept = await a.bash("cat /logs/verifier/reward.txt /tests/x")
+            other = await b.bash("ls /tests /logs")
+            agent = await a.exec(["python3", "-c", burn])
+            test = await a.exec(["python3", "-c", burn], limits=CommandLimits(wall_time_s=60, cpu_time_s=None))
+            return made, kept, other, agent, test
+        finally:
+            await a.close()
+            await b.close()
+
+    made, kept, other, agent, test = asyncio.run(go())
+    assert made.ok and made.output.splitlines()[0] == "/app"
+    assert kept.output.split() == ["1", "t"] and other.ok and other.output.split() == ["/logs:", "/tests:"]
+    assert "SIGXCPU" in agent.observation()  # the agent's tool limit: 1 s of CPU
+    assert test.ok and test.output.strip() == "done" and test.cpu_limit_s is None

@@ -55,17 +55,24 @@ def test_instances_are_reproducible_and_distinct():
         assert [i.prompt for i in task.instances(6, seed=2)] != [i.prompt for i in a]
 
 
-SWE_BENCH = {
-    "instance_id": "astropy__astropy-12907",
+SWE_BENCH = {  # the classic form (SWE-bench Verified as first released): no eval script
+    "instance_id": "astropy__astropy-90001",
     "repo": "astropy/astropy",
     "base_commit": "d16bfe05a744909de4b27f5875fe0d4ed41ce607",
     "problem_statement": "separability_matrix is wrong for nested models",
     "test_patch": "diff --git a/x b/x\n",
+    "version": "4.3",
     "FAIL_TO_PASS": json.dumps(
         ["astropy/modeling/tests/test_separable.py::test_separable[compound_model6]"]
     ),
     "PASS_TO_PASS": json.dumps(["astropy/modeling/tests/test_separable.py::test_coord_matrix"]),
 }
+SWE_BENCH_5 = {  # the 5.x form: the harness's eval script, image and parser in the record
+    **SWE_BENCH, "image": "swebench/sweb.eval.x86_64.astropy_1776_astropy-90001:latest",
+    "eval_script": "#!/bin/bash\nset -uxo pipefail\ncd /testbed\n: '>>>>> Start Test Output'\npytest -rA x\n"
+                   ": '>>>>> End Test Output'\n",
+    "log_parser": "parse_log_pytest_v2", "eval_type": "pass_and_fail",
+}  # fmt: skip
 
 
 def _jsonl(tmp_path, records, name="data.jsonl"):
@@ -74,82 +81,91 @@ def _jsonl(tmp_path, records, name="data.jsonl"):
     return path
 
 
-def test_swe_bench_jsonl_and_parquet(tmp_path):
-    (inst,) = load_swe_bench(_jsonl(tmp_path, [SWE_BENCH]))
-    assert inst.image == "swebench/sweb.eval.x86_64.astropy_1776_astropy-12907:latest"
+def test_swe_bench_5_records_jsonl_and_parquet(tmp_path):
+    (inst,) = load_swe_bench(_jsonl(tmp_path, [SWE_BENCH_5]))
+    assert inst.image == SWE_BENCH_5["image"] and inst.environment.workdir == "/testbed"
     assert inst.metadata["fail_to_pass"] == [
         "astropy/modeling/tests/test_separable.py::test_separable[compound_model6]"
     ]
-    # no eval_script in the record: pytest -rA on the tests' files, the test patch applied first
-    script = inst.metadata["eval_script"]
-    assert "pytest -rA astropy/modeling/tests/test_separable.py" in script and inst.prompt.startswith(
-        "separability"
-    )
-    assert script.index("git apply") < script.index(">>>>> Start Test Output")
-    assert inst.metadata["log_parser"] == "parse_log_pytest"
+    script = inst.metadata["eval_script"]  # as written, with the exit status recorded (as the harness runs it)
+    assert script.startswith(SWE_BENCH_5["eval_script"].split(": '>>>>> End")[0]) and "SWEBENCH_TEST_EXIT_CODE=$?" in script
+    assert inst.metadata["log_parser"] == "parse_log_pytest_v2" and inst.prompt.startswith("separability")
     pq = pytest.importorskip("pyarrow.parquet", reason="parquet loading needs pyarrow")
     import pyarrow as pa
 
     path = tmp_path / "verified.parquet"
-    pq.write_table(
-        pa.Table.from_pylist([SWE_BENCH, {**SWE_BENCH, "instance_id": "django__django-11099"}]),
-        path,
-    )
-    insts = load_swe_bench(path)
-    assert [i.image for i in insts][1] == swe_bench_image("django__django-11099")
+    pq.write_table(pa.Table.from_pylist([SWE_BENCH_5, {**SWE_BENCH_5, "instance_id": "django__django-90002"}]), path)
+    assert [i.instance_id for i in load_swe_bench(path)] == ["astropy__astropy-90001", "django__django-90002"]
+    assert swe_bench_image("django__django-90002") == "swebench/sweb.eval.x86_64.django_1776_django-90002:latest"
 
 
-def test_swe_smith(tmp_path):
-    smith = {
-        **SWE_BENCH,
-        "FAIL_TO_PASS": ["t::a"],
-        "PASS_TO_PASS": [],
-        "image_name": "jyangballin/swesmith.x86_64.foo",
-        "patch": "diff --git a/m.py b/m.py\n",
-    }
+def test_classic_records_are_refused_with_the_command_that_converts_them(tmp_path):
+    """No test command is guessed: a record without its harness's eval script is refused, naming
+    the record and the conversion command (SWE-bench and SWE-smith alike)."""
+    path = _jsonl(tmp_path, [SWE_BENCH_5, SWE_BENCH])
+    with pytest.raises(DatasetError) as err:
+        load_swe_bench(path)
+    msg = str(err.value)
+    assert msg.startswith(f"{path}:2: a classic SWE-bench record (no field 'eval_script')")
+    assert f"megathunder tasks convert-swe {path} OUT.jsonl" in msg
+    smith = {**SWE_BENCH, "instance_id": "mewwts__addict.75284f95.lm_1", "repo": "swesmith/mewwts__addict.75284f95",
+             "image_name": "jyangballin/swesmith.x86_64.mewwts_1776_addict.75284f95", "patch": "diff --git a/m b/m\n"}
+    with pytest.raises(DatasetError, match="a SWE-smith record not yet converted .*`megathunder tasks convert-swe "):
+        load_swe_smith(_jsonl(tmp_path, [smith]))
+    # a converted SWE-smith record is not a SWE-bench one, and the other way round
+    converted = {**smith, **{k: SWE_BENCH_5[k] for k in ("image", "eval_script", "eval_type")}, "log_parser": "swesmith"}
+    with pytest.raises(DatasetError, match="a SWE-smith record .*task.name=swe_smith"):
+        load_swe_bench(_jsonl(tmp_path, [converted]))
+    with pytest.raises(DatasetError, match="field 'log_parser' must be 'swesmith'"):
+        load_swe_smith(_jsonl(tmp_path, [SWE_BENCH_5]))
+
+
+def test_converted_swe_smith_record(tmp_path):
+    smith = {**SWE_BENCH, "instance_id": "mewwts__addict.75284f95.lm_1", "repo": "swesmith/mewwts__addict.75284f95",
+             "FAIL_TO_PASS": ["t::a"], "PASS_TO_PASS": [], "patch": "diff --git a/m.py b/m.py\n",
+             "image": "swebench/swesmith.x86_64.mewwts_1776_addict.75284f95", "log_parser": "swesmith",
+             "eval_type": "pass_and_fail", "eval_script": SWE_BENCH_5["eval_script"], "eval_test_files": ["t"]}
     (inst,) = load_swe_smith(_jsonl(tmp_path, [smith]))
-    assert inst.image == "jyangballin/swesmith.x86_64.foo" and inst.metadata["fail_to_pass"] == [
-        "t::a"
-    ]
+    assert inst.image == smith["image"] and inst.metadata["fail_to_pass"] == ["t::a"]
+    assert inst.metadata["test_files"] == ["t"] and inst.metadata["harness"] == "swesmith"
     setup = inst.metadata["setup"][0]  # the instance's branch, else its bug patch
-    assert "git checkout -q astropy__astropy-12907" in setup and "git apply" in setup
+    assert "git checkout -q mewwts__addict.75284f95.lm_1" in setup and "git apply" in setup
 
 
 @pytest.mark.parametrize(
     ("records", "loader", "message"),
     [
-        ([SWE_BENCH, "{not json"], load_swe_bench, "data.jsonl:2: invalid JSON"),
+        ([SWE_BENCH_5, "{not json"], load_swe_bench, "data.jsonl:2: invalid JSON"),
         (["[1, 2]"], load_swe_bench, "data.jsonl:1: expected a JSON object, got list"),
         (
-            [{k: v for k, v in SWE_BENCH.items() if k != "base_commit"}],
+            [{k: v for k, v in SWE_BENCH_5.items() if k != "image"}],
             load_swe_bench,
-            "data.jsonl:1: missing field 'base_commit'",
+            "data.jsonl:1: missing field 'image'",
         ),
         (
-            [{**SWE_BENCH, "FAIL_TO_PASS": "[oops"}],
+            [{**SWE_BENCH_5, "FAIL_TO_PASS": "[oops"}],
             load_swe_bench,
             "data.jsonl:1: field 'FAIL_TO_PASS' is not a JSON list",
         ),
         (
-            [{**SWE_BENCH, "FAIL_TO_PASS": 3}],
+            [{**SWE_BENCH_5, "FAIL_TO_PASS": 3}],
             load_swe_bench,
             "field 'FAIL_TO_PASS' must be a list of strings, got int",
         ),
         (
-            [{**SWE_BENCH, "problem_statement": "  "}],
+            [{**SWE_BENCH_5, "problem_statement": "  "}],
             load_swe_bench,
             "field 'problem_statement' is empty",
         ),
-        ([SWE_BENCH], load_swe_smith, "data.jsonl:1: missing field 'image_name'"),
         (
-            [{**SWE_BENCH, "log_parser": "parse_log_nonesuch"}],
+            [{**SWE_BENCH_5, "log_parser": "parse_log_nonesuch"}],
             load_swe_bench,
             "data.jsonl:1: field 'log_parser': unknown log_parser 'parse_log_nonesuch'",
         ),
         (
             [{**SWE_BENCH, "repo": "django/django"}],
             load_swe_bench,
-            "data.jsonl:1: missing field 'eval_script' (or 'test_command')",
+            "data.jsonl:1: a classic SWE-bench record (no field 'eval_script')",
         ),
     ],
 )

@@ -84,3 +84,47 @@ def test_pool_bounds_concurrency_and_timeout_excludes_queueing():
 
     outcomes = asyncio.run(go())
     assert peak == 2 and all(o.status == "ok" and o.reward == 1.0 for o in outcomes)
+
+
+def test_infrastructure_failures_get_their_own_policy():
+    """An infrastructure failure (the environment's, not the agent's) gets on_infra_failure and is
+    marked infra; an ordinary verifier error keeps on_failure. A sandbox that could not be set up
+    is one too. Unset, on_infra_failure follows on_failure; a benchmark task's run config makes it
+    drop_group (never a 0 that trains)."""
+    from megathunder.config import load_config
+    from megathunder.rollout.episode import SANDBOX_FAILURE
+    from megathunder.rollout.verifiers import InfrastructureError
+
+    async def broken_env():
+        raise InfrastructureError("the test runner was not found")
+
+    async def bad_grader():
+        raise ValueError("bad grader")
+
+    cfg = {"on_failure": "zero_reward", "on_infra_failure": "drop_group"}
+    infra = _score(broken_env, **cfg)
+    assert infra.infra and infra.drop_group and infra.reward is None and infra.status == "error"
+    assert "infrastructure: InfrastructureError: the test runner was not found" in infra.detail
+    assert infra.as_payload()["infra"] is True
+    plain = _score(bad_grader, **cfg)
+    assert not plain.infra and not plain.drop_group and plain.reward == 0.0
+    pool = VerifierPool(VerifierConfig(**cfg))
+    unbuilt = pool.failed(3, f"{SANDBOX_FAILURE}image missing:1 not found")
+    assert unbuilt.infra and unbuilt.drop_group and unbuilt.status == "skipped"
+    assert not pool.failed(3, "nonfinite_logprob: nan at token 4").drop_group
+    assert _score(broken_env).reward == 0.0 and not _score(broken_env).drop_group  # unset: on_failure
+    run = load_config(None, ["task.name=terminal_bench", "task.path=/tmp"])
+    assert run.verifier.on_infra_failure == "drop_group" and run.ledger.hold_groups_until_close
+    assert load_config(None, []).verifier.on_infra_failure is None
+
+
+def test_a_verifier_s_own_time_limit():
+    """A task that runs a test suite gets its test run's wall time on top of verifier.timeout_s."""
+
+    async def slow():
+        await asyncio.sleep(0.6)
+        return 1.0
+
+    pool = VerifierPool(VerifierConfig(timeout_s=0.2))
+    assert asyncio.run(pool.score(slow, traj_id=1)).status == "timeout"
+    assert asyncio.run(pool.score(slow, traj_id=1, timeout_s=5.0)).reward == 1.0

@@ -2,6 +2,12 @@
 
 All file access goes *through* the sandbox (a command run inside it), never through the host's
 filesystem: a symlink the model planted cannot make the host write outside the work dir.
+
+A command runs under the sandbox's own limits (the agent's tool limits, ``sandbox.*``) unless it
+passes :class:`CommandLimits` of its own (a test run: ``task.test_run``). A task instance that
+needs something of its sandbox says so in an :class:`Environment` (its harness's settings: the
+work directory, the network, CPUs and memory, the image to build); a backend that cannot provide
+it raises :class:`SandboxError` naming what it lacks, never runs the task without it.
 """
 
 from __future__ import annotations
@@ -15,11 +21,69 @@ import signal
 import tarfile
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from megathunder.rollout.verifiers import InfrastructureError
 
 
-class SandboxError(RuntimeError):
-    """The sandbox itself could not be set up or used (not a failing command: that is a result)."""
+class SandboxError(InfrastructureError):
+    """The sandbox itself could not be set up or used (not a failing command: that is a result):
+    an infrastructure failure of the episode."""
+
+
+@dataclass(frozen=True)
+class CommandLimits:
+    """Limits of one command, replacing the sandbox's own for it (a test run's). None: no such
+    limit beyond the sandbox's whole-tree ones (the container's or cgroup's memory and pids)."""
+
+    wall_time_s: float
+    cpu_time_s: float | None = None
+    memory_mb: int | None = None  # per process address space
+    max_processes: int | None = None
+    max_output_bytes: int | None = None
+
+
+@dataclass(frozen=True)
+class ImageBuild:
+    """A task's own environment: ``docker build -f dockerfile context`` (tagged with the instance's
+    image), or a docker-compose file (``compose_services``: its services) that container backends
+    refuse unless it is the one-service layout Terminal-Bench 1 ships (then ``dockerfile`` is set)."""
+
+    context: str  # directory on this machine
+    dockerfile: str | None = None  # path on this machine; None with a compose file
+    compose_file: str | None = None
+    timeout_s: float = 1800.0  # Harbor's [environment] build_timeout_sec
+
+
+@dataclass(frozen=True)
+class LocalLayout:
+    """What the local sandbox (no images) can lay out of a task's environment: the files its
+    Dockerfile copies into its work directory. ``refusal`` says why it cannot (a ``RUN`` step, a
+    file copied elsewhere, a compose file, a prebuilt image), naming the file and line."""
+
+    workdir: str | None = None  # the Dockerfile's WORKDIR (absolute)
+    files: Mapping[str, bytes] = field(default_factory=dict)  # workdir-relative path -> content
+    refusal: str | None = None
+
+
+@dataclass(frozen=True)
+class Environment:
+    """What a task instance needs of its sandbox, as its harness provides it.
+
+    ``workdir``: where commands run (None: the image's WORKDIR); ``network``: a network (else only
+    loopback); ``cpus`` / ``memory_mb``: the container's (None: the sandbox section's);
+    ``scratch_dirs``: absolute directories the harness writes (``/tests``, ``/logs``), which the
+    local sandbox makes writable; ``build``: how to build the instance's image when missing;
+    ``local``: what the local sandbox can lay out instead (None: nothing is needed)."""
+
+    name: str  # the task, for errors
+    workdir: str | None = None
+    network: bool = False
+    cpus: float | None = None
+    memory_mb: int | None = None
+    scratch_dirs: tuple[str, ...] = ()
+    build: ImageBuild | None = None
+    local: LocalLayout | None = None
 
 
 @dataclass(frozen=True)
@@ -76,9 +140,11 @@ _SIGNALS = {s.value: s.name for s in signal.Signals}
 
 
 class Sandbox(abc.ABC):
-    """One episode's isolated environment. ``workdir`` is the work directory as commands see it."""
+    """One episode's isolated environment. ``workdir`` is the work directory as commands see it;
+    ``tmp_dir`` a writable scratch directory outside it (the verifier's scripts go there)."""
 
     workdir: str
+    tmp_dir: str = "/tmp"
 
     @abc.abstractmethod
     async def exec(
@@ -88,9 +154,12 @@ class Sandbox(abc.ABC):
         stdin: bytes | None = None,
         timeout_s: float | None = None,
         max_output_bytes: int | None = None,
+        limits: CommandLimits | None = None,
     ) -> ExecResult:
-        """Run ``argv`` in ``workdir``; never raises for a failing, hung or crashing command.
-        ``max_output_bytes`` overrides the configured output limit (tools reading whole files)."""
+        """Run ``argv`` in ``workdir``; never raises for a failing, hung or crashing command (a
+        sandbox that is gone raises :class:`SandboxError`). ``max_output_bytes`` overrides the
+        configured output limit (tools reading whole files); ``limits`` replace the sandbox's own
+        limits for this command (``timeout_s`` and ``max_output_bytes`` then come from them)."""
 
     @abc.abstractmethod
     async def close(self) -> None:
@@ -98,6 +167,11 @@ class Sandbox(abc.ABC):
 
     async def shell(self, command: str, *, timeout_s: float | None = None) -> ExecResult:
         return await self.exec(["sh", "-c", command], timeout_s=timeout_s)
+
+    async def bash(self, command: str, *, timeout_s: float | None = None) -> ExecResult:
+        """``command`` under bash (the bash tool, a task's set-up): benchmark images have it, and
+        their tasks' commands are written for it (``sh`` is dash on Debian and Ubuntu)."""
+        return await self.exec(["bash", "-c", command], timeout_s=timeout_s)
 
     async def upload(self, files: Mapping[str, str | bytes]) -> None:
         """Create ``files`` (paths relative to ``workdir``) by streaming a tar archive in."""

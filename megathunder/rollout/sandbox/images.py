@@ -172,12 +172,19 @@ def build_image(
 
 
 def build_from_directory(tag: str, dockerfile: str, context: str, cli: str = "podman",
-                         runtime_args: Sequence[str] = ()) -> str:
-    """``podman build -f dockerfile context`` tagged ``tag`` (a task directory's environment), with
-    nothing pulled: its ``FROM`` must name a local image (e.g. the base image)."""
-    cmd = [*_podman(cli, runtime_args), "build", "--pull=never", "--network", "none", *_ULIMITS,
+                         runtime_args: Sequence[str] = (), timeout_s: float = 1800.0, network: bool = False) -> str:
+    """``podman build -f dockerfile context`` tagged ``tag`` (a task directory's environment). Its
+    ``FROM`` is pulled only when missing (offline: it must name a local image, e.g. the base
+    image); its ``RUN`` steps get the runtime's default network when ``network`` (the task's
+    harness builds with one), else none. A build that fails or outlives ``timeout_s`` (Harbor's
+    ``build_timeout_sec``) raises :class:`SandboxError`."""
+    net = [] if network else ["--network", "none"]
+    cmd = [*_podman(cli, runtime_args), "build", "--pull=missing", *net, *_ULIMITS,
            "-t", tag, "-f", dockerfile, context]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        raise SandboxError(f"{cli} build of {tag} from {dockerfile} took over {timeout_s:g} s") from None
     if proc.returncode != 0:
         raise SandboxError(f"{cli} build of {tag} from {dockerfile} failed:\n{(proc.stdout + proc.stderr)[-2000:]}")
     return tag

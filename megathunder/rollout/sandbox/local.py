@@ -40,6 +40,16 @@ own: only root can switch uids). What changes:
   falls back to rlimits, ``required`` fails.
 - Work dirs live under ``<root_dir>-<uid>`` (a directory of the user's own, mode 0700), so that
   a ``root_dir`` made by a root run does not block an ordinary user.
+
+**A task's environment** (``core.Environment``): the local sandbox has no images, so it provides
+only what it can lay out -- the files a task's Dockerfile copies into its work directory (the
+loader's ``LocalLayout``; the host's system directories stand for the image's). Under bwrap the
+work dir is mounted at the task's own path (its WORKDIR, e.g. ``/app``) and the harness's scratch
+directories (``/tests``, ``/logs``) are writable directories of the episode, so the task's test
+scripts run unchanged. Anything else -- a ``RUN`` step, a file copied elsewhere, a compose file, a
+prebuilt image, a network the task's harness gives it (unless ``sandbox.network=none``), another
+path under ``unshare`` isolation -- is refused with a ``SandboxError`` naming the task and what it
+needs: a task never runs without its environment.
 """
 
 from __future__ import annotations
@@ -56,7 +66,7 @@ from collections.abc import Sequence
 
 from megathunder.config import LocalSandboxConfig
 from megathunder.rollout.sandbox.cgroups import create_cgroup
-from megathunder.rollout.sandbox.core import ExecResult, Sandbox, SandboxError, run_process
+from megathunder.rollout.sandbox.core import CommandLimits, Environment, ExecResult, Sandbox, SandboxError, run_process
 
 _SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib64", "/lib32", "/etc")
 _SANDBOX_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
@@ -120,8 +130,32 @@ def _check_traversable(path: str) -> None:
         path = os.path.dirname(path)
 
 
+def refusal(cfg: LocalSandboxConfig, env: Environment | None) -> str | None:
+    """Why the local sandbox cannot provide ``env`` (None: it can)."""
+    if env is None:
+        return None
+    if env.local is None:
+        return "it runs in its own image, which the local sandbox does not have"
+    if env.local.refusal:
+        return env.local.refusal
+    if env.network and cfg.network == "task":
+        return ("its harness gives it a network, which the local sandbox has not (sandbox.network=none runs "
+                "it without one)")
+    if cfg.isolation != "bwrap" and (env.local.workdir or env.scratch_dirs):
+        where = ", ".join(p for p in (env.local.workdir, *env.scratch_dirs) if p)
+        return f"its paths ({where}) can be made only under sandbox.isolation=bwrap"
+    return None
+
+
 class LocalSandbox(Sandbox):
-    def __init__(self, cfg: LocalSandboxConfig) -> None:
+    """One episode's work dir and limits; ``environment``: the task's, when it needs one (see the
+    module docstring: what the local sandbox cannot provide is refused, naming the task)."""
+
+    def __init__(self, cfg: LocalSandboxConfig, environment: Environment | None = None) -> None:
+        if (why := refusal(cfg, environment)) is not None:
+            assert environment is not None
+            raise SandboxError(f"task {environment.name}: the local sandbox cannot provide its environment: "
+                               f"{why}; run it on backend docker or podman")
         self.cfg = cfg
         self.rootless = os.geteuid() != 0
         tool = "bwrap" if cfg.isolation == "bwrap" else "unshare"
@@ -151,32 +185,46 @@ class LocalSandbox(Sandbox):
             os.chmod(cfg.root_dir, 0o711)  # traversable by the sandbox uids, not listable
             if cfg.isolation == "bwrap":
                 _check_traversable(cfg.root_dir)
-        self.cgroup = create_cgroup(cfg.cgroup, cfg.memory_mb << 20, cfg.max_processes)
+        self.memory_mb = (environment.memory_mb if environment else None) or cfg.memory_mb  # the task's, else ours
+        self.cgroup = create_cgroup(cfg.cgroup, self.memory_mb << 20, cfg.max_processes)
         self.uid = os.getuid() if self.rootless else _UIDS.take(cfg.uid_base, cfg.num_uids)
         # the uid the commands see: root of their own user namespace under rootless unshare
         self.contained_uid = 0 if self.rootless and cfg.isolation == "unshare" else self.uid
         self.host_dir = tempfile.mkdtemp(prefix="ep-", dir=self.root_dir)
-        if not self.rootless:
-            os.chown(self.host_dir, self.uid, self.uid)
-        self.workdir = CONTAINED_WORKDIR if cfg.isolation == "bwrap" else self.host_dir
+        self._scratch: dict[str, str] = {}  # absolute path in the sandbox -> host dir (bwrap)
+        if environment is not None:
+            for k, path in enumerate(environment.scratch_dirs):
+                self._scratch[path] = tempfile.mkdtemp(prefix=f"scratch{k}-", dir=self.root_dir)
+        for d in (self.host_dir, *self._scratch.values()):
+            if not self.rootless:
+                os.chown(d, self.uid, self.uid)
+        task_dir = environment.local.workdir if environment is not None and environment.local else None
+        self.contained_workdir = task_dir or CONTAINED_WORKDIR
+        self.workdir = self.contained_workdir if cfg.isolation == "bwrap" else self.host_dir
+        self.tmp_dir = self.workdir  # each command gets a /tmp of its own: files that outlive one go here
         self._closed = False
 
-    def _enter(self) -> None:
-        """In the child between fork and exec: join the cgroup, set the rlimits, and (root, bwrap)
-        become the sandbox uid; unshare needs root for its mounts and drops it itself. Rootless,
-        RLIMIT_NPROC is left to the command's own user namespace (``_nproc``)."""
+    def _enter(self, own: CommandLimits | None = None) -> None:
+        """In the child between fork and exec: join the cgroup, set the rlimits (the agent's, or a
+        test run's ``own``), and (root, bwrap) become the sandbox uid; unshare needs root for its
+        mounts and drops it itself. Rootless, RLIMIT_NPROC is left to the command's own user
+        namespace (``_nproc``)."""
         cfg = self.cfg
         if self.cgroup is not None:
             self.cgroup.join()
-        cpu = max(1, int(cfg.cpu_time_s + 0.999))
+        cpu_s = cfg.cpu_time_s if own is None else own.cpu_time_s
+        memory_mb = cfg.memory_mb if own is None else own.memory_mb
         limits = [
-            (resource.RLIMIT_CPU, (cpu, cpu + 1)),  # SIGXCPU at the soft limit, SIGKILL at hard
-            (resource.RLIMIT_AS, (cfg.memory_mb << 20,) * 2),
             (resource.RLIMIT_FSIZE, (cfg.max_file_size_mb << 20,) * 2),
             (resource.RLIMIT_CORE, (0, 0)),
         ]
+        if cpu_s is not None:
+            cpu = max(1, int(cpu_s + 0.999))
+            limits.append((resource.RLIMIT_CPU, (cpu, cpu + 1)))  # SIGXCPU at the soft limit, SIGKILL at hard
+        if memory_mb is not None:
+            limits.append((resource.RLIMIT_AS, (memory_mb << 20,) * 2))
         if not self.rootless:
-            limits.append((resource.RLIMIT_NPROC, (cfg.max_processes,) * 2))
+            limits.append((resource.RLIMIT_NPROC, (self._max_processes(own),) * 2))
         for res, value in limits:
             resource.setrlimit(res, value)
         if cfg.isolation == "bwrap" and not self.rootless:
@@ -184,12 +232,15 @@ class LocalSandbox(Sandbox):
             os.setresgid(self.uid, self.uid, self.uid)
             os.setresuid(self.uid, self.uid, self.uid)
 
-    def _nproc(self) -> list[str]:
+    def _max_processes(self, own: CommandLimits | None) -> int:
+        return (own.max_processes if own is not None else None) or self.cfg.max_processes
+
+    def _nproc(self, own: CommandLimits | None = None) -> list[str]:
         """Rootless: the process limit, set inside the command's user namespace."""
-        n = self.cfg.max_processes
+        n = self._max_processes(own)
         return ["prlimit", f"--nproc={n}:{n}", "--"] if self.rootless else []
 
-    def _bwrap_argv(self, argv: Sequence[str]) -> list[str]:
+    def _bwrap_argv(self, argv: Sequence[str], own: CommandLimits | None = None) -> list[str]:
         cmd = [
             "bwrap",
             "--unshare-all",
@@ -203,10 +254,12 @@ class LocalSandbox(Sandbox):
                 cmd += ["--ro-bind", path, path]
         cmd += ["--dev", "/dev", "--proc", "/proc"]
         cmd += ["--size", str(self.cfg.tmpfs_mb << 20), "--tmpfs", "/tmp"]
-        cmd += ["--bind", self.host_dir, CONTAINED_WORKDIR, "--chdir", CONTAINED_WORKDIR]
+        for path, host in self._scratch.items():
+            cmd += ["--bind", host, path]
+        cmd += ["--bind", self.host_dir, self.contained_workdir, "--chdir", self.contained_workdir]
         env = {
             "PATH": _SANDBOX_PATH,
-            "HOME": CONTAINED_WORKDIR,
+            "HOME": self.contained_workdir,
             "TMPDIR": "/tmp",
             "LANG": "C.UTF-8",
             **_ENV,
@@ -217,9 +270,9 @@ class LocalSandbox(Sandbox):
         # command (an init ignores it) and comes back as 128 + signal. Without bwrap's own reaper
         # process there is no orphaned launcher left for the host's init to reap: a zombie of the
         # sandbox uid would count against the next sandbox's process limit.
-        return cmd + ["--", "sh", "-c", '"$@"; exit $?', "sh", *self._nproc(), *argv]
+        return cmd + ["--", "sh", "-c", '"$@"; exit $?', "sh", *self._nproc(own), *argv]
 
-    def _unshare_argv(self, argv: Sequence[str]) -> list[str]:
+    def _unshare_argv(self, argv: Sequence[str], own: CommandLimits | None = None) -> list[str]:
         # As root in fresh namespaces: make the work dir its own mount, remount every other mount
         # read-only, then drop to the sandbox uid with no capabilities and run the command.
         # Rootless: root of a new user namespace; first hide the other work dirs (an empty tmpfs
@@ -245,7 +298,7 @@ class LocalSandbox(Sandbox):
         return [
             "unshare", *user, "--mount", "--pid", "--net", "--ipc", "--uts", "--fork",
             "--kill-child", "--mount-proc", "--", "sh", "-c", prelude, "sh", self.host_dir,
-            str(self.uid), self.root_dir, *self._nproc(), *argv,
+            str(self.uid), self.root_dir, *self._nproc(own), *argv,
         ]  # fmt: skip
 
     async def exec(
@@ -255,33 +308,35 @@ class LocalSandbox(Sandbox):
         stdin: bytes | None = None,
         timeout_s: float | None = None,
         max_output_bytes: int | None = None,
+        limits: CommandLimits | None = None,
     ) -> ExecResult:
         if self._closed:
             raise SandboxError("sandbox is closed")
         # bwrap runs as the sandbox uid (in a user namespace); unshare as root, then setpriv.
-        full = self._bwrap_argv(argv) if self.cfg.isolation == "bwrap" else self._unshare_argv(argv)
+        bwrap = self.cfg.isolation == "bwrap"
+        full = self._bwrap_argv(argv, limits) if bwrap else self._unshare_argv(argv, limits)
         ooms = self.cgroup.oom_kills() if self.cgroup else 0
         result = await run_process(
             full,
             stdin=stdin,
-            timeout_s=timeout_s or self.cfg.wall_time_s,
-            max_output_bytes=max_output_bytes or self.cfg.max_output_bytes,
-            cpu_limit_s=self.cfg.cpu_time_s,
-            preexec_fn=self._enter,
+            timeout_s=limits.wall_time_s if limits is not None else timeout_s or self.cfg.wall_time_s,
+            max_output_bytes=max_output_bytes or (limits.max_output_bytes if limits else None)
+            or self.cfg.max_output_bytes,
+            cpu_limit_s=limits.cpu_time_s if limits is not None else self.cfg.cpu_time_s,
+            preexec_fn=functools.partial(self._enter, limits),
             cwd="/",
             env=_launcher_env(),
         )
         if self.cgroup and self.cgroup.oom_kills() > ooms:
-            result = dataclasses.replace(
-                result, oom_killed=True, memory_limit_mb=self.cfg.memory_mb
-            )
+            result = dataclasses.replace(result, oom_killed=True, memory_limit_mb=self.memory_mb)
         return result
 
     async def close(self) -> None:
         if self._closed:
             return
         self._closed = True
-        shutil.rmtree(self.host_dir, ignore_errors=True)
+        for d in (self.host_dir, *self._scratch.values()):
+            shutil.rmtree(d, ignore_errors=True)
         if self.cgroup is not None:
             self.cgroup.remove()
         if not self.rootless:

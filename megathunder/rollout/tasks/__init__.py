@@ -3,12 +3,12 @@
 
 from __future__ import annotations
 
-from megathunder.config import TaskConfig
+from megathunder.config import TaskConfig, TerminalBenchTaskConfig
 from megathunder.rollout.tasks import datasets
 from megathunder.rollout.tasks.arithmetic import ArithmeticTask
 from megathunder.rollout.tasks.calculator import CalculatorTask
 from megathunder.rollout.tasks.swe_local import SweLocalTask
-from megathunder.rollout.tasks.task import Task, TaskInstance
+from megathunder.rollout.tasks.task import DatasetTask, Task, TaskInstance
 from megathunder.rollout.tasks.terminal import TerminalTask
 from megathunder.rollout.tasks.terminal_bench import TerminalBenchTask
 
@@ -23,10 +23,10 @@ def build_task(cfg: TaskConfig) -> Task:
         return SweLocalTask()
     if cfg.name == "terminal":
         return TerminalTask()
-    if cfg.name == "terminal_bench":
-        return TerminalBenchTask(cfg.path)
+    if isinstance(cfg, TerminalBenchTaskConfig):
+        return TerminalBenchTask(cfg.path, cfg.test_run)
     loader = {"swe_bench": datasets.load_swe_bench, "swe_smith": datasets.load_swe_smith}[cfg.name]
-    return datasets.ContainerTestTask(cfg.name, loader, cfg.path)
+    return datasets.ContainerTestTask(cfg.name, loader, cfg.path, cfg.test_run, cfg.harness_python)
 
 
-__all__ = ["Task", "TaskInstance", "build_task"]
+__all__ = ["DatasetTask", "Task", "TaskInstance", "build_task"]

@@ -9,22 +9,28 @@ command's exit status -- then mapping the log between the markers to a per-test 
 verbose runner, ``parse_log_sympy`` for SymPy's ``bin/test``, ...). An instance is *resolved*
 when every FAIL_TO_PASS test passes and every PASS_TO_PASS test still passes (a skipped P2P test
 is not a regression; a skipped F2P test is not a fix). SWE-bench 5.x records carry that script
-and parser per instance (``eval_script``, ``log_parser``, ``eval_type``); for a record without
-one, :func:`eval_script` assembles the same shape from its ``test_patch`` and ``test_command``.
+and parser per instance (``eval_script``, ``log_parser``, ``eval_type``); classic records get
+theirs from the 4.x harness (``megathunder tasks convert-swe``). Nothing here writes a test
+command: a record whose script is not the harness's own is refused when it is loaded.
 
 What comes from the package: the markers, the log parsers (``PARSER_REGISTRY``), the log
 validity checks and status map (``get_logs_eval``), the F2P/P2P report
-(``get_eval_tests_report``) and the resolved rule (``get_resolution_status``). Only the package's
-pure modules are imported: ``swebench/harness/__init__.py`` imports the Docker and Modal runners
-(and their dependencies ``docker``, ``modal``, ``datasets``), which grading does not need, so
-:func:`_harness` registers ``swebench.harness`` as a bare namespace before importing its
-submodules. Install with ``pip install --no-deps swebench==5.0.2 unidiff`` (``tools/test.sh``
-does); without it, loading a SWE-style task fails with that instruction.
+(``get_eval_tests_report``), the resolved rule (``get_resolution_status``) and the signatures of
+environment failures (``infra_failure``). Only the package's pure modules are imported:
+``swebench/harness/__init__.py`` imports the Docker and Modal runners (and their dependencies
+``docker``, ``modal``, ``datasets``), which grading does not need, so :func:`_harness` registers
+``swebench.harness`` as a bare namespace before importing its submodules. Install with ``pip
+install --no-deps swebench==5.0.2 unidiff`` (``tools/test.sh`` does); without it, loading a
+SWE-style task fails with that instruction.
 
-Failures: a test run killed at its time limit raises :class:`TimeoutError` and a run that never
-reached the test command (no markers: the script crashed) raises :class:`GradingError`, so both
-get the verifier pool's failure policy (``verifier.on_failure``). Everything the harness itself
-calls unresolved (the test patch does not apply, tests fail or are missing) is reward 0.
+Failures: a test run killed at its time limit raises :class:`TimeoutError`. An *infrastructure*
+failure raises :class:`GradingError` (an ``InfrastructureError``: the episode's error under
+``verifier.on_infra_failure``, never a reward): the run never reached the test command (no
+markers: the script crashed, the sandbox was lost), the test command was not found or could not
+run (exit status 127 / 126), or an unresolved log carries one of the harness's environment
+signatures (name resolution failed, the container runtime is unreachable; an out-of-memory kill
+is left to the tests: a patch can cause one). Everything the harness itself calls unresolved
+(the test patch does not apply, tests fail or are missing) is reward 0.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import re
 import sys
 import tempfile
 import types
@@ -41,16 +48,16 @@ from functools import cache
 from importlib.util import find_spec
 from typing import Any
 
-from megathunder.rollout.verifiers import Verdict
+from megathunder.rollout.verifiers import InfrastructureError, Verdict
 
 SWEBENCH_INSTALL = "pip install --no-deps swebench==5.0.2 unidiff"
 DEFAULT_LOG_PARSER = "parse_log_pytest"
-LOG_PARSERS_BY_REPO = {"django/django": "parse_log_django", "sympy/sympy": "parse_log_sympy"}
-"""The parser of a classic SWE-bench record without ``log_parser`` (as the 4.x harness mapped
-them); every other Python repository's harness command is ``pytest -rA``."""
+RUNNER_MISSING = {126: "could not be executed", 127: "was not found"}
+"""Exit statuses of a test command that never ran (bash's): an infrastructure failure."""
+_NOT_INFRA = {"out_of_memory"}  # an environment signature a patch can cause (an allocation loop)
 
 
-class GradingError(RuntimeError):
+class GradingError(InfrastructureError):
     """The tests could not be run or graded (not a failing test: that is reward 0)."""
 
 
@@ -60,6 +67,7 @@ class Harness:
     grading: types.ModuleType
     parsers: Mapping[str, Any]
     test_spec: type
+    infra_failure: types.ModuleType
 
 
 @cache
@@ -76,9 +84,10 @@ def _harness() -> Harness:
         grading = importlib.import_module("swebench.harness.grading")
         parsers = importlib.import_module("swebench.harness.log_parsers").PARSER_REGISTRY
         test_spec = importlib.import_module("swebench.types").TestSpec
+        classify = importlib.import_module("swebench.harness.infra_failure")
     except (ImportError, AttributeError) as err:
         raise GradingError(f"the swebench package lacks its 5.x harness ({err}): {SWEBENCH_INSTALL}") from err
-    return Harness(constants, grading, parsers, test_spec)
+    return Harness(constants, grading, parsers, test_spec, classify)
 
 
 def check_log_parser(name: str) -> str:
@@ -88,28 +97,6 @@ def check_log_parser(name: str) -> str:
         python = ", ".join(sorted(p for p in parsers if p.startswith("parse_log_py")))
         raise GradingError(f"unknown log_parser {name!r} (e.g. {python}, parse_log_django, parse_log_sympy)")
     return name
-
-
-def eval_script(test_command: str, test_patch: str = "", *, reset_files: Sequence[str] = (),
-                reset_to: str | None = None, repo_dir: str | None = None) -> str:
-    """An eval script in the harness's shape: ``cd`` to the repository, restore ``reset_files``
-    (the test files the test patch touches, which the agent may have edited) to ``reset_to``
-    (default ``HEAD``), apply ``test_patch``, run ``test_command`` between the markers and
-    record its exit status after the end marker."""
-    c = _harness().constants
-    lines = ["#!/bin/bash", "set -uxo pipefail"]
-    if repo_dir:
-        lines.append(f"cd {repo_dir}")
-    if reset_files:
-        # a file the test patch creates is not in the commit: remove it (the patch adds it back)
-        lines += [f"git checkout -q {reset_to or 'HEAD'} -- {f} 2>/dev/null || rm -f {f}" for f in reset_files]
-    if test_patch:
-        delim = "EOF_MEGATHUNDER_TEST_PATCH"
-        if delim in test_patch:
-            raise GradingError(f"the test patch contains the heredoc delimiter {delim}")
-        lines += [f"git apply -v - <<'{delim}' || echo '{c.APPLY_PATCH_FAIL}'", test_patch.rstrip("\n"), delim]
-    return "\n".join(lines + with_exit_code([f"echo '{c.START_TEST_OUTPUT}'", test_command,
-                                             f"echo '{c.END_TEST_OUTPUT}'"])) + "\n"
 
 
 def with_exit_code(script_lines: list[str]) -> list[str]:
@@ -129,16 +116,50 @@ def record_eval_script(script: str) -> str:
     return "\n".join(["#!/bin/bash", "set -uxo pipefail", *with_exit_code(body)]) + "\n"
 
 
+def test_exit_code(log: str) -> int | None:
+    """The test command's own exit status the eval script recorded after the end marker."""
+    c = _harness().constants
+    found = re.search(rf"^{re.escape(c.TEST_EXIT_CODE)}:\s*(-?\d+)", log, re.M)
+    return int(found.group(1)) if found else None
+
+
+def infrastructure_failure(log: str) -> str | None:
+    """Why ``log`` shows the environment failed -- the harness's environment signatures
+    (``infra_failure.classify_text``, tier ``environment``, an OOM kill excepted) -- or None."""
+    h = _harness().infra_failure
+    found = h.classify_text(log)
+    if found is None or found[1] != h.TIER_ENVIRONMENT or found[0] in _NOT_INFRA:
+        return None
+    return found[0]
+
+
+def apply_patch_fail() -> str:
+    """The harness's marker of a patch that did not apply (the run is graded unresolved)."""
+    return str(_harness().constants.APPLY_PATCH_FAIL)
+
+
+def check_ran(log: str) -> None:
+    """Raise :class:`GradingError` when the run never reached its tests: no markers (unless the
+    test patch did not apply, which the harness grades unresolved), or a test command that was not
+    found or could not run."""
+    c = _harness().constants
+    if c.START_TEST_OUTPUT not in log or c.END_TEST_OUTPUT not in log:
+        if c.APPLY_PATCH_FAIL not in log:
+            raise GradingError(f"the test run never reached the test command: ...{log[-400:]}")
+    code = test_exit_code(log)
+    if code in RUNNER_MISSING:
+        raise GradingError(f"the test command {RUNNER_MISSING[code]} (exit {code}): ...{log[-400:]}")
+
+
 def grade(log: str, fail_to_pass: Sequence[str], pass_to_pass: Sequence[str], *,
           log_parser: str = DEFAULT_LOG_PARSER, eval_type: str = "pass_and_fail",
           instance_id: str = "", repo: str = "") -> Verdict:
     """The harness's verdict on one test log: reward 1.0 when resolved (``RESOLVED_FULL``), the
-    status of every F2P / P2P test (``MISSING`` when the log has none) and the resolution."""
+    status of every F2P / P2P test (``MISSING`` when the log has none) and the resolution. Raises
+    :class:`GradingError` for a run that never reached its tests or whose environment failed."""
     h = _harness()
     c, g = h.constants, h.grading
-    if c.START_TEST_OUTPUT not in log or c.END_TEST_OUTPUT not in log:
-        if c.APPLY_PATCH_FAIL not in log:
-            raise GradingError(f"the test run never reached the test command: ...{log[-400:]}")
+    check_ran(log)
     spec = h.test_spec(instance_id=instance_id, image="", eval_script_list=[], repo=repo, version="",
                        FAIL_TO_PASS=list(fail_to_pass), PASS_TO_PASS=list(pass_to_pass),
                        log_parser=check_log_parser(log_parser), eval_type=eval_type)
@@ -151,8 +172,11 @@ def grade(log: str, fail_to_pass: Sequence[str], pass_to_pass: Sequence[str], *,
     gold = {c.FAIL_TO_PASS: list(fail_to_pass), c.PASS_TO_PASS: list(pass_to_pass)}
     report = g.get_eval_tests_report(status_map, gold, eval_type=c.EvalType(eval_type))
     resolution = g.get_resolution_status(report) if valid else c.ResolvedStatus.NO.value
+    resolved = valid and resolution == c.ResolvedStatus.FULL.value
+    if not resolved and (why := infrastructure_failure(log)) is not None:
+        raise GradingError(f"the test environment failed ({why}): ...{log[-400:]}")
     tests = {t: status_map.get(t, "MISSING") for t in [*fail_to_pass, *pass_to_pass]}
     summary = {k: {"success": len(report[k]["success"]), "failure": len(report[k]["failure"])}
                for k in (c.FAIL_TO_PASS, c.PASS_TO_PASS)}
     detail = {"resolution": resolution, "log_valid": valid, **summary}
-    return Verdict(float(valid and resolution == c.ResolvedStatus.FULL.value), tests=tests, detail=json.dumps(detail))
+    return Verdict(float(resolved), tests=tests, detail=json.dumps(detail))

@@ -1,33 +1,49 @@
-"""Terminal-Bench 1 and Terminal-Bench 2 / Harbor task directories.
+"""Terminal-Bench 1 and Terminal-Bench 2 / Harbor task directories, run as their harnesses run them.
 
 A task set is a directory of task directories (or one task directory). Two layouts:
 
-- Terminal-Bench 1: ``task.yaml`` (``instruction``; optional ``max_test_timeout_sec``), a
-  ``Dockerfile`` or ``docker-compose.yaml`` at the top, ``run-tests.sh`` and ``tests/``; an
-  optional ``solution.sh``. Grading copies ``run-tests.sh`` and the contents of ``tests/`` to
-  ``/tests`` and runs
-  ``bash /tests/run-tests.sh`` with ``TEST_DIR=/tests``: reward 1 when it exits 0.
-- Terminal-Bench 2 / Harbor: ``task.toml`` (optional ``[verifier] timeout_sec``, ``[environment]
-  docker_image``), ``instruction.md``, ``environment/`` (``Dockerfile`` or
-  ``docker-compose.yaml``), ``tests/test.sh``, ``solution/solve.sh``. Grading copies ``tests/`` to
-  ``/tests`` and runs ``bash /tests/test.sh``, which writes its reward to
-  ``/logs/verifier/reward.txt`` (a number) or ``reward.json`` (``{"reward": x}``); no reward file
-  is a verifier error (the failure policy), as in Harbor.
+- Terminal-Bench 1: ``task.yaml`` (``instruction``; ``max_agent_timeout_sec``,
+  ``max_test_timeout_sec``, ``parser_name``, ``run_tests_in_same_shell``), a ``Dockerfile`` (the
+  usual one-service ``docker-compose.yaml`` beside it builds it), ``run-tests.sh`` and ``tests/``;
+  an optional ``solution.sh``. Grading copies ``run-tests.sh`` and the contents of ``tests/`` to
+  ``/tests`` and runs ``bash /tests/run-tests.sh`` with ``TEST_DIR=/tests`` in the work dir; the
+  harness's parser (``pytest``, the only one accepted) reads the pytest summary of its output and
+  the task is solved when every listed test passed (skipped and xfail count as passed).
+  ``run_tests_in_same_shell`` changes nothing here: the bash tool keeps no shell between calls,
+  so the tests run in a fresh shell at the work dir either way.
+- Terminal-Bench 2 / Harbor: ``task.toml`` (``[agent] timeout_sec``; ``[verifier] timeout_sec``,
+  ``env``; ``[environment] docker_image``, ``allow_internet`` (default true), ``cpus``,
+  ``memory_mb`` (or ``memory = "4G"``), ``workdir``, ``build_timeout_sec``), ``instruction.md``,
+  ``environment/`` (``Dockerfile`` or ``docker-compose.yaml``), ``tests/test.sh``,
+  ``solution/solve.sh``. Grading copies ``tests/`` to ``/tests`` and runs ``bash /tests/test.sh``,
+  which writes its reward to ``/logs/verifier/reward.txt`` (a number) or ``reward.json``
+  (``{"reward": x}``).
 
-Environment: each instance names its image (``[environment] docker_image``, else
-``megathunder-tb/<task>:latest``) and how to build it (:class:`ImageBuild`: the task's Dockerfile
-and context, or its compose file) for the container backend. On the local sandbox there is no
-image: the environment's other files are uploaded into the work directory, and the test files'
-absolute ``/tests`` and ``/logs/verifier`` paths are mapped into it (``.megathunder/``), which
-approximates the task's environment only as far as the host's tools match its image.
+What the harness sets, the episode gets: the image built from the task's Dockerfile (tagged with
+a hash of its build context, so an edited task is rebuilt), its WORKDIR (or Harbor's ``workdir``)
+as the work dir, a network when the harness gives one (Terminal-Bench 1 always; Harbor with
+``allow_internet``), its CPUs and memory as the container's, the agent's time limit and the test
+run's (the task's, else ``agent.episode_wall_time_s`` and ``task.test_run.wall_time_s``). Fields
+the harness has but nothing here enforces are refused (``gpus``, a verifier or agent ``user``,
+a parser other than pytest) or warned about once (``storage_mb``).
 
-Tests are never in the sandbox during the episode: they are copied in after it, by ``verify``.
+Infrastructure failures are errors of the episode, never a reward (``grading.GradingError``): no
+pytest summary in a Terminal-Bench 1 log (its tests never ran), no reward file from a Harbor test
+script, and a failing run whose log carries one of the SWE-bench harness's environment signatures
+(the network or the container runtime unreachable). A test killed for exceeding its memory (the
+container's OOM killer) is a failed test.
+
+The local sandbox has no images: it runs a task only when its Dockerfile is files copied into its
+work dir (``dockerfile_layout.py``), mounting them at the task's own paths (bwrap); it refuses the
+others naming the task. Tests are never in the sandbox during the episode: ``verify`` copies them.
 A malformed task (a missing file, an unreadable or wrong-typed field) is skipped with a warning
 naming the file and field; the rest of the set loads, and a set with no valid task is an error.
 """
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import io
 import json
 import logging
@@ -36,36 +52,39 @@ import tarfile
 import time
 import tomllib
 from collections.abc import Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from megathunder.rollout.sandbox import LocalSandbox, Sandbox, SandboxError
-from megathunder.rollout.tasks.datasets import DatasetError
+from megathunder.config import TestRunLimits
+from megathunder.rollout.sandbox import Environment, ImageBuild, LocalLayout, LocalSandbox, Sandbox, SandboxError
+from megathunder.rollout.tasks import grading
+from megathunder.rollout.tasks.datasets import DatasetError, with_test_seconds
+from megathunder.rollout.tasks.dockerfile_layout import local_layout
 from megathunder.rollout.tasks.grading import GradingError
-from megathunder.rollout.tasks.task import ImageBuild, Task, TaskInstance, tool_call_text
+from megathunder.rollout.tasks.task import DatasetTask, TaskInstance, tool_call_text
 from megathunder.rollout.tools import BASH, READ_FILE, STR_REPLACE, WRITE_FILE
 from megathunder.rollout.verifiers import Verdict
 
 log = logging.getLogger(__name__)
 
-TESTS_DIR, LOGS_DIR = "/tests", "/logs/verifier"
-LOCAL_DIR = ".megathunder"  # under the local sandbox's work dir: its tests/ and logs/verifier/
-MAX_FILE_BYTES = 4 << 20  # a larger environment or test file is not uploaded (a binary asset)
-_NOT_ENV = {"task.yaml", "task.toml", "Dockerfile", "docker-compose.yaml", "docker-compose.yml",
-            "run-tests.sh", "solution.sh", "instruction.md"}
+TESTS_DIR, LOGS_DIR, SOLUTION_DIR = "/tests", "/logs/verifier", "/solution"
+SCRATCH = ("/tests", "/logs", "/solution")  # what the harness writes outside the work dir
+MAX_FILE_BYTES = 4 << 20  # a larger test or solution file is not uploaded (a binary asset)
+_TB1_PASSED = {"PASSED", "XFAIL", "SKIPPED"}  # the Terminal-Bench 1 pytest parser's passing states
+_TB1_STATES = _TB1_PASSED | {"FAILED", "XPASS", "ERROR"}
 
 
-def _files(root: Path, under: Path, skip_dirs: tuple[str, ...] = ()) -> dict[str, bytes]:
+def _files(under: Path) -> dict[str, bytes]:
     out = {}
     for p in sorted(under.rglob("*")):
-        rel = p.relative_to(root)
-        if p.is_file() and not p.is_symlink() and rel.parts[0] not in skip_dirs and str(rel) not in _NOT_ENV:
+        if p.is_file() and not p.is_symlink():
             if p.stat().st_size > MAX_FILE_BYTES:
                 log.warning("%s: larger than %d MiB, not uploaded", p, MAX_FILE_BYTES >> 20)
                 continue
-            out[str(p.relative_to(under))] = p.read_bytes()
+            out[p.relative_to(under).as_posix()] = p.read_bytes()
     return out
 
 
@@ -78,6 +97,19 @@ def _number(where: Path, table: Mapping[str, Any], key: str, name: str) -> float
     return float(value)
 
 
+def _memory_mb(where: Path, env: Mapping[str, Any]) -> int | None:
+    """Harbor's ``memory_mb`` (a number), or the older ``memory`` ("4G", "512M")."""
+    if (mb := _number(where, env, "memory_mb", "environment.memory_mb")) is not None:
+        return int(mb)
+    text = env.get("memory")
+    if text is None:
+        return None
+    found = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([GMgm])i?[Bb]?\s*", str(text))
+    if not found:
+        raise DatasetError(f"{where}: field 'environment.memory' must be like '4G' or '512M', got {text!r}")
+    return int(float(found.group(1)) * (1024 if found.group(2).lower() == "g" else 1))
+
+
 def _text(path: Path) -> str:
     try:
         return path.read_text()
@@ -85,17 +117,52 @@ def _text(path: Path) -> str:
         raise DatasetError(f"{path}: not UTF-8 ({err.reason} at byte {err.start})") from None
 
 
-def _environment(task_dir: Path, env_dir: Path, image: str | None) -> tuple[str, ImageBuild | None]:
-    dockerfile, compose = env_dir / "Dockerfile", [env_dir / f"docker-compose.{e}" for e in ("yaml", "yml")]
-    found = next((c for c in compose if c.is_file()), None)
-    build = None
-    if dockerfile.is_file():
-        build = ImageBuild(str(env_dir), dockerfile=str(dockerfile))
-    elif found is not None:
-        build = ImageBuild(str(env_dir), compose_file=str(found))
-    elif image is None:
+def _context_hash(context: Path) -> str:
+    h = hashlib.sha256()
+    for p in sorted(context.rglob("*")):
+        if p.is_file():
+            h.update(p.relative_to(context).as_posix().encode() + b"\0" + p.read_bytes() + b"\0")
+    return h.hexdigest()[:12]
+
+
+def _compose_dockerfile(compose: Path, context: Path) -> Path | None:
+    """The Dockerfile of a one-service compose file that builds it (Terminal-Bench 1's layout)."""
+    try:
+        spec = yaml.safe_load(_text(compose))
+    except yaml.YAMLError:
+        return None
+    services = spec.get("services") if isinstance(spec, dict) else None
+    if not isinstance(services, dict) or len(services) != 1:
+        return None
+    build = next(iter(services.values())).get("build") if isinstance(next(iter(services.values())), dict) else None
+    if build in (".", "./"):
+        build = {}
+    if not isinstance(build, dict) or build.get("context", ".") not in (".", "./"):
+        return None
+    dockerfile = context / str(build.get("dockerfile", "Dockerfile"))
+    return dockerfile if dockerfile.is_file() else None
+
+
+def _environment(name: str, task_dir: Path, env_dir: Path, image: str | None, **settings: Any) -> tuple[str, Environment]:
+    """The instance's image and what its sandbox must provide (see the module docstring)."""
+    compose = next((c for c in (env_dir / "docker-compose.yaml", env_dir / "docker-compose.yml") if c.is_file()), None)
+    dockerfile = env_dir / "Dockerfile"
+    if compose is not None and (found := _compose_dockerfile(compose, env_dir)) is not None:
+        dockerfile, compose = found, None
+    build: ImageBuild | None = None
+    if image is not None:  # a prebuilt image (Harbor's docker_image) is used as it is
+        layout = LocalLayout(refusal=f"its environment is the prebuilt image {image}")
+    elif compose is not None:
+        build = ImageBuild(str(env_dir), compose_file=str(compose))
+        layout = LocalLayout(refusal=f"{compose}: a docker-compose environment of several services or images")
+    elif dockerfile.is_file():
+        build = ImageBuild(str(env_dir), dockerfile=str(dockerfile), timeout_s=settings.pop("build_timeout_s") or 1800.0)
+        layout = local_layout(dockerfile, env_dir)
+    else:
         raise DatasetError(f"{env_dir}: no Dockerfile or docker-compose.yaml (the task's environment)")
-    return image or f"megathunder-tb/{task_dir.name.lower()}:latest", build
+    settings.pop("build_timeout_s", None)
+    tag = image or f"megathunder-tb/{task_dir.name.lower()}:{_context_hash(env_dir)}"
+    return tag, Environment(name=name, build=build, local=layout, scratch_dirs=SCRATCH, **settings)
 
 
 def load_tb1_task(task_dir: Path) -> TaskInstance:
@@ -113,19 +180,26 @@ def load_tb1_task(task_dir: Path) -> TaskInstance:
                             if isinstance(d, dict) and d.get("key") == "base"), None)
     if not isinstance(instruction, str) or not instruction.strip():
         raise DatasetError(f"{spec_path}: field 'instruction' must be a non-empty string, got {instruction!r}")
+    parser = spec.get("parser_name") or "pytest"
+    if parser != "pytest":
+        raise DatasetError(f"{spec_path}: field 'parser_name': {parser!r} is not supported (only pytest's summary "
+                           "is read here)")
     run_tests = task_dir / "run-tests.sh"
     if not run_tests.is_file():
         raise DatasetError(f"{run_tests}: missing (the task's test script)")
-    image, build = _environment(task_dir, task_dir, None)
-    tests = {f"tests/{k}": v for k, v in _files(task_dir, task_dir / "tests").items()} if (task_dir / "tests").is_dir() else {}
-    tests["run-tests.sh"] = run_tests.read_bytes()
+    image, env = _environment(task_dir.name, task_dir, task_dir, None, network=True, build_timeout_s=None)
+    tests = {"run-tests.sh": run_tests.read_bytes(),
+             **(_files(task_dir / "tests") if (task_dir / "tests").is_dir() else {})}
     solution = task_dir / "solution.sh"
     return TaskInstance(
-        instance_id=task_dir.name, prompt=instruction, image=image, build=build,
-        files=_files(task_dir, task_dir, skip_dirs=("tests", "solution")),
+        instance_id=task_dir.name, prompt=instruction, image=image, environment=env,
+        files=env.local.files if env.local else {},
+        agent_timeout_s=_number(spec_path, spec, "max_agent_timeout_sec", "max_agent_timeout_sec"),
+        test_timeout_s=_number(spec_path, spec, "max_test_timeout_sec", "max_test_timeout_sec"),
         metadata={"format": "terminal_bench_1", "tests": tests, "test_command": f"bash {TESTS_DIR}/run-tests.sh",
-                  "test_timeout_s": _number(spec_path, spec, "max_test_timeout_sec", "max_test_timeout_sec"),
-                  "solution": _text(solution) if solution.is_file() else None},
+                  "test_env": {"TEST_DIR": TESTS_DIR},
+                  "solution": {"solution.sh": solution.read_bytes()} if solution.is_file() else None,
+                  "solve": f"bash {SOLUTION_DIR}/solution.sh"},
     )  # fmt: skip
 
 
@@ -136,12 +210,30 @@ def load_harbor_task(task_dir: Path) -> TaskInstance:
         spec = tomllib.loads(_text(spec_path))
     except tomllib.TOMLDecodeError as err:
         raise DatasetError(f"{spec_path}: not valid TOML ({err})") from None
-    tables = {}
+    tables: dict[str, dict[str, Any]] = {}
     for name in ("verifier", "agent", "environment", "metadata"):
         table = spec.get(name, {})
         if not isinstance(table, dict):
             raise DatasetError(f"{spec_path}: field {name!r} must be a table, got {type(table).__name__}")
         tables[name] = table
+    env, verifier, agent = tables["environment"], tables["verifier"], tables["agent"]
+    for table, key in ((verifier, "user"), (agent, "user")):
+        if table.get(key) is not None:
+            raise DatasetError(f"{spec_path}: field '{'verifier' if table is verifier else 'agent'}.user' is not "
+                               "supported (commands run as the image's user)")
+    if (_number(spec_path, env, "gpus", "environment.gpus") or 0) > 0:
+        raise DatasetError(f"{spec_path}: field 'environment.gpus': sandboxes have no GPUs")
+    if env.get("storage_mb") is not None or env.get("storage") is not None:
+        log.warning("%s: environment storage is not enforced here (the container's disk is the host's)", spec_path)
+    allow = env.get("allow_internet", True)
+    if not isinstance(allow, bool):
+        raise DatasetError(f"{spec_path}: field 'environment.allow_internet' must be true or false, got {allow!r}")
+    workdir = env.get("workdir")
+    if workdir is not None and (not isinstance(workdir, str) or not workdir.startswith("/")):
+        raise DatasetError(f"{spec_path}: field 'environment.workdir' must be an absolute path, got {workdir!r}")
+    test_env = verifier.get("env", {})
+    if not isinstance(test_env, dict) or not all(isinstance(v, str) for v in test_env.values()):
+        raise DatasetError(f"{spec_path}: field 'verifier.env' must be a table of strings")
     instruction_path = task_dir / "instruction.md"
     if not instruction_path.is_file():
         raise DatasetError(f"{instruction_path}: missing (the task's instruction)")
@@ -151,21 +243,29 @@ def load_harbor_task(task_dir: Path) -> TaskInstance:
     test_sh = task_dir / "tests" / "test.sh"
     if not test_sh.is_file():
         raise DatasetError(f"{test_sh}: missing (the task's test script)")
-    docker_image = tables["environment"].get("docker_image")
+    docker_image = env.get("docker_image")
     if docker_image is not None and (not isinstance(docker_image, str) or not docker_image.strip()):
         raise DatasetError(f"{spec_path}: field 'environment.docker_image' must be a non-empty string")
     env_dir = task_dir / "environment"
     if not env_dir.is_dir() and docker_image is None:
         raise DatasetError(f"{env_dir}: missing (the task's environment), and no 'environment.docker_image'")
-    image, build = _environment(task_dir, env_dir, docker_image) if env_dir.is_dir() else (docker_image, None)
-    solve = task_dir / "solution" / "solve.sh"
+    image, environment = _environment(
+        task_dir.name, task_dir, env_dir, docker_image, network=allow, workdir=workdir,
+        cpus=_number(spec_path, env, "cpus", "environment.cpus"), memory_mb=_memory_mb(spec_path, env),
+        build_timeout_s=_number(spec_path, env, "build_timeout_sec", "environment.build_timeout_sec"))
+    if workdir is not None and environment.local is not None and environment.local.workdir not in (None, workdir):
+        environment = replace(environment, local=LocalLayout(
+            refusal=f"{spec_path}: workdir {workdir} is not its Dockerfile's WORKDIR {environment.local.workdir}"))
+    solution_dir = task_dir / "solution"
     return TaskInstance(
-        instance_id=task_dir.name, prompt=instruction, image=image, build=build,
-        files=_files(env_dir, env_dir) if env_dir.is_dir() else {},
-        metadata={"format": "harbor", "tests": {f"tests/{k}": v for k, v in _files(task_dir, task_dir / "tests").items()},
-                  "test_command": f"bash {TESTS_DIR}/test.sh",
-                  "test_timeout_s": _number(spec_path, tables["verifier"], "timeout_sec", "verifier.timeout_sec"),
-                  "solution": _text(solve) if solve.is_file() else None},
+        instance_id=task_dir.name, prompt=instruction, image=image, environment=environment,
+        files=environment.local.files if environment.local else {},
+        agent_timeout_s=_number(spec_path, agent, "timeout_sec", "agent.timeout_sec"),
+        test_timeout_s=_number(spec_path, verifier, "timeout_sec", "verifier.timeout_sec"),
+        metadata={"format": "harbor", "tests": _files(task_dir / "tests"), "test_command": f"bash {TESTS_DIR}/test.sh",
+                  "test_env": dict(test_env),
+                  "solution": _files(solution_dir) if (solution_dir / "solve.sh").is_file() else None,
+                  "solve": f"bash {SOLUTION_DIR}/solve.sh"},
     )  # fmt: skip
 
 
@@ -235,59 +335,77 @@ def harbor_reward(reward_txt: str | None, reward_json: str | None) -> float:
     raise GradingError(f"the test script wrote no reward file ({LOGS_DIR}/reward.txt or reward.json)")
 
 
-class TerminalBenchTask(Task):
+def tb1_pytest_results(output: str) -> dict[str, str]:
+    """Terminal-Bench 1's pytest parser's reading: each test of the ``short test summary info``
+    section (``STATUS path::name [- message]``) and its status; none found raises
+    :class:`GradingError` (the tests never ran: the harness's parse error)."""
+    _, found, summary = output.rpartition("short test summary info")
+    if not found:
+        raise GradingError(f"no pytest summary in the test output (the tests never ran): ...{output[-400:]}")
+    results = {}
+    for line in summary.splitlines():
+        status, _, rest = line.strip().partition(" ")
+        if status in _TB1_STATES and rest:
+            results[rest.split(" - ")[0].strip()] = status
+    if not results:
+        raise GradingError(f"the pytest summary lists no test: ...{output[-400:]}")
+    return results
+
+
+class TerminalBenchTask(DatasetTask):
     """Tasks from Terminal-Bench 1 / Harbor directories; reward from the task's own tests."""
 
     name = "terminal_bench"
     system_prompt = "You operate a Linux shell to complete the task. Reply without a tool call when done."
     tools = (BASH, READ_FILE, WRITE_FILE, STR_REPLACE)
-    verifies_in_sandbox = True
 
-    def __init__(self, path: str) -> None:
-        self._all = load_terminal_bench(path)
-
-    def instances(self, num: int, seed: int = 0) -> list[TaskInstance]:
-        return [self._all[(seed + k) % len(self._all)] for k in range(num)]
+    def __init__(self, path: str, test_run: TestRunLimits | None = None) -> None:
+        super().__init__(load_terminal_bench(path), test_run)
 
     async def setup(self, inst, sandbox) -> None:
-        if inst.files and isinstance(sandbox, LocalSandbox):  # a container has them from its image
-            await sandbox.upload(inst.files)
+        if inst.files and isinstance(sandbox, LocalSandbox):
+            await sandbox.upload(inst.files)  # a container has them from its image
 
     async def verify(self, inst, episode, sandbox) -> Verdict:
         meta = inst.metadata
-        local = isinstance(sandbox, LocalSandbox)
-        tests_dir = f"{sandbox.workdir}/{LOCAL_DIR}/tests" if local else TESTS_DIR
-        logs_dir = f"{sandbox.workdir}/{LOCAL_DIR}/logs/verifier" if local else LOGS_DIR
-        files: Mapping[str, str | bytes] = meta["tests"]
-        if local:  # map the task's absolute paths into the work dir
-            files = {k: _relocate(v, tests_dir, logs_dir) for k, v in files.items()}
-        await upload_to(sandbox, tests_dir, {k.removeprefix("tests/"): v for k, v in files.items()})
-        command = meta["test_command"].replace(TESTS_DIR, tests_dir)
-        run = await sandbox.exec(["sh", "-c", f'mkdir -p "$1" && TEST_DIR="$2" {command}', "sh", logs_dir, tests_dir],
-                                 timeout_s=meta["test_timeout_s"])
+        await upload_to(sandbox, TESTS_DIR, meta["tests"])
+        env = " ".join(f"{k}={_quote(v)}" for k, v in meta["test_env"].items())
+        run = await sandbox.exec(["bash", "-c", f"mkdir -p {LOGS_DIR} && {env} {meta['test_command']}"],
+                                 limits=self.test_limits(inst))
         if run.timed_out:
             raise TimeoutError(f"the tests of {inst.instance_id} exceeded {run.wall_limit_s:g} s")
-        tail = run.output[-2000:]
+        detail: dict[str, Any] = {"exit_code": run.exit_code, "oom_killed": run.oom_killed,
+                                  "log_tail": run.output[-2000:]}
         if meta["format"] == "terminal_bench_1":
-            return Verdict(float(run.ok), detail=json.dumps({"exit_code": run.exit_code, "log_tail": tail}))
-        txt = await sandbox.read_file(f"{logs_dir}/reward.txt")
-        js = await sandbox.read_file(f"{logs_dir}/reward.json")
-        reward = harbor_reward(txt.output if txt.ok else None, js.output if js.ok else None)
-        return Verdict(reward, detail=json.dumps({"exit_code": run.exit_code, "log_tail": tail}))
+            results = tb1_pytest_results(run.output)
+            reward = float(all(s in _TB1_PASSED for s in results.values()))
+            verdict = Verdict(reward, tests=results, detail=json.dumps(detail))
+        else:
+            txt = await sandbox.read_file(f"{LOGS_DIR}/reward.txt")
+            js = await sandbox.read_file(f"{LOGS_DIR}/reward.json")
+            verdict = Verdict(harbor_reward(txt.output if txt.ok else None, js.output if js.ok else None),
+                              detail=json.dumps(detail))
+        if verdict.reward <= 0 and (why := grading.infrastructure_failure(run.output)) is not None:
+            raise GradingError(f"the test environment failed ({why}): ...{run.output[-400:]}")
+        return with_test_seconds(verdict, run.duration_s)
 
     def scripted_turns(self, inst: TaskInstance) -> list[str]:
-        if not inst.metadata["solution"]:
+        """The oracle, as the harness's runs it: the solution's files in ``/solution``, then its
+        script under bash in the work dir."""
+        files = inst.metadata["solution"]
+        if not files:
             raise NotImplementedError(f"task {inst.instance_id} has no solution script")
-        return [tool_call_text("bash", command=inst.metadata["solution"]), "Done."]
+        turns = []
+        for rel, content in files.items():  # a text file as it is, a binary one as base64
+            path = f"{SOLUTION_DIR}/{rel}"
+            try:
+                turns.append(tool_call_text("write_file", path=path, content=content.decode()))
+            except UnicodeDecodeError:
+                data = base64.b64encode(content).decode()
+                turns.append(tool_call_text("bash", command=f"mkdir -p \"$(dirname {_quote(path)})\" && "
+                                                            f"echo {data} | base64 -d > {_quote(path)}"))
+        return [*turns, tool_call_text("bash", command=inst.metadata["solve"]), "Done."]
 
 
-def _relocate(content: str | bytes, tests_dir: str, logs_dir: str) -> str | bytes:
-    if isinstance(content, bytes):
-        try:
-            text = content.decode()
-        except UnicodeDecodeError:
-            return content
-    else:
-        text = content
-    text = re.sub(r"(?<![\w./-])/logs/verifier\b", logs_dir, text)
-    return re.sub(r"(?<![\w./-])/tests\b", tests_dir, text)
+def _quote(text: str) -> str:
+    return "'" + text.replace("'", "'\\''") + "'"

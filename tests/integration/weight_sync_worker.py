@@ -25,7 +25,7 @@ os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 
 import torch  # noqa: E402
 
-from megathunder.config import EngineConfig, GRPOObjective, LearnerConfig, LedgerConfig, ScheduleConfig  # noqa: E402
+from megathunder.config import EngineConfig, GRPOObjective, LearnerConfig, LedgerConfig, ProbeConfig  # noqa: E402
 from megathunder.learner.endpoint import LearnerEndpoint  # noqa: E402
 from megathunder.learner.learner import MegatronLearner  # noqa: E402
 from megathunder.learner.parallel import destroy_distributed, init_distributed  # noqa: E402
@@ -75,7 +75,7 @@ async def control(workdir: Path, model_dir: Path, service: Service, learner: Meg
     out: dict = {}
     try:
         await sync.connect()
-        tolerance = ProbeTolerance(minimum=1e-3, margin=ScheduleConfig().probe_noise_margin)  # the trainer's defaults
+        tolerance = ProbeTolerance(minimum=1e-3, margin=ProbeConfig().noise_margin)  # the trainer's defaults
         gaps = [gap(await probe(service, engine, prompt, await draw(engine, prompt, seed))) for seed in range(1, 4)]
         tolerance.calibrate(gaps)  # same weights
         out["gap_initial"], out["tolerance"] = max(gaps), tolerance.value

@@ -348,6 +348,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dry-run", action="store_true", help="check the plan on any machine, run nothing")
     p.add_argument("--out", default=os.environ.get("OUT", "gpu_check_out"))
     args = p.parse_args(argv)
+    if str(REPO) not in sys.path:  # run as a script: the repository's packages, not an installed copy
+        sys.path.insert(0, str(REPO))
     return dry_run() if args.dry_run else run(Path(args.out))
 
 

@@ -15,12 +15,13 @@
 # then run this script with carry [".whl"]; it installs them into /tmp/site.
 set -uo pipefail
 cd "$(dirname "$0")/.."
+PYTHON="${PYTHON:-python3}"  # the interpreter (CI passes its own)
 if [ "${1:-}" = "--dry-run" ]; then
   bash -n "$0" || { echo "gpu_check --dry-run: $0 does not parse" >&2; exit 1; }
-  exec python3 tools/gpu_check.py --dry-run
+  PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" exec "$PYTHON" tools/gpu_check.py --dry-run
 fi
 if compgen -G ".whl/*.whl" > /dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+  "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     || exit 1
   export PYTHONPATH="/tmp/site:$PWD"
 else
@@ -28,4 +29,4 @@ else
 fi
 export PYTHONUNBUFFERED=1 TORCHDYNAMO_DISABLE=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv || true
-exec python3 tools/gpu_check.py --out "${OUT:-gpu_check_out}"
+exec "$PYTHON" tools/gpu_check.py --out "${OUT:-gpu_check_out}"

@@ -22,8 +22,11 @@ def _gpu_check():
 
 
 def test_the_dry_run_passes():
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # the script finds the repository itself
     proc = subprocess.run(["bash", "tools/gpu_check.sh", "--dry-run"], cwd=REPO, capture_output=True, text=True,
-                          timeout=120)
+                          timeout=120, env={**env, "PYTHON": sys.executable})
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "ok" in proc.stdout.splitlines()[-1]
 

@@ -319,8 +319,10 @@ class MoEConfig(Strict):
     """Weight of the router z-loss (Megatron's ``moe_z_loss_coeff``), a mean over each
     trajectory's positions, weighted as ``aux_loss_coeff``'s."""
     grouped_gemm: bool = False
-    """Megatron's grouped GEMM experts (``moe_grouped_gemm``; CUDA only): false runs the local
-    spec's SequentialMLP, one matmul per expert."""
+    """Megatron's grouped GEMM experts (``moe_grouped_gemm``; CUDA only): TEGroupedMLP on the
+    Transformer Engine spec, the legacy GroupedMLP (bf16, the ``grouped_gemm`` package) on the local
+    one; both load, export and push through the per-expert HF names (``megathunder.learner.hf``).
+    false runs SequentialMLP, one matmul per expert."""
     token_dispatcher: Literal["allgather", "alltoall"] = "allgather"
     """How tokens reach their experts (``moe_token_dispatcher_type``); alltoall needs CUDA streams."""
     routing_replay: bool = False
@@ -417,6 +419,10 @@ class LearnerConfig(Strict):
             if act.recompute == "full" or (act.recompute == "selective" and "mlp" in act.recompute_modules):
                 raise ValueError(f"{field}: activations.recompute would run the routers again in the backward, "
                                  f"after the micro-batch's {held} are gone; recompute core_attn / layernorm only")
+        if self.moe.grouped_gemm and self.precision.layer_spec == "local" and self.precision.params_dtype != "bfloat16":
+            raise ValueError("moe.grouped_gemm: on the local spec Megatron builds the legacy GroupedMLP, whose forward "
+                             "runs bf16 only (it asserts bf16); set precision.params_dtype=bfloat16, or "
+                             "layer_spec=transformer_engine (TEGroupedMLP)")
         if m.hf_checkpoint is None:  # sizes known now; an HF checkpoint is checked when read
             check_parallel_divides_model(m, tp, pp, self.parallel.context_parallel, self.parallel.cp_comm_type)
             if m.is_moe:  # a dense learner.model may be a stand-in for run.init_model (checked by the root)

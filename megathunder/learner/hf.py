@@ -38,6 +38,14 @@ Qwen3-MoE does and adds a shared expert (Megatron's ``SharedExpertMLP``, TP-shar
     model.layers.i.mlp.shared_expert_gate.weight
                                                decoder.layers.i.mlp.shared_experts.gate_weight   replicated
 
+Grouped-GEMM experts (``learner.moe.grouped_gemm``) hold the same per-expert tensors under other
+names; they are mapped onto the canonical names above by :func:`named_params` (derivation there):
+
+    TEGroupedMLP (TE spec)    ...mlp.experts.linear_fc1.weight<e>   = local_experts.e.linear_fc1.weight
+                              ...mlp.experts.linear_fc2.weight<e>   = local_experts.e.linear_fc2.weight
+    GroupedMLP (local spec)   ...mlp.experts.weight1 [H, E_l * 2F]  viewed [E_l, H, 2F]: expert e's fc1, transposed
+                              ...mlp.experts.weight2 [E_l * F, H]   viewed [E_l, F, H]: expert e's fc2, transposed
+
 Expert indices are global in the canonical names, as layer indices are: expert-parallel rank ``r``
 holds experts ``[r * E/ep, (r+1) * E/ep)`` as its ``local_experts.0 ..``, so it reads only those
 experts' tensors (and only its expert-tensor slice of each). Because the expert grid refines the
@@ -65,6 +73,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -357,11 +366,17 @@ def _expert_offset(m: PolicyModelConfig, pgs: ProcessGroups) -> int:
     return 0 if m.num_experts is None else pgs.ep_rank * experts_per_rank(m, pgs.dims.ep)
 
 
+_TE_GROUPED = re.compile(r"\.mlp\.experts\.linear_fc([12])\.weight(\d+)$")
+"""TEGroupedMLP's parameters: Transformer Engine's ``GroupedLinear`` registers one weight per GEMM,
+``weight0 .. weight<E_l - 1>`` (Megatron's ``TEGroupedLinear._sharded_state_dict_grouped`` reads
+``weight{gemm_idx}``)."""
+
+
 def _canonical(name: str) -> str:
     """TE-spec parameter name -> local-spec name (the names the mapping above uses)."""
     for local, te in _TE_NAMES.items():
         name = name.replace(te, local)
-    return name
+    return _TE_GROUPED.sub(lambda g: f".mlp.experts.local_experts.{g[2]}.linear_fc{g[1]}.weight", name)
 
 
 def _trainable_items(model: torch.nn.Module):
@@ -371,16 +386,71 @@ def _trainable_items(model: torch.nn.Module):
         yield name, param
 
 
+def _legacy_grouped(model: torch.nn.Module) -> dict[str, int]:
+    """Module path -> local expert count of every legacy ``GroupedMLP`` (local spec, grouped GEMM)."""
+    from megatron.core.transformer.moe.experts import GroupedMLP
+
+    return {name: mod.num_local_experts for name, mod in model.named_modules() if isinstance(mod, GroupedMLP)}
+
+
+def grouped_expert_views(leaf: str, fused: torch.Tensor, num_local: int, hidden: int) -> list[torch.Tensor]:
+    """Each local expert's SequentialMLP-layout tensor as a view of a legacy ``GroupedMLP``
+    parameter (``leaf``: weight1 or weight2): ``fused.view(E_l, H, -1)[e].t()`` for fc1,
+    ``fused.view(E_l, -1, H)[e].t()`` for fc2 (:func:`named_params` derives why)."""
+    per = fused.view(num_local, hidden, -1) if leaf == "weight1" else fused.view(num_local, -1, hidden)
+    return [per[e].t() for e in range(num_local)]
+
+
+def named_params(model: torch.nn.Module, source: str = "param") -> Iterator[tuple[str, torch.Tensor]]:
+    """(canonical local name, tensor) of every parameter of the stage's model chunk (``source``:
+    the parameter, or its gradient buffer ``main_grad``), grouped-GEMM experts one per expert.
+
+    Megatron keeps a layer's experts in one of three modules; each holds expert ``e``'s two
+    SequentialMLP tensors -- ``[gate_r; up_r]`` of shape [2F/etp, H] and the down projection's
+    columns [H, F/etp], both out x in (``y = x W^T``) -- under other names:
+
+    - TEGroupedMLP (TE spec): TE's ``GroupedLinear`` stores each GEMM's weight as ``weight<e>``,
+      out x in like any TE or torch linear, and Megatron checkpoints ``weight<e>`` under
+      SequentialMLP's key of expert e unchanged (``TEGroupedMLP.sharded_state_dict``, the same
+      swiglu factory as a dense fc1): the same tensor, renamed (:func:`_canonical`).
+    - GroupedMLP (legacy, local spec): two parameters hold every local expert, ``weight1``
+      [H, E_l * 2F/etp] and ``weight2`` [E_l * F/etp, H]. Its forward reads their storage as
+      ``w1 = weight1.view(E_l, H, -1)``, ``w2 = weight2.view(E_l, -1, H)`` and computes expert
+      e's tokens as ``x @ w1[e]`` and ``act(.) @ w2[e]`` (``gmm(..., trans_b=False)``), the GLU
+      halves being the last dim's chunks as a dense fc1's rows are. So ``w1[e]`` is expert e's
+      fc1 weight transposed and ``w2[e]`` its fc2's; Megatron's own checkpoint of it writes
+      ``view(E_l, ...).transpose(-1, -2)`` (``GroupedMLP.sharded_state_dict``). The views
+      ``w1[e].t()`` / ``w2[e].t()`` are therefore expert e's canonical tensors, aliasing the
+      fused storage: loading copies into it through them, and nothing is copied on the way out
+      until a consumer reads them.
+
+    Expert-tensor parallelism slices every expert alike in all three (rank r: gate and up rows
+    r of etp, down columns r of etp), so the sharding rules above hold unchanged."""
+    legacy = _legacy_grouped(model)
+    for name, param in _trainable_items(model):
+        value = param if source == "param" else param.main_grad
+        head, _, leaf = name.rpartition(".")
+        if head in legacy and leaf in ("weight1", "weight2"):
+            fc = "linear_fc1" if leaf == "weight1" else "linear_fc2"
+            hidden = param.shape[0] if leaf == "weight1" else param.shape[1]
+            for e, view in enumerate(grouped_expert_views(leaf, value, legacy[head], hidden)):
+                yield f"{head}.local_experts.{e}.{fc}.weight", view
+        else:
+            yield _canonical(name), value
+
+
 def stage_params(model: torch.nn.Module, m: PolicyModelConfig, offset: int,
-                 expert_offset: int = 0) -> dict[str, torch.Tensor]:
+                 expert_offset: int = 0, source: str = "param") -> dict[str, torch.Tensor]:
     """Global canonical key -> this rank's parameter of the stage (the tied last-stage output layer
-    included; ``expert_offset``: the global index of the rank's first local expert)."""
-    return {_local_to_global(_canonical(name), offset, expert_offset): param for name, param in _trainable_items(model)}
+    included; ``expert_offset``: the global index of the rank's first local expert; ``source``:
+    as :func:`named_params`)."""
+    return {_local_to_global(name, offset, expert_offset): value for name, value in named_params(model, source)}
 
 
-def rank_params(model: torch.nn.Module, m: PolicyModelConfig, pgs: ProcessGroups, offset: int) -> dict[str, torch.Tensor]:
+def rank_params(model: torch.nn.Module, m: PolicyModelConfig, pgs: ProcessGroups, offset: int,
+                source: str = "param") -> dict[str, torch.Tensor]:
     """``stage_params`` with this rank's experts under their global indices."""
-    return stage_params(model, m, offset, _expert_offset(m, pgs))
+    return stage_params(model, m, offset, _expert_offset(m, pgs), source)
 
 
 def _checked_params(model: torch.nn.Module, m: PolicyModelConfig, pgs: ProcessGroups, offset: int) -> dict[str, torch.Tensor]:
@@ -597,15 +667,10 @@ def gather_full_state(
     all-reduce they hold the full reduced gradient on every rank).
     """
     stage: dict[str, torch.Tensor] = {}
-
-    def value(param: torch.Tensor) -> torch.Tensor:
-        return param.detach() if source == "param" else param.main_grad.detach()
-
-    for name, param in _trainable_items(model):
-        canon = _canonical(name)
+    for canon, tensor in named_params(model, source):
         if (canon == "output_layer.weight" and m.tie_word_embeddings) or expert_index(canon) is not None:
             continue
-        local = value(param)
+        local = tensor.detach()
         if pgs.dims.tp > 1 and _tp_rule(canon) is not None:
             parts = [torch.empty_like(local) for _ in range(pgs.dims.tp)]
             dist.all_gather(parts, local.contiguous(), group=pgs.tp)
@@ -614,7 +679,8 @@ def gather_full_state(
             full = local
         stage[_local_to_global(canon, offset)] = full.cpu().clone()
     if m.num_experts is not None and pgs.data_unit == 0:  # experts: onto grid rank 0 from their holders
-        mine = {k: value(p) for k, p in rank_params(model, m, pgs, offset).items() if expert_index(k) is not None}
+        mine = {k: p.detach() for k, p in rank_params(model, m, pgs, offset, source).items()
+                if expert_index(k) is not None}
         dtype = next(iter(mine.values())).dtype
         for key in megatron_keys(m, pgs.dims.pp, pgs.pp_rank):
             if expert_index(key) is None:
@@ -641,11 +707,10 @@ def load_full_state(
 ) -> None:
     """Copy this rank's shard of a full Megatron state dict into the stage's model chunk (tests)."""
     with torch.no_grad():
-        for name, param in _trainable_items(model):
-            canon = _canonical(name)
+        for canon, param in named_params(model):
             key = _local_to_global(canon, offset, _expert_offset(m, pgs))
             if canon == "output_layer.weight" and m.tie_word_embeddings:
                 key = "embedding.word_embeddings.weight"  # last stage's copy of the tied embedding
             if key not in full:
-                raise KeyError(f"checkpoint has no tensor for {key} (parameter {name})")
+                raise KeyError(f"checkpoint has no tensor for {key} (parameter {canon})")
             param.copy_(shard(key, full[key], *_shard_split(key, pgs)).to(param.dtype))

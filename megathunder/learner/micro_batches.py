@@ -11,8 +11,9 @@ each building every micro-batch's (inputs, positions, mask, the rows the head re
 
 Long trajectories. Under sequence parallelism the sequence is split over the TP ranks and under
 context parallelism over the CP ranks (Megatron's load-balanced layout: 2 x CP chunks, rank r
-holding chunks r and 2CP - 1 - r), so each trajectory's inputs are padded at the end to a multiple
-of ``ParallelDims.seq_multiple``. Padding is exact: attention is causal, so no real position sees a
+holding chunks r and 2CP - 1 - r), and FP8 GEMMs take token counts of a multiple of 16 (32 for
+MXFP8), so each trajectory's inputs are padded at the end to a multiple of
+``ParallelDims.seq_multiple``, which covers all three. Padding is exact: attention is causal, so no real position sees a
 pad, and the pads' targets are cut off before the loss, so their rows carry zero gradient. Under CP
 each rank's logits cover its own chunks; their token logprobs (and entropies) are gathered into the
 whole sequence with a gather whose backward returns each rank its own positions' share

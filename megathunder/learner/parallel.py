@@ -25,6 +25,7 @@ sharded k times further than EP inside TP allows; the dense compute is repeated 
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 from dataclasses import dataclass
@@ -38,6 +39,7 @@ from megathunder.config import (
     LearnerConfig,
     ParallelConfig,
     PolicyModelConfig,
+    PrecisionConfig,
     check_experts_divide_model,
     check_parallel_divides_model,
 )
@@ -57,6 +59,7 @@ class ParallelDims:
     cp_comm_type: str = "p2p"
     ep: int = 1  # expert parallelism (MoE): ep x etp = tp x expert_span
     etp: int = 0  # expert-tensor parallelism (MoE); 0: tp / ep where ep divides tp, else 1
+    token_align: int = 1  # each rank's tokens a multiple of this (FP8 GEMMs: ``fp8_token_align``)
 
     def __post_init__(self) -> None:
         if not self.etp:
@@ -73,7 +76,7 @@ class ParallelDims:
         return self.dp // self.expert_span
 
     @classmethod
-    def build(cls, cfg: ParallelConfig, world_size: int) -> ParallelDims:
+    def build(cls, cfg: ParallelConfig, world_size: int, token_align: int = 1) -> ParallelDims:
         tp, pp, cp = cfg.tensor_parallel, cfg.pipeline_parallel, cfg.context_parallel
         if world_size % (tp * pp * cp):
             layout = f"tensor_parallel x pipeline_parallel = {tp} x {pp}" if cp == 1 else \
@@ -92,14 +95,30 @@ class ParallelDims:
                               f"{cfg.expert_tensor_parallel_size} spans {span} data-parallel ranks, which does not "
                               f"divide the data-parallel size {dp} (world size {world_size})")
         return cls(tp, pp, dp, cp, cfg.sequence_parallel, cfg.cp_comm_type, cfg.expert_parallel,
-                   cfg.expert_tensor_parallel_size)
+                   cfg.expert_tensor_parallel_size, token_align)
+
+    @classmethod
+    def of(cls, cfg: LearnerConfig, world_size: int) -> ParallelDims:
+        """The learner's layout, its token alignment from its precision (``fp8_token_align``)."""
+        return cls.build(cfg.parallel, world_size, fp8_token_align(cfg.precision))
 
     @property
     def seq_multiple(self) -> int:
         """Every trajectory's length is padded to a multiple of this: TP under sequence parallelism
         (the sequence is split over the TP ranks), 2 x CP under context parallelism (Megatron's
-        load-balanced chunks), their product with both."""
-        return (self.tp if self.sp else 1) * (2 * self.cp if self.cp > 1 else 1)
+        load-balanced chunks), their product with both; and, with ``token_align`` a > 1 (FP8),
+        a multiple of a x CP too.
+
+        Why a x CP: a linear layer's GEMM runs over the tokens one rank holds for it. Sequence
+        parallelism gathers the whole sequence before every column-parallel linear and
+        reduce-scatters after every row-parallel one, so under TP each rank's linear layers see
+        all L tokens of a row; under CP each rank holds 2 of 2 CP chunks, L / CP tokens. A
+        micro-batch of b rows of padded length L puts b x L / CP tokens into each GEMM: L a
+        multiple of a x CP makes that a multiple of a for every b. The lcm keeps the TP / CP
+        multiple: both hold at once, and padding is exact whatever the multiple
+        (``megathunder.learner.micro_batches``)."""
+        base = (self.tp if self.sp else 1) * (2 * self.cp if self.cp > 1 else 1)
+        return base if self.token_align <= 1 else math.lcm(base, self.token_align * self.cp)
 
     def check_model(self, model: PolicyModelConfig, experts: bool = True) -> None:
         """``experts=False``: the dense model may be a stand-in (the run's model comes from a
@@ -182,6 +201,20 @@ class ProcessGroups:
         return self.pp_rank == self.dims.pp - 1
 
 
+def fp8_token_align(precision: PrecisionConfig) -> int:
+    """The multiple each rank's token count must be under ``precision`` (1 without FP8).
+
+    Transformer Engine's FP8 GEMMs take their operands with the product of all but the last dim
+    divisible by 8 and the last divisible by 16 (``transformer_engine.pytorch.utils.
+    assert_dim_for_fp8_exec``); the weight-gradient GEMM takes the activations transposed, tokens
+    last, so the token count must be a multiple of 16 -- 32 for MXFP8, whose scales cover blocks
+    of 32 (Megatron's ``megatron.core.fp8_utils.get_fp8_align_size``, which its MoE layers pad each
+    expert's tokens to)."""
+    if precision.fp8 is None:
+        return 1
+    return 32 if precision.fp8_recipe == "mxfp8" else 16
+
+
 def world_from_env() -> tuple[int, int, int]:
     """(rank, world size, local rank) from torchrun's or Slurm's environment; (0, 1, 0) alone."""
     rdzv = rendezvous_from_env()
@@ -196,7 +229,7 @@ def init_distributed(cfg: LearnerConfig) -> ProcessGroups:
         raise ConfigError("learner.parallel.context_parallel: needs CUDA GPUs (Transformer Engine's attention)")
     if cfg.precision.layer_spec == "transformer_engine" and not torch.cuda.is_available():
         raise ConfigError("learner.precision.layer_spec: transformer_engine needs CUDA GPUs")
-    dims = ParallelDims.build(cfg.parallel, world_size)
+    dims = ParallelDims.of(cfg, world_size)
     if cfg.model.hf_checkpoint is None:
         dims.check_model(cfg.model, experts=cfg.model.is_moe)
 

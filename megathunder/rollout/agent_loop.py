@@ -16,6 +16,14 @@ would not fit ends it before the output); ``agent.episode_wall_time_s``, or the 
 ``agent_timeout_s`` (a benchmark task's harness limit) (generation and tools are
 cancelled at the deadline, killing the tool's processes; the verifier still scores the state).
 
+The last turn's tools run (the verifier scores the state they leave) but their output is not
+appended: no turn would read it, and no request of the engine would compute those positions. The
+trajectory then ends with the model's own last tokens, every input position one the engine
+computed -- which routing replay needs (``megathunder.rollout.engines.routing_capture``: the
+engine records the routing of the positions it computes; an output appended after the last turn
+had none, and the learner refused the trajectory) -- and the learner forwards no positions that
+reach no loss (attention is causal: nothing after the last trained token affects it).
+
 Faults: a failed episode (non-finite or mismatched engine logprobs, a sandbox that cannot be set
 up, a verifier that raises, times out or returns a non-finite reward) gets ``Episode.failure`` and
 the ``verifier.on_failure`` outcome; RELIABILITY.md lists every fault and its policy.
@@ -263,6 +271,8 @@ class AgentLoop:
                     f"[error: only {limit} tool calls per turn are run; {len(calls) - limit} ignored]"
                 )
             turn.tools_done_at = time.monotonic()
+            if index + 1 == self.cfg.max_turns:  # no turn reads a response: not appended (module docstring)
+                break
             response = self.codec.tool_response_ids(observations)
             if len(ep.token_ids) + len(response) >= self.cfg.max_total_tokens:
                 ep.truncated = True

@@ -39,7 +39,23 @@ def test_the_image_installs_exactly_the_projects_requirements():
     text = (REPO / "Dockerfile").read_text()
     assert dockerfile_requirements(text) == project_requirements()
     assert "pip install --no-deps -e ." in text  # megathunder itself adds nothing pip resolves again
-    assert re.search(r"^ARG BASE_IMAGE=nvcr\.io/nvidia/pytorch:", text, re.M)
+
+
+def test_the_image_has_one_torch_and_compiles_transformer_engine_against_it():
+    """A plain CUDA devel base (no torch of its own to replace: NGC's pre-release torch cannot satisfy
+    vllm's pin), PyPI's torch first and vllm's pin satisfied by it, Transformer Engine's extension
+    compiled against that torch, and the build's import check asserting the one torch."""
+    text = (REPO / "Dockerfile").read_text()
+    assert re.search(r"^ARG CUDA_IMAGE=nvidia/cuda:[\w.]+-cudnn-devel-", text, re.M)
+    assert "nvcr.io/nvidia/pytorch" not in text.split("FROM", 1)[1]  # only named in the comment
+    reqs = dockerfile_requirements(text)
+    assert "torch==2.13.0" in reqs and "vllm==0.32.0" in reqs
+    te = re.search(r"pip install --no-build-isolation \"transformer_engine\[pytorch,core_\$\{TORCH_CUDA\}\]", text)
+    assert te and te.start() > text.index("# -- end requirements --")  # after torch, against it
+    check = text[text.rindex("RUN pip install --no-deps -e ."):]
+    for module in ("torch", "megatron.core", "vllm", "transformer_engine.pytorch", "megathunder"):
+        assert module in check, module
+    assert "version('torch') == '2.13.0'" in check
 
 def test_the_check_sees_drift(tmp_path):
     text = (REPO / "Dockerfile").read_text()

@@ -79,6 +79,39 @@ def test_moe_replay_with_expert_parallelism_gives_the_live_parameters(moe_run, t
         assert update_error(start, tmp_path / mode, live) <= UPDATE_RTOL, mode  # measured 8.8e-6 / 9.4e-6
 
 
+def test_moe_run_whose_last_turns_call_tools_routes_every_position(tmp_path):
+    """The MoE quickstart stopped at GRPO step ~20 of 60: a trajectory whose one turn ended in a tool
+    call had the tool's output appended after it, positions no engine request computed, so routing
+    replay had no routing for them and the learner refused the trajectory. The calculator task's
+    warm start makes tool calls the rule (its scripts call the calculator first), so with one turn
+    the first step crosses that point several times: the run finishes, and every trajectory -- the
+    ones ending in a tool call included (checked: some do) -- ends with the model's own last token,
+    every input position routed."""
+    from tokenizers import Tokenizer
+
+    from megathunder.trainer.journal import completed_steps
+
+    out = tmp_path / "calc"
+    cmd = [sys.executable, "-m", "megathunder.cli", "train", str(ROOT / "configs/quickstart_moe.yaml"),
+           f"run.output_dir={out}", *SMALL, "eval.every_n_steps=0", "run.num_steps=1", "sft.num_steps=8",
+           "sft.batch_size=16", "run.wandb=disabled", "run.checkpoint_every=0", "task.name=calculator",
+           "agent.max_turns=1", "agent.max_new_tokens_per_turn=48", "agent.max_total_tokens=700",
+           "rollout.engine.max_model_len=1024"]
+    proc = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=900, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    tok = Tokenizer.from_file(str(out / "init_model" / "tokenizer.json"))
+    call, end = tok.token_to_id("<tool_call>"), tok.token_to_id("<|im_end|>")
+    ended_in_a_call = 0
+    for _, entries, _ in completed_steps(out / "journal.jsonl"):
+        for e in entries:
+            t = e.traj
+            assert t.routed_experts is not None and int(t.routed_experts.min()) >= 0  # every position routed
+            generated = t.tokens[1:][t.loss_mask].tolist()
+            assert t.tokens[-1].item() == generated[-1]  # nothing after the model's last token
+            ended_in_a_call += call in generated and generated[-1] == end
+    assert ended_in_a_call > 0  # the case that stopped the quickstart happened
+
+
 # MoE push + replay in process: the tests above; servers' push: tests/integration/test_chaos.py and test_vllm_engine.py
 @pytest.mark.slow
 def test_moe_on_a_rollout_server_pushes_experts_and_replays_its_routing(tmp_path):

@@ -241,6 +241,22 @@ def test_turn_and_token_limits(tmp_path, agent, script, stop, truncated):
     assert len(ep.turns) <= agent.get("max_turns", 8)
 
 
+def test_the_last_turns_tools_run_but_their_output_is_not_appended(tmp_path):
+    """The turn limit reached on a tool call: the tool runs (the verifier scores the state it
+    leaves) but no turn would read its output, so none is appended. The trajectory ends with the
+    model's last token and every input position is one the engine computed -- routing replay has
+    the routing of exactly those (the MoE quickstart stopped at its first such trajectory)."""
+    task = _ToolTask([BASH])
+    (inst,) = task.instances(1)
+    script = [tool_call_text("bash", command="echo hi >> f; cat f")] * 3
+    (ep,), events = run_scripted(task, [inst], tmp_path, scripts={inst.prompt: script}, agent={"max_turns": 2})
+    assert ep.stop_reason == "max_turns" and len(ep.turns) == 2
+    assert [[r.observation.strip() for r in t.tool_runs] for t in ep.turns] == [["hi"], ["hi\nhi"]]  # both ran
+    last = [e for e in events if e.kind == "turn_finished"][-1]
+    assert ep.token_ids == last.payload["token_ids"]  # the last request's prompt and output, nothing after
+    assert ep.token_ids[-1] == codec().end_of_turn_id and len(ep.loss_mask) == len(ep.token_ids) - 1
+
+
 def test_episode_wall_time_limit(tmp_path):
     task = _ToolTask([BASH])
     (inst,) = task.instances(1)

@@ -51,6 +51,7 @@ MOE = ["learner.model.family=qwen3_moe", "learner.model.num_experts=4", "learner
     (["learner.moe.routing_replay=true", "schedule.mode=async"], "learner.moe.routing_replay", "sync or thunder"),
     (["learner.moe.routing_replay=true", "learner.activations.recompute=full"], "learner.moe.routing_replay",
      "run the routers again"),
+    (["learner.moe.grouped_gemm=true"], "learner.moe.grouped_gemm", "bf16 only"),  # the legacy GroupedMLP
 ])
 def test_moe_settings_are_checked_at_parse_time(overrides, field, words):
     with pytest.raises(ConfigError) as err:
@@ -70,6 +71,8 @@ def test_valid_expert_layouts_parse():
                              "learner.moe.z_loss_coeff=0.001"]).learner.moe
     assert moe.router_losses  # the per-sequence loss and the z-loss are exact under the ledger
     assert not load_config(None, ["learner.moe.load_balancing_type=aux_loss"]).learner.moe.router_losses  # coeff 0
+    for spec in (["learner.precision.params_dtype=bfloat16"], ["learner.precision.layer_spec=transformer_engine"]):
+        assert load_config(None, ["learner.moe.grouped_gemm=true", *spec]).learner.moe.grouped_gemm  # both mapped
 
 
 def test_routing_replay_turns_on_the_engines_recorder():

@@ -54,6 +54,8 @@ def engine_kwargs(cfg: EngineConfig) -> dict:
         kwargs["block_size"] = cfg.block_size
     if cfg.scheduling != "fifo":  # requests carry priorities (megathunder.rollout.priority)
         kwargs["scheduling_policy"] = "priority"
+    if cfg.record_routing:  # the recorder attributes rows by the tokens of a synchronous runner (routing_capture)
+        kwargs["async_scheduling"] = False
     chunked = cfg.enable_chunked_prefill
     if chunked is None and _on_cpu():
         chunked = False

@@ -89,7 +89,7 @@ def server_command(model_path: str, cfg: EngineConfig, port: int) -> list[str]:
         if value is None:
             continue
         if value is False:
-            if key in ("enable_prefix_caching", "enable_chunked_prefill"):
+            if key in ("enable_prefix_caching", "enable_chunked_prefill", "async_scheduling"):
                 cmd.append("--no-" + flag[2:])
             continue
         cmd += [flag] if value is True else [flag, str(value)]

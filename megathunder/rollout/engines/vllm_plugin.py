@@ -1,4 +1,5 @@
-"""megathunder's vLLM general plugin: how long vLLM's shared-memory readers spin.
+"""megathunder's vLLM general plugin: how long vLLM's shared-memory readers spin, and routing
+capture bound at model load.
 
 vLLM's engine core hands each step's scheduler output to its worker processes (and reads their
 results back) through a shared-memory ring buffer (``vllm.distributed.device_communicators.
@@ -17,6 +18,13 @@ engine set ``MEGATHUNDER_VLLM_SHM_SPIN_S`` in their environment (``environment``
 of the same vLLM install are untouched. A reader past the cap waits on the writer's zmq
 notification, which the writer sends after every write: what it reads is unchanged, only how it
 waits.
+
+Routing capture (``rollout.engine.record_routing``, ``MEGATHUNDER_VLLM_RECORD_ROUTING``): the
+recorder's hooks must be on the routers before vLLM compiles the model and captures its CUDA
+graphs, or the graphs replay forwards that never call them. vLLM calls a worker's ``load_model``
+before either (``compile_or_warm_up_model`` comes after), so the recorder is bound right after it
+(``routing_capture.install_on_runner``); the worker extension's ``megathunder_routing_start`` later
+finds it there.
 """
 
 from __future__ import annotations
@@ -29,18 +37,43 @@ if TYPE_CHECKING:
     from megathunder.config import EngineConfig
 
 SPIN_ENV = "MEGATHUNDER_VLLM_SHM_SPIN_S"
+ROUTING_ENV = "MEGATHUNDER_VLLM_RECORD_ROUTING"
 
 
 def environment(cfg: EngineConfig) -> dict[str, str]:
-    """What the processes of an engine with ``cfg`` need in their environment for this plugin."""
-    return {SPIN_ENV: repr(cfg.shm_spin_s)}
+    """What the processes of an engine with ``cfg`` need in their environment for this plugin
+    (every key, set or empty: an in-process engine's environment outlives it)."""
+    return {SPIN_ENV: repr(cfg.shm_spin_s), ROUTING_ENV: "1" if cfg.record_routing else ""}
 
 
 def register() -> None:
-    """vLLM's entry point: cap the shared-memory spin if megathunder asked for it (else nothing)."""
+    """vLLM's entry point: cap the shared-memory spin, bind routing capture at model load -- each
+    only if megathunder asked for it (else nothing)."""
     value = os.environ.get(SPIN_ENV)
     if value:
         cap_shm_spin(float(value))
+    if os.environ.get(ROUTING_ENV):
+        record_routing_at_load()
+
+
+def record_routing_at_load() -> None:
+    """Bind the routing recorder to every worker's runner as soon as its model is loaded (module
+    docstring); once per process."""
+    from vllm.v1.worker.gpu_worker import Worker
+
+    if getattr(Worker, "megathunder_records_routing", False):
+        return
+    load = Worker.load_model
+
+    @functools.wraps(load)
+    def load_then_record(self: Any, *args: Any, **kwargs: Any) -> None:
+        load(self, *args, **kwargs)
+        from megathunder.rollout.engines.routing_capture import install_on_runner
+
+        install_on_runner(self.model_runner)
+
+    Worker.load_model = load_then_record
+    Worker.megathunder_records_routing = True
 
 
 def cap_shm_spin(seconds: float) -> None:

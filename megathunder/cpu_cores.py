@@ -6,12 +6,11 @@ use different resources. On a CPU machine both compute on the same cores unless 
 vLLM's CPU workers bind their threads to cores of their own choosing (its automatic binding; on
 this project's 2-core machine core 0 alone) while torch's threads in the learner use every core,
 so the two oversubscribe the cores vLLM took. Measured on the 2-core machine of this project
-(BENCHMARKS.md, "Cores of their own"), one core each did not raise thunder's share of B on the
-calculator workload (85-86% vs 88-89% shared, same warm-started model) and made both schedules
-slower (the learner's pass on one core). The rollout's slowdown under thunder seen there (7-8%)
-came with 2.5-2.8 s a step of learner work in Megatron's unfused attention; with torch's fused
-attention (1.6-2.2 s) it is gone on shared cores (BENCHMARKS.md, "A fair sync on the tools
-workload").
+(`megathunder bench schedules` on the tools workload), one core each did not raise thunder's share
+of B on the calculator workload (85-86% vs 88-89% shared, same warm-started model) and made both
+schedules slower (the learner's pass on one core). The rollout's slowdown under thunder seen there
+(7-8%) came with 2.5-2.8 s a step of learner work in Megatron's unfused attention; with torch's
+fused attention (1.6-2.2 s) it is gone on shared cores.
 
 ``learner.cpu_cores`` and ``rollout.engine.cpu_cores`` give each side its own cores (disjoint,
 checked at parse time; each a subset of the cores this process may use, checked before any

@@ -12,7 +12,7 @@ model), one after the other on the same machine. Workloads:
   grading (with ``--config configs/swe_local.yaml``, which sets its limits).
 
 Per schedule (medians over the steps after the first, which pays one-off costs; the figures in
-BENCHMARKS.md before 2026-12-05 are means over every step): wall time per optimizer step, learner
+earlier runs took means over every step): wall time per optimizer step, learner
 idle share, steps per hour, and every schedule's ratio to sync in steps per hour, with sync's
 zero-staleness overlap bound B = step / (step - learner busy). ``--ablate NAME ...`` adds one
 thunder run per name with that mechanism switched off (``ABLATIONS``), in the same invocation, so

@@ -63,7 +63,7 @@ class ProbeConfig(Strict):
     is, that measure the noise floor; each is also compared as sampled, at the run's temperature."""
     noise_margin: float = Field(10.0, ge=1)
     """How many times the noise floor a gap may reach (measured: the largest later gap was 3.2x the
-    floor over 300 probes with a bf16 engine, 2.6x with fp32: BENCHMARKS.md, "probe noise")."""
+    floor over 300 probes with a bf16 engine, 2.6x with fp32: BENCHMARKS.md, `megathunder bench probe`)."""
     max_noise_floor: float = Field(1.0, gt=0)
     """A floor above this is not numerics: vLLM and the learner compute different models (a RoPE,
     vocabulary or layout mismatch); the run stops at its first push."""

@@ -12,9 +12,8 @@ With a generation hold (``hold_while``: the rollout engine computes on the learn
 devices, ``ledger.hold_while_generating``), the window stays open past ``seconds`` while it returns
 true: a backward pass started then would take compute from the sequences still generating, and the
 work goes packed once they pause -- after one more ``seconds``: the sequences of generation's last
-steps are still on their way to the learner when the engine stops (on SmolLM2 the first of them
-would start a pass over half the batch that the other half then waited behind: BENCHMARKS.md, "the
-generation tail").
+steps are still on their way to the learner when the engine stops (measured on SmolLM2: the first
+of them would start a pass over half the batch that the other half then waited behind).
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ when the probe was calibrated -- in one prefill, and samples one token after it 
 the logprobs of the continuation and of that token, of softmax(logits) (temperature 1: vLLM's
 prompt logprobs apply no sampling processor). The learner scores the same tokens at temperature 1.
 One prefill instead of ``probe.tokens`` decode steps: on SmolLM2-135M on a CPU ~0.25 s instead of
-~1.7 s a push (BENCHMARKS.md, "the probe").
+~1.7 s a push (BENCHMARKS.md, `megathunder bench probe`).
 
 1. **vLLM moved with the learner.** Every push ends with the same probe request (same tokens, same
    seed, no cached prefix read -- vLLM reads none for a request that asks for prompt logprobs): an
@@ -26,13 +26,13 @@ One prefill instead of ``probe.tokens`` decode steps: on SmolLM2-135M on a CPU ~
    A later probe's gap is the max of its n token errors and f0 the max of the calibration's K * n;
    with exchangeable errors a later max would exceed f0 with probability up to 1 / (K + 1), so tau
    needs a margin: ``megathunder bench probe`` measures the ratio gap / f0 over hundreds of probes on
-   the same and on updated weights (BENCHMARKS.md, "probe noise"); the default margin is about three
+   the same and on updated weights (BENCHMARKS.md, `megathunder bench probe`); the default margin is about three
    times the largest ratio seen. Once a push has passed both checks its gap is numerics on the new
    weights, so the floor becomes the largest of f0 and the gaps accepted so far (bf16 rounding grows
    with the logits' scale as training moves them) -- but never more than ``margin * f0``: a floor
    that followed every accepted gap could grow by the margin at each push, and a slowly worsening
    engine would raise its own tolerance; so tau <= margin^2 * f0 (a floor that grew 4x over a bf16
-   run was measured: BENCHMARKS.md). This check catches wrong or partly loaded
+   run was measured: `megathunder bench probe`). This check catches wrong or partly loaded
    weights; it cannot see a stale push whose update moves the policy by less than tau, which check 1
    does. The tolerance of every push is reported with its gap (``probe_tolerance`` in metrics.jsonl).
 

@@ -252,10 +252,6 @@ async def _control(cfg: Config, task: Task, out: Path, service: LearnerService[L
         await trainer.learner.export(out / "final_model")  # a HF directory: eval, serve, distill
         trainer.records.timeline.write(out, service.spans, trainer.records.metrics.rows)  # the trace the summary's estimates replay
         summary = write_summary(out, trainer.records.metrics.rows)
-        if (out / "eval_before.json").is_file():
-            before = json.loads((out / "eval_before.json").read_text())
-            if "eval/pass@1" in before:
-                summary = {**summary, "eval_pass@1_before_rl": round(before["eval/pass@1"], 4)}
         print_summary(summary, out)
         return summary
     finally:

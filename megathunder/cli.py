@@ -29,6 +29,7 @@ BENCHMARKS = {
     "chaos": "megathunder.bench.chaos_soak",
     "peers": "megathunder.bench.peers",
     "tasks": "megathunder.bench.task_timing",
+    "learning": "megathunder.bench.learning",
 }
 
 

@@ -10,7 +10,8 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 
-def write_summary(out: Path, rows: list[dict]) -> dict:
+def write_summary(out: Path, rows: list[dict], setup_s: float | None = None) -> dict:
+    """``setup_s``: this invocation's seconds before its first step (not in ``wall_s``)."""
     k = max(1, len(rows) // 5)
     mean = lambda key, rs: sum(r[key] for r in rs) / max(len(rs), 1)  # noqa: E731
     summary = {
@@ -23,7 +24,8 @@ def write_summary(out: Path, rows: list[dict]) -> dict:
         "max_policy_lag": max((r["policy_lag_max"] for r in rows), default=0),
         "max_probe_gap": max((r["probe_gap"] for r in rows if not math.isnan(r["probe_gap"])), default=float("nan")),
         "mean_backward_after_last_reward": round(mean("backward_after_last_reward", rows), 3),
-        "wall_s": round(rows[-1]["wall_s"], 1) if rows else 0.0,
+        "wall_s": round(rows[-1]["wall_s"], 1) if rows else 0.0,  # from the first step
+        **({} if setup_s is None else {"setup_s": round(setup_s, 1)}),
     }
     for key in ("opd/reverse_kl", "opd/gjsd"):
         if rows and key in rows[0]:

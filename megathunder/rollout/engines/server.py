@@ -49,7 +49,7 @@ from megathunder.config import CollectiveTransfer, EngineConfig
 from megathunder.rollout.engines.auth import MIDDLEWARE, read_api_key
 from megathunder.rollout.engines.balancer import LeastOutstandingBalancer, NoLiveServerError
 from megathunder.rollout.engines.common import (
-    cpu_environment,
+    engine_environment,
     engine_kwargs,
     finish_reason,
     scored_prompt,
@@ -204,7 +204,7 @@ class ServerPool:
                     stdout=log,
                     stderr=subprocess.STDOUT,
                     stdin=subprocess.DEVNULL,
-                    env={**env, **cpu_environment(cfg, i)},
+                    env={**env, **engine_environment(cfg, i)},
                     start_new_session=True,
                 )
             servers.append(ServerProcess(f"http://{cfg.host}:{port}", proc, log_path))

@@ -68,6 +68,7 @@ class Burst:
     end: float
     num_microbatches: int
     last_backward_s: float
+    kind: str = "train"  # or "ledger": the learner blocked on a buffer operation
 
 
 def train_batch(work: np.ndarray, num_ranks: int, p: int, t0: float) -> list[Burst]:

@@ -44,6 +44,7 @@ def tiny(**over) -> Profile:
                     "prefill_tokens_per_s": 1000},
         "learner": {"seconds_per_token": 0.01, "optimizer_step_s": 1.0, "weight_sync_s": 2.0,
                     "layerwise_overlap": False},
+        "ledger": {"costs": False},  # buffer operations free: the schedules' own timing (costs: below)
         "workload": {"num_prompts_per_batch": 2, "samples_per_prompt": 3,
                      "prompt_tokens": const(200), "turns": const(2), "tokens_per_turn": const(100),
                      "observation_tokens_per_turn": const(50), "tool_latency_s": const(1.0),

@@ -115,6 +115,8 @@ class Job:
     writes: int = 0  # CALL: buffers written from its gradient (S; S and R; a pending buffer)
     ops: int = 0  # OP: how many of ``op`` it runs
     op: str = ""  # OP: "fold" (into P) or "slot_add" (pending -> slot)
+    traj: int = -1  # the trajectory it is for (-1: a slot's fold)
+    path: str = ""  # CALL: "slot", "pending" or "turn"; DIRECT: "direct"; OP: "slot_fold", "pending_fold"
     seq: int = 0
 
 
@@ -170,6 +172,11 @@ def ledger_jobs(rules: LedgerRules, group: np.ndarray, finish: np.ndarray, rewar
     remaining = np.bincount(group).astype(np.int64)
     pend = np.zeros(len(group), dtype=bool)
     streamed = np.zeros(len(group), dtype=bool)
+    finished = np.zeros(len(group), dtype=bool)
+    rewarded = np.zeros(len(group), dtype=bool)
+    members: dict[int, list[int]] = defaultdict(list)  # group -> its trajectories in sample order
+    for i, g in enumerate(group.tolist()):
+        members[g].append(i)
     events: list[tuple[float, int, int, int]] = []  # (time, kind: 0 turn, 1 finish, 2 reward, index)
     if turns is not None:
         traj_of_turn, turn_end, _, _ = turns
@@ -197,9 +204,9 @@ def ledger_jobs(rules: LedgerRules, group: np.ndarray, finish: np.ndarray, rewar
         if pend[i]:
             pend[i] = False
             rank.pending_used -= 1
-            add(rank, Job(t, OP, ops=writes, op="slot_add"))
+            add(rank, Job(t, OP, ops=writes, op="slot_add", traj=i, path="pending_fold"))
         else:
-            add(rank, Job(t, CALL, work=float(work[i]), writes=writes))
+            add(rank, Job(t, CALL, work=float(work[i]), writes=writes, traj=i, path="slot"))
 
     def close(g: int, last: int, t: float) -> None:
         for d, rank in enumerate(ranks):
@@ -209,7 +216,7 @@ def ledger_jobs(rules: LedgerRules, group: np.ndarray, finish: np.ndarray, rewar
             if g in rank.slot_of:
                 n = rank.slot_of.pop(g)
                 folds = 1 if n == 1 or rules.buffers_per_slot == 1 else 2
-                add(rank, Job(t, OP, ops=folds, op="fold"))
+                add(rank, Job(t, OP, ops=folds, op="fold", path="slot_fold"))
                 rank.slots_used -= 1
                 _direct(rank, direct, t)
                 _hand_over(rank, t)
@@ -221,20 +228,31 @@ def ledger_jobs(rules: LedgerRules, group: np.ndarray, finish: np.ndarray, rewar
             if pend[i]:
                 pend[i] = False
                 rank.pending_used -= 1
-                add(rank, Job(t, OP, ops=1, op="fold"))
+                add(rank, Job(t, OP, ops=1, op="fold", traj=i, path="pending_fold"))
             else:
-                add(rank, Job(t, DIRECT, work=float(work[i])))
+                add(rank, Job(t, DIRECT, work=float(work[i]), traj=i, path="direct"))
 
     def _hand_over(rank: _Rank, t: float) -> None:
+        """The freed slot to the group with most own trajectories waiting (first on ties); its
+        members, in sample order, go into it, and those finished but not rewarded take a free
+        pending buffer (the ledger advances every member of the group)."""
         waiting = [(len(ws), -g, g) for g, ws in rank.waiting.items() if ws]
         if not waiting:
             return
         g = max(waiting)[2]
-        members = sorted(rank.waiting.pop(g))
+        ready = set(rank.waiting.pop(g))
         rank.slot_of[g] = 0
         rank.slots_used += 1
-        for i in members:
-            into_slot(rank, g, i, t)
+        for i in members[g]:
+            if i in ready:
+                into_slot(rank, g, i, t)
+            elif ranks[owner[i]] is rank and finished[i] and not rewarded[i] and not pend[i] and pending_free(rank):
+                take_pending(rank, i, t)
+
+    def take_pending(rank: _Rank, i: int, t: float) -> None:
+        pend[i] = True
+        rank.pending_used += 1
+        add(rank, Job(t, CALL, work=float(work[i]), writes=1, traj=i, path="pending"))
 
     for t, kind, idx, _ in events:
         if kind == 0:
@@ -248,19 +266,20 @@ def ledger_jobs(rules: LedgerRules, group: np.ndarray, finish: np.ndarray, rewar
                 rank.pending_used += 1
             if streamed[i]:
                 share = float(turns[2][idx])
-                add(rank, Job(t, CALL, work=share, writes=1 if rules.per_turn == "kv_adjoint" else 0))
+                add(rank, Job(t, CALL, work=share, writes=1 if rules.per_turn == "kv_adjoint" else 0, traj=i,
+                              path="turn"))
         elif kind == 1:
             rank = ranks[owner[idx]]
             if streamed[idx]:
                 assert turns is not None
                 rank.streams_used -= 1
-                add(rank, Job(t, CALL, work=float(turns[3][idx]), writes=1))
+                add(rank, Job(t, CALL, work=float(turns[3][idx]), writes=1, traj=idx, path="pending"))
             elif pending_free(rank):
-                pend[idx] = True
-                rank.pending_used += 1
-                add(rank, Job(t, CALL, work=float(work[idx]), writes=1))
+                take_pending(rank, idx, t)
+            finished[idx] = True
         else:
             g = int(group[idx])
+            rewarded[idx] = True
             remaining[g] -= 1
             if remaining[g] == 0:
                 close(g, idx, t)

@@ -25,6 +25,8 @@ CONFIG_WORKLOAD = "swe_smith_128"  # ``--config`` without a PROFILE: the SWE-smi
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.profile is not None and "=" in args.profile and not Path(args.profile).is_file():
+        args.overrides, args.profile = [args.profile, *args.overrides], None  # `--config C key=value`: no PROFILE
     if args.calibrate:
         if args.profile is not None or args.overrides or args.config:
             raise ConfigError("simulate --calibrate RUN_DIR ...: takes run directories, not a profile")

@@ -29,6 +29,7 @@ BENCHMARKS = {
     "chaos": "megathunder.bench.chaos_soak",
     "peers": "megathunder.bench.peers",
     "tasks": "megathunder.bench.task_timing",
+    "learning": "megathunder.bench.learning",
 }
 
 
@@ -232,11 +233,16 @@ def build_parser() -> argparse.ArgumentParser:
         "FLOPs/roofline estimates or measured) and write steps.csv, timeline.csv/png, summary.json.",
     )
     p.add_argument("profile", nargs="?", help="bundled profile (swe_smith, swe_smith_128) or a YAML path")
+    p.add_argument("--config", default=None, metavar="CONFIG",
+                   help="simulate this megathunder config (its layout, ledger, K, placement, scheduling, held "
+                   "to its `megathunder plan`) on the profile's workload (default swe_smith_128); "
+                   "trainer.KEY=VALUE overrides the config")
     p.add_argument("--calibrate", nargs="+", metavar="RUN_DIR", default=None,
                    help="instead of a profile: fit the inputs from each real run directory's component "
                    "timings, simulate its schedule, print predicted vs measured step time")
     p.add_argument("overrides", nargs="*", metavar="key=value",
-                   help="e.g. schedules.max_group_slots=0 workload.turns.sigma=1.0")
+                   help="e.g. schedules.max_group_slots=0 workload.turns.sigma=1.0; trainer.KEY=VALUE: the "
+                   "trainer config's (trainer.ledger.slot_placement=device)")
     p.add_argument("--schedules", nargs="+", choices=SCHEDULE_MODES, default=list(SCHEDULE_MODES))
     p.add_argument("--out", default=None, help="output folder (default runs/simulate/PROFILE)")
     p.add_argument("--no-plots", action="store_true", help="tables only")

@@ -178,9 +178,17 @@ def main(argv: Sequence[str]) -> int:
         "ratio_thunder_K0_vs_sync": round(median["thunder_K0"] / median["sync"], 4),
         "ratio_thunder_Kinf_vs_sync": round(median["thunder_Kinf"] / median["sync"], 4),
         "ratio_thunder_held_vs_sync": round(median["thunder_held"] / median["sync"], 4),
+        # schedule calls per rank: one packed; one per closing group; one per own trajectory; one
+        "calls": {"sync": 1, "thunder_K0": args.num_groups, "thunder_Kinf": sum(o == dp_rank for o in owner),
+                  "thunder_held": 1},
         "tokens_per_s_sync": round(tokens / median["sync"], 1),
         "tokens_per_s_thunder_Kinf": round(tokens / median["thunder_Kinf"], 1),
     }
+    from megathunder.simulate.call_cost import bench_points, fit_call_cost
+
+    F, _, residual = fit_call_cost(bench_points(result))
+    result["call_overhead_s"] = round(F, 5)  # the simulator's learner.call_overhead_s
+    result["call_fit_residual_s"] = round(residual, 5)
     if pgs.device.type == "cuda":
         name = torch.cuda.get_device_name()
         peak = args.peak_tflops or peak_tflops(name)
@@ -197,6 +205,8 @@ def main(argv: Sequence[str]) -> int:
         print(f"  thunder/sync: K=0 {result['ratio_thunder_K0_vs_sync']:.3f}, "
               f"K=unbounded {result['ratio_thunder_Kinf_vs_sync']:.3f}, "
               f"held burst {result['ratio_thunder_held_vs_sync']:.3f} (target <= 1.05)")
+        print(f"  a call's fixed cost: {result['call_overhead_s'] * 1e3:.1f} ms (slope of step time over "
+              f"{result['calls']} calls; largest residual {result['call_fit_residual_s'] * 1e3:.1f} ms)")
         print(json.dumps(result))
     destroy_distributed()
     return 0

@@ -221,6 +221,15 @@ class LedgerConfig(Strict):
     goes down through one device staging buffer while the next backward runs, and is added on a
     host thread; the update is the same as with device slots. On a CPU learner both are the same
     memory."""
+    host_threads: int = Field(4, ge=1, le=64)
+    """With ``slot_placement: host``: threads that add a staged gradient into host slots, each
+    taking an equal chunk of every tensor (elementwise, so the sums are bitwise those of one
+    thread). One thread adds ~1e9 fp32 elements/s, a 32B model's 2B-parameter TP8 x PP2 shard in
+    ~2 s per buffer (``megathunder bench hostadd`` measures it)."""
+    host_chunk_mb: float = Field(256.0, ge=0)
+    """With ``slot_placement: host`` on a GPU: each gradient goes down in chunks of this many MiB on
+    the side stream, each chunk added on the host while the next is on the wire (0: the whole
+    buffer, then the add). The values added are the same either way."""
     reward_free_terms: Literal["with_score", "at_finish"] = "with_score"
     """When KL/entropy gradients are computed: in the same forward as the trajectory's score
     gradient (fewest passes), or as soon as the trajectory finishes (earliest)."""

@@ -117,6 +117,14 @@ class EngineConfig(Strict):
     memory) is started again in place: the learner's current weights are pushed into the new engine
     and checked by the probe, then the requests the death cut off are sent again with their seeds.
     0: a dead engine stops the run (the same command resumes from the last checkpoint)."""
+    batch_invariant: bool = False
+    """vLLM's batch-invariant kernels (``VLLM_BATCH_INVARIANT``): a request samples the same tokens
+    whatever else is batched with it. Surviving a lost engine or server with the fault-free run's
+    parameters rests on that: its requests are re-sent with their seeds, to a restarted engine or
+    another server, in other batches. vLLM's CPU kernels give it already; on GPUs its default
+    kernels do not (a re-sent request may sample other tokens: the run then equals the replay of its
+    own journal, not the fault-free run), and this switch turns the invariant kernels on, at a cost
+    in throughput."""
     record_routing: bool = False
     """MoE models: record the experts every layer routed each token to, for the learner's routing
     replay (set by ``learner.moe.routing_replay``; the recorder lives in each vLLM worker,

@@ -151,18 +151,18 @@ def refill_needs_dropped_groups(cfg: Sections) -> None:
 
 
 def faults_fit_the_run(cfg: Sections) -> None:
-    """Each fault names parts this run has: launched servers, the in-process engine under an
-    on-policy schedule, the probe that must catch a stale push, a bash tool, trajectories of the
-    batch, a checkpoint to resume from, a step of the run."""
+    """Each fault names parts this run has: a rollout server (launched here or attached), the
+    in-process engine under an on-policy schedule, the probe that must catch a stale push, a bash
+    tool, trajectories of the batch, a checkpoint to resume from, a step of the run."""
     engine = cfg.rollout.engine
     for i, fault in enumerate(cfg.chaos.faults):
         if fault.kind in SERVER_FAULTS:
-            if engine.deployment != "server" or engine.server_urls:
-                raise ValueError(f"chaos.faults.{i}.kind: {fault.kind} needs rollout.engine.deployment=server "
-                                 "with servers launched by this run (not server_urls)")
-            if fault.server >= engine.num_servers:
-                raise ValueError(f"chaos.faults.{i}.server: {fault.server} >= rollout.engine.num_servers="
-                                 f"{engine.num_servers}")
+            if engine.deployment != "server":
+                raise ValueError(f"chaos.faults.{i}.kind: {fault.kind} needs rollout.engine.deployment=server")
+            servers = len(engine.server_urls) or engine.num_servers  # attached ones, else launched ones
+            if fault.server >= servers:
+                raise ValueError(f"chaos.faults.{i}.server: {fault.server} >= the run's {servers} rollout servers "
+                                 "(rollout.engine.server_urls, else num_servers)")
         if fault.kind in IN_PROCESS_FAULTS:
             if engine.deployment != "in_process":
                 raise ValueError(f"chaos.faults.{i}.kind: {fault.kind} needs rollout.engine.deployment=in_process "

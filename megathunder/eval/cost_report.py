@@ -1,7 +1,7 @@
 """``megathunder eval-report``: runs of different schedules compared by score against cost.
 
 Each run folder holds ``config.yaml`` and ``metrics.jsonl``: one JSON object per optimizer step
-with at least ``step``, ``wall_s`` (cumulative seconds since the run started), ``gpu_hours``
+with at least ``step``, ``wall_s`` (cumulative seconds since the run's first step), ``gpu_hours``
 (cumulative; on CPU, process-hours = wall_s * num_learner_procs / 3600) and ``schedule``; rows of
 steps where periodic evaluation ran also carry ``eval/pass@1`` ... (and ``eval/pass@1_stderr``).
 

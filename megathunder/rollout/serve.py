@@ -67,6 +67,8 @@ def serve_env(cfg: Config, host: str) -> dict[str, str]:
                          "(the endpoints that load weights would be open to the network)")
     env = {k: v for k, v in os.environ.items() if k != "VLLM_API_KEY"}
     env["VLLM_SERVER_DEV_MODE"] = "1"
+    if cfg.rollout.engine.batch_invariant:
+        env["VLLM_BATCH_INVARIANT"] = "1"
     if key is not None:
         env["VLLM_API_KEY"] = key
     return env

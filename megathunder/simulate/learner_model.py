@@ -68,6 +68,7 @@ class Burst:
     end: float
     num_microbatches: int
     last_backward_s: float
+    kind: str = "train"  # or "ledger": the learner blocked on a buffer operation
 
 
 def train_batch(work: np.ndarray, num_ranks: int, p: int, t0: float) -> list[Burst]:
@@ -80,32 +81,6 @@ def train_batch(work: np.ndarray, num_ranks: int, p: int, t0: float) -> list[Bur
         heapq.heappush(heap, (total + float(w), r))
     return [Burst(r, t0, t0 + burst_s(sum(ws), len(ws), p), len(ws), BACKWARD_SHARE * ws[-1])
             for r, ws in enumerate(loads) if ws]
-
-
-def stream(ready: np.ndarray, work: np.ndarray, num_ranks: int, p: int, t0: float,
-           max_burst: int) -> list[Burst]:
-    """Streaming: each trajectory may start at ready[i]; the first free rank takes ready ones as
-    one burst: one at a time without a pipeline (list scheduling keeps the ranks balanced); with
-    p stages it waits for at least p (or the rest) and takes its 1/num_ranks share of those ready
-    (at most max_burst), so that a burst's fill and drain cost at most about half of it."""
-    order = np.argsort(ready, kind="stable")
-    r_sorted = ready[order]
-    free = [(t0, r) for r in range(num_ranks)]
-    heapq.heapify(free)
-    bursts: list[Burst] = []
-    i, n = 0, len(order)
-    while i < n:
-        f, rank = heapq.heappop(free)
-        need = 1 if p == 1 else min(p, n - i)  # fill the pipeline: wait for p, or the rest
-        start = max(f, float(r_sorted[i + need - 1]))
-        avail = int(np.searchsorted(r_sorted, start, side="right")) - i
-        take = 1 if p == 1 else min(avail, max(need, min(max_burst, math.ceil(avail / num_ranks))))
-        ws = work[order[i:i + take]]
-        end = start + burst_s(float(ws.sum()), take, p)
-        bursts.append(Burst(rank, start, end, take, BACKWARD_SHARE * float(ws[-1])))
-        heapq.heappush(free, (end, rank))
-        i += take
-    return bursts
 
 
 def turn_items(batch: Batch, work: np.ndarray, turn_end: np.ndarray, finish: np.ndarray,
@@ -129,47 +104,3 @@ def turn_items(batch: Batch, work: np.ndarray, turn_end: np.ndarray, finish: np.
     else:
         per_turn, at_finish = work[traj_of_turn] * share, BACKWARD_SHARE * work * (1.0 - share[starts[1:] - 1])
     return np.concatenate([turn_end, finish]), np.concatenate([per_turn, at_finish])
-
-
-def ledger_ready_times(group: np.ndarray, reward: np.ndarray, max_slots: int | None) -> np.ndarray:
-    """When each trajectory's score gradient can be computed, with the ledger's K group slots.
-
-    Mirrors ``megathunder.streaming.ledger`` (GRPO family, no dynamic sampling): at a reward, a
-    group that holds a slot, or takes a free one now, processes that trajectory at once; if none
-    is free the trajectory waits as data. A closing group processes all its waiting trajectories
-    directly and hands its slot to the waiting open group with the most trajectories waiting
-    (first in batch order on ties), which processes them at once. K = 0 is group-level streaming;
-    None gives every group a slot (per-trajectory streaming).
-    """
-    ready = np.empty_like(reward)
-    remaining = np.bincount(group).astype(np.int64)
-    num_groups = len(remaining)
-    has_slot = np.zeros(num_groups, dtype=bool)
-    waiting = np.zeros(num_groups, dtype=bool)
-    pending: list[list[int]] = [[] for _ in range(num_groups)]
-    used = 0
-    for i in np.argsort(reward, kind="stable"):
-        g, t = int(group[i]), float(reward[i])
-        remaining[g] -= 1
-        if remaining[g] == 0:
-            ready[i] = t
-            ready[pending[g]] = t
-            pending[g], waiting[g] = [], False
-            if has_slot[g]:
-                has_slot[g] = False
-                cands = np.flatnonzero(waiting)
-                if len(cands):
-                    h = int(cands[np.argmax([len(pending[c]) for c in cands])])
-                    ready[pending[h]] = t
-                    pending[h], waiting[h], has_slot[h] = [], False, True
-                else:
-                    used -= 1
-        elif has_slot[g] or max_slots is None or used < max_slots:
-            if not has_slot[g]:
-                has_slot[g], waiting[g] = True, False
-                used += 1
-            ready[i] = t
-        else:
-            pending[g].append(int(i))
-            waiting[g] = True
-    return ready

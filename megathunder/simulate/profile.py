@@ -102,6 +102,12 @@ class ClusterSpec(_Strict):
     num_learner_gpus: int = Field(ge=1)
     peak_flops_per_gpu: float = Field(gt=0)
     """Dense bf16 peak, FLOP/s."""
+    gpu_memory_gb: float = Field(80.0, gt=0)
+    """GiB of one learner GPU: what ``megathunder plan`` holds the layout to (``trainer``)."""
+    host_memory_gb: float = Field(2048.0, gt=0)
+    """GiB of host memory per learner node (host-placed ledger slots live there)."""
+    gpus_per_node: int = Field(8, ge=1)
+    """Learner ranks per node (they share the node's host memory)."""
 
 
 class RolloutSpec(_Strict):
@@ -167,6 +173,12 @@ class LearnerSpec(_Strict):
     """Overlap the optimizer and the weight push layer by layer with the last backward."""
     max_microbatches_per_burst: int = Field(64, ge=1)
     """Streaming: the most ready trajectories a data-parallel rank takes into one pipeline burst."""
+    call_overhead_s: float = Field(0.0, ge=0)
+    """Calibration: the fixed cost of one learner schedule call (set-up, Python, launches, the
+    pipeline's first/last send), on top of its trajectories' work: the intercept of call seconds
+    regressed on call size (``megathunder.simulate.call_cost``: from ``megathunder bench learner``'s
+    figures or a run's trace). Every call pays it: sync's one per rank, thunder's one per
+    slot-path or pending trajectory, per packed release of closed groups and per turn."""
 
     @property
     def push_busy_s(self) -> float:
@@ -216,10 +228,90 @@ class ScheduleSpec(_Strict):
     forward and own-loss backward when the turn ends and the K/V adjoint sweep (a backward through
     every earlier segment) at the finish; forward_early runs each turn's forward when it ends and
     the one backward at the finish."""
+    max_pending: int | None = Field(None, ge=0)
+    """With ``pending_gradients``: pending buffers per learner rank (``ledger.max_pending`` as
+    ``megathunder plan`` fits it); a trajectory finding none free takes the reward-time path.
+    null: one per trajectory."""
+    max_turn_streams: int | None = Field(None, ge=0)
+    """With ``per_turn_scores``: trajectories streamed by turns at once per learner rank (their
+    retained graphs, ``ledger.max_turn_streams`` as the plan fits it); the rest take the finish-time
+    path. null: unbounded."""
     async_push_overlaps_training: bool = True
     """async: the learner trains the next batch while it pushes the new weights (a copy, over its
     own link); false: the push (gather, load into the engines, probe) completes first, as
     megathunder's trainer does."""
+
+
+class LedgerSpec(_Strict):
+    """Where thunder's slot and pending buffers live and what each operation on them costs on one
+    learner rank (``megathunder.simulate.ledger_model``). Derived from the trainer config when the
+    profile has one (``trainer``); the rates are the hardware's (``buffers``)."""
+
+    placement: Literal["device", "host"] = "device"
+    """``ledger.slot_placement``."""
+    slot_dtype: Literal["float32", "bfloat16"] = "float32"
+    """``ledger.slot_dtype`` (gradient = fp32 on the Megatron learner)."""
+    buffers_per_slot: int = Field(2, ge=1, le=2)
+    """S and R (2), or S alone for std-free advantages (1)."""
+    buffer_params: float | None = Field(None, gt=0)
+    """Parameters of one rank's buffer (its stage's TP shard, from the plan); null: num_params /
+    (tensor_parallel x pipeline_parallel)."""
+    host_threads: int = Field(1, ge=1)
+    """``ledger.host_threads``: threads adding into host slots, each a chunk of every add."""
+    host_chunk_mb: float = Field(0.0, ge=0)
+    """``ledger.host_chunk_mb``: a host write's D2H goes in chunks of this size, each added while
+    the next is on the wire (0: one transfer, then the add)."""
+    paired_writes: bool = True
+    """A slot-path h_i goes down once for both S and R (the ledger's ``slot_write_pair``); false:
+    once per buffer, the second waiting for the first (the ledger before it)."""
+    costs: bool = True
+    """Model the buffer operations' time; false: free (calibration: the measured learner seconds
+    hold them)."""
+
+
+class BufferCostSpec(_Strict):
+    """Rates of the learner node's links and memories (estimates until measured: the host add by
+    ``megathunder bench hostadd``, the PCIe copies by the same on a GPU)."""
+
+    d2h_gb_per_s: float = Field(25.0, gt=0)
+    """Pinned device-to-host copy, GB/s per GPU with every GPU of the node copying."""
+    h2d_gb_per_s: float = Field(25.0, gt=0)
+    """Pinned host-to-device copy, GB/s per GPU."""
+    device_gb_per_s: float = Field(2000.0, gt=0)
+    """Device memory traffic of a copy or an add (bytes read + written per second)."""
+    host_add_elements_per_s: list[tuple[float, float]] = [(1.0, 1.0e9)]
+    """Calibration: [threads, fp32 elements added per second] of one rank's ``add_`` into a host
+    buffer (every rank of the node adding at once), interpolated, flat beyond the last point."""
+
+    @model_validator(mode="after")
+    def _check(self) -> BufferCostSpec:
+        pts = self.host_add_elements_per_s
+        if not pts or any(n < 1 or r <= 0 for n, r in pts):
+            raise ValueError("host_add_elements_per_s: needs points [threads >= 1, elements/s > 0]")
+        if any(b[0] <= a[0] for a, b in zip(pts, pts[1:], strict=False)):
+            raise ValueError("host_add_elements_per_s: threads must increase")
+        return self
+
+    def host_add_rate(self, threads: int) -> float:
+        """fp32 elements per second one rank adds with ``threads`` threads."""
+        xs, ys = zip(*self.host_add_elements_per_s, strict=True)
+        return float(np.interp(threads, xs, ys))
+
+
+class TrainerSpec(_Strict):
+    """The megathunder config whose learner layout the simulation is held to: its ``megathunder
+    plan`` decides the ledger's K, pending buffers and turn streams that fit (``layout.py``), and
+    it sets the layout, the batch, the ledger's placement and the engine's scheduling."""
+
+    config: str | None = None
+    """A config file (relative to the working directory or the repository), or null: the defaults."""
+    model: list[str] = []
+    """``learner.model.*`` overrides: the sizes of the policy the workload is for, over the config
+    file's (with ``learner.model.hf_checkpoint=null``, so these sizes are the ones planned); kept by
+    ``megathunder simulate --config``."""
+    overrides: list[str] = []
+    """``key=value`` overrides of the config (``trainer.KEY=VALUE`` on the command line appends one;
+    ``megathunder simulate --config`` replaces them)."""
 
 
 class RunSpec(_Strict):
@@ -238,6 +330,9 @@ class Profile(_Strict):
     learner: LearnerSpec
     workload: WorkloadSpec
     schedules: ScheduleSpec = ScheduleSpec()
+    ledger: LedgerSpec = LedgerSpec()
+    buffers: BufferCostSpec = BufferCostSpec()
+    trainer: TrainerSpec | None = None
     run: RunSpec = RunSpec()
 
     @model_validator(mode="after")
@@ -264,6 +359,13 @@ class Profile(_Strict):
     @property
     def num_gpus(self) -> int:
         return self.cluster.num_rollout_gpus + self.cluster.num_learner_gpus
+
+    @property
+    def buffer_params(self) -> float:
+        """Parameters of one learner rank's parameter-sized buffer."""
+        if self.ledger.buffer_params is not None:
+            return self.ledger.buffer_params
+        return self.model.num_params / (self.learner.tensor_parallel * self.learner.pipeline_parallel)
 
     def with_overrides(self, overrides: dict[str, Any]) -> Profile:
         """A validated copy with a nested dict of changes merged in."""
@@ -301,6 +403,22 @@ def _validate(data: dict[str, Any], name: str) -> Profile:
 
 
 def load_profile(name_or_path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Profile:
-    """A bundled profile by name, or a YAML file, with ``dotted.key=value`` overrides."""
-    data = _merge(_read(name_or_path), parse_overrides(overrides))
+    """A bundled profile by name, or a YAML file, with ``dotted.key=value`` overrides; an override
+    ``trainer.KEY=VALUE`` is one of the trainer config's (appended to ``trainer.overrides``)."""
+    passed = [o.removeprefix(TRAINER_PREFIX) for o in overrides if _is_trainer_override(o)]
+    own = [o for o in overrides if not _is_trainer_override(o)]
+    data = _merge(_read(name_or_path), parse_overrides(own))
+    trainer_overrides = passed
+    if trainer_overrides:
+        section = dict(data.get("trainer") or {})
+        section["overrides"] = [*section.get("overrides", []), *trainer_overrides]
+        data["trainer"] = section
     return _validate(data, str(data.get("name", name_or_path)))
+
+
+TRAINER_PREFIX = "trainer."
+
+
+def _is_trainer_override(item: str) -> bool:
+    """``trainer.KEY=VALUE`` is the trainer config's, except the section's own two fields."""
+    return item.startswith(TRAINER_PREFIX) and item.split("=", 1)[0] not in ("trainer.config", "trainer.model", "trainer.overrides")

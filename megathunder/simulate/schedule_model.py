@@ -26,13 +26,13 @@ from megathunder.config import SCHEDULE_MODES
 from megathunder.simulate.learner_model import (
     BACKWARD_SHARE,
     Burst,
-    ledger_ready_times,
-    stream,
+    burst_s,
     train_batch,
     trajectory_work_s,
     turn_items,
     update_tail_s,
 )
+from megathunder.simulate.ledger_model import Costs, LedgerRules, claim_owners, ledger_jobs, run_rank
 from megathunder.simulate.profile import Profile
 from megathunder.simulate.rollout_model import Interval, RolloutCluster
 from megathunder.simulate.workload import Batch, sample_batch
@@ -95,7 +95,7 @@ def _learner(profile: Profile, bursts: list[Burst], trace: Trace, step: int) -> 
     last = max(bursts, key=lambda b: b.end)
     end = last.end + update_tail_s(profile, last.last_backward_s)
     for b in bursts:
-        trace.intervals.append(Interval(f"learner{b.rank}", b.start, b.end, "train", step))
+        trace.intervals.append(Interval(f"learner{b.rank}", b.start, b.end, b.kind, step))
     busy_end = max(last.end, end - (profile.learner.weight_sync_s - profile.learner.push_busy_s))
     for r in range(profile.num_dp):
         trace.intervals.append(Interval(f"learner{r}", last.end, busy_end, "update", step))
@@ -133,10 +133,9 @@ def _zero_staleness(profile: Profile, batches: list[Batch], thunder: bool) -> Tr
         reward = rolled.reward
         work = trajectory_work_s(profile, batch)
         if thunder:
-            ready, items = thunder_work(profile, batch, rolled, work)
-            bursts = stream(ready, items, dp, p, t, profile.learner.max_microbatches_per_burst)
+            bursts = thunder_bursts(profile, batch, rolled, work, t)
         else:
-            bursts = train_batch(work, dp, p, float(reward.max()))
+            bursts = sync_bursts(profile, batch, rolled, work)
         end = _learner(profile, bursts, trace, k)
         _push(profile, end, trace, k)
         last_reward = float(reward.max())
@@ -146,17 +145,43 @@ def _zero_staleness(profile: Profile, batches: list[Batch], thunder: bool) -> Tr
     return trace
 
 
-def thunder_work(profile: Profile, batch: Batch, rolled: Rolled, work: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Thunder's learner work items and when each may start (``schedules``): by default each
-    trajectory's at its reward under the ledger's K slots; with ``pending_gradients`` at its finish
-    (the fold at the reward is free); with ``per_turn_scores`` each turn's share at the turn's end
-    and the K/V adjoint sweep at the finish (``turn_items``)."""
-    sched = profile.schedules
+def owners(profile: Profile, batch: Batch, rolled: Rolled) -> np.ndarray:
+    """Each trajectory's data-parallel rank (``ledger_model.claim_owners``): claimed at its first
+    turn's end with per-turn scores on, else at its finish."""
+    claim = rolled.finish
+    if profile.schedules.per_turn_scores != "off":
+        claim = rolled.turn_end[batch.turn_start[:-1]]
+    return claim_owners(claim, batch.total_tokens, profile.num_dp)
+
+
+def sync_bursts(profile: Profile, batch: Batch, rolled: Rolled, work: np.ndarray) -> list[Burst]:
+    """The batch-synchronous learner: after the last reward each rank runs its own trajectories
+    (``owners``) in one schedule call."""
+    owner, p = owners(profile, batch, rolled), profile.learner.pipeline_parallel
+    t = float(rolled.reward.max())
+    bursts = []
+    for r in range(profile.num_dp):
+        ws = work[owner == r]
+        if len(ws):
+            end = t + profile.learner.call_overhead_s + burst_s(float(ws.sum()), len(ws), p)
+            bursts.append(Burst(r, t, end, len(ws), BACKWARD_SHARE * float(ws[-1])))
+    return bursts
+
+
+def thunder_bursts(profile: Profile, batch: Batch, rolled: Rolled, work: np.ndarray, t0: float) -> list[Burst]:
+    """Thunder's learner: each rank's ledger decides the path and time of each of its trajectories'
+    gradients and the buffer operations they need; each rank runs them with their costs
+    (``ledger_model``). With ``per_turn_scores`` each turn's share is its own item (``turn_items``)."""
+    sched, dp = profile.schedules, profile.num_dp
+    turns = None
     if sched.per_turn_scores != "off":
-        return turn_items(batch, work, rolled.turn_end, rolled.finish, sched.per_turn_scores)
-    if sched.pending_gradients:
-        return rolled.finish, work
-    return ledger_ready_times(batch.group, rolled.reward, sched.max_group_slots), work
+        _, items = turn_items(batch, work, rolled.turn_end, rolled.finish, sched.per_turn_scores)
+        n = len(rolled.turn_end)
+        turns = (np.repeat(np.arange(batch.size), batch.num_turns), rolled.turn_end, items[:n], items[n:])
+    jobs = ledger_jobs(LedgerRules.of(profile), batch.group, rolled.finish, rolled.reward, work,
+                       owners(profile, batch, rolled), dp, turns)
+    costs, p = Costs.of(profile), profile.learner.pipeline_parallel
+    return [b for r in range(dp) for b in run_rank(r, jobs[r], t0, p, costs, profile.learner.max_microbatches_per_burst)]
 
 
 def run_sync(profile: Profile, batches: list[Batch]) -> Trace:

@@ -9,10 +9,12 @@ from pathlib import Path
 import numpy as np
 
 from megathunder.simulate import sim_metrics as metrics
+from megathunder.simulate.layout import Held, memory_lines
+from megathunder.simulate.ledger_model import Costs
 from megathunder.simulate.profile import Profile
 from megathunder.simulate.schedule_model import Trace, run_sync, run_thunder, sample_batches
 
-COLORS = {"decode": "#4C72B0", "train": "#DD8452", "update": "#C44E52", "weight_sync": "#8C8C8C"}
+COLORS = {"decode": "#4C72B0", "train": "#DD8452", "ledger": "#937860", "update": "#C44E52", "weight_sync": "#8C8C8C"}
 
 
 def figures(traces: dict[str, Trace]) -> dict:
@@ -23,8 +25,10 @@ def figures(traces: dict[str, Trace]) -> dict:
         base = out["schedules"]["sync"]["steps_per_gpu_hour"]
         for s in out["schedules"].values():
             s["vs_sync"] = s["steps_per_gpu_hour"] / base
+    if sync is not None:
+        out["bound"] = metrics.overlap_bound(sync)
     if sync is not None and "thunder" in traces:
-        bound = metrics.overlap_bound(sync)
+        bound = out["bound"]
         ratio = metrics.zero_staleness_ratio(sync, traces["thunder"])
         th = traces["thunder"].steps[traces["thunder"].profile.run.warmup_steps:]
         out["bound"] = {**bound, "thunder_vs_sync": ratio, "fraction_of_B": ratio / bound["B"],
@@ -38,7 +42,7 @@ def figures(traces: dict[str, Trace]) -> dict:
     return out
 
 
-def format_figures(profile: Profile, figs: dict) -> str:
+def format_figures(profile: Profile, figs: dict, held: Held | None = None) -> str:
     p = profile
     lines = [
         f"profile {p.name}: {p.description}",
@@ -58,13 +62,7 @@ def format_figures(profile: Profile, figs: dict) -> str:
             f"{s['learner_idle_share']:>14.1%}{s['rollout_busy_share']:>14.1%}"
             f"{s['staleness_mean']:>6.2f}/{s['staleness_max']:<4.0f}")
     pub = figs["published"]
-    k = p.schedules.max_group_slots
-    per_buffer_gb = 4 * p.model.num_params / (p.learner.tensor_parallel * p.learner.pipeline_parallel) / 1e9
-    lines.append(
-        f"thunder ledger memory (not simulated): {per_buffer_gb:.1f} GB per fp32 parameter-sized "
-        f"buffer per learner GPU; K={k if k is not None else 'inf'} slots hold up to "
-        + (f"2K + 1 = {2 * k + 1} of them" if k is not None else
-           f"2 x {p.workload.num_prompts_per_batch} + 1 (every group open)"))
+    lines += ["", *ledger_lines(p, held)]
     if "bound" in figs:
         b = figs["bound"]
         lines += [
@@ -72,6 +70,10 @@ def format_figures(profile: Profile, figs: dict) -> str:
             f"sync step: learner waits W = {b['W_s']:.1f} s for the last reward, then works "
             f"T = {b['T_s']:.1f} s",
             f"overlap bound B = (W + T) / max(W, T)              = {b['B']:.3f}",
+        ]
+    if "bound" in figs and "thunder_vs_sync" in figs["bound"]:
+        b = figs["bound"]
+        lines += [
             f"thunder / sync (steps per GPU-hour)                = {b['thunder_vs_sync']:.3f}"
             f"   -> {b['fraction_of_B']:.1%} of B",
             f"arrival bound (no backward before its reward)      = {b['B_arrival']:.3f}"
@@ -86,6 +88,44 @@ def format_figures(profile: Profile, figs: dict) -> str:
         f"{pub['B_from_idle']:.3f}",
     ]
     return "\n".join(lines)
+
+
+def ledger_lines(p: Profile, held: Held | None) -> list[str]:
+    """What thunder's ledger holds and costs: held to the trainer config's plan, or (no trainer
+    section) what it would need, unchecked."""
+    k = p.schedules.max_group_slots
+    buffer_gb = 4 * p.buffer_params / 1e9
+    slots = f"K={k if k is not None else 'inf'} slots x {p.ledger.buffers_per_slot} {p.ledger.slot_dtype} buffers " \
+            f"({p.ledger.placement})"
+    sched = p.schedules
+    extra = []
+    if sched.pending_gradients:
+        extra.append(f"pending buffers {sched.max_pending if sched.max_pending is not None else 'unbounded'}")
+    if sched.per_turn_scores != "off":
+        extra.append(f"per-turn {sched.per_turn_scores}, {sched.max_turn_streams or 'unbounded'} streams")
+    head = f"thunder ledger: {slots}" + (f", {', '.join(extra)}" if extra else "") + \
+        f"; one fp32 parameter-sized buffer per learner GPU: {buffer_gb:.1f} GB"
+    if held is None or held.config is None:
+        out = [head, "  memory NOT held to a layout (the profile has no trainer section): these buffers may not fit"]
+    else:
+        src = held.profile.trainer.config if held.profile.trainer is not None else None
+        out = [head, f"  held to `megathunder plan` of {src or 'the default config'} + the profile's trainer overrides "
+                     f"on {p.cluster.num_learner_gpus} x {p.cluster.gpu_memory_gb:g} GiB GPUs "
+                     f"(queue policy {p.rollout.queue_policy}: rollout.engine.scheduling):"]
+        out += [f"  {line}" for line in held.notes]
+        out += [f"  {line}" for line in memory_lines(held)]
+        if held.thunder_refused:
+            out.append(f"  THUNDER NOT REPORTED: {held.thunder_refused}")
+    c = Costs.of(p)
+    if c.host:
+        out.append(f"  costs per buffer: host write {c.write_block_s * 1e3:.0f} ms staging + {c.mover_s:.2f} s D2H and add "
+                   f"({c.mover_pair_s:.2f} s for S and R {'from one copy' if c.paired else '(unpaired: twice ' + f'{c.mover_s:.2f} s)'}; "
+                   f"{p.ledger.host_threads} add threads, chunks {p.ledger.host_chunk_mb:g} MiB), fold into P {c.fold_s:.2f} s, "
+                   f"pending -> slot {c.slot_add_s:.2f} s; learner call {c.call_s * 1e3:.0f} ms")
+    else:
+        out.append(f"  costs per buffer: device write {c.write_block_s * 1e3:.0f} ms, fold {c.fold_s * 1e3:.0f} ms; "
+                   f"learner call {c.call_s * 1e3:.0f} ms" + ("" if p.ledger.costs else " (buffer costs off)"))
+    return out
 
 
 def write_tables(traces: dict[str, Trace], figs: dict, out: Path) -> list[Path]:
@@ -208,15 +248,23 @@ def plot_sensitivity(rows: list[dict], path: Path, title: str) -> Path:
     return path
 
 
-def last_line(profile: Profile, figs: dict) -> str:
-    """The CLI's final JSON line: per schedule, learner idle share and steps per GPU-hour."""
-    out = {"profile": profile.name,
+def last_line(profile: Profile, figs: dict, held: Held | None = None) -> str:
+    """The CLI's final JSON line: per schedule, learner idle share and steps per GPU-hour; the
+    ledger in force (K, pending buffers, placement) and, when it was refused, why thunder was."""
+    sched = profile.schedules
+    out: dict = {"profile": profile.name,
+           "ledger": {"K": sched.max_group_slots, "pending": sched.max_pending if sched.pending_gradients else 0,
+                      "per_turn": sched.per_turn_scores, "placement": profile.ledger.placement,
+                      "slot_dtype": profile.ledger.slot_dtype,
+                      "held_to_plan": held is not None and held.config is not None},
+           "thunder_refused": held.thunder_refused if held is not None else None,
            "schedules": {n: {"learner_idle_share": round(s["learner_idle_share"], 4),
                              "steps_per_gpu_hour": round(s["steps_per_gpu_hour"], 5)}
                          for n, s in figs["schedules"].items()}}
     if "bound" in figs:
         out.update({k: round(figs["bound"][k], 4) for k in
-                    ("thunder_vs_sync", "B", "fraction_of_B", "B_arrival", "fraction_of_B_arrival")})
+                    ("thunder_vs_sync", "B", "fraction_of_B", "B_arrival", "fraction_of_B_arrival")
+                    if k in figs["bound"]})
     return json.dumps(out)
 
 

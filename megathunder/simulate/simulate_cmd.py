@@ -1,5 +1,7 @@
 """``megathunder simulate PROFILE``: run the schedules on a workload profile, print the figures,
 write the tables and pictures; the last line is one JSON object. ``megathunder simulate
+--config CONFIG [PROFILE]``: a megathunder config's layout, ledger and scheduling on a profile's
+workload (default the SWE-smith-like one at 128 GPUs; ``layout.py``). ``megathunder simulate
 --calibrate RUN_DIR ...``: predicted vs measured step time of real runs (``calibrate.py``).
 Arguments: ``megathunder.cli``."""
 
@@ -13,24 +15,38 @@ from pathlib import Path
 from megathunder.config.loader import ConfigError
 from megathunder.simulate import sim_report as report
 from megathunder.simulate.calibrate import calibrate
-from megathunder.simulate.profile import load_profile
+from megathunder.simulate.layout import hold
+from megathunder.simulate.profile import TRAINER_PREFIX, TrainerSpec, load_profile
 from megathunder.simulate.run_dir import load_run
 from megathunder.simulate.schedule_model import simulate
 
 
+CONFIG_WORKLOAD = "swe_smith_128"  # ``--config`` without a PROFILE: the SWE-smith-like workload at 128 GPUs
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.profile is not None and "=" in args.profile and not Path(args.profile).is_file():
+        args.overrides, args.profile = [args.profile, *args.overrides], None  # `--config C key=value`: no PROFILE
     if args.calibrate:
-        if args.profile is not None or args.overrides:
+        if args.profile is not None or args.overrides or args.config:
             raise ConfigError("simulate --calibrate RUN_DIR ...: takes run directories, not a profile")
         return run_calibration(args.calibrate, Path(args.out or "runs/simulate/calibrate"))
-    if args.profile is None:
-        raise ConfigError("simulate: give a PROFILE (bundled: swe_smith, swe_smith_128) or --calibrate RUN_DIR")
-    profile = load_profile(args.profile, args.overrides)
+    if args.profile is None and args.config is None:
+        raise ConfigError("simulate: give a PROFILE (bundled: swe_smith, swe_smith_128), --config CONFIG or "
+                          "--calibrate RUN_DIR")
+    profile = load_profile(args.profile or CONFIG_WORKLOAD, args.overrides)
+    if args.config is not None:  # the config's layout and ledger, the profile's workload and model sizes
+        own = [o.removeprefix(TRAINER_PREFIX) for o in args.overrides if o.startswith(TRAINER_PREFIX)]
+        model = profile.trainer.model if profile.trainer is not None else []
+        profile = profile.model_copy(update={"trainer": TrainerSpec(config=args.config, model=model, overrides=own)})
+    held = hold(profile)
+    profile = held.profile
+    schedules = tuple(s for s in args.schedules if s != "thunder" or held.thunder_refused is None)
     t0 = time.perf_counter()
-    traces = simulate(profile, tuple(args.schedules))
+    traces = simulate(profile, schedules)
     elapsed = time.perf_counter() - t0
     figs = report.figures(traces)
-    print(report.format_figures(profile, figs))
+    print(report.format_figures(profile, figs, held))
     print(f"simulated in {elapsed:.2f} s")
     out = Path(args.out) if args.out else Path("runs/simulate") / profile.name
     written = report.write_tables(traces, figs, out)
@@ -51,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
             written.append(report.plot_sensitivity(rows, out / "sensitivity.png",
                                                    f"{profile.name}: thunder vs sync"))
     print("wrote " + ", ".join(str(p) for p in written))
-    print(report.last_line(profile, figs))
+    print(report.last_line(profile, figs, held))
     return 0
 
 

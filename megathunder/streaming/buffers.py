@@ -10,7 +10,8 @@ kinds: *accumulators* (P, P_A: the gradient's own dtype, on the gradient's devic
 buffers (a group's S_g and R_g, and a trajectory's pending h_i), whose dtype and placement are
 ``ledger.slot_dtype`` / ``ledger.slot_placement``. Every operation on a slot goes through the pool:
 
-    slot_write(slot, h, alpha, first)    slot = h  or  slot += alpha * h   (h: the live gradient)
+    slot_write(slot, h, alpha, first)    slot = h  or  slot += alpha * h   (h: the live gradient;
+                                         slot_writes: several slots from one h)
     slot_add(slot, pend, alpha, first)   the same, from a pending buffer   (same dtype, placement)
     fold(acc, slot, alpha)               acc += alpha * slot               (group close; a pending
                                                                             h_i into P)
@@ -26,6 +27,18 @@ is exact) and adds it there. The values entering every add are the same, so on a
 device slots; on a GPU the host adds run on the CPU's kernels, so a bf16 slot may round its last
 bit differently, within the same bound. Cost: one fp32 staging buffer on the device and one in
 pinned host memory, at most one transfer in flight (the next ``slot_write`` waits for it).
+
+Host writes that keep up (``ledger.host_threads``, ``ledger.host_chunk_mb``). A host write is a
+D2H of 4B bytes (B parameters) and an add of B elements; one thread adds ~1e9 elements/s, so at a
+32B model's TP8 x PP2 shard (B = 2.05e9) a write would hold the staging buffer ~2 s, longer than
+the trajectory's backward. So: the add is split into chunks on ``host_threads`` threads (disjoint
+slices, each element added by the same op with the same operands: bitwise the single thread's
+result); on a GPU the D2H goes in chunks of ``host_chunk_mb``, each chunk added as soon as it is
+on the host (the write then takes the longer of the two, not their sum); and a slot-path h_i that
+goes into both S and R (``slot_writes``) is staged once and added into each, so it costs one D2H
+and one wait, not two. Chunk boundaries are multiples of 4096 elements: every chunk runs the same
+vectorised loop over its elements as the whole tensor would, so no element falls into a different
+(scalar-tail) code path -- tested bitwise in ``tests/unit/test_ledger_memory.py``.
 
 bf16 slots: the add is computed in fp32 and rounded to bf16 once, so a slot that received m
 gradients carries at most m roundings of relative size u = 2^-8 each; the bound this gives on the
@@ -139,10 +152,57 @@ def pending_within_budget(max_pending: int | None, max_slots: int | None, budget
     return rest if max_pending is None else min(max_pending, rest)
 
 
-class _HostMover:
-    """Adds into host-placed slots, overlapped with the next backward (module docstring)."""
+Write = tuple[GradBuffer, float, bool]
+"""One slot update: (slot, alpha, first) for ``slot = alpha * src`` (first) or ``slot += alpha * src``."""
+CHUNK_ALIGN = 4096  # chunk boundaries, in elements: whole blocks of every vector width, never a new tail
 
-    def __init__(self, template: GradBuffer) -> None:
+
+def _chunks(template: GradBuffer, pieces: int, max_elements: int) -> list[tuple[int, int, int]]:
+    """(tensor index, start, end) covering every tensor's elements: each tensor in at least
+    ``pieces`` (for the threads) and at most ``max_elements`` per piece, boundaries on multiples
+    of ``CHUNK_ALIGN`` elements."""
+    out = []
+    for k, t in enumerate(template.tensors):
+        n = t.numel()
+        size = min(-(-n // pieces), max_elements)
+        size = max(CHUNK_ALIGN, -(-size // CHUNK_ALIGN) * CHUNK_ALIGN)
+        out += [(k, a, min(a + size, n)) for a in range(0, n, size)] or [(k, 0, 0)]
+    return out
+
+
+def _write_flat(dst: torch.Tensor, src: torch.Tensor, alpha: float, first: bool) -> None:
+    """``_write`` on one tensor (or one chunk of it): the same op per element."""
+    if first and alpha == 1.0:
+        dst.copy_(src)
+        return
+    if first:
+        dst.zero_()
+    if alpha == 1.0:
+        dst.add_(src)
+    else:
+        dst.add_(src, alpha=alpha)
+
+
+def _add_chunk(writes: Sequence[Write], src: GradBuffer, k: int, a: int, b: int,
+               event: torch.cuda.Event | None) -> None:
+    if event is not None:
+        event.synchronize()  # this chunk's D2H is done
+    part = src.tensors[k].view(-1)[a:b]
+    for slot, alpha, first in writes:
+        _write_flat(slot.tensors[k].view(-1)[a:b], part, alpha, first)
+
+
+class _HostMover:
+    """Adds into host-placed slots, overlapped with the next backward (module docstring).
+
+    ``threads`` workers each add a chunk of every write (``_chunks``): elementwise ops on disjoint
+    slices, so every element gets the op it gets from one thread, with the same operands --
+    bitwise the same sums, in ~1/threads of the time where memory bandwidth allows. On a GPU the
+    D2H goes in chunks of ``chunk_mb`` MiB on the side stream, each with an event its add waits
+    for, so the adds run while later chunks are on the wire. A write of several slots from one
+    gradient (``slot_writes``: S and R) stages it once and adds it into each."""
+
+    def __init__(self, template: GradBuffer, threads: int = 1, chunk_mb: float = 0.0) -> None:
         self.cuda = any(t.is_cuda for t in template.tensors)
         if self.cuda:
             self.device_stage: GradBuffer | None = GradBuffer([torch.empty_like(t) for t in template.tensors])
@@ -151,8 +211,12 @@ class _HostMover:
             self.device_stage = None
         self.host_stage = GradBuffer([torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=self.cuda)
                                       for t in template.tensors])
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="megathunder-host-slots")
-        self._pending: Future | None = None
+        self.threads = threads
+        itemsize = max(t.element_size() for t in template.tensors) if template.tensors else 4
+        per_chunk = int(chunk_mb * 2**20) // itemsize if chunk_mb > 0 and self.cuda else 2**62
+        self._chunks = _chunks(template, threads, per_chunk)
+        self._executor = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="megathunder-host-slots")
+        self._pending: list[Future] = []
 
     @property
     def device_bytes(self) -> int:
@@ -160,30 +224,40 @@ class _HostMover:
 
     def wait(self) -> None:
         """Every queued host add has finished (its staging buffers are free)."""
-        if self._pending is not None:
-            pending, self._pending = self._pending, None
-            pending.result()
+        pending, self._pending = self._pending, []
+        errors = [f.exception() for f in pending]  # waits for each, so none is left running
+        for err in errors:
+            if err is not None:
+                raise err
 
-    def write(self, slot: GradBuffer, h: GradBuffer, alpha: float, first: bool) -> None:
+    def write(self, writes: Sequence[Write], h: GradBuffer) -> None:
+        """Stage ``h`` once, then add it into every slot of ``writes`` on the threads."""
         self.wait()
-        event = None
+        events: list[torch.cuda.Event | None] = [None] * len(self._chunks)
         if self.device_stage is not None:
             self.device_stage.copy_(h)  # on the compute stream: h may be zeroed right after
             self.stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(self.stream):
-                self.host_stage.copy_(self.device_stage, non_blocking=True)
-                event = torch.cuda.Event()
-                event.record(self.stream)
+                for j, (k, a, b) in enumerate(self._chunks):
+                    self.host_stage.tensors[k].view(-1)[a:b].copy_(self.device_stage.tensors[k].view(-1)[a:b],
+                                                                   non_blocking=True)
+                    event = torch.cuda.Event()
+                    event.record(self.stream)
+                    events[j] = event
         else:
             self.host_stage.copy_(h)
-        staged = self.host_stage
+        self._submit(writes, self.host_stage, events)
 
-        def add() -> None:
-            if event is not None:
-                event.synchronize()
-            _write(slot, staged, alpha, first)
+    def add_now(self, writes: Sequence[Write], src: GradBuffer) -> None:
+        """``writes`` from a host buffer of the slots' kind (a pending gradient), on the threads; returns done."""
+        self.wait()
+        self._submit(writes, src, [None] * len(self._chunks))
+        self.wait()
 
-        self._pending = self._executor.submit(add)
+    def _submit(self, writes: Sequence[Write], src: GradBuffer, events: Sequence[torch.cuda.Event | None]) -> None:
+        writes = list(writes)
+        self._pending = [self._executor.submit(_add_chunk, writes, src, k, a, b, event)
+                         for (k, a, b), event in zip(self._chunks, events, strict=True)]
 
     def fold(self, acc: GradBuffer, slot: GradBuffer, alpha: float) -> None:
         self.wait()
@@ -207,8 +281,10 @@ class BufferPool:
     reused, not freed. Accumulators come from the backend; slots in ``slot_dtype`` on
     ``slot_placement`` (module docstring)."""
 
-    def __init__(self, backend: GradientBackend, slot_dtype: str = "gradient", slot_placement: Placement = "device") -> None:
+    def __init__(self, backend: GradientBackend, slot_dtype: str = "gradient", slot_placement: Placement = "device",
+                 host_threads: int = 1, host_chunk_mb: float = 0.0) -> None:
         self._backend = backend
+        self.host_threads, self.host_chunk_mb = host_threads, host_chunk_mb
         self.slot_dtype = SLOT_DTYPES[slot_dtype]
         self.slot_placement: Placement = slot_placement
         self._free: dict[str, list[GradBuffer]] = {"acc": [], "slot": []}
@@ -259,16 +335,29 @@ class BufferPool:
     def slot_write(self, slot: GradBuffer, h: GradBuffer, alpha: float = 1.0, first: bool = False) -> None:
         """``slot = alpha * h`` (first) or ``slot += alpha * h``; ``h`` (the backend's live storage)
         may be overwritten as soon as this returns."""
+        self.slot_writes([(slot, alpha, first)], h)
+
+    def slot_writes(self, writes: Sequence[Write], h: GradBuffer) -> None:
+        """Every ``(slot, alpha, first)`` of ``writes`` from the live ``h`` (a group's S and R):
+        host-placed, ``h`` goes down once and is added into each."""
         if self._mover is None:
-            _write(slot, h, alpha, first)
+            for slot, alpha, first in writes:
+                _write(slot, h, alpha, first)
         else:
-            self._mover.write(slot, h, alpha, first)
+            self._mover.write(writes, h)
 
     def slot_add(self, slot: GradBuffer, src: GradBuffer, alpha: float = 1.0, first: bool = False) -> None:
         """``slot = alpha * src`` (first) or ``slot += alpha * src``, ``src`` another slot-kind buffer
         (a pending gradient): the same op as ``slot_write``, on buffers of one dtype and placement."""
-        self.sync()
-        _write(slot, src, alpha, first)
+        self.slot_adds([(slot, alpha, first)], src)
+
+    def slot_adds(self, writes: Sequence[Write], src: GradBuffer) -> None:
+        """``slot_add`` for every ``(slot, alpha, first)`` of ``writes``; host-placed, on the threads."""
+        if self._mover is None:
+            for slot, alpha, first in writes:
+                _write(slot, src, alpha, first)
+        else:
+            self._mover.add_now(writes, src)
 
     def fold(self, acc: GradBuffer, slot: GradBuffer, alpha: float) -> None:
         """``acc += alpha * slot`` (an accumulator, a slot)."""
@@ -311,7 +400,7 @@ class BufferPool:
         self._template = template
         if self.slot_placement == "host":
             if self._mover is None:
-                self._mover = _HostMover(template)
+                self._mover = _HostMover(template, self.host_threads, self.host_chunk_mb)
                 self.peak_bytes["device"] = max(self.peak_bytes["device"], self.live_bytes["device"] + self._mover.device_bytes)
             pin = self._mover.cuda
             return GradBuffer([torch.zeros(t.shape, dtype=self.slot_dtype or t.dtype, device="cpu", pin_memory=pin)

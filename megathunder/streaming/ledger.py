@@ -239,7 +239,8 @@ class GradientLedger:
         self.objective = objective
         self.config = config or LedgerConfig()
         self.reward_shift = reward_shift
-        self.pool = BufferPool(backend, self.config.slot_dtype, self.config.slot_placement)
+        self.pool = BufferPool(backend, self.config.slot_dtype, self.config.slot_placement,
+                               self.config.host_threads, self.config.host_chunk_mb)
         self._hold = self.config.hold_groups_until_close
         self._std_free = coef_known_before_close(objective) and not self._hold
         self._has_reward_free = objective.has_reward_free_terms or model_reward_free
@@ -640,14 +641,11 @@ class GradientLedger:
         """h_i into the group's slot: ``h`` the live gradient, or (``pending``) t's pending buffer."""
         slot = g.slot
         assert slot is not None and t.reward is not None
-        write = self.pool.slot_add if pending else self.pool.slot_write
         if slot.num_processed == 0:
             slot.shift = t.reward if self.reward_shift else 0.0
             slot.S = self.pool.acquire_slot()
-            write(slot.S, h, first=True)
-        else:
-            assert slot.S is not None
-            write(slot.S, h)
+        assert slot.S is not None
+        writes = [(slot.S, 1.0, slot.num_processed == 0)]  # (buffer, alpha, first): one staged h for all
         d = t.reward - slot.shift
         if d != 0.0:
             if self._std_free:
@@ -658,9 +656,12 @@ class GradientLedger:
                 else:
                     self._score_sink.add_(h, alpha=-c * d)
             else:
-                if slot.R is None:
+                first_r = slot.R is None
+                if first_r:
                     slot.R = self.pool.acquire_slot()
-                write(slot.R, h, alpha=d)
+                assert slot.R is not None
+                writes.append((slot.R, d, first_r))
+        (self.pool.slot_adds if pending else self.pool.slot_writes)(writes, h)
         slot.num_processed += 1
 
     # ------------------------------------------------------------------ pending gradients

@@ -145,6 +145,7 @@ class Chaos:
         self._episode_faults = [f for f in self.pending if f.kind in EPISODE_FAULTS]
         self._finished: dict[int, int] = {}  # trajectories finished, per step
         self._tool_hit: set[tuple[int, int]] = set()  # (step, trajectory) whose bash call a tool fault took
+        self._injecting: asyncio.Future[None] | None = None  # a server fault on its way
         self.trainer: Trainer | None = None
         self.memory_mb, self.verifier_timeout_s = 1024, 60.0  # the sandbox's and the verifiers' (install)
 
@@ -296,11 +297,11 @@ class Chaos:
     def _server(self, fault: ChaosFault) -> None:
         assert self.trainer is not None
         engine = self.trainer.engine
-        assert isinstance(engine, ServerEngine) and engine.pool is not None, "checked by the config"
-        process = engine.pool.servers[fault.server].process
-        log.warning("chaos: %s server %d (%s) at step %d", fault.kind, fault.server, engine.urls[fault.server],
-                    fault.step)
-        os.killpg(process.pid, signal.SIGKILL if fault.kind == "kill_server" else signal.SIGSTOP)
+        assert isinstance(engine, ServerEngine), "checked by the config"
+        how = "its process group" if engine.pool is not None else "its dev endpoint"
+        log.warning("chaos: %s server %d (%s, through %s) at step %d", fault.kind, fault.server,
+                    engine.urls[fault.server], how, fault.step)
+        self._injecting = asyncio.ensure_future(engine.inject_fault(fault.server, fault.kind))
 
     def _learner(self, fault: ChaosFault) -> None:
         assert self.trainer is not None

@@ -239,6 +239,7 @@ async def _control(cfg: Config, task: Task, out: Path, service: LearnerService[L
             (out / "eval_before.json").write_text(json.dumps(before, indent=2) + "\n")
         steps = StepsUntilSignal(range(start, cfg.run.num_steps), signals.after_step)
         freeze_startup_heap()
+        trainer.records.start_clock()  # wall_s from the first step; set-up reported apart (setup_s)
         trainer.records.show_progress(len(steps), f"{cfg.objective.kind}/{cfg.schedule.mode}", cfg.run.progress)
         await (extras.schedule or SCHEDULES[cfg.schedule.mode])(trainer, steps)
         trainer.records.close_progress()
@@ -252,11 +253,7 @@ async def _control(cfg: Config, task: Task, out: Path, service: LearnerService[L
             await trainer.learner.checkpoint()
         await trainer.learner.export(out / "final_model")  # a HF directory: eval, serve, distill
         trainer.records.timeline.write(out, service.spans, trainer.records.metrics.rows)  # the trace the summary's estimates replay
-        summary = write_summary(out, trainer.records.metrics.rows)
-        if (out / "eval_before.json").is_file():
-            before = json.loads((out / "eval_before.json").read_text())
-            if "eval/pass@1" in before:
-                summary = {**summary, "eval_pass@1_before_rl": round(before["eval/pass@1"], 4)}
+        summary = write_summary(out, trainer.records.metrics.rows, setup_s=trainer.records.setup_s)
         print_summary(summary, out)
         return summary
     finally:

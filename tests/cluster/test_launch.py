@@ -180,3 +180,24 @@ def test_dry_run_plans_the_layout_and_refuses_one_that_does_not_divide_before_an
     assert ("FAILED: plan: megathunder plan: INFEASIBLE: learner.parallel.tensor_parallel: 8 does not divide "
             "learner.model.num_attention_heads=28") in bad.stderr, bad.stderr
     assert "would run" not in bad.stdout  # no server, no rank
+
+
+def test_a_fault_reaches_a_server_the_run_did_not_launch_through_its_dev_endpoint(slurm_cluster, tmp_path):
+    """``chaos.faults`` hang_server on the launch's own vLLM server on node1, which the trainer on
+    node2 only attached to (``server_urls``): the fault goes through the server's authenticated dev
+    endpoint (its worker stops the server's processes), the trainer finds the server hung by
+    progress (``rollout.engine.stall_timeout_s``), and with no live server left the run stops in one
+    line (exit 1; the same command resumes from the last checkpoint)."""
+    run_dir = tmp_path / "run"
+    env = mt_env(slurm_cluster, tmp_path, MT_OVERRIDES=(
+        f"run.output_dir={run_dir} run.num_steps=3 rollout.engine.stall_timeout_s=20 "
+        "chaos.faults=[{kind:hang_server,step:1,after_trajectories:2,server:0}]"))
+    job = submit(slurm_cluster, SCRIPT, env, tmp_path / "job.out")
+    wait_for(slurm_cluster, job, 2 * HEALTH_TIMEOUT_S + 300)
+    print(job.describe())
+    assert job.state == "FAILED", job.describe()
+    learner_log = next(text for name, text in job.logs(0).items() if name.startswith("learner-"))
+    assert re.search(r"chaos: hang_server server 0 \(http://127\.0\.0\.1:\d+, through its dev endpoint\) at step 1",
+                     learner_log), learner_log[-3000:]
+    assert "no live rollout server left" in learner_log and "hung" in learner_log, learner_log[-3000:]
+    assert [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()] == [0]

@@ -60,7 +60,9 @@ def _child(worker: str, argv: list[str], rank: int, nproc: int, port: int, log_p
                           LOCAL_WORLD_SIZE=str(nproc), GROUP_RANK="0", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=str(port), TORCHELASTIC_RUN_ID="forkserver")
         sys.argv = [worker, *argv]
-        sys.path.insert(0, os.path.dirname(worker))
+        # as `python tests/distributed/x_worker.py` from the repository root would see it, plus the
+        # root itself (workers import tests.*; a clean clone is not on sys.path otherwise)
+        sys.path[:0] = [os.path.dirname(worker), os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(worker))))]
         runpy.run_path(worker, run_name="__main__")
         code = 0
     except SystemExit as e:

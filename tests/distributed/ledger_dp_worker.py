@@ -7,16 +7,19 @@ close, naming the counts, instead of dividing by a wrong Z."""
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
-import torch
-import torch.distributed as dist
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from megathunder.config import GRPOObjective, LedgerConfig
-from megathunder.objectives import num_loss_tokens
-from megathunder.streaming import GradientLedger, LedgerError, TorchBackend
-from megathunder.streaming.reference import reference_gradient
-from megathunder.trajectory import batch_plan
-from tests.helpers import make_case, rel_err, small_model
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from megathunder.config import GRPOObjective, LedgerConfig  # noqa: E402
+from megathunder.objectives import num_loss_tokens  # noqa: E402
+from megathunder.streaming import GradientLedger, LedgerError, TorchBackend  # noqa: E402
+from megathunder.streaming.reference import reference_gradient  # noqa: E402
+from megathunder.trajectory import batch_plan  # noqa: E402
+from tests.helpers import make_case, rel_err, small_model  # noqa: E402
 
 
 def main(mode: str) -> None:

@@ -253,6 +253,25 @@ def test_host_placed_slots_give_the_update_of_device_slots_on_megatron(hf_qwen2,
         assert torch.equal(_flat(host["stream_grad"]), _flat(single["stream_grad"]))
 
 
+HOST_LAYOUTS = {"dp2": (2, "1", "1"), "tp2_pp2": (4, "2", "2"), "tp2_pp2_dp2": (8, "2", "2")}  # (processes, --tp, --pp)
+
+
+@pytest.mark.parametrize("layout", [k if k == "dp2" else pytest.param(k, marks=pytest.mark.slow) for k in HOST_LAYOUTS])
+def test_threaded_host_slots_give_the_sync_gradient_on_megatron(hf_qwen2, tmp_path, single, layout):
+    """Host slots added on 3 threads in chunks, S and R from one staged copy, with pending
+    gradients folded host-side, on Megatron's sharded gradient buffers: the batch-synchronous
+    gradient up to fp32 reassociation (GRAD_TOL), as device slots."""
+    import json
+
+    procs, tp, pp = HOST_LAYOUTS[layout]
+    out = tmp_path / "host.pt"
+    launch(procs, "equivalence", "--out", str(out), "--hf", str(hf_qwen2), "--optimizer", "sgd", "--tp", tp, "--pp", pp,
+           "--ledger", json.dumps({"slot_placement": "host", "host_threads": 3, "max_pending": 2}))
+    run = torch.load(out)
+    assert _rel(_flat(run["stream_grad"]), _flat(single["sync_grad"])) <= GRAD_TOL
+    assert _rel(_flat(run["stream"]), _flat(single["sync"])) <= GRAD_TOL
+
+
 # TP=2: the ledger's pending path is the DP=2 case's, on TP-sharded buffers (which the other TP tests cover)
 @pytest.mark.parametrize("layout", [pytest.param(("2", "1"), marks=pytest.mark.slow), ("1", "1")], ids=["tp2", "dp2"])
 def test_pending_gradients_give_the_sync_gradient_on_megatron(hf_qwen2, tmp_path, single, layout):

@@ -9,7 +9,7 @@ from megathunder.config import ConfigError, load_config
 
 @pytest.mark.parametrize("faults,field,words", [
     ("[{kind: kill_server}]", "chaos.faults.0.kind", "deployment=server"),
-    ("[{kind: sigusr1, step: 0}, {kind: hang_server, server: 3}]", "chaos.faults.1.server", "num_servers"),
+    ("[{kind: sigusr1, step: 0}, {kind: hang_server, server: 3}]", "chaos.faults.1.server", "2 rollout servers"),
     ("[{kind: fill_disk, step: 10}]", "chaos.faults.0.step", "run.num_steps"),
     ("[{kind: explode}]", "chaos.faults.0.kind", ""),
     ("[{kind: crash_verifier, trajectories: [32]}]", "chaos.faults.0.trajectories", "batch.num_prompts_per_batch"),
@@ -29,6 +29,17 @@ def test_bad_faults_are_refused_by_field(faults, field, words):
     with pytest.raises(ConfigError) as err:
         load_config(None, [f"chaos.faults={faults}", "run.num_steps=3", *extra])
     assert field in str(err.value) and words in str(err.value), str(err.value)
+
+
+def test_server_faults_parse_for_attached_servers_too():
+    """A server the run did not launch is faulted through its dev endpoint (``inject_fault``)."""
+    urls = 'rollout.engine.server_urls=["http://127.0.0.1:8100","http://127.0.0.1:8101"]'
+    cfg = load_config(None, ["chaos.faults=[{kind: kill_server, step: 1, server: 1}]",
+                             "rollout.engine.deployment=server", urls, "run.num_steps=3"])
+    assert cfg.chaos.faults[0].server == 1
+    with pytest.raises(ConfigError, match="chaos.faults.0.server: 2 >= the run's 2 rollout servers"):
+        load_config(None, ["chaos.faults=[{kind: kill_server, step: 1, server: 2}]",
+                           "rollout.engine.deployment=server", urls, "run.num_steps=3"])
 
 
 def test_server_faults_parse_for_launched_servers():

@@ -94,9 +94,11 @@ def test_bf16_slots_take_half_the_bytes_of_fp32_slots():
 
 @pytest.mark.parametrize("slot_dtype", ["gradient", "bfloat16"])
 @pytest.mark.parametrize("advantage", ["grpo", "dr_grpo", "batch_std"])
-def test_host_placed_slots_give_the_same_update_as_device_slots(slot_dtype, advantage):
+@pytest.mark.parametrize("threads", [1, 3])
+def test_host_placed_slots_give_the_same_update_as_device_slots(slot_dtype, advantage, threads):
     """On a CPU learner host and device are one memory and the same kernels run: bitwise equal,
-    although host adds run on the pool's thread, overlapped with the next backward."""
+    although host adds run on the pool's threads (``ledger.host_threads``), overlapped with the
+    next backward -- so bf16 host slots are within the derived bound of bf16 device slots (above)."""
     model = small_model("float32")
     objective = GRPOObjective(advantage=advantage, kl_coef=0.05, entropy_coef=0.01)
     for seed in range(3):
@@ -104,7 +106,7 @@ def test_host_placed_slots_give_the_same_update_as_device_slots(slot_dtype, adva
         events = syn.random_event_order(rng, len(batch))
         grads, results = {}, {}
         for placement in ("device", "host"):
-            cfg = LedgerConfig(max_group_slots=2, slot_dtype=slot_dtype, slot_placement=placement)
+            cfg = LedgerConfig(max_group_slots=2, slot_dtype=slot_dtype, slot_placement=placement, host_threads=threads)
             grads[placement], results[placement], _ = streamed_gradient(model, batch, rewards, objective, cfg, events)
         assert torch.equal(grads["host"], grads["device"])
         assert results["host"].peak_buffers == results["device"].peak_buffers
@@ -156,3 +158,88 @@ def test_pool_counts_bytes_by_placement():
     buffer = ledger.backend.live.nbytes
     assert result.peak_device_bytes == buffer  # P only: on a CPU learner no device staging is needed
     assert result.peak_host_bytes == (result.peak_buffers - 1) * buffer + buffer  # slots + host staging
+
+
+# -- host writes that keep up: several threads, chunks, one staged copy for S and R -------------------
+
+@pytest.mark.parametrize("dst_dtype", [torch.float64, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("alpha,first", [(1.0, True), (1.0, False), (-0.37, False), (2.5, True)])
+def test_chunked_threaded_host_adds_are_bitwise_the_single_op(dst_dtype, alpha, first):
+    """A write split into 4096-aligned chunks over 4 threads (the mover's), into two slots from one
+    staged source, equals ``slot = alpha * h`` / ``slot += alpha * h`` done as one op per slot, bit
+    for bit: tensors of odd sizes (tails in the last chunk), a bf16 slot from an fp32 source."""
+    from megathunder.streaming.buffers import CHUNK_ALIGN, GradBuffer, _chunks, _HostMover, _write
+
+    gen = torch.Generator().manual_seed(0)
+    src_dtype = torch.float64 if dst_dtype == torch.float64 else torch.float32
+    sizes = [5 * CHUNK_ALIGN + 3, 1, 70001, 2 * CHUNK_ALIGN]
+    h = GradBuffer([torch.randn(n, generator=gen, dtype=src_dtype) for n in sizes])
+    slots = [GradBuffer([torch.randn(n, generator=gen).to(dst_dtype) for n in sizes]) for _ in range(2)]
+    expect = [GradBuffer([t.clone() for t in s.tensors]) for s in slots]
+    _write(expect[0], h, 1.0, first)
+    _write(expect[1], h, alpha, first)
+    mover = _HostMover(h, threads=4)
+    mover._chunks = _chunks(h, 4, CHUNK_ALIGN)  # many chunks per tensor, as on a GPU with small chunks
+    assert len(mover._chunks) > len(sizes) + 4
+    mover.write([(slots[0], 1.0, first), (slots[1], alpha, first)], h)
+    mover.wait()
+    for got, want in zip(slots, expect, strict=True):
+        assert all(torch.equal(a, b) for a, b in zip(got.tensors, want.tensors, strict=True))
+
+
+def test_chunks_cover_every_element_once_on_aligned_boundaries():
+    from megathunder.streaming.buffers import CHUNK_ALIGN, GradBuffer, _chunks
+
+    template = GradBuffer([torch.empty(n) for n in (3 * CHUNK_ALIGN + 17, 5, 0)])
+    for pieces, most in ((1, 2**62), (4, 2**62), (3, CHUNK_ALIGN), (8, 3 * CHUNK_ALIGN)):
+        chunks = _chunks(template, pieces, most)
+        for k, t in enumerate(template.tensors):
+            mine = [(a, b) for kk, a, b in chunks if kk == k]
+            covered = [i for a, b in mine for i in range(a, b)]
+            assert covered == list(range(t.numel()))
+            assert all(a % CHUNK_ALIGN == 0 for a, _ in mine)
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+@pytest.mark.parametrize("pending", [0, 2])
+def test_threaded_host_slots_match_the_batch_reference_in_fp64(threads, pending):
+    """Host slots added on several threads, with pending gradients folded host-side: the batch
+    reference within 1e-10 in fp64, and bitwise the device slots' update."""
+    model = small_model("float64")
+    objective = GRPOObjective(kl_coef=0.05, entropy_coef=0.01)
+    for seed in range(3):
+        rng, batch, rewards = make_case(700 + seed, torch.float64, "continuous")
+        events = syn.random_event_order(rng, len(batch))
+        reference = reference_gradient(model, batch, rewards, objective)
+        grads = {}
+        for placement in ("device", "host"):
+            cfg = LedgerConfig(max_group_slots=2, max_pending=pending, slot_placement=placement, host_threads=threads)
+            grads[placement], _, _ = streamed_gradient(model, batch, rewards, objective, cfg, events)
+        assert rel_err(grads["host"], reference) <= 1e-10
+        assert torch.equal(grads["host"], grads["device"])
+
+
+def test_a_slot_path_gradient_is_staged_once_for_s_and_r():
+    """Host slots: each slot-path (or pending) backward stages its gradient once, however many of
+    S and R it goes into -- the second buffer does not wait for the first's transfer."""
+    from megathunder.streaming.buffers import _HostMover
+
+    model = small_model("float32")
+    objective = GRPOObjective()
+    rng, batch, rewards = make_case(3, torch.float32, "continuous")
+    calls = []
+    original = _HostMover.write
+
+    def counted(self, writes, h):
+        calls.append(len(writes))
+        return original(self, writes, h)
+
+    _HostMover.write = counted  # type: ignore[method-assign]
+    try:
+        cfg = LedgerConfig(max_group_slots=None, slot_placement="host", host_threads=2)
+        _, _, ledger = streamed_gradient(model, batch, rewards, objective, cfg, syn.random_event_order(rng, len(batch)))
+    finally:
+        _HostMover.write = original  # type: ignore[method-assign]
+    slot_backwards = sum(1 for _, kind, _ in ledger.events if kind.startswith("backward:") and "slot" in kind)
+    assert len(calls) == slot_backwards > 0
+    assert max(calls) == 2  # S and R from one staged copy

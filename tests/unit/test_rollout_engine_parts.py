@@ -138,3 +138,16 @@ def test_policy_version_read_from_vllm_spans():
         single_version([{"version": "1", "start": 0, "end": 2}, {"version": "2", "start": 2, "end": 4}], 4, "r")
     with pytest.raises(RuntimeError, match="no weight version"):
         single_version([], 3, "r")
+
+
+def test_batch_invariant_kernels_reach_every_engine_process_when_asked():
+    """``rollout.engine.batch_invariant``: vLLM reads ``VLLM_BATCH_INVARIANT`` as its processes start
+    (in-process engines and launched servers alike); off by default."""
+    from megathunder.config import EngineConfig, load_config
+    from megathunder.rollout.engines.common import engine_environment
+    from megathunder.rollout.serve import serve_env
+
+    assert "VLLM_BATCH_INVARIANT" not in engine_environment(EngineConfig())
+    assert engine_environment(EngineConfig(batch_invariant=True))["VLLM_BATCH_INVARIANT"] == "1"
+    cfg = load_config(None, ["rollout.engine.batch_invariant=true"])
+    assert serve_env(cfg, "127.0.0.1")["VLLM_BATCH_INVARIANT"] == "1"

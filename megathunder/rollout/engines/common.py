@@ -67,6 +67,15 @@ def engine_kwargs(cfg: EngineConfig) -> dict:
     return kwargs
 
 
+def engine_environment(cfg: EngineConfig, server: int = 0) -> dict[str, str]:
+    """What one engine's processes read from the environment as they start: vLLM's batch-invariant
+    kernels (``rollout.engine.batch_invariant``) and the OpenMP binding of its CPU workers."""
+    env = cpu_environment(cfg, server)
+    if cfg.batch_invariant:
+        env["VLLM_BATCH_INVARIANT"] = "1"
+    return env
+
+
 def cpu_environment(cfg: EngineConfig, server: int = 0) -> dict[str, str]:
     """The OpenMP binding of one engine's CPU workers (``rollout.engine.cpu_cores``; launched servers
     split the cores in order, one share each, and each engine one share per worker); nothing

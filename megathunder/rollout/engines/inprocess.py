@@ -52,7 +52,7 @@ from megathunder import console
 from megathunder.config import CollectiveTransfer, EngineConfig
 from megathunder.rollout.engines.routing_capture import decode as decode_routing
 from megathunder.rollout.engines.common import (
-    cpu_environment,
+    engine_environment,
     engine_kwargs,
     finish_reason,
     scored_prompt,
@@ -212,7 +212,7 @@ class InProcessEngine:
         kwargs = {"use_tqdm_on_load": console.verbose(), **engine_kwargs(cfg)}  # no loading bar unless -v
         args = AsyncEngineArgs(model=str(model_path), **kwargs)
         progress = Progress()
-        with _environment(cpu_environment(cfg)):  # read as the engine's processes start
+        with _environment(engine_environment(cfg)):  # read as the engine's processes start
             llm = AsyncLLM.from_engine_args(args, stat_loggers=[progress.stat_logger()])
         engine = cls(llm, policy_version, senders=senders, revive=revive)
         engine._restart_with = (args, cfg)
@@ -386,7 +386,7 @@ class InProcessEngine:
         token = _REVIVING.set(True)
         try:
             progress = Progress()
-            with _environment(cpu_environment(cfg)):
+            with _environment(engine_environment(cfg)):
                 self.llm = AsyncLLM.from_engine_args(args, stat_loggers=[progress.stat_logger()])
             await self._prepare(cfg, progress)  # this process's own groups: a new store on an ephemeral port
             await self.revive(self)  # the learner's current weights (new groups first), checked by the probe

@@ -49,7 +49,7 @@ from megathunder.config import CollectiveTransfer, EngineConfig
 from megathunder.rollout.engines.auth import MIDDLEWARE, read_api_key
 from megathunder.rollout.engines.balancer import LeastOutstandingBalancer, NoLiveServerError
 from megathunder.rollout.engines.common import (
-    cpu_environment,
+    engine_environment,
     engine_kwargs,
     finish_reason,
     scored_prompt,
@@ -73,6 +73,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+
+FAULT_CALL_S = 5.0
+"""How long a fault's dev-endpoint call to an attached server is waited on."""
 
 class ServerError(RuntimeError):
     """A server failed to start, answered with an error, or broke the protocol."""
@@ -204,7 +207,7 @@ class ServerPool:
                     stdout=log,
                     stderr=subprocess.STDOUT,
                     stdin=subprocess.DEVNULL,
-                    env={**env, **cpu_environment(cfg, i)},
+                    env={**env, **engine_environment(cfg, i)},
                     start_new_session=True,
                 )
             servers.append(ServerProcess(f"http://{cfg.host}:{port}", proc, log_path))
@@ -656,6 +659,23 @@ class ServerEngine:
         for answer in await self._on_all("/reset_prefix_cache"):
             if not answer.get("success"):
                 raise ServerError("a rollout server refused to reset its prefix cache (blocks still in use)")
+
+    async def inject_fault(self, server: int, kind: str) -> None:
+        """``chaos.faults`` kill_server / hang_server on server ``server``: a launched one's process
+        group gets SIGKILL / SIGSTOP; an attached one (``server_urls``) is told through its
+        authenticated dev endpoint (``megathunder_fault``: its own worker signals the server's
+        processes). A killed server never answers: the call is not waited on past a few seconds."""
+        if self.pool is not None:
+            process = self.pool.servers[server].process
+            os.killpg(process.pid, signal.SIGKILL if kind == "kill_server" else signal.SIGSTOP)
+            return
+        import aiohttp
+
+        body = {"method": "megathunder_fault", "args": ["kill" if kind == "kill_server" else "hang"]}
+        try:
+            await asyncio.wait_for(self._post(self.urls[server], "/collective_rpc", json=body), FAULT_CALL_S)
+        except (TimeoutError, aiohttp.ClientError, ServerError):
+            pass  # the server went as it was told to (it answers nothing once stopped or killed)
 
     async def close(self) -> None:
         if self._watchdog is not None:

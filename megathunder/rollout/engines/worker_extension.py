@@ -154,6 +154,16 @@ class MegathunderWorkerExtension:
         self.megathunder_groups = None
         self.megathunder_shadow = None
 
+    def megathunder_fault(self, kind: str) -> str:
+        """``chaos.faults`` kill_server / hang_server on a server the run attached to (``server_urls``:
+        not its process to signal), sent through the server's authenticated dev endpoint
+        (``/collective_rpc``): this worker's server -- the API server process it descends from, and
+        every process under it -- gets SIGKILL (``kill``) or SIGSTOP (``hang``), as a launched
+        server's process group does. Rank 0 of the server's workers acts (every worker gets the call)."""
+        if getattr(self, "rank", 0) != 0:
+            return "not rank 0"
+        return signal_server(kind)
+
 
 class _WaitClock:
     """Seconds the loader spent waiting for the next frame (``read_frames_ahead`` receives it while
@@ -247,3 +257,32 @@ def _update_shadow(groups: list[TransferGroup], shadow: dict[str, torch.Tensor],
             base.view(-1)[indices.to(torch.int64)] = values.to(base.dtype)
             names.append(slot.name)
     return names
+
+
+API_SERVER = "vllm.entrypoints.openai.api_server"
+"""What the command line of a rollout server's API process holds (``megathunder serve`` execs it)."""
+
+
+def signal_server(kind: str, marker: str = API_SERVER) -> str:
+    """SIGKILL (``kill``) or SIGSTOP (``hang``) the closest ancestor of this process whose command
+    line holds ``marker`` and every process under it; returns the pids (a killed server never
+    answers)."""
+    import signal as signals
+
+    import psutil
+
+    if kind not in ("kill", "hang"):
+        raise ValueError(f"server fault {kind!r}: kill or hang")
+    server = next((p for p in psutil.Process().parents() if marker in " ".join(p.cmdline())), None)
+    if server is None:
+        raise RuntimeError(f"no ancestor of pid {os.getpid()} runs {marker}")
+    me = psutil.Process()
+    others = [p for p in server.children(recursive=True) if p.pid != me.pid]
+    procs = [*others, server, me]  # this process last: it may not survive its own signal
+    sig = signals.SIGKILL if kind == "kill" else signals.SIGSTOP
+    for proc in procs:
+        try:
+            proc.send_signal(sig)
+        except psutil.NoSuchProcess:
+            pass
+    return " ".join(str(p.pid) for p in procs)

@@ -1,0 +1,271 @@
+"""``megathunder bench learning``: the paper's claims measured as the paper states them -- the same
+score in less time than sync, and at a fixed budget a better score than the stale schedules.
+
+    megathunder bench learning CONFIG --out DIR [--schedules sync thunder async fully_async]
+        [--seeds 0 1 2] [--tool-latency S] [--verifier-latency S] [key=value ...]
+
+One ``megathunder train`` per schedule and seed (``python -m megathunder.bench.bench_train`` with the
+workload's stand-in latencies), in ``DIR/SCHEDULE/seedK``, one after the other. Resumable: a run
+with a ``summary.json`` is done and kept; an unfinished one resumes from its last checkpoint (the
+same command, ``run.resume``); so a stopped invocation continues where it was, and a set too long
+for one sitting finishes across several.
+
+The clock of every run starts at its first step (``wall_s``; what comes before -- loading, the first
+push, the evaluation before RL -- is ``setup_s``, reported apart): time to a score compares runs
+like with like, not a cold first run's caches. Process-hours are wall time x learner processes
+(GPU-hours on GPUs).
+
+Report (``DIR/learning.json``, ``learning.md``, ``learning.png``), reusing ``eval-report``'s curves:
+
+- **time to score** (the claim "the same score, faster"): per seed k, for each score sync seed k
+  reaches at an evaluation (above its score before RL), the wall time each schedule's seed k first
+  reaches it; the seed's ratio is sync's time over the schedule's, the geometric mean over those
+  scores; across seeds the mean with a 95% interval (Student's t over the seeds). Since thunder's
+  updates equal sync's, its expected ratio is its steps-per-hour ratio.
+- **at a fixed budget** (the claim "better than async at the same cost"): the budget is the
+  shortest run's wall time over every run (or ``--budget-s``); each run's score is its last
+  evaluation within it; per schedule the mean over seeds with its standard error, and each
+  schedule's difference to thunder with a 95% interval (paired by seed).
+- **staleness**: the mean and largest policy lag each schedule trained on.
+- **the picture**: score against wall time and against process-hours, one line per schedule (the
+  mean over seeds at each evaluation) with the seeds' range as a band.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from megathunder.config import SCHEDULE_MODES
+from megathunder.eval.cost_report import RunCurve, first_reaching, load_run
+
+T_95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228}
+"""Student's t two-sided 95% quantile by degrees of freedom (more: 1.96)."""
+
+
+@dataclass
+class Run:
+    """One finished run of the set: its evaluation curve, staleness and speed."""
+
+    schedule: str
+    seed: int
+    curve: RunCurve
+    lag_mean: float = math.nan
+    lag_max: int = 0
+    steps_per_hour: float = math.nan
+    before: float | None = None  # held-out score before RL
+
+
+def interval(values: list[float]) -> tuple[float, float]:
+    """Mean and the half-width of its 95% interval (Student's t over ``values``; nan for one value)."""
+    mean = statistics.fmean(values)
+    if len(values) < 2:
+        return mean, math.nan
+    t = T_95.get(len(values) - 1, 1.96)
+    return mean, t * statistics.stdev(values) / math.sqrt(len(values))
+
+
+def run_dir(root: Path, schedule: str, seed: int) -> Path:
+    return root / schedule / f"seed{seed}"
+
+
+def train(config: str, out: Path, seed: int, schedule: str, knobs: list[str], overrides: list[str],
+          timeout_s: float) -> None:
+    """One run (a finished one is kept; an unfinished one resumes from its checkpoint)."""
+    if (out / "summary.json").is_file():
+        return
+    cmd = [sys.executable, "-m", "megathunder.bench.bench_train", *knobs, config, f"run.output_dir={out}",
+           f"run.seed={seed}", f"schedule.mode={schedule}", "run.resume=true", "run.progress=false", *overrides]
+    env = {**os.environ, "VLLM_LOGGING_LEVEL": "WARNING", "TORCHDYNAMO_DISABLE": "1", "MEGATHUNDER_SUPERVISE": "0"}
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+
+
+def load(out: Path, schedule: str, seed: int, metric: str) -> Run:
+    """A finished run's curve, staleness and speed."""
+    curve, _ = load_run(out, metric)
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    lags = [r["policy_lag_mean"] for r in rows]
+    summary = json.loads((out / "summary.json").read_text())
+    run = Run(schedule, seed, curve, statistics.fmean(lags), max(r["policy_lag_max"] for r in rows))
+    run.steps_per_hour = 3600 * len(rows) / rows[-1]["wall_s"] if rows[-1]["wall_s"] > 0 else math.nan
+    run.before = summary.get("eval_pass@1_before_rl")
+    return run
+
+
+def time_ratio(sync: RunCurve, other: RunCurve, before: float | None) -> tuple[float | None, int, int]:
+    """The geometric mean over the scores sync reaches (above ``before``) of sync's wall time to
+    reach each over ``other``'s; and how many such scores ``other`` reached, of how many."""
+    thresholds = sorted({s for s in sync.scores if before is None or s > before})
+    logs = []
+    for t in thresholds:
+        i, j = first_reaching(sync, t), first_reaching(other, t)
+        if i is None or j is None or sync.wall_s[i] <= 0 or other.wall_s[j] <= 0:
+            continue
+        logs.append(math.log(sync.wall_s[i] / other.wall_s[j]))
+    return (math.exp(statistics.fmean(logs)) if logs else None), len(logs), len(thresholds)
+
+
+def score_at(curve: RunCurve, budget_s: float) -> float | None:
+    """The run's score at its last evaluation within ``budget_s`` of wall time."""
+    within = [s for s, w in zip(curve.scores, curve.wall_s, strict=True) if w <= budget_s]
+    return within[-1] if within else None
+
+
+def report(runs: list[Run], budget_s: float | None = None) -> dict:
+    """The figures of the module docstring, from finished runs."""
+    by = {(r.schedule, r.seed): r for r in runs}
+    schedules = sorted({r.schedule for r in runs}, key=lambda s: SCHEDULE_MODES.index(s))
+    seeds = sorted({r.seed for r in runs})
+    if budget_s is None:
+        budget_s = min(r.curve.wall_s[-1] for r in runs)
+    out: dict = {"seeds": seeds, "budget_s": budget_s, "schedules": {}}
+    for s in schedules:
+        mine = [by[(s, k)] for k in seeds if (s, k) in by]
+        row: dict = {
+            "runs": len(mine),
+            "steps_per_hour": interval([r.steps_per_hour for r in mine]),
+            "policy_lag_mean": statistics.fmean(r.lag_mean for r in mine),
+            "policy_lag_max": max(r.lag_max for r in mine),
+        }
+        at_budget = [score_at(r.curve, budget_s) for r in mine]
+        scores = [x for x in at_budget if x is not None]
+        if scores:
+            mean = statistics.fmean(scores)
+            se = statistics.stdev(scores) / math.sqrt(len(scores)) if len(scores) > 1 else math.nan
+            row["score_at_budget"] = (mean, se)
+        if s != "sync" and all(("sync", k) in by for k in seeds):
+            ratios, reached, total = [], 0, 0
+            for k in seeds:
+                if (s, k) not in by:
+                    continue
+                sync = by[("sync", k)]
+                ratio, n, m = time_ratio(sync.curve, by[(s, k)].curve, sync.before)
+                reached, total = reached + n, total + m
+                if ratio is not None:
+                    ratios.append(ratio)
+            if ratios:
+                row["time_to_score_vs_sync"] = interval(ratios)
+            row["scores_reached"] = f"{reached}/{total}"
+        out["schedules"][s] = row
+    if "thunder" in out["schedules"]:
+        for s in schedules:
+            if s == "thunder":
+                continue
+            diffs = []
+            for k in seeds:
+                a, b = by.get((s, k)), by.get(("thunder", k))
+                if a is None or b is None:
+                    continue
+                x, y = score_at(a.curve, budget_s), score_at(b.curve, budget_s)
+                if x is not None and y is not None:
+                    diffs.append(y - x)
+            if diffs:
+                out["schedules"][s]["thunder_minus_this_at_budget"] = interval(diffs)
+    return out
+
+
+def markdown(result: dict) -> str:
+    def fmt(pair) -> str:
+        mean, half = pair
+        return f"{mean:.3f}" + ("" if math.isnan(half) else f" ± {half:.3f}")
+
+    lines = [f"seeds {result['seeds']}; budget {result['budget_s']:.0f} s of wall time", "",
+             "| schedule | steps/h | time to sync's scores (sync / this) | scores reached | score at budget "
+             "| thunder - this at budget | policy lag mean / max |",
+             "|---|---|---|---|---|---|---|"]
+    for s, row in result["schedules"].items():
+        lines.append(
+            f"| {s} | {fmt(row['steps_per_hour'])} | "
+            f"{fmt(row['time_to_score_vs_sync']) if 'time_to_score_vs_sync' in row else '--'} | "
+            f"{row.get('scores_reached', '--')} | "
+            f"{fmt(row['score_at_budget']) if 'score_at_budget' in row else '--'} | "
+            f"{fmt(row['thunder_minus_this_at_budget']) if 'thunder_minus_this_at_budget' in row else '--'} | "
+            f"{row['policy_lag_mean']:.2f} / {row['policy_lag_max']} |")
+    lines.append("")
+    lines.append("± : 95% interval over seeds (Student's t); score at budget: mean ± its standard error.")
+    return "\n".join(lines) + "\n"
+
+
+def plot(runs: list[Run], path: Path, title: str) -> None:
+    """Score against wall time and against process-hours: per schedule the mean over seeds at each
+    evaluation, the seeds' range as a band."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    schedules = sorted({r.schedule for r in runs}, key=lambda s: SCHEDULE_MODES.index(s))
+    for s in schedules:
+        own = [r for r in runs if r.schedule == s]
+        mine = [r.curve for r in own]
+        n = min(len(c.scores) for c in mine)
+        start = [r.before for r in own if r.before is not None]  # the warm-started model, at cost 0
+        for ax, xs in ((axes[0], [c.wall_s for c in mine]), (axes[1], [c.gpu_hours for c in mine])):
+            x = [statistics.fmean(v[i] for v in xs) for i in range(n)]
+            ys = [[c.scores[i] for c in mine] for i in range(n)]
+            if len(start) == len(own):
+                x, ys = [0.0, *x], [start, *ys]
+            line, = ax.plot(x, [statistics.fmean(y) for y in ys], marker="o", label=f"{s} ({len(mine)} seeds)")
+            ax.fill_between(x, [min(y) for y in ys], [max(y) for y in ys], color=line.get_color(), alpha=0.2)
+    axes[0].set_xlabel("wall time from the first step (s)")
+    axes[1].set_xlabel("learner process-hours (GPU-hours on GPUs)")
+    for ax in axes:
+        ax.set_ylabel("held-out pass@1")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="megathunder bench learning", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("config")
+    p.add_argument("overrides", nargs="*", metavar="key=value")
+    p.add_argument("--out", required=True, help="the set's directory (a rerun continues it)")
+    p.add_argument("--schedules", nargs="+", default=list(SCHEDULE_MODES), choices=SCHEDULE_MODES)
+    p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
+    p.add_argument("--tool-latency", type=float, default=0.0, help="seconds added to every tool call")
+    p.add_argument("--verifier-latency", type=float, default=0.0, help="seconds added before every reward")
+    p.add_argument("--budget-s", type=float, default=None, help="the fixed budget (default: the shortest run)")
+    p.add_argument("--metric", default="eval/pass@1")
+    p.add_argument("--run-timeout-s", type=float, default=6 * 3600)
+    p.add_argument("--report-only", action="store_true", help="report the finished runs, train nothing")
+    args = p.parse_args(argv)
+    root = Path(args.out)
+    knobs = [f"--tool-latency={args.tool_latency}", f"--verifier-latency={args.verifier_latency}"]
+    runs = []
+    for seed in args.seeds:  # seed by seed: an interrupted set still has whole seeds to compare
+        for schedule in args.schedules:
+            out = run_dir(root, schedule, seed)
+            if not args.report_only:
+                print(f"bench learning: {schedule} seed {seed} -> {out}", flush=True)
+                train(args.config, out, seed, schedule, knobs, args.overrides, args.run_timeout_s)
+            if (out / "summary.json").is_file():
+                runs.append(load(out, schedule, seed, args.metric))
+    if not runs:
+        print("bench learning: no finished run", file=sys.stderr)
+        return 1
+    result = report(runs, args.budget_s)
+    (root / "learning.json").write_text(json.dumps(result, indent=2) + "\n")
+    (root / "learning.md").write_text(markdown(result))
+    plot(runs, root / "learning.png", f"{Path(args.config).stem}: {len({r.seed for r in runs})} seeds")
+    print(markdown(result))
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,72 @@
+"""``megathunder bench learning``'s figures from run folders (synthetic curves, so each figure is
+known): time to sync's scores as sync's time over the schedule's (geometric mean over the scores,
+then a 95% interval over seeds), the score at a fixed budget and thunder's difference to each
+schedule there, staleness, and a set that resumes (finished runs kept, none retrained)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import yaml
+
+from megathunder.bench import learning
+
+
+def _run(root: Path, schedule: str, seed: int, scores: list[float], seconds_per_step: float, lag: int = 0,
+         before: float = 0.1) -> Path:
+    out = learning.run_dir(root, schedule, seed)
+    out.mkdir(parents=True)
+    (out / "config.yaml").write_text(yaml.safe_dump({"schedule": {"mode": schedule}}))
+    rows = []
+    for k, score in enumerate(scores):
+        wall = seconds_per_step * (k + 1)
+        rows.append({"step": k, "wall_s": wall, "gpu_hours": wall / 3600, "schedule": schedule,
+                     "policy_lag_mean": lag, "policy_lag_max": lag,
+                     "eval/pass@1": score, "eval/pass@1_stderr": 0.05})
+    (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (out / "summary.json").write_text(json.dumps({"eval_pass@1_before_rl": before}))
+    return out
+
+
+def _set(root: Path) -> None:
+    scores = [0.2, 0.4, 0.6]
+    for seed, jitter in ((0, 0.0), (1, 0.02)):
+        _run(root, "sync", seed, [s + jitter for s in scores], 10.0)
+        _run(root, "thunder", seed, [s + jitter for s in scores], 5.0 + seed)  # 2x and 10/6 x as fast
+        _run(root, "async", seed, [s - 0.1 + jitter for s in scores], 5.0, lag=1)
+
+
+def test_time_to_score_budget_and_staleness_from_run_folders(tmp_path):
+    _set(tmp_path)
+    runs = [learning.load(learning.run_dir(tmp_path, s, k), s, k, "eval/pass@1")
+            for s in ("sync", "thunder", "async") for k in (0, 1)]
+    result = learning.report(runs)
+    thunder, asy = result["schedules"]["thunder"], result["schedules"]["async"]
+    mean, half = thunder["time_to_score_vs_sync"]
+    assert mean == pytest.approx((2.0 + 10 / 6) / 2)  # per seed: sync's time over thunder's, every score
+    assert half == pytest.approx(12.706 * math.sqrt(((2.0 - 10 / 6) ** 2) / 2) / math.sqrt(2))
+    assert thunder["scores_reached"] == "6/6"
+    assert asy["scores_reached"] == "4/6"  # async never reaches sync's best score
+    assert result["budget_s"] == 15.0  # the shortest run's wall time: async's
+    # each run's last evaluation within 15 s: thunder seed 0 at 15 s (0.6), seed 1 at 12 s (0.42)
+    assert thunder["score_at_budget"][0] == pytest.approx((0.6 + 0.42) / 2)
+    assert result["schedules"]["sync"]["score_at_budget"][0] == pytest.approx(0.21)  # one evaluation in 15 s
+    diff, half = asy["thunder_minus_this_at_budget"]  # paired by seed: 0.6 - 0.5, 0.42 - 0.52
+    assert diff == pytest.approx(0.0, abs=1e-12) and half == pytest.approx(12.706 * 0.2 / math.sqrt(2) / math.sqrt(2))
+    assert asy["policy_lag_max"] == 1 and thunder["policy_lag_max"] == 0
+    assert result["schedules"]["sync"]["steps_per_hour"][0] == pytest.approx(360.0)
+
+
+def test_a_set_is_reported_from_its_folders_and_finished_runs_are_never_retrained(tmp_path, monkeypatch):
+    _set(tmp_path)
+    monkeypatch.setattr(learning.subprocess, "run", lambda *a, **k: pytest.fail("a finished run was retrained"))
+    status = learning.main(["configs/quickstart.yaml", "--out", str(tmp_path), "--schedules", "sync", "thunder",
+                            "async", "--seeds", "0", "1"])
+    assert status == 0
+    assert (tmp_path / "learning.png").stat().st_size > 10_000
+    table = (tmp_path / "learning.md").read_text()
+    assert "| thunder |" in table and "| async |" in table
+    assert json.loads((tmp_path / "learning.json").read_text())["seeds"] == [0, 1]

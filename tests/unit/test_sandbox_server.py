@@ -517,3 +517,35 @@ def test_episode_on_a_lost_server_that_cannot_be_rerun_is_an_infrastructure_fail
         assert ep.failure.startswith("sandbox_error: ") and "re-run 0 times" in ep.failure, ep.failure
         assert ep.reward.infra and ep.reward.drop_group and ep.reward.reward is None
     assert all(ep.reward.reward == 1.0 for ep in episodes if not ep.failure)
+
+
+@needs_root
+def test_per_sandbox_limits_hold_on_the_server_and_idle_sandboxes_are_reaped(root, tmp_path):
+    """A command past its sandbox's wall-time limit is killed on the server (a result, not a hang);
+    a sandbox no request touched for ``idle_timeout_s`` is destroyed (its controller is gone), and a
+    late request hears why."""
+    async def go():
+        cfg = server_cfg(root, tmp_path, idle_timeout_s=0.4)
+        a = await start(cfg, "a")
+        try:
+            sb = await build_sandbox(client_cfg(cfg, [a.url], runtime=cfg.runtime.model_copy(update={"wall_time_s": 1})))
+            t0 = time.monotonic()
+            slow = await sb.exec(["sleep", "30"])
+            slow_s = time.monotonic() - t0
+            await sb.close()
+            status, made = await _raw("POST", f"{a.url}/sandboxes", json={})
+            assert status == 201, made
+            for _ in range(100):  # the reaper looks every 0.1 s
+                await asyncio.sleep(0.1)
+                if not a.server.hosted:
+                    break
+            late = await _raw("POST", f"{a.url}/sandboxes/{made['id']}/exec", json={"request_id": "1", "argv": ["id"]})
+            return slow, slow_s, late, a.server.metrics()
+        finally:
+            await close_sandbox_pools()
+            await a.stop()
+
+    slow, slow_s, late, metrics = asyncio.run(go())
+    assert slow.timed_out and "wall-time limit of 1 s exceeded" in slow.observation() and slow_s < 15
+    assert late[0] == 410 and "destroyed after 0.4 s idle" in late[1]["error"]
+    assert metrics["destroyed_total"] == {"client": 1, "idle": 1}

@@ -30,6 +30,7 @@ BENCHMARKS = {
     "peers": "megathunder.bench.peers",
     "tasks": "megathunder.bench.task_timing",
     "learning": "megathunder.bench.learning",
+    "sandbox": "megathunder.bench.sandbox_ops",
 }
 
 
@@ -114,6 +115,10 @@ def _cmd_import_gguf(args: argparse.Namespace) -> int:
 
 
 def _cmd_sandbox(args: argparse.Namespace) -> int:
+    if args.action == "serve":
+        from megathunder.rollout.sandbox.sandbox_server import run as serve_sandboxes
+
+        return serve_sandboxes(args)
     from megathunder.rollout.sandbox.images import run
 
     return run(args)
@@ -270,12 +275,19 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser(
         "sandbox",
-        help="container images without a registry: build the Debian base image (debootstrap -> "
-        "podman import, cached by content key) and print the podman options this machine needs",
+        help="sandbox servers (serve: create, run and destroy sandboxes for controllers on other nodes) and "
+        "container images without a registry (build-base: the Debian base image, debootstrap -> podman "
+        "import, cached by content key; probe: the podman options this machine needs)",
     )
     from megathunder.rollout.sandbox.images import add_arguments as add_sandbox_arguments
+    from megathunder.rollout.sandbox.sandbox_server import add_arguments as add_serve_arguments
 
-    add_sandbox_arguments(p)
+    actions = p.add_subparsers(dest="action", required=True, metavar="{serve,build-base,probe}")
+    add_serve_arguments(actions.add_parser("serve", help="serve sandboxes of the config's sandbox.runtime "
+                                           "(sandbox.backend: remote) over HTTP"))
+    for action in ("build-base", "probe"):
+        add_sandbox_arguments(actions.add_parser(action, help="build (or find) the base image, then probe"
+                                                 if action == "build-base" else "only probe"))
     p.set_defaults(func=_cmd_sandbox)
 
     p = sub.add_parser(

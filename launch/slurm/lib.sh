@@ -1,7 +1,8 @@
 # Shared by the launch scripts (sourced): settings from the environment, node split, the memory
 # plan (megathunder plan: MT_GPU_MEMORY_GB, default 80; MT_HOST_MEMORY_GB, default the learner
-# node's), rollout servers, learner preflight, health checks, the learner step with
-# checkpoint-and-requeue.
+# node's), rollout servers, sandbox servers (agentic configs: `megathunder sandbox serve` on the
+# rollout nodes or on MT_SANDBOX_NODES dedicated CPU nodes), learner preflight, health checks, the
+# learner step with checkpoint-and-requeue.
 # Every failure goes through mt_die, which names the component and exits non-zero.
 
 mt_log() { echo "megathunder launch [$(date -u +%H:%M:%S)]: $*"; }
@@ -37,7 +38,8 @@ print("\n".join(expand_hostlist(sys.argv[1])))' "$MT_NODELIST")
   fi
   ((${#MT_NODES[@]} > 0)) || mt_die launch "cannot expand node list $MT_NODELIST"
   MT_ROLLOUT_NODES=${MT_ROLLOUT_NODES:-4}
-  MT_LEARNER_NODES=${MT_LEARNER_NODES:-$((${#MT_NODES[@]} - MT_ROLLOUT_NODES))}
+  MT_SANDBOX_NODES=${MT_SANDBOX_NODES:-0}  # dedicated CPU nodes for sandbox servers: the job's last ones
+  MT_LEARNER_NODES=${MT_LEARNER_NODES:-$((${#MT_NODES[@]} - MT_ROLLOUT_NODES - MT_SANDBOX_NODES))}
   if ((MT_GPUS_PER_NODE > 0)); then
     MT_ROLLOUT_TP=${MT_ROLLOUT_TP:-8}
     MT_SERVERS_PER_NODE=${MT_SERVERS_PER_NODE:-$((MT_GPUS_PER_NODE / MT_ROLLOUT_TP))}
@@ -57,13 +59,19 @@ print("\n".join(expand_hostlist(sys.argv[1])))' "$MT_NODELIST")
   export MT_PYTHON MT_GPUS_PER_NODE MT_ROLLOUT_TP MT_SERVERS_PER_NODE MT_SERVER_PORT
   export PYTHONUNBUFFERED=1
 
-  ((${#MT_NODES[@]} == MT_ROLLOUT_NODES + MT_LEARNER_NODES)) || mt_die launch \
-    "the job has ${#MT_NODES[@]} nodes ($MT_NODELIST) but MT_ROLLOUT_NODES + MT_LEARNER_NODES = $MT_ROLLOUT_NODES + $MT_LEARNER_NODES"
+  if ((MT_SANDBOX_NODES > 0)); then
+    ((${#MT_NODES[@]} == MT_ROLLOUT_NODES + MT_LEARNER_NODES + MT_SANDBOX_NODES)) || mt_die launch \
+      "the job has ${#MT_NODES[@]} nodes ($MT_NODELIST) but MT_ROLLOUT_NODES + MT_LEARNER_NODES + MT_SANDBOX_NODES = $MT_ROLLOUT_NODES + $MT_LEARNER_NODES + $MT_SANDBOX_NODES"
+  else
+    ((${#MT_NODES[@]} == MT_ROLLOUT_NODES + MT_LEARNER_NODES)) || mt_die launch \
+      "the job has ${#MT_NODES[@]} nodes ($MT_NODELIST) but MT_ROLLOUT_NODES + MT_LEARNER_NODES = $MT_ROLLOUT_NODES + $MT_LEARNER_NODES"
+  fi
   ((MT_LEARNER_NODES >= 1)) || mt_die launch "MT_LEARNER_NODES=$MT_LEARNER_NODES: the learner needs a node"
   ((MT_GPUS_PER_NODE == 0 || MT_SERVERS_PER_NODE * MT_ROLLOUT_TP <= MT_GPUS_PER_NODE)) || mt_die launch \
     "MT_SERVERS_PER_NODE x MT_ROLLOUT_TP = $MT_SERVERS_PER_NODE x $MT_ROLLOUT_TP > MT_GPUS_PER_NODE=$MT_GPUS_PER_NODE"
   MT_ROLLOUT_HOSTS=("${MT_NODES[@]:0:MT_ROLLOUT_NODES}")
-  MT_LEARNER_HOSTS=("${MT_NODES[@]:MT_ROLLOUT_NODES}")
+  MT_LEARNER_HOSTS=("${MT_NODES[@]:MT_ROLLOUT_NODES:MT_LEARNER_NODES}")
+  MT_SANDBOX_HOSTS=("${MT_NODES[@]:MT_ROLLOUT_NODES+MT_LEARNER_NODES}")  # empty: none dedicated
   MT_LEARNER_WORLD=$((MT_LEARNER_NODES * MT_LEARNER_TASKS_PER_NODE))
   MT_LEARNER_NODELIST=$(IFS=,; echo "${MT_LEARNER_HOSTS[*]}")
   mkdir -p "$MT_LOG_DIR"
@@ -114,6 +122,9 @@ mt_plan() {
   fi
   mt_log "learner: ${MT_LEARNER_NODES} nodes (${MT_LEARNER_HOSTS[*]}), ${MT_LEARNER_TASKS_PER_NODE} ranks per node, world ${MT_LEARNER_WORLD}; controller on learner rank 0 (${MT_LEARNER_HOSTS[0]})"
   mt_log "weights: streamed from each pipeline stage over collectives (${MT_OVERRIDE_ARGS[1]#*=}); rendezvous at ${MT_OVERRIDE_ARGS[2]#*=}:${MT_WEIGHT_PORT}"
+  if ((${MT_SANDBOX_SERVERS:-0})); then
+    mt_log "sandboxes: ${#MT_SANDBOX_SERVER_HOSTS[@]} sandbox servers, one per node ${MT_SANDBOX_WHERE} (${MT_SANDBOX_SERVER_HOSTS[*]}), port ${MT_SANDBOX_PORT}; episodes' containers run there, none on the learner nodes"
+  fi
   mt_log "config: $MT_CONFIG ${MT_OVERRIDES:-}; logs: $MT_LOG_DIR"
 }
 
@@ -130,6 +141,11 @@ mt_check_plan() {  # [overrides...]: the layout's memory fits the learner nodes,
              --ranks-per-node "$MT_LEARNER_TASKS_PER_NODE")
   if ((MT_GPUS_PER_NODE > 0)); then cmd+=(--gpu-memory-gb "${MT_GPU_MEMORY_GB:-80}"); else cmd+=(--cpu); fi
   [[ -n "${MT_HOST_MEMORY_GB:-}" ]] && cmd+=(--host-memory-gb "$MT_HOST_MEMORY_GB")
+  if ((${MT_SANDBOX_SERVERS:-0})); then  # the sandbox servers' CPUs and memory per node, beside vLLM's share
+    cmd+=(--sandbox-nodes "${#MT_SANDBOX_SERVER_HOSTS[@]}" --sandbox-node-cpus "$MT_CPUS_PER_NODE"
+          --sandbox-reserved-cpus "$MT_SANDBOX_RESERVED_CPUS" --sandbox-reserved-memory-gb "$MT_SANDBOX_RESERVED_MEMORY_GB")
+    [[ -n "${MT_SANDBOX_NODE_MEMORY_GB:-}" ]] && cmd+=(--sandbox-node-memory-gb "$MT_SANDBOX_NODE_MEMORY_GB")
+  fi
   [[ "$MT_DRY_RUN" == 1 ]] || cmd=(srun "${MT_SRUN_EXTRA[@]}" --nodes=1 --ntasks=1 --cpus-per-task="$MT_CPUS_PER_TASK"
                                     --nodelist="${MT_LEARNER_HOSTS[0]}" --job-name=plan "${cmd[@]}")
   local status=0
@@ -140,6 +156,9 @@ mt_check_plan() {  # [overrides...]: the layout's memory fits the learner nodes,
   fi
   ((status == 0)) || mt_die plan "$(grep -v Warning "$MT_LOG_DIR/plan.err" | grep -v '^ *warnings.warn' | tail -n 5)"
   mt_log "plan: $(grep -E '^total ' "$MT_LOG_DIR/plan.txt" | head -1 | awk '{print $2" GiB per rank"}'); fits (${MT_LOG_DIR}/plan.txt)"
+  if ((${MT_SANDBOX_SERVERS:-0})); then
+    mt_log "plan: sandbox servers:$(grep -E '^  per node (CPUs|memory)' "$MT_LOG_DIR/plan.txt" | sed 's/^  per node/;/' | tr -d '\n' | tr -s ' ' | sed 's/^;//')"
+  fi
 }
 
 # ---- vLLM server pools (rollout) -----------------------------------------------
@@ -205,8 +224,9 @@ mt_wait_healthy() {  # every server of every pool answers /health with 200, or t
     sleep 2
   done
   for pool in "${!MT_POOL_URLS[@]}"; do
-    local urls=(${MT_POOL_URLS[$pool]})
-    mt_log "$pool healthy: ${#urls[@]} vLLM servers answer /health (${urls[*]})"
+    local urls=(${MT_POOL_URLS[$pool]}) kind=vLLM
+    [[ "$pool" == sandbox ]] && kind=sandbox
+    mt_log "$pool healthy: ${#urls[@]} $kind servers answer /health (${urls[*]})"
   done
 }
 
@@ -214,6 +234,42 @@ mt_urls_override() {  # KEY POOL -> KEY=["url",...]
   local joined
   joined=$(printf '"%s",' ${MT_POOL_URLS[${2:-rollout}]})
   echo "$1=[${joined%,}]"
+}
+
+# ---- sandbox servers (agentic configs: sandbox.backend remote) ------------------------------
+mt_sandbox_settings() {  # call after mt_settings: where the sandbox servers run, their port and secret
+  MT_SANDBOX_SERVERS=1
+  MT_SANDBOX_PORT=${MT_SANDBOX_PORT:-8300}
+  if ((MT_SANDBOX_NODES > 0)); then
+    MT_SANDBOX_SERVER_HOSTS=("${MT_SANDBOX_HOSTS[@]}") MT_SANDBOX_WHERE="on dedicated CPU nodes"
+    MT_SANDBOX_RESERVED_CPUS=${MT_SANDBOX_RESERVED_CPUS:-0} MT_SANDBOX_RESERVED_MEMORY_GB=${MT_SANDBOX_RESERVED_MEMORY_GB:-0}
+  else  # beside vLLM: its host processes keep a share of the node
+    ((MT_ROLLOUT_NODES > 0)) || mt_die launch "sandbox servers go on the rollout nodes or MT_SANDBOX_NODES; both are 0"
+    MT_SANDBOX_SERVER_HOSTS=("${MT_ROLLOUT_HOSTS[@]}") MT_SANDBOX_WHERE="beside vLLM on the rollout nodes"
+    MT_SANDBOX_RESERVED_CPUS=${MT_SANDBOX_RESERVED_CPUS:-16} MT_SANDBOX_RESERVED_MEMORY_GB=${MT_SANDBOX_RESERVED_MEMORY_GB:-256}
+  fi
+  # their shared secret: one per job, in the environment of every step (never on a command line)
+  [[ -n "${MT_SANDBOX_API_KEY:-}" ]] || MT_SANDBOX_API_KEY=$(head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \n')
+  export MT_SANDBOX_API_KEY
+  MT_OVERRIDE_ARGS+=(sandbox.api_key_env=MT_SANDBOX_API_KEY sandbox.port="$MT_SANDBOX_PORT")
+}
+
+mt_start_sandboxes() {  # one `megathunder sandbox serve` per sandbox node (a job step named sandbox:
+  # `--overlap` shares a rollout node with its vLLM step); stopped with the rollout servers (SIGTERM:
+  # every sandbox destroyed), at exit and before a requeue
+  local node addr
+  for node in "${MT_SANDBOX_SERVER_HOSTS[@]}"; do
+    addr=$(mt_node_addr "$node")
+    [[ -n "$addr" ]] || mt_die sandbox "no address for node $node"
+    MT_POOL_URLS[sandbox]+="http://$addr:$MT_SANDBOX_PORT "
+    local cmd=(srun "${MT_SRUN_EXTRA[@]}" --overlap --nodes=1 --ntasks=1 --cpus-per-task="$MT_CPUS_PER_NODE"
+               --nodelist="$node" --kill-on-bad-exit=1 --job-name=sandbox --output="$MT_LOG_DIR/sandbox-$node.out"
+               $MT_PYTHON -m megathunder.cli sandbox serve "$MT_CONFIG" "${MT_OVERRIDE_ARGS[@]}"
+               --host "$addr" --port "$MT_SANDBOX_PORT")
+    if [[ "$MT_DRY_RUN" == 1 ]]; then echo "would run: ${cmd[*]} &"; continue; fi
+    "${cmd[@]}" &
+    MT_ROLLOUT_PIDS+=("$!:$node:sandbox")
+  done
 }
 
 # ---- learner -----------------------------------------------------------------------------------

@@ -344,8 +344,105 @@ class ContainerSandboxConfig(SandboxLimits):
         return self
 
 
-SandboxConfig = Annotated[LocalSandboxConfig | ContainerSandboxConfig, Field(discriminator="backend")]
+SandboxRuntime = Annotated[LocalSandboxConfig | ContainerSandboxConfig, Field(discriminator="backend")]
+"""What runs one sandbox on this machine: namespaces (local) or a container runtime."""
+
+
+class RemoteSandboxConfig(Strict):
+    """``backend: remote``: sandboxes on sandbox servers (``megathunder sandbox serve``, one per rollout
+    or CPU node; ``rollout/sandbox/remote.py``). Each episode's sandbox is created on the least loaded
+    live server and stays there: its tool calls and its test run go where it lives. A server lost or
+    hung mid-episode is an infrastructure failure of that episode's sandbox, which is re-run on
+    another server by replaying its commands (``max_failovers``, ``replay_check``); where that
+    cannot be done the episode fails with ``verifier.on_infra_failure``, never a reward.
+
+    The servers read the same config: ``runtime`` is what each runs (its limits are every sandbox's
+    own and the ceiling of what a client may ask for), ``max_sandboxes_per_server`` its bound."""
+
+    backend: Literal["remote"]
+    runtime: SandboxRuntime = LocalSandboxConfig()
+    """The backend each server runs (``backend: local | docker | podman | apptainer | enroot`` and its
+    fields); a mapping without ``backend`` is a local sandbox."""
+    server_urls: list[str] = []
+    """The servers, ``http://host:port``; empty: found from the Slurm job (the nodes of its job steps
+    named ``sandbox``, at ``port``). The launch scripts pass the servers they started."""
+    port: int = Field(8300, ge=1024, le=65535)
+    """Where the servers listen (the launch scripts' default ``MT_SANDBOX_PORT``; discovery)."""
+    api_key_env: str | None = Field(None, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")
+    """Name of the environment variable holding the servers' shared secret (never the secret
+    itself): every endpoint but /health needs it as a Bearer token. Required off loopback."""
+    max_sandboxes_per_server: int = Field(64, ge=1)
+    """Each server's bound on open sandboxes (it refuses one more); the client never places beyond
+    it and waits for a free slot when every live server is full."""
+    idle_timeout_s: float = Field(3600.0, gt=0)
+    """A server destroys a sandbox no request has touched for this long (its controller is gone)."""
+    create_timeout_s: float = Field(900.0, gt=0)
+    """How long a server may take to create a sandbox (an image build or pull included)."""
+    hang_grace_s: float = Field(60.0, gt=0)
+    """Hang detection by progress: a request unanswered this long past its own bound (a command's
+    wall-time limit, which the server enforces; ``create_timeout_s`` for a create) means the server is
+    hung: it is treated as lost (its sandboxes are re-run elsewhere) even if its /health answers."""
+    max_failovers: int = Field(2, ge=0)
+    """How many times one sandbox may be re-run on another server; 0: a lost server fails its episodes."""
+    replay_check: Literal["exit_code", "output"] = "exit_code"
+    """What a re-run must reproduce of each recorded command: its exit code (and time-out), or also its
+    output byte for byte (a test log with timings then never matches). A divergence fails the episode."""
+    max_replay_bytes: int = Field(64 << 20, ge=0)
+    """The commands' stdin (uploads, written files) kept per sandbox for a re-run; beyond it the sandbox
+    cannot be re-run and a lost server fails its episode."""
+    max_request_mb: int = Field(256, ge=1)
+    """The largest request a server accepts (an upload, a written file)."""
+    cpu_overcommit: float = Field(1.0, ge=1.0)
+    """``megathunder plan``: how many times a node's free CPUs its sandboxes' CPU limits may add up to
+    (an episode's sandbox idles while the model generates; its test run does not)."""
+    state_dir: str = "/tmp/megathunder-sandbox-servers"
+    """Where each server records what it owns (cgroups, containers, work dirs), so that a server
+    started again at the same node and port removes what a killed one left."""
+
+    @field_validator("runtime", mode="before")
+    @classmethod
+    def _default_runtime(cls, value: object) -> object:
+        return default_tag(value, "backend", "local")
+
+    @field_validator("server_urls")
+    @classmethod
+    def _urls(cls, value: list[str]) -> list[str]:
+        for url in value:
+            parts = urlsplit(url)
+            if parts.scheme != "http" or not parts.hostname or parts.port is None:
+                raise ValueError(f"{url!r} is not http://host:port")
+        if len(set(value)) != len(value):
+            raise ValueError(f"{value}: a server is listed twice")
+        return value
+
+    @model_validator(mode="after")
+    def _check(self) -> RemoteSandboxConfig:
+        exposed = [u for u in self.server_urls if not is_loopback(urlsplit(u).hostname or "")]
+        if self.api_key_env is None and (exposed or not self.server_urls):
+            where = exposed[0] if exposed else "servers found from the Slurm job"
+            raise ValueError(f"api_key_env: required for sandbox servers off loopback ({where}): they run "
+                             "commands for whoever reaches them")
+        rt = self.runtime
+        if isinstance(rt, LocalSandboxConfig) and rt.num_uids < self.max_sandboxes_per_server:
+            raise ValueError(f"runtime.num_uids: {rt.num_uids} is fewer than max_sandboxes_per_server="
+                             f"{self.max_sandboxes_per_server} (each open local sandbox needs its own uid)")
+        return self
+
+    @property
+    def capacity(self) -> int | None:
+        """Sandboxes all listed servers hold at once (None: servers found at run time)."""
+        return len(self.server_urls) * self.max_sandboxes_per_server if self.server_urls else None
+
+
+SandboxConfig = Annotated[LocalSandboxConfig | ContainerSandboxConfig | RemoteSandboxConfig,
+                          Field(discriminator="backend")]
 """The ``sandbox`` section: where tool calls run."""
+
+
+def sandbox_runtime(cfg: LocalSandboxConfig | ContainerSandboxConfig | RemoteSandboxConfig) -> (
+        LocalSandboxConfig | ContainerSandboxConfig):
+    """What runs each sandbox (its backend and limits): the section itself, or a remote one's servers'."""
+    return cfg.runtime if isinstance(cfg, RemoteSandboxConfig) else cfg
 
 
 class VerifierConfig(Strict):
@@ -355,7 +452,10 @@ class VerifierConfig(Strict):
     """How long one verifier may take besides its test run: a task that runs tests in the sandbox
     gets this plus the test run's own wall-time limit (the task's test timeout, else
     ``task.test_run.wall_time_s``), which kills the test run first."""
-    max_concurrent: int = Field(4, ge=1)
+    max_concurrent: int | None = Field(None, ge=1)
+    """Verifiers running at once. null: 4, or with ``sandbox.backend: remote`` the servers' capacity
+    (their sandboxes' count: each test run runs in its episode's own sandbox on its server, which the
+    servers bound; no queue of 4 on the controller's node)."""
     on_failure: Literal["zero_reward", "drop_group"] = "zero_reward"
     """zero_reward: the trajectory gets ``failure_reward``; drop_group: its whole group is
     excluded from the batch (the reward event says so). Applies to every failed episode: a

@@ -35,12 +35,16 @@ from megathunder.config.rollout_config import (
     GeneratedTaskConfig,
     LocalSandboxConfig,
     LocalTaskConfig,
+    RemoteSandboxConfig,
     RolloutConfig,
     SandboxConfig,
     TaskConfig,
     VerifierConfig,
+    sandbox_runtime,
 )
 from megathunder.config.run_config import BatchConfig, ProbeConfig, RunConfig, ScheduleConfig
+
+DEFAULT_VERIFIER_CONCURRENCY = 4
 
 
 
@@ -69,25 +73,41 @@ class Sections(Protocol):
 def tasks_run_where_their_files_are(cfg: Sections) -> None:
     """Terminal-Bench tasks whose environment is files only also run on the local sandbox (it refuses
     the others by name); a SWE-bench / SWE-smith repository exists only in its instance image; a
-    local task on a container backend needs an image; each open local sandbox needs its own uid."""
+    local task on a container backend needs an image; each open local sandbox needs its own uid.
+    Sandbox servers (``backend: remote``) are held to the same rules for the backend they run."""
+    remote = isinstance(cfg.sandbox, RemoteSandboxConfig)
+    sb = sandbox_runtime(cfg.sandbox)
+    at = "sandbox.runtime.backend" if remote else "sandbox.backend"
     if (isinstance(cfg.task, DatasetTaskConfig) and cfg.task.name != "terminal_bench"
-            and isinstance(cfg.sandbox, LocalSandboxConfig)):
+            and isinstance(sb, LocalSandboxConfig)):
         raise ValueError(
-            f"sandbox.backend: task {cfg.task.name} runs in each instance's container image; "
+            f"{at}: task {cfg.task.name} runs in each instance's container image; "
             "use docker, podman, apptainer or enroot"
         )
-    sb = cfg.sandbox
     if isinstance(cfg.task, LocalTaskConfig) and isinstance(sb, ContainerSandboxConfig) and not sb.image:
         raise ValueError(
-            f"sandbox.image: task {cfg.task.name} makes its instances here, with no image of "
+            f"{at.replace('backend', 'image')}: task {cfg.task.name} makes its instances here, with no image of "
             f"their own; backend {sb.backend} needs one (e.g. the tag `megathunder sandbox "
             "build-base` prints), or use backend local"
         )
-    if isinstance(sb, LocalSandboxConfig) and sb.num_uids < cfg.agent.max_concurrent_episodes:
+    if not remote and isinstance(sb, LocalSandboxConfig) and sb.num_uids < cfg.agent.max_concurrent_episodes:
         raise ValueError(
             f"sandbox.num_uids: {sb.num_uids} is fewer than agent.max_concurrent_episodes="
             f"{cfg.agent.max_concurrent_episodes} (each open local sandbox needs its own uid)"
         )
+
+
+def verifiers_run_where_the_sandboxes_are(cfg: Sections) -> None:
+    """``verifier.max_concurrent`` null (derive): 4 verifiers at once on the controller, or with
+    sandbox servers as many as the servers hold sandboxes (each test run runs in its episode's own
+    sandbox, on its server, which the servers bound), at most one per concurrent episode."""
+    if cfg.verifier.max_concurrent is not None:
+        return
+    n = DEFAULT_VERIFIER_CONCURRENCY
+    if isinstance(cfg.sandbox, RemoteSandboxConfig):
+        episodes = cfg.agent.max_concurrent_episodes
+        n = min(cfg.sandbox.capacity or episodes, episodes)
+    cfg.verifier = cfg.verifier.model_copy(update={"max_concurrent": n})
 
 
 def cores_are_disjoint(cfg: Sections) -> None:
@@ -342,6 +362,7 @@ Rule = Callable[[Sections], None]
 
 RULES: tuple[Rule, ...] = (
     tasks_run_where_their_files_are,
+    verifiers_run_where_the_sandboxes_are,
     cores_are_disjoint,
     failed_groups_stay_droppable,
     faults_fit_the_run,

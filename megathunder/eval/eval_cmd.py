@@ -19,6 +19,7 @@ from megathunder.eval.evaluate import EvalResult, MissingSamplesError, evaluate
 from megathunder.eval.instances import EvalInputError, eval_instances
 from megathunder.rollout import engines
 from megathunder.rollout.chat_template import make_codec
+from megathunder.rollout.sandbox import close_sandbox_pools
 from megathunder.rollout.tasks import build_task
 from megathunder.rollout.tasks.datasets import DatasetError
 from megathunder.rollout.tasks.split import InstanceDrawError
@@ -93,6 +94,7 @@ async def _run_engine(cfg: Config, checkpoint: Path, task: Task, instances: Sequ
         return await evaluate(cfg, engine, codec, task, instances, progress=True)
     finally:
         await engine.close()
+        await close_sandbox_pools()
 
 
 def run(args: argparse.Namespace) -> int:

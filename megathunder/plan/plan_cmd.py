@@ -7,7 +7,9 @@ traffic, before anything starts (the formulas: ``megathunder.plan.memory_plan``)
 The model's sizes come from ``learner.model.hf_checkpoint`` (a Hugging Face directory or its
 ``config.json``; only that file is read), else from ``run.init_model`` (a directory), else from the
 locally built tiny model (``run.tiny_model``) -- or, with ``--sizes config``, from ``learner.model``
-itself; the teacher's likewise from ``objective.teacher.hf_checkpoint``. Prints a table and, as the last line, one JSON object. Exit
+itself; the teacher's likewise from ``objective.teacher.hf_checkpoint``. With ``sandbox.backend: remote``
+it also counts the sandbox servers' CPUs and memory per node (``--sandbox-*``; ``sandbox_plan.py``).
+Prints a table and, as the last line, one JSON object. Exit
 status 0 when the layout fits, 1 when it does not (stderr names the part: the field that does not
 divide, or the memory that does not fit), 2 for a bad config.
 """
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -29,6 +32,7 @@ from megathunder.config import (
     load_config,
 )
 from megathunder.plan.memory_plan import GiB, Machine, ModelShape, Plan, plan, read_model_config
+from megathunder.plan.sandbox_plan import SandboxNodes, plan_sandboxes
 
 TINY_VOCAB = 512  # the local tokenizer's vocabulary (megathunder.models.tiny_hf), a multiple of 64
 
@@ -129,6 +133,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--process-host-gb", type=float, default=None,
                         help="host memory of one learner process besides what is counted (default: an estimate "
                         "on GPUs, 0 on CPU)")
+    parser.add_argument("--sandbox-nodes", type=int, default=None,
+                        help="nodes running a sandbox server (sandbox.backend: remote; default: its server_urls)")
+    parser.add_argument("--sandbox-node-cpus", type=int, default=None,
+                        help="CPUs of a sandbox server's node (default: this machine's)")
+    parser.add_argument("--sandbox-node-memory-gb", type=float, default=None,
+                        help="memory of a sandbox server's node (default: --host-memory-gb)")
+    parser.add_argument("--sandbox-reserved-cpus", type=int, default=0,
+                        help="CPUs of that node taken by what runs beside the server (a rollout node's vLLM)")
+    parser.add_argument("--sandbox-reserved-memory-gb", type=float, default=0.0,
+                        help="memory of that node taken by what runs beside the server")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -141,8 +155,20 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as err:
         print(f"megathunder plan: {err}", file=sys.stderr)
         return 2
-    print(render(result, machine))
-    print(json.dumps({"plan": result.to_json()}), flush=True)
+    servers = getattr(cfg.sandbox, "server_urls", [])
+    num_nodes = args.sandbox_nodes if args.sandbox_nodes is not None else len(servers)
+    sandboxes = None if num_nodes == 0 else plan_sandboxes(cfg, SandboxNodes(
+        num_nodes=num_nodes,
+        cpus=args.sandbox_node_cpus if args.sandbox_node_cpus is not None else os.cpu_count() or 1,
+        memory_gb=args.sandbox_node_memory_gb if args.sandbox_node_memory_gb is not None else machine.host_memory_gb,
+        reserved_cpus=args.sandbox_reserved_cpus, reserved_memory_gb=args.sandbox_reserved_memory_gb))
+    if sandboxes is not None:
+        result.problems += sandboxes.problems
+    print(render(result, machine) + ("" if sandboxes is None else "\n" + "\n".join(sandboxes.lines())))
+    out = result.to_json()
+    if sandboxes is not None:
+        out["sandbox"] = sandboxes.to_json()
+    print(json.dumps({"plan": out}), flush=True)
     if not result.feasible:
         for problem in result.problems:
             print(f"megathunder plan: INFEASIBLE: {problem}", file=sys.stderr)

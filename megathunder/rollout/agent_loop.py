@@ -26,7 +26,10 @@ reach no loss (attention is causal: nothing after the last trained token affects
 
 Faults: a failed episode (non-finite or mismatched engine logprobs, a sandbox that cannot be set
 up, a verifier that raises, times out or returns a non-finite reward) gets ``Episode.failure`` and
-the ``verifier.on_failure`` outcome; RELIABILITY.md lists every fault and its policy.
+the ``verifier.on_failure`` outcome; a sandbox that is lost mid-episode (a tool call raises
+``SandboxError``: the container gone, a sandbox server lost where the sandbox cannot be re-run)
+ends the episode there with ``verifier.on_infra_failure``, never an observation the model trains
+on; RELIABILITY.md lists every fault and its policy.
 """
 
 from __future__ import annotations
@@ -180,7 +183,12 @@ class AgentLoop:
                     log.warning("episode %d: %s", traj_id, ep.failure)
                     return await self._finish(ep, inst, None)
                 ep.started_at = time.monotonic()  # the wall-time budget starts with the first turn
-                return await self._episode(ep, inst, seed, sandbox)
+                try:
+                    return await self._episode(ep, inst, seed, sandbox)
+                except SandboxError as err:  # lost mid-episode and not re-run: an infrastructure failure
+                    ep.failure, ep.stop_reason = f"{SANDBOX_FAILURE}lost mid-episode: {err}", "failed"
+                    log.warning("episode %d: %s", traj_id, ep.failure)
+                    return await self._finish(ep, inst, None)
             finally:
                 self.priorities.finished(traj_id, group_id)  # also when cancelled
                 if sandbox is not None:
@@ -299,8 +307,8 @@ class AgentLoop:
                 ok = not obs.rstrip().rpartition("\n")[2].startswith("[error:")  # last line
             except ToolArgumentError as err:
                 obs, ok = f"[error: {err}]", False
-            except TimeoutError:
-                raise  # the episode's wall time is over
+            except (TimeoutError, SandboxError):
+                raise  # the episode's wall time is over; its sandbox is gone (never an observation to train on)
             except Exception as err:  # a crashing tool is an observation, not a dead episode
                 log.warning("tool %s crashed: %r", call.name, err)
                 obs, ok = f"[error: tool {call.name!r} crashed: {type(err).__name__}: {err}]", False

@@ -82,7 +82,7 @@ class RewardOutcome:
 class VerifierPool:
     def __init__(self, cfg: VerifierConfig) -> None:
         self.cfg = cfg
-        self._slots = asyncio.Semaphore(cfg.max_concurrent)
+        self._slots = asyncio.Semaphore(cfg.max_concurrent or 4)  # null outside a run's config: the rule's default
         self.num_failures = 0
 
     async def score(self, verify: Callable[[], Awaitable[float | Verdict]], *, traj_id: int,

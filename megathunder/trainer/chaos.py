@@ -76,6 +76,7 @@ from megathunder.config import (
     ConfigError,
     SandboxConfig,
     VerifierConfig,
+    sandbox_runtime,
 )
 from megathunder.rollout.agent_loop import AgentLoop
 from megathunder.rollout.engines.inprocess import InProcessEngine
@@ -171,7 +172,7 @@ class Chaos:
 
     def install_episodes(self, loop: AgentLoop, sandbox: SandboxConfig, verifier: VerifierConfig) -> None:
         """The episode faults' part: the agent loop's verifiers and ``bash`` tool wrapped."""
-        self.memory_mb, self.verifier_timeout_s = sandbox.memory_mb, verifier.timeout_s
+        self.memory_mb, self.verifier_timeout_s = sandbox_runtime(sandbox).memory_mb, verifier.timeout_s
         tool_faults = [i for i, f in enumerate(self.pending) if f.kind in TOOL_FAULTS]
         if tool_faults and BASH.name not in loop.tools:
             i = tool_faults[0]

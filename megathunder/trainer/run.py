@@ -47,6 +47,7 @@ from megathunder.plan.memory_plan import ModelShape
 from megathunder.rollout.chat_template import make_codec
 from megathunder.rollout.engines import start_engine
 from megathunder.rollout.engines.inprocess import EngineRestartError, EngineUpdateError, InProcessEngine
+from megathunder.rollout.sandbox import close_sandbox_pools
 from megathunder.rollout.tasks import build_task
 from megathunder.rollout.tasks.task import Task
 from megathunder.rollout.tasks.task_check import check_before_training
@@ -260,4 +261,5 @@ async def _control(cfg: Config, task: Task, out: Path, service: LearnerService[L
         if trainer is not None:
             trainer.close()
         await engine.close()
+        await close_sandbox_pools()  # sandbox servers: this controller's connections (the servers stay)
         closed.set()

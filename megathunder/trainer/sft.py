@@ -25,6 +25,7 @@ from megathunder.learner.safetensors_io import has_weights
 from megathunder.rollout.agent_loop import build_agent_loop
 from megathunder.rollout.chat import ChatCodec
 from megathunder.rollout.chat_template import make_codec
+from megathunder.rollout.sandbox import close_sandbox_pools
 from megathunder.rollout.scripted import ScriptedPolicy
 from megathunder.rollout.tasks.split import is_held_out
 from megathunder.rollout.tasks.task import Task
@@ -38,7 +39,10 @@ async def demonstrations(cfg: Config, task: Task, codec: ChatCodec, num: int, se
         instances = [i for i in instances if not is_held_out(i, cfg.eval.heldout_fraction)]
     policy = ScriptedPolicy(codec, {inst.prompt: list(task.scripted_turns(inst)) for inst in instances})
     loop = build_agent_loop(cfg, policy, codec, task)
-    episodes = await loop.run_batch(instances, 1)
+    try:
+        episodes = await loop.run_batch(instances, 1)
+    finally:
+        await close_sandbox_pools()  # this loop's connections to sandbox servers, if any
     return [ep.to_trajectory() for ep in episodes]
 
 

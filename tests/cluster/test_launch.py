@@ -56,6 +56,48 @@ def test_dry_run_prints_the_128_gpu_plan_and_refuses_a_bad_split(tmp_path):
     assert "FAILED: config: megathunder: invalid configuration:\n  learner.parallel.tensor_parallel:" in bad.stderr
 
 
+def test_swe_dry_run_places_sandbox_servers_beside_vllm_or_on_their_own_nodes(tmp_path):
+    """launch/slurm/swe_128gpu.sh: a sandbox server (a job step named ``sandbox``, overlapping the
+    rollout node's vLLM step) on each rollout node, their URLs and secret's name passed to the
+    trainer, the plan counting their CPUs and memory per node; ``MT_SANDBOX_NODES`` moves them to the
+    job's last nodes; a node that cannot hold them is refused before anything starts."""
+    models = REPO / "tests" / "fixtures" / "models"
+    env = dict(os.environ, MT_DRY_RUN="1", MT_NODELIST="gpu[01-16]", MT_LOG_DIR=str(tmp_path), MT_HOST_MEMORY_GB="2048",
+               SLURM_CPUS_PER_TASK="12", SLURM_CPUS_ON_NODE="96",
+               MT_OVERRIDES=f"learner.model.hf_checkpoint={models / 'Qwen2.5-32B-Instruct'}")
+    env.pop("SLURM_JOB_NODELIST", None)
+
+    def dry_run(**extra):
+        return subprocess.run(["bash", "launch/slurm/swe_128gpu.sh"], env={**env, **extra}, cwd=REPO,
+                              capture_output=True, text=True, timeout=300)
+
+    out = dry_run()
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert ("sandboxes: 4 sandbox servers, one per node beside vLLM on the rollout nodes (gpu01 gpu02 gpu03 gpu04), "
+            "port 8300") in out.stdout
+    assert re.search(r"plan: [\d.]+ GiB per rank; fits", out.stdout), out.stdout
+    assert "plan: sandbox servers: CPUs 64.0 of 80 free; memory 512.0 GiB of 1792.0 GiB free" in out.stdout, out.stdout
+    serve = [line for line in lines if "megathunder.cli sandbox serve" in line]
+    assert [re.search(r"--nodelist=(\S+)", line).group(1) for line in serve] == ["gpu01", "gpu02", "gpu03", "gpu04"]
+    assert all("--overlap" in line and "--job-name=sandbox" in line and "--gpus" not in line for line in serve)
+    assert all(f"--host gpu0{k + 1} --port 8300" in line for k, line in enumerate(serve))
+    (train,) = [line for line in lines if "megathunder.cli train" in line]
+    assert 'sandbox.server_urls=["http://gpu01:8300","http://gpu02:8300","http://gpu03:8300","http://gpu04:8300"]' in train
+    assert "sandbox.api_key_env=MT_SANDBOX_API_KEY" in train and "--nodelist=gpu05," in train
+
+    dedicated = dry_run(MT_NODELIST="gpu[01-18]", MT_SANDBOX_NODES="2")
+    assert dedicated.returncode == 0, dedicated.stderr
+    assert "2 sandbox servers, one per node on dedicated CPU nodes (gpu17 gpu18)" in dedicated.stdout
+    (train,) = [line for line in dedicated.stdout.splitlines() if "megathunder.cli train" in line]
+    assert 'sandbox.server_urls=["http://gpu17:8300","http://gpu18:8300"]' in train and "gpu17" not in \
+        train.partition("--nodelist=")[2].split()[0]
+
+    crowded = dry_run(MT_OVERRIDES=env["MT_OVERRIDES"] + " sandbox.max_sandboxes_per_server=128")
+    assert crowded.returncode == 1 and "would run" not in crowded.stdout
+    assert "FAILED: plan: megathunder plan: INFEASIBLE: sandbox.max_sandboxes_per_server: 128 sandboxes" in crowded.stderr
+
+
 def test_grpo_job_trains_on_two_nodes_checkpoints_on_sigusr1_requeues_and_resumes(slurm_cluster, tmp_path):
     run_dir = tmp_path / "run"
     env = mt_env(slurm_cluster, tmp_path, MT_OVERRIDES=f"run.output_dir={run_dir} run.num_steps={NUM_STEPS}")

@@ -286,6 +286,7 @@ SHIPPED_MODELS = {  # the launch configs' /models/... paths, as the fixtures' sh
     "launch/slurm/grpo_128gpu.yaml": ["learner.model.hf_checkpoint=" + qwen("32B")],
     "launch/slurm/opd_128gpu.yaml": ["learner.model.hf_checkpoint=" + qwen("7B"),
                                      "objective.teacher.hf_checkpoint=" + qwen("32B")],
+    "launch/slurm/swe_128gpu.yaml": ["learner.model.hf_checkpoint=" + qwen("32B")],
 }
 
 
@@ -357,3 +358,26 @@ def test_a_run_with_the_in_process_engine_on_a_gpu_is_refused_unless_its_share_i
     check_engine_placement(default, cuda=False)  # CPU: vLLM's KV cache is its own memory
     check_engine_placement(load_config(None, ["rollout.engine.gpu_memory_utilization=0.2"]), cuda=True)
     check_engine_placement(load_config(None, ["rollout.engine.deployment=server"]), cuda=True)
+
+
+def test_swe_launch_config_fits_with_its_sandbox_servers_counted_per_node(capsys):
+    """launch/slurm/swe_128gpu.yaml (a 32B student, sandboxes on servers beside vLLM on 4 rollout
+    nodes): the learner fits, and the servers' worst case per node -- 64 sandboxes x 2 CPUs over an
+    overcommit of 2, 64 x 8 GiB -- fits a 96-CPU node beside vLLM's reserve; twice the sandboxes per
+    server does not, and the plan names the fields."""
+    config = [str(REPO / "launch/slurm/swe_128gpu.yaml"), "learner.model.hf_checkpoint=" + qwen("32B")]
+    argv = [*config, "--world", "96", "--host-memory-gb", "2048", "--sandbox-nodes", "4", "--sandbox-node-cpus", "96",
+            "--sandbox-reserved-cpus", "16", "--sandbox-reserved-memory-gb", "256"]
+    assert plan_cmd.main(argv) == 0
+    out = capsys.readouterr().out
+    sandbox = json.loads(out.strip().splitlines()[-1])["plan"]["sandbox"]
+    assert sandbox == {"num_servers": 4, "per_server": 64, "cpus_per_node": 64.0, "memory_bytes_per_node": 512 * GiB,
+                       "free_cpus_per_node": 80, "free_memory_bytes_per_node": 1792 * GiB, "capacity": 256,
+                       "episodes": 256}
+    assert "256 at once for 256 concurrent episodes" in out
+    assert plan_cmd.main([*config, "sandbox.max_sandboxes_per_server=128", *argv[2:]]) == 1
+    err = capsys.readouterr().err
+    assert ("sandbox.max_sandboxes_per_server: 128 sandboxes x sandbox.runtime.cpus=2 / sandbox.cpu_overcommit=2 = "
+            "128.0 CPUs per node, but a sandbox node has 80 free") in err, err
+    assert plan_cmd.main([*config, "sandbox.runtime.memory_mb=32768", *argv[2:]]) == 1
+    assert "64 sandboxes x sandbox.runtime.memory_mb=32768 = 2048.0 GiB per node" in capsys.readouterr().err

@@ -24,18 +24,25 @@ MIDDLEWARE = f"{__name__}.BearerAuthMiddleware"
 OPEN_PATHS = ("/health",)  # liveness probes carry no secret
 
 
-def read_api_key(env_name: str | None) -> str | None:
+def read_api_key(env_name: str | None, field: str = "rollout.engine.api_key_env") -> str | None:
     """The secret held in ``env_name`` (None when no variable is configured); a configured but
-    unset or empty variable is an error that names it, never a silent unauthenticated server."""
+    unset or empty variable is an error that names it (and the config ``field``), never a silent
+    unauthenticated server."""
     if env_name is None:
         return None
     key = os.environ.get(env_name, "")
     if not key:
         raise RuntimeError(
-            f"rollout.engine.api_key_env: environment variable {env_name} is not set or empty; "
+            f"{field}: environment variable {env_name} is not set or empty; "
             "export the shared secret there"
         )
     return key
+
+
+def bearer_matches(header: str | None, key: str) -> bool:
+    """Whether an ``Authorization`` header value is ``Bearer <key>`` (compared in constant time)."""
+    scheme, _, token = (header or "").partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(_digest(token), _digest(key))
 
 
 def _digest(token: str) -> bytes:

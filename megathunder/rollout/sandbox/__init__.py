@@ -1,4 +1,6 @@
-"""Sandboxes that run an episode's tool calls: a local one (namespaces) and containers.
+"""Sandboxes that run an episode's tool calls: a local one (namespaces), containers, and either of
+them on sandbox servers (``backend: remote``: ``remote.py``, served by ``megathunder sandbox serve``,
+``sandbox_server.py``).
 
 ``build_sandbox(cfg, image, environment=...)`` returns a ready sandbox for one episode; close it
 when done. A task instance that brings its own environment (a Terminal-Bench / Harbor task
@@ -14,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from megathunder.config import ContainerSandboxConfig, LocalSandboxConfig, SandboxConfig
+from megathunder.config import ContainerSandboxConfig, LocalSandboxConfig, RemoteSandboxConfig, SandboxConfig
 from megathunder.rollout.sandbox import images
 from megathunder.rollout.sandbox.container import ContainerSandbox
 from megathunder.rollout.sandbox.core import (
@@ -61,13 +63,25 @@ async def build_sandbox(cfg: SandboxConfig, image: str | None = None, *,
                         environment: Environment | None = None) -> Sandbox:
     """A sandbox of the ``sandbox`` section's backend; ``image``: the task instance's container
     image (else ``sandbox.image``), built from its environment's Dockerfile first when missing
-    (docker / podman); ``environment``: what the task needs of its sandbox."""
+    (docker / podman); ``environment``: what the task needs of its sandbox. Remote: on the least
+    loaded sandbox server, which builds the image there."""
+    if isinstance(cfg, RemoteSandboxConfig):
+        from megathunder.rollout.sandbox.remote import create_remote  # aiohttp only where it is used
+
+        return await create_remote(cfg, image, environment)
     if isinstance(cfg, LocalSandboxConfig):
         return LocalSandbox(cfg, environment)
     image = image or cfg.image or ""
     if image:
         await prepare_image(cfg, image, environment)
     return await ContainerSandbox(cfg, image, environment).start()
+
+
+async def close_sandbox_pools() -> None:
+    """Close this event loop's connections to sandbox servers (``backend: remote``), if any."""
+    from megathunder.rollout.sandbox.server_pool import close_pools
+
+    await close_pools()
 
 
 __all__ = [
@@ -81,5 +95,6 @@ __all__ = [
     "Sandbox",
     "SandboxError",
     "build_sandbox",
+    "close_sandbox_pools",
     "prepare_image",
 ]

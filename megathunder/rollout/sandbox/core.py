@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import base64
 import io
 import os
 import shlex
@@ -175,16 +176,30 @@ class Sandbox(abc.ABC):
 
     async def upload(self, files: Mapping[str, str | bytes]) -> None:
         """Create ``files`` (paths relative to ``workdir``) by streaming a tar archive in."""
-        buf = io.BytesIO()
-        with tarfile.open(fileobj=buf, mode="w") as tar:
-            for path, content in files.items():
-                data = content.encode() if isinstance(content, str) else content
-                info = tarfile.TarInfo(path)
-                info.size, info.mtime, info.mode = len(data), int(time.time()), 0o644
-                tar.addfile(info, io.BytesIO(data))
-        result = await self.exec(["tar", "-x", "--no-same-owner", "-f", "-"], stdin=buf.getvalue())
+        await self.upload_tar(tar_archive(files), len(files))
+
+    async def upload_tar(self, archive: bytes, num_files: int | None = None) -> None:
+        """Extract a tar ``archive`` in ``workdir`` (a command run inside the sandbox)."""
+        result = await self.exec(["tar", "-x", "--no-same-owner", "-f", "-"], stdin=archive)
         if not result.ok:
-            raise SandboxError(f"upload of {len(files)} files failed: {result.observation()}")
+            what = f"{num_files} files" if num_files is not None else f"a {len(archive)}-byte archive"
+            raise SandboxError(f"upload of {what} failed: {result.observation()}")
+
+    async def download(self, path: str, max_bytes: int = 64 << 20) -> bytes:
+        """A tar archive of ``path`` (relative to ``workdir``, a file or a directory), made inside the
+        sandbox (base64 on the way out: command output is text). Raises :class:`SandboxError` when
+        it cannot be read or exceeds ``max_bytes``."""
+        # tar's own complaints land in the output too: then it does not decode, and the download fails
+        script = '[ -e "$1" ] || { echo "no such file: $1"; exit 2; }; tar -c -f - -- "$1" | base64 | tr -d "\\n"'
+        result = await self.exec(["sh", "-c", script, "sh", path], max_output_bytes=max_bytes * 4 // 3 + 8)
+        if not result.ok:
+            raise SandboxError(f"download of {path!r} failed: {result.observation()[-500:]}")
+        if result.output_truncated:
+            raise SandboxError(f"download of {path!r}: larger than {max_bytes} bytes")
+        try:
+            return base64.b64decode(result.output, validate=True)
+        except ValueError as err:
+            raise SandboxError(f"download of {path!r}: not an archive ({err})") from None
 
     async def read_file(self, path: str, max_bytes: int | None = None) -> ExecResult:
         return await self.exec(["cat", "--", path], max_output_bytes=max_bytes)
@@ -192,6 +207,18 @@ class Sandbox(abc.ABC):
     async def write_file(self, path: str, content: str) -> ExecResult:
         script = 'mkdir -p -- "$(dirname -- "$1")" && cat > "$1"'
         return await self.exec(["sh", "-c", script, "sh", path], stdin=content.encode())
+
+
+def tar_archive(files: Mapping[str, str | bytes]) -> bytes:
+    """``files`` (relative path -> content) as an uncompressed tar archive, mode 0644."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        for path, content in files.items():
+            data = content.encode() if isinstance(content, str) else content
+            info = tarfile.TarInfo(path)
+            info.size, info.mtime, info.mode = len(data), int(time.time()), 0o644
+            tar.addfile(info, io.BytesIO(data))
+    return buf.getvalue()
 
 
 def shell_join(argv: Sequence[str]) -> str:

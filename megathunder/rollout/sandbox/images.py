@@ -201,8 +201,7 @@ def leftover_containers(cli: str = "podman", runtime_args: Sequence[str] = ()) -
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("action", choices=["build-base", "probe"],
-                   help="build-base: build (or find) the base image, then probe; probe: only probe")
+    """The options of ``megathunder sandbox build-base`` and ``probe`` (the action is the subcommand)."""
     p.add_argument("--cli", default="podman", help="the container CLI (default podman)")
     p.add_argument("--suite", default=DEFAULT_SUITE, help=f"Debian suite (default {DEFAULT_SUITE})")
     p.add_argument("--mirror", default=DEFAULT_MIRROR, help=f"Debian mirror (default {DEFAULT_MIRROR})")

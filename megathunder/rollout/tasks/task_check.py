@@ -39,11 +39,14 @@ from megathunder.config import (
     ConfigError,
     ContainerSandboxConfig,
     DatasetTaskConfig,
+    LocalSandboxConfig,
+    RemoteSandboxConfig,
     SandboxConfig,
     VerifierConfig,
+    sandbox_runtime,
 )
 from megathunder.rollout.episode import Episode
-from megathunder.rollout.sandbox import SandboxError, prepare_image
+from megathunder.rollout.sandbox import SandboxError, close_sandbox_pools, prepare_image
 from megathunder.rollout.sandbox.local import refusal
 from megathunder.rollout.tasks.task import DatasetTask, TaskInstance
 
@@ -103,9 +106,11 @@ def _judge(check: TaskCheck, pass_reward: float) -> None:
 
 
 def _tool_limits(cfg: SandboxConfig, wall_s: float) -> SandboxConfig:
-    """The sandbox with the agent's whole time as each command's limit (a solution script)."""
-    return cfg.model_copy(update={"wall_time_s": max(cfg.wall_time_s, wall_s),
-                                  "cpu_time_s": max(cfg.cpu_time_s, wall_s)})
+    """The sandbox with the agent's whole time as each command's limit (a solution script); sandbox
+    servers take it per sandbox (time limits are not capped by a server)."""
+    rt = sandbox_runtime(cfg)
+    rt = rt.model_copy(update={"wall_time_s": max(rt.wall_time_s, wall_s), "cpu_time_s": max(rt.cpu_time_s, wall_s)})
+    return cfg.model_copy(update={"runtime": rt}) if isinstance(cfg, RemoteSandboxConfig) else rt
 
 
 async def _episode(task: DatasetTask, inst: TaskInstance, turns: Sequence[str], sandbox: SandboxConfig,
@@ -140,7 +145,8 @@ async def check_instances(task: DatasetTask, instances: Sequence[TaskInstance], 
                     check.build_s = await prepare_image(sandbox, inst.image or sandbox.image or "", inst.environment)
                 except SandboxError as err:
                     check.problems, check.detail = ["env_error"], f"image: {err}"
-            elif (why := refusal(sandbox, inst.environment)) is not None:
+            elif (isinstance(runtime := sandbox_runtime(sandbox), LocalSandboxConfig)
+                  and (why := refusal(runtime, inst.environment)) is not None):
                 check.problems, check.detail = ["env_error"], f"the local sandbox cannot provide it: {why}"
             if check.problems:
                 return _done(check, on_result)
@@ -161,7 +167,10 @@ async def check_instances(task: DatasetTask, instances: Sequence[TaskInstance], 
         _judge(check, pass_reward)
         return _done(check, on_result)
 
-    return list(await asyncio.gather(*(one(k, inst) for k, inst in enumerate(instances))))
+    try:
+        return list(await asyncio.gather(*(one(k, inst) for k, inst in enumerate(instances))))
+    finally:
+        await close_sandbox_pools()  # run in a loop of its own (asyncio.run): its connections to sandbox servers
 
 
 def _done(check: TaskCheck, on_result: Callable[[TaskCheck], None] | None) -> TaskCheck:

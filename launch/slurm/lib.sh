@@ -128,8 +128,23 @@ mt_plan() {
   mt_log "config: $MT_CONFIG ${MT_OVERRIDES:-}; logs: $MT_LOG_DIR"
 }
 
+MT_ATTACHED_ARGS=()  # set by mt_attached_args (mt_check_config)
+
+mt_attached_args() {  # sets MT_ATTACHED_ARGS: the trainer's view of the rollout servers, for every
+  # check before they start (config, plan, preflight): attached to their URLs, as mt_train will be
+  MT_ATTACHED_ARGS=()
+  ((MT_ROLLOUT_NODES > 0)) || return 0
+  local node addr i urls=""
+  for node in "${MT_ROLLOUT_HOSTS[@]}"; do
+    addr=$(mt_node_addr "$node")
+    for ((i = 0; i < MT_SERVERS_PER_NODE; i++)); do urls+="\"http://${addr:-$node}:$((MT_SERVER_PORT + i))\","; done
+  done
+  MT_ATTACHED_ARGS=(rollout.engine.deployment=server "rollout.engine.server_urls=[${urls%,}]")
+}
+
 mt_check_config() {  # a bad config is named before any server or rank starts (in the steps' environment)
-  local cmd=($MT_PYTHON -m megathunder.cli config "$MT_CONFIG" "${MT_OVERRIDE_ARGS[@]}" "$@")
+  mt_attached_args
+  local cmd=($MT_PYTHON -m megathunder.cli config "$MT_CONFIG" "${MT_OVERRIDE_ARGS[@]}" "${MT_ATTACHED_ARGS[@]}" "$@")
   [[ "$MT_DRY_RUN" == 1 ]] || cmd=(srun "${MT_SRUN_EXTRA[@]}" --nodes=1 --ntasks=1 --cpus-per-task="$MT_CPUS_PER_TASK"
                                     --nodelist="${MT_LEARNER_HOSTS[0]}" --job-name=config "${cmd[@]}")
   "${cmd[@]}" >"$MT_LOG_DIR/config.yaml" 2>"$MT_LOG_DIR/config.err" || mt_die config "$(grep -v Warning "$MT_LOG_DIR/config.err")"
@@ -137,7 +152,8 @@ mt_check_config() {  # a bad config is named before any server or rank starts (i
 
 mt_check_plan() {  # [overrides...]: the layout's memory fits the learner nodes, or the part that does not is named
   # (megathunder plan: model config.json on a learner node, before any server or rank starts)
-  local cmd=($MT_PYTHON -m megathunder.cli plan "$MT_CONFIG" "${MT_OVERRIDE_ARGS[@]}" "$@" --world "$MT_LEARNER_WORLD"
+  local cmd=($MT_PYTHON -m megathunder.cli plan "$MT_CONFIG" "${MT_OVERRIDE_ARGS[@]}" "${MT_ATTACHED_ARGS[@]}" "$@"
+             --world "$MT_LEARNER_WORLD"
              --ranks-per-node "$MT_LEARNER_TASKS_PER_NODE")
   if ((MT_GPUS_PER_NODE > 0)); then cmd+=(--gpu-memory-gb "${MT_GPU_MEMORY_GB:-80}"); else cmd+=(--cpu); fi
   [[ -n "${MT_HOST_MEMORY_GB:-}" ]] && cmd+=(--host-memory-gb "$MT_HOST_MEMORY_GB")
@@ -188,7 +204,10 @@ mt_start_servers() {  # POOL HOSTS_ARRAY PORT MODEL(empty: the config's) CONFIG 
 }
 
 mt_start_rollout() {  # the policy's servers on the rollout nodes
-  mt_start_servers rollout MT_ROLLOUT_HOSTS "$MT_SERVER_PORT" "${MT_ROLLOUT_MODEL:-}" "$MT_CONFIG" "${MT_OVERRIDE_ARGS[@]}"
+  # each reads the config as a server of the run (rollout.engine.deployment=server: what the trainer's
+  # server-side settings, e.g. chaos faults on servers, are checked against)
+  mt_start_servers rollout MT_ROLLOUT_HOSTS "$MT_SERVER_PORT" "${MT_ROLLOUT_MODEL:-}" "$MT_CONFIG" "${MT_OVERRIDE_ARGS[@]}" \
+    rollout.engine.deployment=server
 }
 
 mt_stop_rollout() {
@@ -284,7 +303,7 @@ mt_learner_srun() {  # NAME CMD...: one task per learner rank over the learner n
 mt_learner_preflight() {  # the ranks form the expected world (TP x PP x DP checked) in seconds
   local cmd
   read -r -a cmd <<<"$(mt_learner_srun preflight $MT_PYTHON -m megathunder.learner.preflight)"
-  cmd+=("$MT_CONFIG" "${MT_OVERRIDE_ARGS[@]}" --expect-world "$MT_LEARNER_WORLD")
+  cmd+=("$MT_CONFIG" "${MT_OVERRIDE_ARGS[@]}" "${MT_ATTACHED_ARGS[@]}" --expect-world "$MT_LEARNER_WORLD")
   if [[ "$MT_DRY_RUN" == 1 ]]; then echo "would run: ${cmd[*]}"; return 0; fi
   "${cmd[@]}" || mt_die "learner" "preflight failed (ranks did not form a world of $MT_LEARNER_WORLD); its logs:
 $(tail -n 25 "$MT_LOG_DIR"/preflight-*.out 2>/dev/null)"

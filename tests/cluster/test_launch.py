@@ -233,7 +233,8 @@ def test_a_fault_reaches_a_server_the_run_did_not_launch_through_its_dev_endpoin
     run_dir = tmp_path / "run"
     env = mt_env(slurm_cluster, tmp_path, MT_OVERRIDES=(
         f"run.output_dir={run_dir} run.num_steps=3 rollout.engine.stall_timeout_s=20 "
-        "chaos.faults=[{kind:hang_server,step:1,after_trajectories:2,server:0}]"))
+        # MT_OVERRIDES splits at whitespace: a flow mapping with quoted keys needs no spaces
+        'chaos.faults=[{"kind":"hang_server","step":1,"after_trajectories":2,"server":0}]'))
     job = submit(slurm_cluster, SCRIPT, env, tmp_path / "job.out")
     wait_for(slurm_cluster, job, 2 * HEALTH_TIMEOUT_S + 300)
     print(job.describe())

@@ -8,6 +8,8 @@ resumes. A component that does not come up ends the job quickly, naming it.
 
 from __future__ import annotations
 
+import pytest
+
 import json
 import os
 import re
@@ -224,6 +226,7 @@ def test_dry_run_plans_the_layout_and_refuses_one_that_does_not_divide_before_an
     assert "would run" not in bad.stdout  # no server, no rank
 
 
+@pytest.mark.slow  # the endpoint and its signal: tests/unit/test_server_fault_endpoint.py; the trainer's side: test_chaos.py's hang_server
 def test_a_fault_reaches_a_server_the_run_did_not_launch_through_its_dev_endpoint(slurm_cluster, tmp_path):
     """``chaos.faults`` hang_server on the launch's own vLLM server on node1, which the trainer on
     node2 only attached to (``server_urls``): the fault goes through the server's authenticated dev

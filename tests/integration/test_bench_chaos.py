@@ -13,11 +13,14 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from tests.integration.test_trainer import ENV, ROOT
 
 KINDS = ("kill_engine", "hang_engine")
 
 
+@pytest.mark.slow  # the soak's own plumbing; each fault kind's claim is checked faster by test_chaos.py and tests/unit/test_chaos_*.py
 def test_bench_chaos_short(tmp_path):
     cmd = [sys.executable, "-m", "megathunder.cli", "bench", "chaos", "--runs", "2", "--kinds", *KINDS,
            "--parallel", "2", "--steps", "2", "--json", "--out", str(tmp_path)]

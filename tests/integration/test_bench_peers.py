@@ -10,6 +10,7 @@ import subprocess
 import sys
 from collections import Counter
 
+import pytest
 
 from megathunder.config import load_config
 from megathunder.rollout.tasks import build_task
@@ -19,6 +20,7 @@ from tests.integration.test_trainer import ENV, ROOT
 STEPS, PROMPTS, SAMPLES = 2, 3, 2
 
 
+@pytest.mark.slow  # a benchmark's peer (TRL), none of megathunder's own claims
 def test_trl_trains_on_the_same_workload_as_the_sync_run(tmp_path):
     overrides = [f"batch.num_prompts_per_batch={PROMPTS}", f"batch.samples_per_prompt={SAMPLES}", "sft.num_steps=2"]
     cmd = [sys.executable, "-m", "megathunder.cli", "bench", "peers", "--steps", str(STEPS),

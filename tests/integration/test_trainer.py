@@ -247,6 +247,7 @@ def test_per_turn_score_gradients_stream_every_trajectory_and_replay_through_syn
     assert update_error(base / "sft_model", tmp_path / "sync", run / "final_model") <= UPDATE_RTOL
 
 
+@pytest.mark.slow  # a benchmark knob (bench_train --paired); sync's training is checked by the replay tests
 def test_a_paired_run_alternates_sync_and_thunder_steps_and_trains_as_sync(base, tmp_path):
     """``bench_train --paired``: even steps take sync's path, odd ones thunder's, each named in its
     metrics row, every one zero-stale; the run's update is sync's (its journal replayed through
@@ -428,6 +429,7 @@ def test_ctrl_c_finishes_the_step_checkpoints_and_resumes(base, tmp_path):
 VERIFIER_S = 10.0
 
 
+@pytest.mark.slow  # the first Ctrl-C (finish, checkpoint, resume) is checked in CI; the second's two cases here
 def test_a_second_ctrl_c_stops_at_once_and_cleanly(base, tmp_path):
     """The second Ctrl-C lands mid-step: each reward takes VERIFIER_S more, so the step the first
     Ctrl-C asked to finish cannot finish in the 0.2 s before it (a quickstart step is ~0.3 s: it
@@ -450,6 +452,7 @@ def test_a_second_ctrl_c_stops_at_once_and_cleanly(base, tmp_path):
     assert shm.left() == set()
 
 
+@pytest.mark.slow  # as the test above
 def test_a_second_ctrl_c_while_the_run_closes_lets_the_close_finish(base, tmp_path):
     """The second Ctrl-C lands right after the first one's checkpoint, while the run closes its
     engine (~4 s of vLLM's shutdown, then ~2 s of the interpreter's): the close finishes, and the

@@ -21,9 +21,9 @@ def test_bundled_profiles_load_and_extend():
     small, big = load_profile("swe_smith"), load_profile("swe_smith_128")
     assert (small.name, big.name) == ("swe_smith", "swe_smith_128")
     assert small.num_gpus == 8 and big.num_gpus == 128
-    assert big.num_dp == 8 and big.learner.pipeline_parallel == 2
+    assert big.num_dp == 6 and big.learner.pipeline_parallel == 2  # launch/slurm/grpo_128gpu.yaml: TP 8 x PP 2 x DP 6
     assert big.workload.turns == small.workload.turns  # inherited
-    assert big.workload.batch_size == 16 * small.workload.batch_size
+    assert big.workload.batch_size == 4 * small.workload.batch_size  # 64 x 16 against 32 x 8
 
 
 @pytest.mark.parametrize("override,field", [

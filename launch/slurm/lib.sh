@@ -210,9 +210,22 @@ mt_start_rollout() {  # the policy's servers on the rollout nodes
     rollout.engine.deployment=server
 }
 
-mt_stop_rollout() {
-  local entry
-  for entry in "${MT_ROLLOUT_PIDS[@]}"; do kill -TERM "${entry%%:*}" 2>/dev/null || true; done
+mt_stop_rollout() {  # the servers stop cleanly (a sandbox server destroys every sandbox): SIGTERM to
+  # their job steps' tasks (srun itself, signalled, SIGKILLs its step), then up to MT_STOP_TIMEOUT_S
+  # for them to finish, then their sruns are signalled
+  ((${#MT_ROLLOUT_PIDS[@]})) || return 0
+  local entry step deadline=$((SECONDS + ${MT_STOP_TIMEOUT_S:-60}))
+  if [[ -n "${SLURM_JOB_ID:-}" ]]; then
+    for step in $(squeue --steps --jobs="$SLURM_JOB_ID" --noheader --format="%i %j" 2>/dev/null |
+                  awk '$2 == "rollout" || $2 == "sandbox" {print $1}'); do
+      scancel --signal=TERM "$step" 2>/dev/null || true
+    done
+  fi
+  for entry in "${MT_ROLLOUT_PIDS[@]}"; do
+    while kill -0 "${entry%%:*}" 2>/dev/null && ((SECONDS < deadline)); do sleep 1; done
+    kill -TERM "${entry%%:*}" 2>/dev/null || true
+  done
+  MT_ROLLOUT_PIDS=()
 }
 
 mt_check_rollout_alive() {  # a server task that ended is a failure, named with its log's tail

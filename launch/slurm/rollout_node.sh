@@ -10,7 +10,7 @@ shift 3
 node=${SLURMD_NODENAME:-$(hostname -s)}
 pids=()
 stop_servers() { for pid in "${pids[@]}"; do kill -TERM "$pid" 2>/dev/null; done; }
-trap 'stop_servers; exit 143' TERM INT
+trap 'stop_servers; wait; exit 143' TERM INT  # each server finishes its shutdown (bounded by the launch)
 for ((i = 0; i < MT_SERVERS_PER_NODE; i++)); do
   port=$((MT_SERVER_PORT + i))
   if [[ "${MT_GPUS_PER_NODE:-0}" -gt 0 ]]; then  # server i: GPUs i*TP .. i*TP+TP-1

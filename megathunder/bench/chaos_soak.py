@@ -56,14 +56,17 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import yaml
+
 from megathunder.config import ENGINE_FAULTS, EPISODE_FAULTS, IN_PROCESS_FAULTS, SERVER_FAULTS
 
 ROOT = Path(__file__).resolve().parents[2]
 UPDATE_RTOL = 1e-3  # tests/integration/test_trainer.py: fp32 summation order, 60x below a wrong batch
 TAG_ENV = "MEGATHUNDER_CHAOS_SOAK"
 FAULT_FREE_CLAIM = ENGINE_FAULTS
-TOOL_TASK = ["task.name=terminal", "agent.max_turns=3"]
-"""The runs of a tool fault (``hang_sandbox``, ``oom_tool``): a task whose episodes have a bash tool."""
+TOOL_TASK = {"name": "terminal"}
+"""The runs of a tool fault (``hang_sandbox``, ``oom_tool``): a task whose episodes have a bash tool
+(the config's whole task section replaced: another task's fields are not the terminal task's)."""
 STOP_KINDS = ("sigusr1", "sigint", "fill_disk", "corrupt_journal")
 UPDATE_KINDS = ("kill_engine_update", "hang_engine_update")
 """kill_engine / hang_engine with ``during: weight_update``: the run stops in one line (exit 1), resumable."""
@@ -96,6 +99,7 @@ class Run:
     leaked_shm: list[str] = field(default_factory=list)  # what the run left in its own /dev/shm
     error: str = ""
     mount: Path | None = None
+    config: Path | None = None  # another config than --config (the tool faults' task)
 
 
 def _env(tag: str) -> dict[str, str]:
@@ -207,7 +211,8 @@ def _kill_group(pid: int, group: bool = True) -> None:
 
 
 def _train(run: Run, args: argparse.Namespace) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "megathunder.cli", "train", args.config, f"run.output_dir={run.out}", *run.overrides]
+    cmd = [sys.executable, "-m", "megathunder.cli", "train", str(run.config or args.config), f"run.output_dir={run.out}",
+           *run.overrides]
     return _run_bounded(_private_shm(run, args, cmd), f"{args.tag}-{run.index}", args.run_timeout)
 
 
@@ -285,6 +290,13 @@ def compare(run: Run, reference: Path, args: argparse.Namespace) -> None:
         run.outcome, run.error = "lost", f"final parameters {run.update_rel:.2e} (update-relative) from its {run.claim}"
 
 
+def _tool_config(config: Path, root: Path) -> Path:
+    """``config`` with its task section replaced by the terminal task's, written under ``root``."""
+    path = root / f"{config.stem}_terminal.yaml"
+    path.write_text(yaml.safe_dump({**yaml.safe_load(config.read_text()), "task": TOOL_TASK}))
+    return path
+
+
 def plan(args: argparse.Namespace, root: Path) -> tuple[list[Run], list[Run]]:
     rng = random.Random(args.seed)
     kinds = [k for k in args.kinds if k != "fill_disk" or os.geteuid() == 0]
@@ -300,13 +312,15 @@ def plan(args: argparse.Namespace, root: Path) -> tuple[list[Run], list[Run]]:
         extra = [*SERVERS, f"rollout.engine.base_port={args.base_port + 10 * (i + 2)}"] if deployment == "server" else []
         if kind in ("hang_engine", "hang_engine_update"):
             extra = STALL
+        config = None
         if kind in ("hang_sandbox", "oom_tool"):
-            extra = TOOL_TASK
+            config, extra = _tool_config(Path(args.config), root), ["agent.max_turns=3"]
         out = root / f"run{i:03d}_{kind}"
         mount = None
         if kind == "fill_disk":
             mount, out = out, out / "run"
-        runs.append(Run(i + 2, kind, fault, deployment, out, [*common, *extra, _fault_yaml(fault)], mount=mount))
+        runs.append(Run(i + 2, kind, fault, deployment, out, [*common, *extra, _fault_yaml(fault)], mount=mount,
+                        config=config))
     refs = [Run(0, "none", {}, "in_process", root / "reference_in_process", common)]
     if any(r.deployment == "server" for r in runs):
         refs.append(Run(1, "none", {}, "server", root / "reference_server",

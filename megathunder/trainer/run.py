@@ -47,7 +47,7 @@ from megathunder.plan.memory_plan import ModelShape
 from megathunder.rollout.chat_template import make_codec
 from megathunder.rollout.engines import start_engine
 from megathunder.rollout.engines.inprocess import EngineRestartError, EngineUpdateError, InProcessEngine
-from megathunder.rollout.sandbox import close_sandbox_pools
+from megathunder.rollout.sandbox import close_sandbox_pools, sandbox_server_counts
 from megathunder.rollout.tasks import build_task
 from megathunder.rollout.tasks.task import Task
 from megathunder.rollout.tasks.task_check import check_before_training
@@ -253,7 +253,8 @@ async def _control(cfg: Config, task: Task, out: Path, service: LearnerService[L
             await trainer.learner.checkpoint()
         await trainer.learner.export(out / "final_model")  # a HF directory: eval, serve, distill
         trainer.records.timeline.write(out, service.spans, trainer.records.metrics.rows)  # the trace the summary's estimates replay
-        summary = write_summary(out, trainer.records.metrics.rows, setup_s=trainer.records.setup_s)
+        summary = write_summary(out, trainer.records.metrics.rows, setup_s=trainer.records.setup_s,
+                                extra=sandbox_server_counts())
         print_summary(summary, out)
         return summary
     finally:

@@ -10,8 +10,9 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 
-def write_summary(out: Path, rows: list[dict], setup_s: float | None = None) -> dict:
-    """``setup_s``: this invocation's seconds before its first step (not in ``wall_s``)."""
+def write_summary(out: Path, rows: list[dict], setup_s: float | None = None, extra: dict | None = None) -> dict:
+    """``setup_s``: this invocation's seconds before its first step (not in ``wall_s``); ``extra``:
+    more of the run's figures (the sandbox servers' episode counts)."""
     k = max(1, len(rows) // 5)
     mean = lambda key, rs: sum(r[key] for r in rs) / max(len(rs), 1)  # noqa: E731
     summary = {
@@ -32,6 +33,7 @@ def write_summary(out: Path, rows: list[dict], setup_s: float | None = None) -> 
             summary[f"{key}_first_steps"] = round(mean(key, rows[:k]), 4)
             summary[f"{key}_last_steps"] = round(mean(key, rows[-k:]), 4)
     summary.update(held_out(out, rows))
+    summary.update(extra or {})
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
 

@@ -48,9 +48,9 @@ fails well before it (the tests assert below it: not waited out)."""
 
 def mt_env(cluster, tmp: Path, **extra: str) -> dict[str, str]:
     port = slurm_local._free_ports(1)[0]
-    return dict(cluster.client_env(), **CPU_LAYOUT, MT_CONFIG=str(CPU_CONFIG), MT_PYTHON=sys.executable,
-                MT_SERVER_PORT=str(port), MT_LOG_DIR=str(tmp / "logs"), MT_HEALTH_TIMEOUT_S=str(HEALTH_TIMEOUT_S),
-                OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", **extra)
+    return {**cluster.client_env(), **CPU_LAYOUT, "MT_CONFIG": str(CPU_CONFIG), "MT_PYTHON": sys.executable,
+            "MT_SERVER_PORT": str(port), "MT_LOG_DIR": str(tmp / "logs"), "MT_HEALTH_TIMEOUT_S": str(HEALTH_TIMEOUT_S),
+            "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", **extra}
 
 
 def submit(cluster, script: str, env: dict[str, str], out: Path, sbatch_args=CPU_SBATCH) -> LaunchedJob:

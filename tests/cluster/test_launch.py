@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import pytest
 
+import ast
 import json
 import os
 import re
 import subprocess
 import time
 
+from tests.cluster import slurm_local
 from tests.cluster.conftest import REPO
 from tests.cluster.launch_jobs import HEALTH_TIMEOUT_S, mt_env, submit, wait_for
 
@@ -247,3 +249,39 @@ def test_a_fault_reaches_a_server_the_run_did_not_launch_through_its_dev_endpoin
                      learner_log), learner_log[-3000:]
     assert "no live rollout server left" in learner_log and "hung" in learner_log, learner_log[-3000:]
     assert [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()] == [0]
+
+
+def test_swe_job_runs_every_episode_in_the_sandbox_server_it_starts_beside_vllm(slurm_cluster, tmp_path):
+    """launch/slurm/swe_128gpu.sh, the real script, on the two local nodes: a sandbox server
+    (``megathunder sandbox serve``, local sandboxes: the cluster has no images) starts beside vLLM on
+    the rollout node (node1), the trainer on node2 attaches to it, and a two-step GRPO run on the
+    shipped SWE-style set creates every episode's sandbox there: the controller's count per server
+    (summary.json) equals what the server says it created and destroyed when it stopped, and the
+    controller has no other sandbox backend (``sandbox.backend: remote``)."""
+    run_dir = tmp_path / "run"
+    port = slurm_local._free_ports(1)[0]
+    # node1 lends 1 CPU and 8 GiB to its vLLM server (the shipped 16 / 256 are a GPU node's)
+    env = mt_env(slurm_cluster, tmp_path, MT_CONFIG=str(REPO / "tests/cluster/swe_cpu.yaml"),
+                 MT_SANDBOX_PORT=str(port), MT_SANDBOX_RESERVED_CPUS="1", MT_SANDBOX_RESERVED_MEMORY_GB="8",
+                 MT_OVERRIDES=f"run.output_dir={run_dir}")
+    job = submit(slurm_cluster, "launch/slurm/swe_128gpu.sh", env, tmp_path / "job.out")
+    wait_for(slurm_cluster, job, HEALTH_TIMEOUT_S + 600)  # ~3 min quiet
+    print(job.describe())
+    assert (job.state, job.exit_code) == ("COMPLETED", "0:0"), job.describe()
+
+    out = job.output()
+    assert "sandboxes: 1 sandbox servers, one per node beside vLLM on the rollout nodes (node1)" in out
+    assert "learner: 1 nodes (node2)" in out
+    logs = job.logs(0)
+    # the server stopped cleanly at the job's end (SIGTERM to its task, not srun's SIGKILL)
+    stopped = re.search(r"megathunder sandbox serve: stopped; (\d+) episodes, destroyed (\{.*\}), (\d+) refused",
+                        logs["sandbox-node1.out"])
+    assert stopped, logs["sandbox-node1.out"][-3000:]
+    created, refused = int(stopped.group(1)), int(stopped.group(3))
+    destroyed = sum(ast.literal_eval(stopped.group(2)).values())
+    summary = json.loads((run_dir / "summary.json").read_text())
+    episodes = 2 * 2 * 4  # steps x prompts x samples
+    assert summary["sandbox_servers"] == {f"http://127.0.0.1:{port}": {"episodes": created, "lost": False}}, summary
+    # (a create refused at the bound, while the server still destroys a closed sandbox, is retried)
+    assert created == destroyed == episodes and summary["sandbox_failovers"] == 0, (created, destroyed, refused)
+    assert summary["steps"] == 2 and summary["max_policy_lag"] == 0

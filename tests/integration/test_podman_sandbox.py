@@ -286,3 +286,79 @@ def test_terminal_bench_and_harbor_task_directories_build_their_environment_and_
     finally:
         for t in built:
             subprocess.run(["podman", "rmi", "-f", t], capture_output=True, timeout=120)
+
+
+def test_a_podman_sandbox_server_runs_sandboxes_and_its_successor_removes_what_a_killed_one_left(podman, tmp_path,
+                                                                                                 monkeypatch):
+    """``megathunder sandbox serve`` with the podman runtime: a sandbox made through the remote
+    backend is a container labelled with its server's key; the server SIGKILLed leaves that
+    container running (its ``sleep`` keeps it alive); the next server started at the same node and
+    port removes it by its record before it serves, and one stopped by SIGTERM leaves nothing."""
+    import signal
+    import sys
+
+    import yaml
+
+    from megathunder.config import RemoteSandboxConfig
+    from megathunder.rollout.sandbox import close_sandbox_pools
+    from megathunder.rollout.sandbox.leftovers import SERVER_LABEL
+
+    tag, runtime_args = podman
+    monkeypatch.setenv("MT_TEST_SANDBOX_KEY", "s3cret")  # the servers' secret (the client sends it)
+    sandbox = {"backend": "remote", "api_key_env": "MT_TEST_SANDBOX_KEY", "state_dir": str(tmp_path / "state"),
+               "max_sandboxes_per_server": 4,
+               "runtime": {"backend": "podman", "image": tag, "runtime_args": runtime_args, "wall_time_s": 20,
+                           "cpu_time_s": 10, "memory_mb": 256, "max_processes": 32}}
+    config = tmp_path / "serve.yaml"
+    config.write_text(yaml.safe_dump({"sandbox": sandbox}))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url, key = f"http://127.0.0.1:{port}", f"{socket.gethostname()}-{port}"
+
+    def serve(log: str) -> subprocess.Popen:
+        proc = subprocess.Popen([sys.executable, "-m", "megathunder.cli", "sandbox", "serve", str(config),
+                                 "--port", str(port)], stdout=(tmp_path / log).open("w"), stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            assert proc.poll() is None, (tmp_path / log).read_text()
+            try:
+                with socket.create_connection(("127.0.0.1", port), timeout=1):
+                    return proc
+            except OSError:
+                time.sleep(0.2)
+        raise AssertionError((tmp_path / log).read_text())
+
+    def labelled() -> list[str]:
+        out = subprocess.run(["podman", *runtime_args, "ps", "-a", "--filter", f"label={SERVER_LABEL}={key}",
+                              "--format", "{{.Names}}"], capture_output=True, text=True, check=True, timeout=60)
+        return out.stdout.split()
+
+    first = serve("first.log")
+    try:
+        async def one_sandbox():
+            client = RemoteSandboxConfig.model_validate({**sandbox, "server_urls": [url]})
+            sb = await build_sandbox(client)
+            try:
+                return await sb.exec(["sh", "-c", "echo in a container; cat /etc/debian_version > /dev/null"])
+            finally:
+                await close_sandbox_pools()  # the sandbox left open: its server is killed next
+
+        result = asyncio.run(one_sandbox())
+        assert result.ok and result.output == "in a container\n", result
+        assert len(labelled()) == 1  # the server's own container, found by its label
+        os.killpg(first.pid, signal.SIGKILL)
+        first.wait(10)
+        assert len(labelled()) == 1  # a killed server cannot destroy it
+    finally:
+        if first.poll() is None:
+            os.killpg(first.pid, signal.SIGKILL)
+    second = serve("second.log")
+    try:
+        assert labelled() == [], (tmp_path / "second.log").read_text()
+        assert "removed 1 left by an earlier server" in (tmp_path / "second.log").read_text()
+    finally:
+        second.send_signal(signal.SIGTERM)
+        assert second.wait(60) == 0, (tmp_path / "second.log").read_text()
+    assert labelled() == []

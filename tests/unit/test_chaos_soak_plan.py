@@ -1,5 +1,8 @@
 """``megathunder bench chaos``'s plan: every kind it draws is a valid ``chaos.faults`` entry of its
-deployment, the engine faults inside a weight update included (they stop the run: resumed)."""
+deployment, the engine faults inside a weight update included (they stop the run: resumed), and each
+run's command line -- the config it trains and its overrides -- validates as it is run (the tool
+faults' terminal task once inherited the quickstart's arithmetic fields and every such run was
+refused at parse time)."""
 
 from __future__ import annotations
 
@@ -7,18 +10,21 @@ import argparse
 import os
 from pathlib import Path
 
-from megathunder.bench.chaos_soak import KINDS, STALL, UPDATE_KINDS, plan
+from megathunder.bench.chaos_soak import KINDS, ROOT, STALL, UPDATE_KINDS, plan
 from megathunder.config import load_config
 
 
 def test_every_kind_drawn_is_a_valid_fault_of_its_deployment(tmp_path: Path):
     kinds = [k for k in KINDS if k != "fill_disk" or os.geteuid() == 0]  # fill_disk mounts a tmpfs: root only
     args = argparse.Namespace(seed=5, kinds=list(KINDS), runs=2 * len(kinds), steps=2, sft_steps=4, overrides=[],
-                              base_port=31000)
+                              base_port=31000, config=str(ROOT / "configs/quickstart.yaml"))
     refs, runs = plan(args, tmp_path)
     assert sorted(r.kind for r in runs) == sorted(2 * kinds)  # in rounds: each kind twice
     for run in runs:
-        [fault] = load_config(None, run.overrides).chaos.faults
+        cfg = load_config(str(run.config or args.config), [f"run.output_dir={run.out}", *run.overrides])
+        [fault] = cfg.chaos.faults
+        if run.kind in ("hang_sandbox", "oom_tool"):
+            assert cfg.task.name == "terminal"
         if run.kind in UPDATE_KINDS:
             assert (fault.kind, fault.during) == (run.kind.removesuffix("_update"), "weight_update")
             assert run.deployment == "in_process" and fault.step < 2

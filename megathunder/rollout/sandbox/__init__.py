@@ -77,6 +77,22 @@ async def build_sandbox(cfg: SandboxConfig, image: str | None = None, *,
     return await ContainerSandbox(cfg, image, environment).start()
 
 
+def sandbox_server_counts() -> dict:
+    """Per sandbox server (``backend: remote``) the episodes this event loop placed there and
+    whether it was lost, and the failovers: the run's summary (empty without sandbox servers)."""
+    from megathunder.rollout.sandbox.server_pool import pools
+
+    servers: dict = {}
+    failovers = 0
+    for pool in pools():
+        stats = pool.stats()
+        failovers += stats["failovers"]
+        for url, s in stats["servers"].items():
+            prev = servers.get(url, {"episodes": 0, "lost": False})
+            servers[url] = {"episodes": prev["episodes"] + s["episodes"], "lost": prev["lost"] or s["lost"] is not None}
+    return {"sandbox_servers": servers, "sandbox_failovers": failovers} if servers else {}
+
+
 async def close_sandbox_pools() -> None:
     """Close this event loop's connections to sandbox servers (``backend: remote``), if any."""
     from megathunder.rollout.sandbox.server_pool import close_pools
@@ -97,4 +113,5 @@ __all__ = [
     "build_sandbox",
     "close_sandbox_pools",
     "prepare_image",
+    "sandbox_server_counts",
 ]

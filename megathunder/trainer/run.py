@@ -98,10 +98,11 @@ def train_command(cfg: Config, extras: Extras = Extras()) -> int:
     """``train``, with the failures a run reports in one line (exit 1) instead of a traceback."""
     from megathunder.diskspace import DiskFullError
     from megathunder.rollout.engines.server import ServerError
+    from megathunder.rollout.sandbox import SandboxError
 
     try:
         return train(cfg, extras)
-    except (LearnerRankLost, DiskFullError, ServerError, EngineRestartError, EngineUpdateError) as err:
+    except (LearnerRankLost, DiskFullError, ServerError, EngineRestartError, EngineUpdateError, SandboxError) as err:
         print(f"megathunder: {err}", file=sys.stderr, flush=True)
         return 1
 

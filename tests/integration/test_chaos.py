@@ -10,6 +10,7 @@ start, as after any resume."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -196,3 +197,20 @@ def test_learner_ranks_killed_and_hung_in_a_real_run_stop_it_and_it_resumes_to_i
     assert [r["step"] for r in rows(out)] == [0, 1, 2]
     replay(out, tmp_path / "sync", "sync")
     assert update_error(out / "sft_model", tmp_path / "sync", out / "final_model") <= UPDATE_RTOL
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="as root the local sandbox refuses a root_dir its uids cannot reach")
+def test_a_batch_none_of_whose_sandboxes_can_be_set_up_stops_the_run_in_one_line(tmp_path):
+    """The SWE-style set's warm start runs its scripted episodes in sandboxes; with a sandbox root its
+    uids cannot traverse (mode 0700) none can be set up: the run stops in one line naming the cause
+    (exit 1), not a traceback."""
+    hidden = tmp_path / "hidden"
+    hidden.mkdir(mode=0o700)
+    cmd = [sys.executable, "-m", "megathunder.cli", "train", str(ROOT / "configs/swe_local.yaml"),
+           f"run.output_dir={tmp_path / 'run'}", "sft.num_steps=1", "run.wandb=disabled",
+           f"sandbox.root_dir={hidden}"]
+    proc = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    ours = [line for line in proc.stderr.splitlines() if line.startswith("megathunder: ")]
+    assert len(ours) == 1 and ours[0].startswith("megathunder: no sandbox of the batch could be set up"), ours
+    assert "is not traversable by other users" in ours[0] and "Traceback" not in proc.stderr

@@ -18,6 +18,7 @@ import ast
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -25,6 +26,7 @@ import sys
 import threading
 import time
 import urllib.request
+import uuid
 from pathlib import Path
 
 import pytest
@@ -34,11 +36,13 @@ from tests.integration.test_trainer import ENV, ROOT, SGD, UPDATE_RTOL, update_e
 
 pytestmark = [
     pytest.mark.skipif(os.geteuid() != 0, reason="the local sandbox runtime runs as root here"),
-    # ~6 min on 2 cores: the sandbox servers' unit tests (tests/unit/test_sandbox_server.py) check the
+    # ~11 min on 2 cores: the sandbox servers' unit tests (tests/unit/test_sandbox_server.py) check the
     # failover on 12 scripted episodes in CI; this is the same claim on a training step's update
     pytest.mark.slow,
 ]
 
+KEY_ENV = "MT_TEST_SANDBOX_KEY"
+RUN_ENV = {**ENV, KEY_ENV: "s3cret"}  # the servers' secret, sent by the trainer
 EPISODES = 64
 KILL_AT = EPISODES // 3  # server A's sandboxes created when it is killed
 
@@ -52,8 +56,8 @@ def _free_port() -> int:
 def _config(tmp: Path, name: str) -> tuple[Path, Path]:
     """swe_local.yaml with its sandboxes on servers; each server's own root and uid range."""
     cfg = yaml.safe_load((ROOT / "configs/swe_local.yaml").read_text())
-    root = tmp / f"sbx-{name}"
-    cfg["sandbox"] = {"backend": "remote", "max_sandboxes_per_server": EPISODES, "max_failovers": 2,
+    root = Path(f"/tmp/megathunder-test-sbx-{uuid.uuid4().hex[:8]}-{name}")  # traversable by the sandbox uids
+    cfg["sandbox"] = {"backend": "remote", "api_key_env": KEY_ENV, "max_sandboxes_per_server": EPISODES, "max_failovers": 2,
                       "state_dir": str(tmp / f"state-{name}"), "hang_grace_s": 5.0,
                       "runtime": {"backend": "local", "root_dir": str(root), "num_uids": EPISODES,
                                   "uid_base": 300_000 + 1000 * (name == "b"), "wall_time_s": 20, "cpu_time_s": 10,
@@ -70,7 +74,7 @@ class Server:
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tmp / f"server-{name}.log"
         self.proc = subprocess.Popen([sys.executable, "-m", "megathunder.cli", "sandbox", "serve", str(self.config),
-                                      "--port", str(self.port)], env=ENV, stdout=self.log.open("w"),
+                                      "--port", str(self.port)], env=RUN_ENV, stdout=self.log.open("w"),
                                      stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
@@ -83,7 +87,9 @@ class Server:
         raise AssertionError(f"{self.url} not healthy in 120 s: {self.log.read_text()}")
 
     def metrics(self) -> dict:
-        with urllib.request.urlopen(f"{self.url}/metrics", timeout=5) as r:
+        request = urllib.request.Request(f"{self.url}/metrics?format=json",
+                                         headers={"Authorization": f"Bearer {RUN_ENV[KEY_ENV]}"})
+        with urllib.request.urlopen(request, timeout=5) as r:
             return json.loads(r.read())
 
     def kill(self) -> None:
@@ -113,10 +119,9 @@ def _train(out: Path, a: Server, b: Server, *extra: str) -> subprocess.Completed
     cmd = [sys.executable, "-m", "megathunder.cli", "train", str(a.config), f"run.output_dir={out}",
            f'sandbox.server_urls=["{a.url}","{b.url}"]', "run.num_steps=1", "run.wandb=disabled",
            "run.progress=false", "run.checkpoint_every=0", "batch.num_prompts_per_batch=8",
-           "batch.samples_per_prompt=8", f"agent.max_concurrent_episodes={EPISODES}", "agent.max_turns=3",
-           "agent.max_new_tokens_per_turn=64", "ledger.max_group_slots=8", "ledger.pack_ready_work=false",
+           "batch.samples_per_prompt=8", f"agent.max_concurrent_episodes={EPISODES}", "ledger.max_group_slots=8", "ledger.pack_ready_work=false",
            "rollout.temperature=0.8", *SGD, *extra]
-    proc = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=1200, cwd=ROOT)
+    proc = subprocess.run(cmd, env=RUN_ENV, capture_output=True, text=True, timeout=1200, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return proc
 
@@ -144,25 +149,34 @@ def _run(tmp: Path, name: str, warm: list[str], kill: bool) -> tuple[dict, dict,
         _train(tmp / name, a, b, *warm)
     finally:
         done.set()
-        watcher.join(10)
+        if kill:
+            watcher.join(10)
         log_a, log_b = a.stop(), b.stop()
     summary = json.loads((tmp / name / "summary.json").read_text())
     assert killed.is_set() == kill, log_a[-2000:]
     assert not _processes_under(a.root, b.root)
+    left = [p for root in (a.root, b.root) if root.exists() for d in root.iterdir() for p in d.iterdir()]
+    for root in (a.root, b.root):
+        shutil.rmtree(root, ignore_errors=True)
+    assert not left or kill, left  # SIGTERM: every work dir removed (a killed server's: by its successor)
     return summary, {"a": log_a, "b": log_b}, a.url
 
 
 def test_a_sandbox_server_killed_mid_step_changes_nothing_in_the_update(tmp_path):
-    # the warm start once (SFT on the scripted solutions: the model then calls tools), both runs from it
+    # the warm start once (SFT on the scripted solutions, as configs/swe_local.yaml: the model then
+    # calls tools and solves some instances, so the step's update is not zero), both runs from it
     warm_dir = tmp_path / "warm"
     a, b = Server(tmp_path, "a-warm"), Server(tmp_path, "b-warm")
     try:
-        _train(warm_dir, a, b, "sft.num_steps=30", "run.num_steps=0")
+        _train(warm_dir, a, b, "sft.num_steps=60", "batch.num_prompts_per_batch=1", "batch.samples_per_prompt=2")
     finally:
         a.stop(), b.stop()
+        for root in (a.root, b.root):
+            shutil.rmtree(root, ignore_errors=True)
     warm = [f"learner.model.hf_checkpoint={warm_dir / 'sft_model'}", "sft.num_steps=0"]
 
     ref, ref_logs, _ = _run(tmp_path, "ref", warm, kill=False)
+    assert ref["reward_first_steps"] > 0, ref  # some episodes solved: GRPO's update is not zero
     faulted, logs, url_a = _run(tmp_path, "fault", warm, kill=True)
 
     # the fault-free run spread its 64 episodes over both servers

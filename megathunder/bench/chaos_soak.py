@@ -8,7 +8,8 @@ error -- the filler is deleted first, as a user frees space -- or with the engin
 fault inside a weight update) is resumed by the same command, up to
 ``--max-resumes`` times. Per run: survived in place (exit 0 at once) / stopped and resumed / lost
 (anything else: a traceback, a hang past ``--run-timeout`` -- then the attempt's process group and
-every process carrying its tag are SIGKILLed -- a claim broken); per fault kind, the
+every process carrying its tag are SIGKILLed -- a claim broken, or a claim that compares a zero
+update and so says nothing); per fault kind, the
 largest parameter difference from what its claim says the run must equal
 (RELIABILITY.md, "Fault injection"):
 
@@ -64,9 +65,15 @@ ROOT = Path(__file__).resolve().parents[2]
 UPDATE_RTOL = 1e-3  # tests/integration/test_trainer.py: fp32 summation order, 60x below a wrong batch
 TAG_ENV = "MEGATHUNDER_CHAOS_SOAK"
 FAULT_FREE_CLAIM = ENGINE_FAULTS
-TOOL_TASK = {"name": "terminal"}
+TOOL_TASK = {"task": {"name": "terminal"}, "agent": {"max_turns": 3, "max_new_tokens_per_turn": 128,
+                                                     "max_total_tokens": 1536}}
 """The runs of a tool fault (``hang_sandbox``, ``oom_tool``): a task whose episodes have a bash tool
-(the config's whole task section replaced: another task's fields are not the terminal task's)."""
+(the config's whole task section replaced: another task's fields are not the terminal task's) and
+room for its prompt (the tool schemas: ~540 tokens; the tiny model's context is 2048)."""
+TOOL_EXTRA = ["sft.num_steps=40", "objective.entropy_coef=0.01"]
+"""Their warm start on the terminal task's scripted turns, long enough that the model calls bash (a
+fault whose episodes make no bash call does not fire); an entropy term, so that their update is not
+zero when every group's rewards are equal (the tiny model solves no terminal goal)."""
 STOP_KINDS = ("sigusr1", "sigint", "fill_disk", "corrupt_journal")
 UPDATE_KINDS = ("kill_engine_update", "hang_engine_update")
 """kill_engine / hang_engine with ``during: weight_update``: the run stops in one line (exit 1), resumable."""
@@ -99,7 +106,7 @@ class Run:
     leaked_shm: list[str] = field(default_factory=list)  # what the run left in its own /dev/shm
     error: str = ""
     mount: Path | None = None
-    config: Path | None = None  # another config than --config (the tool faults' task)
+    config: str | None = None  # another config than --config (the tool faults' task)
 
 
 def _env(tag: str) -> dict[str, str]:
@@ -284,6 +291,9 @@ def compare(run: Run, reference: Path, args: argparse.Namespace) -> None:
     w0, w, wt = _weights(run.out / "sft_model"), _weights(run.out / "final_model"), _weights(target)
     diff = torch.cat([(w[k] - wt[k]).double().flatten() for k in w0])
     update = torch.cat([(wt[k] - w0[k]).double().flatten() for k in w0])
+    if float(update.norm()) == 0.0:  # equal, and saying nothing: lost, so that no soak passes on it
+        run.outcome, run.error = "lost", f"vacuous: its {run.claim}'s update is zero (nothing to compare)"
+        return
     run.update_rel = float(diff.norm() / update.norm())
     run.max_abs = float(diff.abs().max())
     if run.update_rel > UPDATE_RTOL:
@@ -292,8 +302,13 @@ def compare(run: Run, reference: Path, args: argparse.Namespace) -> None:
 
 def _tool_config(config: Path, root: Path) -> Path:
     """``config`` with its task section replaced by the terminal task's, written under ``root``."""
+    cfg = yaml.safe_load(config.read_text())
+    cfg["task"] = TOOL_TASK["task"]
+    cfg["agent"] = {**cfg.get("agent", {}), **TOOL_TASK["agent"]}
+    engine = cfg.setdefault("rollout", {}).setdefault("engine", {})
+    engine["max_model_len"] = max(engine.get("max_model_len", 0), 2048)
     path = root / f"{config.stem}_terminal.yaml"
-    path.write_text(yaml.safe_dump({**yaml.safe_load(config.read_text()), "task": TOOL_TASK}))
+    path.write_text(yaml.safe_dump(cfg))
     return path
 
 
@@ -314,7 +329,7 @@ def plan(args: argparse.Namespace, root: Path) -> tuple[list[Run], list[Run]]:
             extra = STALL
         config = None
         if kind in ("hang_sandbox", "oom_tool"):
-            config, extra = _tool_config(Path(args.config), root), ["agent.max_turns=3"]
+            config, extra = str(_tool_config(Path(args.config), root)), TOOL_EXTRA
         out = root / f"run{i:03d}_{kind}"
         mount = None
         if kind == "fill_disk":

@@ -41,7 +41,7 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
-from megathunder.config import AgentLoopConfig, Config, SandboxConfig
+from megathunder.config import AgentLoopConfig, Config, ConfigError, SandboxConfig
 from megathunder.rollout.chat import ChatCodec, ToolCall, ToolCallError
 from megathunder.rollout.episode import (
     CURRENT_EPISODE,
@@ -169,6 +169,11 @@ class AgentLoop:
     ) -> Episode:
         async with self._slots:
             prompt = self.codec.prompt_ids(self.task.messages(inst), self.task.tool_schemas())
+            if len(prompt) >= self.cfg.max_total_tokens:  # no turn could be sampled: not an episode
+                raise ConfigError(
+                    f"agent.max_total_tokens: {self.cfg.max_total_tokens} leaves no room to answer the prompt of "
+                    f"{inst.instance_id} ({len(prompt)} tokens: the task's messages and tool schemas); raise it, "
+                    "and rollout.engine.max_model_len with it")
             ep = Episode.from_prompt(traj_id, group_id, inst.instance_id, prompt, time.monotonic())
             CURRENT_EPISODE.set(ep)  # this task's: its tool calls and verifier run under it
             self.priorities.started(traj_id, group_id)

@@ -372,3 +372,16 @@ def test_escape_attempts_as_tool_calls_become_error_observations(tmp_path):
             continue
         assert expected[name] in obs and "[error: " in obs, (name, obs)
     assert ep.stop_reason == "answered" and ep.reward.reward == 1.0
+
+
+def test_a_prompt_that_leaves_no_room_under_the_token_budget_is_refused_naming_the_field(tmp_path):
+    """A prompt (the task's messages and tool schemas) as long as ``agent.max_total_tokens`` leaves
+    no turn to sample: refused with the field named, not an empty "truncated" episode that trains
+    (nor a prompt the engine refuses later with its own error)."""
+    from megathunder.config import ConfigError
+
+    task = SweLocalTask()
+    insts = task.instances(1, seed=7)
+    with pytest.raises(ConfigError, match=r"agent.max_total_tokens: 256 leaves no room to answer the prompt of "
+                                          r"\S+ \(\d+ tokens: the task's messages and tool schemas\)"):
+        run_scripted(task, insts, tmp_path, agent={"max_total_tokens": 256, "max_new_tokens_per_turn": 64})

@@ -31,3 +31,26 @@ def test_every_kind_drawn_is_a_valid_fault_of_its_deployment(tmp_path: Path):
         if run.kind in ("hang_engine", "hang_engine_update"):
             assert set(STALL) <= set(run.overrides)
     assert refs[0].kind == "none"
+
+
+def test_a_claim_that_compares_a_zero_update_is_lost_not_kept(tmp_path: Path):
+    """A run whose step trained nothing (every group's rewards equal, no other term) equals any
+    reference: the soak calls it lost ("vacuous") instead of counting it as a claim kept."""
+    import torch
+    from safetensors.torch import save_file
+
+    from megathunder.bench.chaos_soak import FAULT_FREE_CLAIM, Run, compare
+
+    w0 = {"w": torch.ones(4)}
+    for name, w in (("sft_model", w0), ("final_model", w0), ("reference/final_model", w0)):
+        (tmp_path / name).mkdir(parents=True)
+        save_file(w, str(tmp_path / name / "model.safetensors"))
+    kind = sorted(FAULT_FREE_CLAIM)[0]
+    run = Run(2, kind, {}, "in_process", tmp_path, [], outcome="survived")
+    compare(run, tmp_path / "reference", argparse.Namespace())
+    assert run.outcome == "lost" and run.error.startswith("vacuous"), run
+    save_file({"w": torch.full((4,), 2.0)}, str(tmp_path / "reference/final_model/model.safetensors"))
+    save_file({"w": torch.full((4,), 2.0)}, str(tmp_path / "final_model/model.safetensors"))
+    run = Run(2, kind, {}, "in_process", tmp_path, [], outcome="survived")
+    compare(run, tmp_path / "reference", argparse.Namespace())
+    assert run.outcome == "survived" and run.update_rel == 0.0

@@ -149,9 +149,9 @@ def _run(tmp: Path, name: str, warm: list[str], kill: bool) -> tuple[dict, dict,
         _train(tmp / name, a, b, *warm)
     finally:
         done.set()
+        log_a, log_b = a.stop(), b.stop()  # first: nothing below may leave a server running
         if kill:
             watcher.join(10)
-        log_a, log_b = a.stop(), b.stop()
     summary = json.loads((tmp / name / "summary.json").read_text())
     assert killed.is_set() == kill, log_a[-2000:]
     assert not _processes_under(a.root, b.root)

@@ -56,6 +56,7 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -65,8 +66,8 @@ ROOT = Path(__file__).resolve().parents[2]
 UPDATE_RTOL = 1e-3  # tests/integration/test_trainer.py: fp32 summation order, 60x below a wrong batch
 TAG_ENV = "MEGATHUNDER_CHAOS_SOAK"
 FAULT_FREE_CLAIM = ENGINE_FAULTS
-TOOL_TASK = {"task": {"name": "terminal"}, "agent": {"max_turns": 3, "max_new_tokens_per_turn": 128,
-                                                     "max_total_tokens": 1536}}
+TOOL_TASK: dict[str, dict[str, Any]] = {
+    "task": {"name": "terminal"}, "agent": {"max_turns": 3, "max_new_tokens_per_turn": 128, "max_total_tokens": 1536}}
 """The runs of a tool fault (``hang_sandbox``, ``oom_tool``): a task whose episodes have a bash tool
 (the config's whole task section replaced: another task's fields are not the terminal task's) and
 room for its prompt (the tool schemas: ~540 tokens; the tiny model's context is 2048)."""

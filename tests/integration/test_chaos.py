@@ -95,6 +95,7 @@ def _quick(out: Path, *overrides: str) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=600, cwd=ROOT)
 
 
+@pytest.mark.slow  # 131 s; in CI: verifier faults on the real sandbox (tests/unit/test_chaos_episodes.py), a torn record dropped by its CRC (tests/unit/test_journal.py), resume equal to replay (test_trainer.py's kill and resume); and the chaos soak
 def test_verifier_and_journal_faults_in_a_real_run_equal_its_journal_replay(tmp_path):
     """Step 0: trajectory 1's verifier raises, trajectory 5's hangs past verifier.timeout_s (both get
     on_failure's zero reward, in the journal); after step 1 the journal's last record (step 1's own)

@@ -52,10 +52,16 @@ def main(spec_path: str) -> int:
     by_id = {inst.instance_id: inst for inst in instances}
     data = Dataset.from_list([{"prompt": task.messages(inst), "instance": inst.instance_id} for inst in instances])
 
-    def reward(prompts, completions, instance, **_) -> list[float]:
+    def reward(prompts, completions, instance, completion_ids, **_) -> list[float]:
         texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
         clock.instances.append(list(instance))
-        return asyncio.run(_verify_all(task, [by_id[i] for i in instance], texts))
+        rewards = asyncio.run(_verify_all(task, [by_id[i] for i in instance], texts))
+        if cfg.verifier.truncated_reward is None:
+            return rewards
+        # as megathunder's agent loop: a completion cut at the token limit (no end token) gets that reward
+        cut = [len(ids) >= cfg.agent.max_new_tokens_per_turn and ids[-1] != tokenizer.eos_token_id
+               for ids in completion_ids]
+        return [cfg.verifier.truncated_reward if c else r for c, r in zip(cut, rewards)]
 
     class Clock(TrainerCallback):
         def __init__(self) -> None:

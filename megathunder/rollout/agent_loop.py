@@ -216,7 +216,9 @@ class AgentLoop:
         self.priorities.finished(traj_id, ep.group_id)  # no longer generating: its group is closer to done
         self._event("trajectory_finished", ep, payload={"episode": ep, "failure": ep.failure})
 
-        if ep.failure is None:
+        if ep.failure is None and ep.truncated and self.verifiers.cfg.truncated_reward is not None:
+            ep.reward = self.verifiers.truncated()
+        elif ep.failure is None:
             verify: Verify = lambda: self.task.verify(inst, ep, sandbox)  # noqa: E731
             ep.reward = await self.verifiers.score(
                 verify, traj_id=traj_id, timeout_s=self.task.verifier_timeout_s(inst, self.verifiers.cfg.timeout_s))

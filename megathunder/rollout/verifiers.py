@@ -110,6 +110,12 @@ class VerifierPool:
                 )
             return RewardOutcome(reward, "ok", False, time.monotonic() - start, verdict.detail, verdict.tests)
 
+    def truncated(self) -> RewardOutcome:
+        """The outcome of an episode cut by a length limit when ``verifier.truncated_reward`` is set:
+        that reward, status ``ok``; the verifier is not run."""
+        assert self.cfg.truncated_reward is not None
+        return RewardOutcome(self.cfg.truncated_reward, "ok", False, 0.0, "truncated (verifier.truncated_reward)")
+
     def failed(self, traj_id: int, detail: str) -> RewardOutcome:
         """The outcome of an episode that failed before its verifier could run (status
         ``skipped``): the same policy as a verifier failure -- ``on_infra_failure`` when its

@@ -241,6 +241,22 @@ def test_turn_and_token_limits(tmp_path, agent, script, stop, truncated):
     assert len(ep.turns) <= agent.get("max_turns", 8)
 
 
+@pytest.mark.parametrize("truncated_reward", [None, -0.5])
+def test_a_truncated_answer_gets_verifier_truncated_reward_without_its_verifier(tmp_path, truncated_reward):
+    """``verifier.truncated_reward``: an episode cut by the token limit gets that reward and its
+    verifier is not run; one that ended is scored as always. null: both scored ("ok" -> 1)."""
+    task = _ToolTask([])
+    cut, ended = task.instances(2)
+    scripts = {cut.prompt: ["ok " * 100], ended.prompt: ["ok"]}
+    episodes, _ = run_scripted(task, [cut, ended], tmp_path, scripts=scripts,
+                               agent={"max_new_tokens_per_turn": 16}, verifier={"truncated_reward": truncated_reward})
+    by = {ep.instance_id: ep for ep in episodes}
+    assert by[cut.instance_id].truncated and not by[ended.instance_id].truncated
+    assert by[ended.instance_id].reward.reward == 1.0
+    assert by[cut.instance_id].reward.reward == (1.0 if truncated_reward is None else truncated_reward)
+    assert by[cut.instance_id].reward.status == "ok"
+
+
 def test_the_last_turns_tools_run_but_their_output_is_not_appended(tmp_path):
     """The turn limit reached on a tool call: the tool runs (the verifier scores the state it
     leaves) but no turn would read its output, so none is appended. The trajectory ends with the

@@ -468,10 +468,10 @@ class VerifierConfig(Strict):
     the benchmark tasks (swe_bench, swe_smith, terminal_bench: never a 0 that trains), else
     ``on_failure``."""
     failure_reward: float = 0.0
-    truncated_reward: float | None = None
+    truncated_reward: float | None = Field(None, le=0)
     """null: an episode cut by a length limit (``agent.max_new_tokens_per_turn`` or
-    ``max_total_tokens``) is scored like any other. A number: its reward, without running the
-    verifier -- an answer that never ended is not an answer (DAPO's overlong punishment in its hard
+    ``max_total_tokens``) is scored like any other. A number (at most 0: an answer cut off is never
+    paid): its reward, without running the verifier -- an answer that never ended is not an answer (DAPO's overlong punishment in its hard
     form; ``objective.overlong_filter`` instead masks such episodes out of the loss). Not a failure:
     the policy wrote too much, the environment is fine."""
 

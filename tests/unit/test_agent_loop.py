@@ -257,6 +257,14 @@ def test_a_truncated_answer_gets_verifier_truncated_reward_without_its_verifier(
     assert by[cut.instance_id].reward.status == "ok"
 
 
+def test_a_truncated_reward_above_zero_is_refused_naming_the_field():
+    from megathunder.config import load_config
+    from megathunder.config import ConfigError
+
+    with pytest.raises(ConfigError, match="verifier.truncated_reward"):
+        load_config(None, ["verifier.truncated_reward=0.5"])
+
+
 def test_the_last_turns_tools_run_but_their_output_is_not_appended(tmp_path):
     """The turn limit reached on a tool call: the tool runs (the verifier scores the state it
     leaves) but no turn would read its output, so none is appended. The trajectory ends with the

@@ -471,9 +471,9 @@ class VerifierConfig(Strict):
     truncated_reward: float | None = Field(None, le=0)
     """null: an episode cut by a length limit (``agent.max_new_tokens_per_turn`` or
     ``max_total_tokens``) is scored like any other. A number (at most 0: an answer cut off is never
-    paid): its reward, without running the verifier -- an answer that never ended is not an answer (DAPO's overlong punishment in its hard
-    form; ``objective.overlong_filter`` instead masks such episodes out of the loss). Not a failure:
-    the policy wrote too much, the environment is fine."""
+    paid): its reward, without running the verifier -- an answer that never ended is not an answer
+    (DAPO's overlong punishment in its hard form; ``objective.overlong_filter`` instead masks such
+    episodes out of the loss). Not a failure: the policy wrote too much, the environment is fine."""
 
     def infra_policy(self) -> Literal["zero_reward", "drop_group"]:
         """``on_infra_failure`` where set, else ``on_failure`` (a run's config resolves null)."""
@@ -486,21 +486,6 @@ class GeneratedTaskConfig(Strict):
     name: Literal["arithmetic", "calculator"] = "arithmetic"
     max_operand: int = Field(20, ge=1)
     """Operands are drawn from [0, max_operand]."""
-    question: str = "{a} {op} {b} ="
-    """arithmetic: the user's message, with ``{a}``, ``{op}`` and ``{b}`` filled in (e.g. "What is
-    {a} {op} {b}?", which a chat model answers more often in a few tokens)."""
-
-    @field_validator("question")
-    @classmethod
-    def _names_the_operands(cls, v: str) -> str:
-        try:
-            v.format(a=1, op="+", b=2)
-        except (KeyError, IndexError, ValueError) as err:
-            raise ValueError(f"only {{a}}, {{op}} and {{b}} can be filled in ({err!r})") from None
-        missing = [k for k in ("{a}", "{op}", "{b}") if k not in v]
-        if missing:
-            raise ValueError(f"must contain {', '.join(missing)}")
-        return v
 
 
 class LocalTaskConfig(Strict):

@@ -16,7 +16,7 @@ from megathunder.rollout.tasks.terminal_bench import TerminalBenchTask
 def build_task(cfg: TaskConfig) -> Task:
     """The task a run's ``task`` section names (build it once per run)."""
     if cfg.name == "arithmetic":
-        return ArithmeticTask(cfg.max_operand, cfg.question)
+        return ArithmeticTask(cfg.max_operand)
     if cfg.name == "calculator":
         return CalculatorTask(cfg.max_operand)
     if cfg.name == "swe_local":

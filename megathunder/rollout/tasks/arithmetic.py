@@ -14,9 +14,8 @@ class ArithmeticTask(Task):
     name = "arithmetic"
     system_prompt = "Answer with the number only."
 
-    def __init__(self, max_operand: int = 20, question: str = "{a} {op} {b} =") -> None:
+    def __init__(self, max_operand: int = 20) -> None:
         self.max_operand = max_operand
-        self.question = question
 
     def instances(self, num: int, seed: int = 0) -> list[TaskInstance]:
         rng = random.Random(seed)
@@ -25,7 +24,7 @@ class ArithmeticTask(Task):
             a, b = rng.randint(0, self.max_operand), rng.randint(0, self.max_operand)
             op = rng.choice("+-")
             out.append(
-                TaskInstance(f"arith-{seed}-{k}", self.question.format(a=a, op=op, b=b), a + b if op == "+" else a - b)
+                TaskInstance(f"arith-{seed}-{k}", f"{a} {op} {b} =", a + b if op == "+" else a - b)
             )
         return out
 

@@ -240,6 +240,12 @@ class LedgerConfig(Strict):
     (``GradientLedger.hold`` / ``release``). The same update up to fp32 reassociation; which
     events were held depends on the learner's timing, which the journal does not record, so a
     replay (``megathunder replay``) reproduces such a run within rounding, bitwise only with false."""
+    pack_own_passes: bool = True
+    """Passes that need each trajectory's gradient on its own (a slot's S and R, a pending h_i),
+    when several are ready at once, go in one call (``backward_each``: on a pipelined learner the
+    trajectories fill the pipeline instead of each running alone through its stages); bitwise the
+    update of one call each (``megathunder.streaming.ledger``: Packed own gradients). false: one
+    call each."""
     pack_window_s: float = Field(0.02, ge=0.0, le=1.0)
     """With ``pack_ready_work``: an event that reaches an idle learner waits up to this long for the
     next event before its work runs, so a burst of events (a batch of sequences finishing in one

@@ -13,7 +13,7 @@ trajectories in the same order: the schedule communicates between them.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
@@ -49,6 +49,22 @@ class MegatronBackend:
         for spec in specs:
             self.backward_sum([traj], [spec])
             yield self.live
+
+    def backward_each(self, items: Sequence[tuple[Trajectory, Sequence[LossSpec]]],
+                      on_grad: Callable[[int, int, GradBuffer], None]) -> None:
+        """Every (trajectory k, its j-th spec) gradient on its own, from one schedule call (pipelined
+        under PP: ``ForwardBackward.backward_each``): ``on_grad(k, j, live)`` right after that
+        micro-batch's backward on this stage, ``live`` holding its gradient alone. Element for element
+        what ``backward`` gives for each."""
+        objective = self._objective()
+        flat = [(k, j, traj, spec) for k, (traj, specs) in enumerate(items) for j, spec in enumerate(specs)]
+        trajs, specs = [f[2] for f in flat], [f[3] for f in flat]
+
+        def after(i: int) -> None:  # micro-batch i: trajectory k's j-th pass
+            on_grad(flat[i][0], flat[i][1], self.live)
+
+        self.passes.backward_each(trajs, self._loss(trajs, specs, None), after, self._router_weights(trajs, specs),
+                                  need_entropy=objective.entropy_coef > 0)
 
     def backward_sum(self, trajs: Sequence[Trajectory], specs: Sequence[LossSpec],
                      old: Sequence[torch.Tensor | None] | None = None) -> GradBuffer:

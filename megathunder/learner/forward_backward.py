@@ -33,6 +33,19 @@ Pass counts. ``backward`` returns how many trajectories' backward passes it ran 
 asks (``megathunder.learner.batches``), so the count of the gradient ledger's passes, which reach
 the ledger and not the batch, is never reset from outside.
 
+Own gradients in one call (``backward_each``): the gradient ledger needs some trajectories' gradients
+each on its own (a slot's S and R, a pending h_i). One call per trajectory runs each alone through
+the pipeline stages (PP - 1 stages idle at any moment); ``backward_each`` runs them as the micro-batches
+of one call, one trajectory each, and hands each stage's gradient storage to the caller right after
+that micro-batch's backward on the stage, then zeroes it. A stage runs its micro-batches' backwards
+one after another in order (1F1B and the unpipelined schedule alike), and a micro-batch's backward
+adds only its own gradient into the stage's zeroed buffers, so what the caller gets for trajectory
+k is, element for element, what a call of trajectory k alone leaves there: the same micro-batch
+(``PackedRows`` of one trajectory), the same kernels, added into zeros. Megatron 0.16's schedules
+have no per-micro-batch hook; they call their module's ``backward_step`` by name, which
+``_after_each_backward`` wraps for the length of the call (and a call whose count of backwards
+does not come out right raises).
+
 The gradient storage the batches see (``GradientSpace``) is DDP's flat buffers
 (``DistributedDataParallel.buffers[*].grad_data``, every parameter's ``main_grad`` a view of them):
 ``backward`` adds into them inside ``no_sync`` (no data-parallel communication per call), and
@@ -49,6 +62,7 @@ from functools import partial
 import torch
 from megatron.core.distributed import DistributedDataParallel
 from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.pipeline_parallel import schedules as megatron_schedules
 from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 
 from megathunder.config import LearnerConfig
@@ -148,6 +162,40 @@ class ForwardBackward:
         self._num_passes += len(trajs)
         return Passes(len(trajs), reports)
 
+    def backward_each(self, trajs: Sequence[Trajectory], loss_fn: LossFn, on_grad: Callable[[int], None],
+                      router_weights: Sequence[float] | None = None, *, need_entropy: bool = False) -> Passes:
+        """Each trajectory's gradient on its own, from one call (module docstring: Own gradients in
+        one call): one trajectory a micro-batch, and ``on_grad(k)`` on this stage right after
+        trajectory k's backward, with DDP's buffers holding its gradient alone; they are zeroed
+        when ``on_grad`` returns. Not under context parallelism (each then takes a call)."""
+        if not trajs:
+            return Passes(0)
+        if self.pgs.dims.cp > 1:
+            reports: list[Report] = []
+            for k, traj in enumerate(trajs):
+                self.ddp.zero_grad_buffer()
+                passes = self.backward([traj], partial(_as_item, loss_fn, k),
+                                       None if router_weights is None else [router_weights[k]],
+                                       need_entropy=need_entropy)
+                on_grad(k)
+                reports.extend(passes.reports)
+            return Passes(len(trajs), reports)
+        opts = self.options
+        buffers = [b.grad_data for b in list(self.ddp.buffers) + list(getattr(self.ddp, "expert_parallel_buffers", []))]
+
+        def after(i: int) -> None:
+            on_grad(i)
+            for b in buffers:
+                b.zero_()
+
+        self.ddp.zero_grad_buffer()
+        with self.ddp.no_sync(), _after_each_backward(after, len(trajs)):
+            reports = self._run(self.ddp, trajs, loss_fn, forward_only=False, need_entropy=need_entropy,
+                                temperature=opts.temperature, router_weights=router_weights,
+                                at_targets=opts.loss_logits_only, share=False, one_each=True)
+        self._num_passes += len(trajs)
+        return Passes(len(trajs), reports)
+
     @torch.no_grad()
     def forward(self, trajs: Sequence[Trajectory], *, model: torch.nn.Module | None = None,
                 temperature: float | None = None, need_entropy: bool = False) -> list[Report]:
@@ -163,14 +211,16 @@ class ForwardBackward:
 
     def _run(self, model: torch.nn.Module, items: Sequence[Trajectory], loss_fn: LossFn, *, forward_only: bool,
              need_entropy: bool, temperature: float, router_weights: Sequence[float] | None, at_targets: bool,
-             share: bool) -> list[Report]:
-        """One schedule call: the layout, the call, the reports back in ``items`` order."""
+             share: bool, one_each: bool = False) -> list[Report]:
+        """One schedule call: the layout, the call, the reports back in ``items`` order.
+        ``one_each``: one trajectory a micro-batch, in ``items`` order."""
         pgs = self.pgs
         replay = schedule_replay(model, items, pgs)  # learner.moe.routing_replay
         router_losses = schedule_router_losses(model, [t.tokens.numel() - 1 for t in items], router_weights, pgs)
         hooks = [h for h in (replay, router_losses) if h is not None]
         at_targets = at_targets and pgs.dims.cp == 1
-        layout = self._layout(items, at_targets=at_targets, share=share and (at_targets or forward_only) and not hooks)
+        layout = (PackedRows(items, pgs.dims.seq_multiple, 0, at_targets, pgs.device) if one_each else
+                  self._layout(items, at_targets=at_targets, share=share and (at_targets or forward_only) and not hooks))
         call = _Call(items, loss_fn, layout, hooks, HeadAtTargets.of(model, pgs) if layout.head_at_targets else None,
                      pgs, need_entropy, temperature)
         extra = {}
@@ -207,6 +257,36 @@ class ForwardBackward:
             if shared is not None:
                 return shared
         return PackedRows(items, dims.seq_multiple, pack_tokens, at_targets, self.pgs.device)
+
+
+@contextlib.contextmanager
+def _after_each_backward(after: Callable[[int], None], num_micro_batches: int) -> Iterator[None]:
+    """Within it, ``after(i)`` runs on this stage right after its i-th micro-batch backward of
+    the schedule call (module docstring: Own gradients in one call)."""
+    original = megatron_schedules.backward_step
+    count = 0
+
+    def backward_step(*args, **kwargs):
+        nonlocal count
+        grad = original(*args, **kwargs)
+        after(count)
+        count += 1
+        return grad
+
+    megatron_schedules.backward_step = backward_step
+    try:
+        yield
+    finally:
+        megatron_schedules.backward_step = original
+    if count != num_micro_batches:
+        raise RuntimeError(f"backward_each: the schedule ran {count} micro-batch backwards for {num_micro_batches} "
+                           "trajectories (does this Megatron's schedule still call schedules.backward_step?)")
+
+
+def _as_item(loss_fn: LossFn, k: int, _ks: Sequence[int], logp: torch.Tensor,
+             entropy: torch.Tensor | None) -> torch.Tensor:
+    """``loss_fn`` of trajectory k of a larger call, in a call of k alone."""
+    return loss_fn([k], logp, entropy)
 
 
 def _no_loss(_ks: Sequence[int], logp: torch.Tensor, _entropy: torch.Tensor | None) -> torch.Tensor:

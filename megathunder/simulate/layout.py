@@ -208,16 +208,18 @@ def _ledger_fields(cfg: Config, rl: RLObjective, p: Plan) -> dict[str, Any]:
     streams = led.per_turn_scores in TURN_STRATEGIES
     pending = led.max_pending != 0 or streams
     cap = None
-    if pending:
+    if pending:  # as many as the plan fits (none: the budget left no room beside K slots)
         cap = next((int(line.note.split("max_pending = ")[1].split()[0]) for line in p.lines
-                    if line.part == "ledger pending"), None)
+                    if line.part == "ledger pending"), 0)
+        if cap == 0:
+            pending = streams = False
     return {
         "schedules": {"max_group_slots": p.ledger_slots, "pending_gradients": pending, "max_pending": cap,
                       "per_turn_scores": led.per_turn_scores if streams else "off",
                       "max_turn_streams": _turn_streams(cfg) if streams else None},
         "ledger": {"placement": led.slot_placement, "slot_dtype": "bfloat16" if led.slot_dtype == "bfloat16" else "float32",
                    "buffers_per_slot": per_slot, "host_threads": led.host_threads,
-                   "host_chunk_mb": led.host_chunk_mb},
+                   "host_chunk_mb": led.host_chunk_mb, "pack_own_passes": led.pack_own_passes},
     }
 
 

@@ -24,8 +24,10 @@ rewards; ties in that order):
 
 Costs on a rank (``Costs``). A call costs ``call_overhead_s`` plus its work through the pipeline:
 ``work * (m + p - 1) / m`` for m trajectories, so a lone slot-path trajectory at PP = 2 costs twice
-its work -- it needs its own gradient, so it cannot share a call. Ready direct work is packed: the
-rank takes every direct job ready when it starts one into a single call (ready-work packing). Buffer
+its work. Ready direct work is packed: the rank takes every direct job ready when it starts one
+into a single call (ready-work packing); so is ready slot- and pending-path work, each trajectory's
+gradient handed back on its own (``ledger.pack_own_passes``: the ledger's ``backward_each``), its
+writes then in order; with it off each is a call of its own. Buffer
 operations, per parameter-sized buffer of B = ``buffer_params`` fp32 elements:
 
     device slots   write: an add, (4 + 2 s) B bytes of device traffic (s: slot bytes per element);
@@ -72,6 +74,7 @@ class Costs:
     mover_s: float = 0.0  # host: staging held per single write
     mover_pair_s: float = 0.0  # host: staging held by a paired (S and R) write
     paired: bool = True
+    pack_own: bool = True  # ready slot- and pending-path calls share one call (``backward_each``)
     slot_add_s: float = 0.0  # one pending -> slot add, learner thread
     fold_s: float = 0.0  # one slot or pending buffer into P, learner thread
     direct_add_s: float = 0.0  # a packed call's gradient into P
@@ -81,20 +84,21 @@ class Costs:
         led, buf = profile.ledger, profile.buffers
         call = profile.learner.call_overhead_s
         if not led.costs:
-            return cls(call_s=call)
+            return cls(call_s=call, pack_own=led.pack_own_passes)
         n = profile.buffer_params
         s = 2.0 if led.slot_dtype == "bfloat16" else 4.0
         dev = lambda nbytes: nbytes / (buf.device_gb_per_s * GB)  # noqa: E731
         direct = dev(12 * n)  # P += live: read both, write P
         if led.placement == "device":
             write = dev((4 + 2 * s) * n)
-            return cls(False, call, write, slot_add_s=dev(3 * s * n), fold_s=dev((8 + s) * n), direct_add_s=direct)
+            return cls(False, call, write, slot_add_s=dev(3 * s * n), fold_s=dev((8 + s) * n), direct_add_s=direct,
+                       pack_own=led.pack_own_passes)
         d2h = 4 * n / (buf.d2h_gb_per_s * GB)
         add = n / buf.host_add_rate(led.host_threads)
         return cls(True, call, write_block_s=dev(8 * n),
                    mover_s=_overlapped(d2h, add, n, led.host_chunk_mb),
                    mover_pair_s=_overlapped(d2h, 2 * add, n, led.host_chunk_mb),
-                   paired=led.paired_writes, slot_add_s=add,
+                   paired=led.paired_writes, pack_own=led.pack_own_passes, slot_add_s=add,
                    fold_s=s * n / (buf.h2d_gb_per_s * GB) + dev(12 * n), direct_add_s=direct)
 
 
@@ -327,18 +331,29 @@ def run_rank(rank: int, jobs: list[Job], t0: float, p: int, costs: Costs, max_bu
             ledger_span(now, now + costs.direct_add_s)
             now += costs.direct_add_s
         elif job.kind == CALL:
-            end = now + costs.call_s + job.work * p
-            spans.append(Burst(rank, now, end, 1, BACKWARD_SHARE * job.work))
-            now = end
-            start = now
-            if costs.host:
-                units = [(1, costs.mover_pair_s)] if job.writes == 2 and costs.paired else [(1, costs.mover_s)] * job.writes
-                for _, held in units:
-                    now = max(now, mover) + costs.write_block_s
-                    mover = now + held
-            else:
-                now += job.writes * costs.write_block_s
-            ledger_span(start, now)
+            batch = [job]
+            if costs.pack_own and job.path != "turn":
+                batch += [j for j in queue if j.kind == CALL and j.path != "turn"][: max_burst - 1]
+                queue = [j for j in queue if not any(j is b for b in batch)]
+            # The pipeline fills, then each trajectory's backward ends in turn and its writes go
+            # at once (``backward_each`` hands it over before the next one's backward), so the
+            # mover's work overlaps the next trajectories' compute; the call's compute span
+            # first, what its writes blocked it after it.
+            total = sum(j.work for j in batch)
+            compute = costs.call_s + total * (len(batch) + p - 1) / len(batch)
+            t = now + costs.call_s + total * (p - 1) / len(batch)
+            for j in batch:
+                t += j.work
+                if costs.host:
+                    units = [costs.mover_pair_s] if j.writes == 2 and costs.paired else [costs.mover_s] * j.writes
+                    for held in units:
+                        t = max(t, mover) + costs.write_block_s
+                        mover = t + held
+                else:
+                    t += j.writes * costs.write_block_s
+            spans.append(Burst(rank, now, now + compute, len(batch), BACKWARD_SHARE * batch[-1].work))
+            ledger_span(now + compute, t)
+            now = t
         else:
             start = now
             if costs.host:

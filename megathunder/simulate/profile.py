@@ -264,6 +264,10 @@ class LedgerSpec(_Strict):
     paired_writes: bool = True
     """A slot-path h_i goes down once for both S and R (the ledger's ``slot_write_pair``); false:
     once per buffer, the second waiting for the first (the ledger before it)."""
+    pack_own_passes: bool = True
+    """``ledger.pack_own_passes``: slot- and pending-path passes ready at once share one call
+    (pipelined: m of them cost (m + PP - 1) / m of their work); false: each its own call (PP x its
+    work)."""
     costs: bool = True
     """Model the buffer operations' time; false: free (calibration: the measured learner seconds
     hold them)."""

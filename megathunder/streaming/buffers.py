@@ -122,6 +122,10 @@ class GradientBackend(Protocol):
     # Optional: ``backward_sum(trajs, specs) -> GradBuffer``, the summed gradient of several
     # trajectories' losses in one pass (the live storage, valid until the next call). The ledger
     # uses it for the trajectories a closing group releases at once.
+    # Optional: ``backward_each(items, on_grad)``, each (trajectory, its specs) item's gradients on
+    # their own, as ``backward`` gives them, ``on_grad(k, j, live)`` after item k's j-th (one
+    # schedule call on a pipelined learner). The ledger uses it for consecutive trajectories whose
+    # work is a pass of their own (slot writes, pending h_i).
 
 
 SLOT_DTYPES: dict[str, torch.dtype | None] = {"gradient": None, "bfloat16": torch.bfloat16}

@@ -73,6 +73,18 @@ before the trajectory even finishes. ``begin_turns`` takes the pending buffer at
 groupmate), ``drop_turns`` gives it back when the turns streamed do not make up the loss mask.
 At ``on_finished`` a buffer so filled is pend_i, and everything above applies unchanged.
 
+Packed own gradients (a backend with ``backward_each``): when several trajectories become ready
+at once -- a slot handed to a waiting group with several rewards in, held work released, a group
+seen kept -- those whose work is a pass of their own (a slot's S and R, a pending h_i) need each
+its own gradient, so ``backward_sum`` cannot pack them; ``backward_each`` runs them in one call
+(on a pipelined learner one schedule call, each a micro-batch) and hands each gradient back on its
+own. Each trajectory's plan (the slot or pending buffer it takes, its specs) is made before the
+call in the members' order, and what one plan decides is what the next one's reads (slots and
+pending buffers in use, counted when taken), so every trajectory takes the path it takes one at a
+time; the gradients are applied in the same order, each element for element the gradient its own
+call gives. The update is therefore bitwise the one-at-a-time update; a member with a pending h_i
+(a fold, no pass) ends the run so its fold keeps its place in the order.
+
 Memory: at most K slots (``LedgerConfig.max_group_slots``, lowered to what fits in
 ``slot_budget_gb``), each 2 parameter-sized buffers (1 for std-free variants), plus P (plus P_A for
 batch_std): 2K + 1. Groups that find no free slot wait (their trajectories are kept as data, not
@@ -97,7 +109,7 @@ from __future__ import annotations
 import math
 import numbers
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -527,8 +539,55 @@ class GradientLedger:
         return self._PA if self._PA is not None else self._accumulator
 
     def _advance_all(self, members: Iterable[_Traj]) -> None:
+        """``_advance`` each member in order. With a backend that runs several trajectories' own
+        gradients in one call (``backward_each``: one schedule call, so a pipeline-parallel learner
+        pipelines them instead of running each alone through the stages), consecutive members
+        whose work is a pass and nothing else go in one call; their gradients are applied in the
+        members' order, each exactly as its own call's would be (section "Packed own gradients"
+        above). A member with a pending h_i (its fold runs no pass) ends the run: its fold goes
+        after the work planned before it, as one at a time."""
+        each = getattr(self.backend, "backward_each", None)
+        if each is None or self._held is not None or not self.config.pack_own_passes:
+            for m in members:
+                self._advance(m)
+            return
+        run: list[tuple[_Traj, list[tuple[str, LossSpec]]]] = []
         for m in members:
-            self._advance(m)
+            if m.pend is not None:
+                self._run_each(run, each)
+                run = []
+                self._advance(m)
+                continue
+            plan = self._plan(m)
+            if plan:
+                run.append((m, plan))
+        self._run_each(run, each)
+
+    def _run_each(self, run: Sequence[tuple[_Traj, list[tuple[str, LossSpec]]]],
+                  each: Callable[[list[tuple[Trajectory, list[LossSpec]]], Callable[[int, int, GradBuffer], None]], None],
+                  ) -> None:
+        """The planned passes of ``run`` in one ``backward_each`` call (one alone: ``backward``)."""
+        if not run:
+            return
+        if len(run) == 1:
+            t, plan = run[0]
+            self._apply(t, plan, self.backend.backward(_data(t), [spec for _, spec in plan]))
+            return
+        done = [0] * len(run)
+
+        def on_grad(k: int, j: int, grad: GradBuffer) -> None:
+            t, plan = run[k]
+            if j != done[k]:
+                raise RuntimeError(f"backward_each: pass {j} of trajectory {t.traj_id} came before pass {done[k]}")
+            self._apply_one(t, plan[j][0], grad)
+            done[k] += 1
+            if done[k] == len(plan):
+                self._log(f"backward:{'+'.join(sink for sink, _ in plan)}", t.traj_id)
+
+        each([(_data(t), [spec for _, spec in plan]) for t, plan in run], on_grad)
+        missing = [t.traj_id for (t, plan), n in zip(run, done, strict=True) if n != len(plan)]
+        if missing:
+            raise RuntimeError(f"backward_each: no gradient came back for trajectories {missing}")
 
     def _advance_closed_group(self, g: _Group) -> None:
         """A group just closed: its waiting trajectories' A_i are known.
@@ -575,15 +634,22 @@ class GradientLedger:
         if self._held is not None:
             self._held.append(t)
             return
+        plan = self._plan(t)
+        if plan:
+            self._apply(t, plan, self.backend.backward(_data(t), [spec for _, spec in plan]))
+
+    def _plan(self, t: _Traj) -> list[tuple[str, LossSpec]]:
+        """What t's pass computes now: (sink, loss) pairs, in one forward. Folds of a pending h_i
+        (no pass) run here; a slot, or a pending buffer for h_i, is taken here, so the next
+        trajectory's plan sees it taken as it would after this one's pass."""
         g = t.group
         if t.data is None or t.num_loss_tokens is None:
-            return
+            return []
         if g.keep is False or g.failed:  # dropped: nothing of it is (or will be) in the update
             self._discard_pending(t)
             t.score_done = t.reward_free_done = True
-            return
-        specs: list[LossSpec] = []
-        sinks: list[str] = []
+            return []
+        plan: list[tuple[str, LossSpec]] = []
         if not t.score_done:
             if g.closed:
                 if t.pend is not None:
@@ -591,40 +657,44 @@ class GradientLedger:
                 else:
                     a = advantage(t.known_reward, g.closed_stats)
                     fuse = self._has_reward_free and not t.reward_free_done and self._PA is None
-                    specs.append(LossSpec(advantage=a, reward_free=fuse))
-                    sinks.append("direct+rf" if fuse else "direct")
+                    plan.append(("direct+rf" if fuse else "direct", LossSpec(advantage=a, reward_free=fuse)))
             elif t.reward is not None and self._slot(g) is not None:
                 if t.pend is not None:
                     self._fold_pending_into_slot(g, t)
                 else:
-                    specs.append(LossSpec(advantage=-1.0, reward_free=False))
-                    sinks.append("slot")
+                    plan.append(("slot", LossSpec(advantage=-1.0, reward_free=False)))
             elif t.pend is None and not t.has_reward and self._pending_free():
-                specs.append(LossSpec(advantage=-1.0, reward_free=False))  # h_i now, its weight later
-                sinks.append("pending")
-        wants_reward_free = self._has_reward_free and not t.reward_free_done and "direct+rf" not in sinks
+                self._take_pending(t)  # h_i now, its weight later
+                plan.append(("pending", LossSpec(advantage=-1.0, reward_free=False)))
+        wants_reward_free = self._has_reward_free and not t.reward_free_done and all(
+            sink != "direct+rf" for sink, _ in plan)
         if wants_reward_free and g.keep:
-            score_later = not t.score_done and not specs and t.pend is None
+            score_later = not t.score_done and not plan and t.pend is None
             if not score_later or self.config.reward_free_terms == "at_finish":
-                specs.append(LossSpec(advantage=None, reward_free=True))
-                sinks.append("rf")
-        if not specs:
-            return
-        for sink, grad in zip(sinks, self.backend.backward(t.data, specs), strict=True):
-            if sink == "slot":
-                self._add_to_slot(g, t, grad)
-                t.score_done = True
-            elif sink == "pending":
-                self.pool.slot_write(self._take_pending(t), grad, first=True)
-                self._num_pending_backward += 1
-            elif sink == "rf":
-                self._accumulator.add_(grad)
-                t.reward_free_done = True
-            else:
-                self._score_sink.add_(grad)
-                t.score_done = True
-                t.reward_free_done = t.reward_free_done or sink == "direct+rf"
-        self._log(f"backward:{'+'.join(sinks)}", t.traj_id)
+                plan.append(("rf", LossSpec(advantage=None, reward_free=True)))
+        return plan
+
+    def _apply(self, t: _Traj, plan: Sequence[tuple[str, LossSpec]], grads: Iterable[GradBuffer]) -> None:
+        """t's planned gradients, in the plan's order, into their sinks."""
+        for (sink, _), grad in zip(plan, grads, strict=True):
+            self._apply_one(t, sink, grad)
+        self._log(f"backward:{'+'.join(sink for sink, _ in plan)}", t.traj_id)
+
+    def _apply_one(self, t: _Traj, sink: str, grad: GradBuffer) -> None:
+        if sink == "slot":
+            self._add_to_slot(t.group, t, grad)
+            t.score_done = True
+        elif sink == "pending":
+            assert t.pend is not None
+            self.pool.slot_write(t.pend, grad, first=True)
+            self._num_pending_backward += 1
+        elif sink == "rf":
+            self._accumulator.add_(grad)
+            t.reward_free_done = True
+        else:
+            self._score_sink.add_(grad)
+            t.score_done = True
+            t.reward_free_done = t.reward_free_done or sink == "direct+rf"
 
     def _slot(self, g: _Group) -> _Slot | None:
         if g.slot is None:
@@ -735,6 +805,12 @@ class GradientLedger:
             return sum(1 for m in g.members if m.data is not None and m.reward is not None and not m.score_done)
         best = max(waiting, key=num_ready)
         self._advance_all(best.members)
+
+
+def _data(t: _Traj) -> Trajectory:
+    """The trajectory of a member a plan was made for (its owner has it)."""
+    assert t.data is not None, f"internal: trajectory {t.traj_id} has no data on this rank"
+    return t.data
 
 
 def _real(traj_id: int, reward: object) -> float:

@@ -7,7 +7,7 @@ as a ``GradBuffer`` without copies.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -53,6 +53,14 @@ class TorchBackend:
             self.num_backward += 1
             self._check_grads_in_place()
             yield self.live
+
+    def backward_each(self, items: Sequence[tuple[Trajectory, Sequence[LossSpec]]],
+                      on_grad: Callable[[int, int, GradBuffer], None]) -> None:
+        """Every trajectory's gradients on their own, as ``backward`` gives them, one trajectory
+        after another (the ledger's packed path; on Megatron one pipelined call)."""
+        for k, (traj, specs) in enumerate(items):
+            for j, grad in enumerate(self.backward(traj, specs)):
+                on_grad(k, j, grad)
 
     def load_grad(self, grad: GradBuffer) -> None:
         self.live.copy_(grad)

@@ -8,6 +8,9 @@ saves the full (gathered) parameters before and after each.
 
 MODE ppo: PPO epochs and mini-batches through the sync path; the HF-named weights before and after.
 
+MODE each: every own trajectory's gradient (a slot's score pass and a reward-free pass) from one
+call each (``backward``) and from one call for all (``backward_each``), this rank's buffers.
+
 MODE packing: the batch-synchronous gradient, the ledger's summed backward and token logprobs with
 one trajectory per micro-batch and packed (``learner.pack_tokens``); no optimizer step.
 """
@@ -251,6 +254,35 @@ def _expert_buffers_in_ledger(learner: MegatronLearner) -> tuple[int, bool]:
     return len(expert), all(any(t is b.grad_data for t in live) for b in expert)
 
 
+def each(args) -> None:
+    """Own gradients one call each vs one ``backward_each`` call; rank 0 of each stage saves
+    them (PP: the stages hold different parameters, so every stage writes its own file)."""
+    from megathunder.objectives import LossSpec
+
+    objective = GRPOObjective.model_validate_json(args.objective)
+    learner = _learner(args, objective)
+    pgs = learner.pgs
+    batch, _, _ = make_batch(args.seed, learner.model_cfg.vocab_size)
+    mine = [t for t in batch if t.traj_id % pgs.dims.dp == pgs.dp_rank]
+    specs = [LossSpec(advantage=-1.0, reward_free=False), LossSpec(advantage=None, reward_free=True)]
+    alone = [[g.flat().clone() for g in learner.backend.backward(t, specs)] for t in mine]
+    together: list[list[torch.Tensor]] = [[] for _ in mine]
+    order: list[tuple[int, int]] = []
+
+    def on_grad(k: int, j: int, live) -> None:
+        order.append((k, j))
+        together[k].append(live.flat().clone())
+
+    calls = []
+    run = learner.forward_backward._run
+    learner.forward_backward._run = lambda *a, **kw: calls.append(len(a[1])) or run(*a, **kw)
+    learner.backend.backward_each([(t, specs) for t in mine], on_grad)
+    out = {"alone": alone, "together": together, "order": order, "calls": calls}
+    if pgs.tp_rank == 0 and pgs.dp_rank == 0:
+        torch.save(out, f"{args.out}.stage{pgs.pp_rank}")
+    destroy_distributed()
+
+
 def _learner(args, objective=None, temperature: float = 1.0):
     cfg = LearnerConfig.model_validate(_merge({
         "parallel": {"tensor_parallel": args.tp, "pipeline_parallel": args.pp},
@@ -402,7 +434,7 @@ def checkpoint_before_step(args) -> None:
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("mode", choices=["equivalence", "checkpoint_save", "checkpoint_resume", "checkpoint_before_step",
-                                    "hf_roundtrip", "saved_bytes", "ppo", "packing", "routing_record"])
+                                    "hf_roundtrip", "saved_bytes", "ppo", "packing", "routing_record", "each"])
     p.add_argument("--seq", type=int, default=64)
     p.add_argument("--ckpt")
     p.add_argument("--export")
@@ -431,7 +463,7 @@ def main() -> None:
     args = p.parse_args()
     {"equivalence": equivalence, "checkpoint_save": checkpoint_save, "checkpoint_resume": checkpoint_resume,
      "checkpoint_before_step": checkpoint_before_step, "hf_roundtrip": hf_roundtrip, "saved_bytes": saved_bytes, "ppo": ppo,
-     "packing": packing, "routing_record": routing_record}[args.mode](args)
+     "packing": packing, "routing_record": routing_record, "each": each}[args.mode](args)
 
 
 if __name__ == "__main__":

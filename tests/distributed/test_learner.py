@@ -412,3 +412,23 @@ def test_packed_micro_batches_give_the_unpacked_gradient(hf_qwen2, tmp_path, lay
                                             strict=True):
             torch.testing.assert_close(packed, unpacked, rtol=0, atol=LOGP_TOL)
             torch.testing.assert_close(shared, unpacked, rtol=0, atol=LOGP_TOL)
+
+
+@pytest.mark.parametrize("layout", [(1, "1"), (2, "2")], ids=["single", "pp2"])
+def test_own_gradients_in_one_call_are_bitwise_one_call_each(hf_qwen2, tmp_path, layout):
+    """``backward_each`` (the ledger's packed slot and pending passes): every trajectory's own
+    gradients from one schedule call -- pipelined under PP -- are bit for bit what one call per
+    trajectory and pass leaves in the buffers, on every stage, handed back in order."""
+    nproc, pp = layout
+    out = tmp_path / "each.pt"
+    launch(nproc, "each", "--out", str(out), "--hf", str(hf_qwen2), "--pp", pp,
+           "--objective", '{"kl_coef": 0.1, "entropy_coef": 0.01}')
+    for stage in range(int(pp)):
+        run = torch.load(f"{out}.stage{stage}")
+        n = len(run["alone"])
+        assert n >= 2 and run["calls"] == [2 * n]  # one schedule call for every trajectory's two passes
+        assert run["order"] == [(k, j) for k in range(n) for j in range(2)]
+        pairs = [(a, b) for alone, together in zip(run["alone"], run["together"], strict=True)
+                 for a, b in zip(alone, together, strict=True)]
+        assert all(torch.equal(a, b) for a, b in pairs)
+        assert sum(bool(a.abs().sum() > 0) for a, _ in pairs) >= n  # not zeros alike (an empty trajectory's are)

@@ -56,6 +56,20 @@ def test_pending_buffers_are_lowered_before_k():
     assert any(n.startswith("pending buffers") for n in held.notes)
 
 
+@pytest.mark.parametrize("max_pending", ["8", "null"])
+def test_pending_buffers_a_budget_leaves_no_room_for_are_off(max_pending):
+    """The shipped 64 GiB host budget holds K = 4 slots and nothing beside them: asked for pending
+    buffers, the plan counts none, and so does the simulation (not one per trajectory)."""
+    held = hold(load_profile("swe_smith_128", [f"trainer.ledger.max_pending={max_pending}"]))
+    assert not any(line.part == "ledger pending" for line in held.plan.lines)
+    s = held.profile.schedules
+    assert s.max_group_slots == 4 and not s.pending_gradients and s.max_pending == 0
+    roomy = hold(load_profile("swe_smith_128", [f"trainer.ledger.max_pending={max_pending}",
+                                                "trainer.ledger.max_group_slots=4", "trainer.ledger.slot_budget_gb=128"]))
+    assert roomy.profile.schedules.pending_gradients and roomy.profile.schedules.max_pending == int(
+        max_pending if max_pending != "null" else 8)
+
+
 def test_thunder_is_refused_when_not_even_p_fits():
     """GPUs just large enough for the layout without the ledger: P (one fp32 buffer) does not fit
     beside it, so no thunder figure -- and the CLI prints none, saying why."""

@@ -107,25 +107,38 @@ def test_owners_are_the_least_loaded_rank_by_tokens_in_claim_order():
 # -- costs in closed form ---------------------------------------------------------------------------
 
 def test_a_lone_call_pays_the_fixed_cost_and_the_whole_pipeline():
-    """A slot-path trajectory needs its own gradient: one call of one micro-batch, F + p x work;
-    direct work ready together goes in one packed call, F + sum x (m + p - 1) / m."""
+    """A slot-path trajectory alone: one call of one micro-batch, F + p x work; direct work ready
+    together goes in one packed call, F + sum x (m + p - 1) / m, and so do slot-path trajectories
+    ready together (``ledger.pack_own_passes``; off: F + p x work each)."""
     costs = Costs(call_s=0.05)
     (lone,) = run_rank(0, [Job(1.0, CALL, work=2.0, writes=0)], 0.0, 2, costs, 64)
     assert (lone.start, lone.end) == (1.0, pytest.approx(1.0 + 0.05 + 2 * 2.0))
     packed = run_rank(0, [Job(1.0, DIRECT, work=w) for w in (1.0, 2.0, 3.0)], 0.0, 2, costs, 64)
     assert len(packed) == 1 and packed[0].end == pytest.approx(1.0 + 0.05 + 6.0 * 4 / 3)
     assert packed[0].last_backward_s == pytest.approx(BACKWARD_SHARE * 3.0)
+    # slot-path trajectories ready together: one call too (``backward_each``), each its own gradient
+    own = [Job(1.0, CALL, work=w, writes=0) for w in (1.0, 2.0, 3.0)]
+    (call,) = run_rank(0, own, 0.0, 2, costs, 64)
+    assert call.end == pytest.approx(1.0 + 0.05 + 6.0 * 4 / 3)
+    alone = run_rank(0, own, 0.0, 2, Costs(call_s=0.05, pack_own=False), 64)
+    assert len(alone) == 3 and alone[-1].end == pytest.approx(1.0 + 3 * 0.05 + 2 * 6.0)
 
 
 def test_host_writes_block_the_learner_only_while_the_staging_buffer_is_busy():
     """Host slots, one staging buffer: a trajectory's S and R writes -- unpaired, R's staging copy
     waits for S's D2H and add; paired, one staging copy feeds both. The step waits for the last."""
-    c = Costs(host=True, write_block_s=0.01, mover_s=0.5, mover_pair_s=0.8, paired=False)
+    c = Costs(host=True, write_block_s=0.01, mover_s=0.5, mover_pair_s=0.8, paired=False, pack_own=False)
     spans = run_rank(0, [Job(0.0, CALL, work=1.0, writes=2), Job(0.0, CALL, work=1.0, writes=2)], 0.0, 1, c, 64)
     train = [s for s in spans if s.kind == "train"]
     # 1st: train [0, 1]; S copy to 1.01, mover to 1.51; R copy waits: 1.52, mover to 2.02
     # 2nd: train [1.52, 2.52]; S waits for nothing (2.02 < 2.52): 2.53, mover 3.03; R: 3.04, mover 3.54
     assert [(s.start, s.end) for s in train] == [(0.0, 1.0), (pytest.approx(1.52), pytest.approx(2.52))]
+    assert max(s.end for s in spans) == pytest.approx(3.54)
+    # the same two in one call (ledger.pack_own_passes): each one's writes right after its own
+    # backward, so the same times; one compute span [0, 2], the writes' blocking after it
+    c = Costs(host=True, write_block_s=0.01, mover_s=0.5, mover_pair_s=0.8, paired=False)
+    spans = run_rank(0, [Job(0.0, CALL, work=1.0, writes=2), Job(0.0, CALL, work=1.0, writes=2)], 0.0, 1, c, 64)
+    assert [(s.start, s.end) for s in spans if s.kind == "train"] == [(0.0, 2.0)]
     assert max(s.end for s in spans) == pytest.approx(3.54)
     paired = run_rank(0, [Job(0.0, CALL, work=1.0, writes=2), Job(0.0, CALL, work=1.0, writes=2)], 0.0, 1,
                       Costs(host=True, write_block_s=0.01, mover_s=0.5, mover_pair_s=0.8, paired=True), 64)

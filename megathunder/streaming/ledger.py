@@ -62,8 +62,8 @@ reserved first, pending buffers get the rest (``pending_within_budget``), so the
 never exceed the budget. A trajectory that finds no pending buffer free takes the reward-time
 path; only a trajectory whose reward is still out takes a pending buffer (one whose finish was
 held until after its reward goes the reward-time way, where closing groups are packed).
-Finish-time backwards each need their own gradient, so they run one trajectory at a time, also
-when released from ``hold`` (``backward_sum`` only sums).
+Finish-time backwards each need their own gradient, so ``backward_sum`` (which only sums) cannot
+take them; several ready at once go in one ``backward_each`` call (Packed own gradients, below).
 
 Per-turn score gradients (``LedgerConfig.per_turn_scores``, ``megathunder.streaming.grpo_turns``):
 h_i is a sum over the trajectory's model turns, so it can be accumulated into pend_i turn by turn,
@@ -406,7 +406,8 @@ class GradientLedger:
     def release(self) -> None:
         """Run the held work: every held direct-mode trajectory (its group closed and kept), of
         whatever group, in one ``backward_sum`` (packed, pipelined); then the rest (slot writes,
-        reward-free terms) one trajectory at a time, in the order they were held."""
+        reward-free terms) in the order they were held, consecutive own-gradient passes in one
+        ``backward_each`` call where the backend has it."""
         held, self._held = self._held, None
         if not held:
             return

@@ -252,8 +252,13 @@ def execute(run: Run, args: argparse.Namespace) -> Run:
     else:
         run.outcome = "lost"
     run.seconds = time.monotonic() - start
-    deadline = time.monotonic() + 30  # processes of the run that are still exiting get a moment
-    while (left := _tagged_processes(f"{args.tag}-{run.index}")) and time.monotonic() < deadline:
+    # Processes of the run that are still exiting get a moment. Sandbox processes carry no tag
+    # (their launcher's environment is cleared) and every run's sandboxes share the uid range, so
+    # with runs side by side they are not this run's to count: the machine-wide check at the
+    # soak's end counts them (a sandbox of the run beside it is not a leak of this one).
+    alone = args.parallel == 1
+    deadline = time.monotonic() + 30
+    while (left := _tagged_processes(f"{args.tag}-{run.index}", sandbox_uids=alone)) and time.monotonic() < deadline:
         time.sleep(1)
     run.leaked_processes = left
     shm = args.shm_root / f"run{run.index:03d}"

@@ -46,3 +46,22 @@ def test_an_attempt_past_its_limit_is_killed_with_everything_it_started():
 def test_an_attempt_within_its_limit_returns_its_output_and_status():
     proc = chaos_soak._run_bounded([sys.executable, "-c", "print('hi'); raise SystemExit(3)"], "t", timeout_s=60)
     assert (proc.returncode, proc.stdout.strip()) == (3, "hi")
+
+
+def test_sandbox_processes_count_against_a_run_only_when_it_runs_alone(monkeypatch, tmp_path):
+    """A run's leak check counts processes of a sandbox uid (they carry no tag) only without runs
+    beside it: with ``--parallel 2`` the other run's live sandboxes are not this run's leak (the
+    machine-wide check at the soak's end counts them)."""
+    import argparse
+    import subprocess
+
+    asked = []
+    monkeypatch.setattr(chaos_soak, "_train", lambda run, args: subprocess.CompletedProcess([], 0, "", ""))
+    monkeypatch.setattr(chaos_soak, "_tagged_processes", lambda tag, sandbox_uids=True: asked.append(sandbox_uids) or [])
+    for parallel in (1, 2):
+        run = chaos_soak.Run(index=3, kind="none", fault={}, deployment="in_process", out=tmp_path / f"p{parallel}",
+                             overrides=[])
+        args = argparse.Namespace(parallel=parallel, tag="t", budget_end=float("inf"), max_resumes=3,
+                                  shm_root=tmp_path / "shm")
+        assert chaos_soak.execute(run, args).outcome == "reference"
+    assert asked == [True, False]

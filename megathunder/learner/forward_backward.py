@@ -111,14 +111,18 @@ class Passes:
     reports: list[Report] = field(default_factory=list)  # last stage: one per trajectory, in order; else none
 
 
+def grad_data(ddp: DistributedDataParallel) -> list[torch.Tensor]:
+    """DDP's flat gradient buffers, dense and expert: every parameter's ``main_grad`` is a view of one."""
+    return [b.grad_data for b in list(ddp.buffers) + list(getattr(ddp, "expert_parallel_buffers", []))]
+
+
 class GradientSpace:
     """This rank's gradient storage as the batches see it: DDP's flat buffers (dense and expert)
     as one ``GradBuffer`` (``live``), new buffers laid out like it, and zeroing."""
 
     def __init__(self, ddp: DistributedDataParallel) -> None:
         self._ddp = ddp
-        buffers = list(ddp.buffers) + list(getattr(ddp, "expert_parallel_buffers", []))
-        self.live = GradBuffer([b.grad_data for b in buffers])
+        self.live = GradBuffer(grad_data(ddp))
 
     def zeros(self) -> GradBuffer:
         return GradBuffer.zeros_like(self.live)
@@ -181,7 +185,7 @@ class ForwardBackward:
                 reports.extend(passes.reports)
             return Passes(len(trajs), reports)
         opts = self.options
-        buffers = [b.grad_data for b in list(self.ddp.buffers) + list(getattr(self.ddp, "expert_parallel_buffers", []))]
+        buffers = grad_data(self.ddp)
 
         def after(i: int) -> None:
             on_grad(i)

@@ -38,7 +38,8 @@ operations, per parameter-sized buffer of B = ``buffer_params`` fp32 elements:
                    ``host_threads``): their sum, or with chunks of ``host_chunk_mb`` the larger
                    plus one chunk of the smaller; ``paired_writes``: S and R share one D2H
                    fold into P: H2D of s B bytes + a device add, on the learner thread;
-                   pending -> slot: host adds on the learner thread
+                   pending -> slot: host adds queued on the mover like a write (the learner
+                   waits only for the mover's previous work)
     the step       ends once the mover is idle (``close_batch`` syncs it)
 
 Paths are decided when the event happens. A learner that is behind its events would, with
@@ -75,7 +76,7 @@ class Costs:
     mover_pair_s: float = 0.0  # host: staging held by a paired (S and R) write
     paired: bool = True
     pack_own: bool = True  # ready slot- and pending-path calls share one call (``backward_each``)
-    slot_add_s: float = 0.0  # one pending -> slot add, learner thread
+    slot_add_s: float = 0.0  # one pending -> slot add (host: on the mover)
     fold_s: float = 0.0  # one slot or pending buffer into P, learner thread
     direct_add_s: float = 0.0  # a packed call's gradient into P
 
@@ -357,8 +358,11 @@ def run_rank(rank: int, jobs: list[Job], t0: float, p: int, costs: Costs, max_bu
         else:
             start = now
             if costs.host:
-                now = max(now, mover)
-            now += job.ops * (costs.fold_s if job.op == "fold" else costs.slot_add_s)
+                now = max(now, mover)  # a fold reads a slot the mover writes; an add queues behind it
+            if costs.host and job.op == "slot_add":  # queued on the mover like a write
+                mover = now + job.ops * costs.slot_add_s
+            else:
+                now += job.ops * (costs.fold_s if job.op == "fold" else costs.slot_add_s)
             ledger_span(start, now)
     if mover > now:  # close_batch waits for the last host add
         ledger_span(now, mover)

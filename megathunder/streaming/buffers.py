@@ -12,7 +12,9 @@ buffers (a group's S_g and R_g, and a trajectory's pending h_i), whose dtype and
 
     slot_write(slot, h, alpha, first)    slot = h  or  slot += alpha * h   (h: the live gradient;
                                          slot_writes: several slots from one h)
-    slot_add(slot, pend, alpha, first)   the same, from a pending buffer   (same dtype, placement)
+    slot_add(slot, pend, alpha, first)   the same, from a pending buffer   (same dtype, placement;
+                                         host-placed, queued like a write: the fold of a pending
+                                         h_i runs beside the next backward)
     fold(acc, slot, alpha)               acc += alpha * slot               (group close; a pending
                                                                             h_i into P)
 
@@ -252,11 +254,17 @@ class _HostMover:
             self.host_stage.copy_(h)
         self._submit(writes, self.host_stage, events)
 
-    def add_now(self, writes: Sequence[Write], src: GradBuffer) -> None:
-        """``writes`` from a host buffer of the slots' kind (a pending gradient), on the threads; returns done."""
+    def add(self, writes: Sequence[Write], src: GradBuffer) -> None:
+        """``writes`` from a host buffer of the slots' kind (a pending gradient), queued on the
+        threads like a ``write``: it returns at once and runs beside the next backward. ``src`` must
+        stay untouched until it is done (``BufferPool.release`` keeps a released one out of reuse
+        until then)."""
         self.wait()
         self._submit(writes, src, [None] * len(self._chunks))
-        self.wait()
+
+    @property
+    def busy(self) -> bool:
+        return any(not f.done() for f in self._pending)
 
     def _submit(self, writes: Sequence[Write], src: GradBuffer, events: Sequence[torch.cuda.Event | None]) -> None:
         writes = list(writes)
@@ -292,6 +300,7 @@ class BufferPool:
         self.slot_dtype = SLOT_DTYPES[slot_dtype]
         self.slot_placement: Placement = slot_placement
         self._free: dict[str, list[GradBuffer]] = {"acc": [], "slot": []}
+        self._draining: list[GradBuffer] = []  # released slot buffers the mover may still touch
         self._kind: dict[int, str] = {}  # id(buffer) -> "acc" | "slot", for the buffers handed out
         self._template: GradBuffer | None = None  # the gradient storage's layout (first accumulator)
         self._mover: _HostMover | None = None
@@ -312,12 +321,17 @@ class BufferPool:
         return self._take("slot", self._new_slot)
 
     def release(self, bufs: Iterable[GradBuffer | None]) -> None:
+        """Give buffers back. A host slot buffer the mover may still be reading or writing (a
+        pending gradient whose add into its group's slot is queued) is not reused before the mover
+        is done: it waits in ``_draining``, and the next ``_take`` of a slot that needs it waits for
+        the mover first -- so releasing never blocks the learner thread."""
         given = [b for b in bufs if b is not None]
-        if self._mover is not None and any(self._kind.get(id(b)) == "slot" for b in given):
-            self._mover.wait()
         for buf in given:
             kind = self._kind.pop(id(buf))
-            self._free[kind].append(buf)
+            if kind == "slot" and self._mover is not None and self._mover.busy:
+                self._draining.append(buf)
+            else:
+                self._free[kind].append(buf)
             self.num_live -= 1
             self.live_bytes[self._where(kind)] -= buf.nbytes
 
@@ -361,7 +375,7 @@ class BufferPool:
             for slot, alpha, first in writes:
                 _write(slot, src, alpha, first)
         else:
-            self._mover.add_now(writes, src)
+            self._mover.add(writes, src)
 
     def fold(self, acc: GradBuffer, slot: GradBuffer, alpha: float) -> None:
         """``acc += alpha * slot`` (an accumulator, a slot)."""
@@ -374,6 +388,8 @@ class BufferPool:
         """Every queued slot add has finished."""
         if self._mover is not None:
             self._mover.wait()
+        self._free["slot"] += self._draining
+        self._draining = []
 
     # ------------------------------------------------------------------ internals
 
@@ -381,6 +397,8 @@ class BufferPool:
         return "host" if kind == "slot" and self.slot_placement == "host" else "device"
 
     def _take(self, kind: str, new: Callable[[], GradBuffer]) -> GradBuffer:
+        if kind == "slot" and self._draining and not self._free[kind]:
+            self.sync()  # reuse a released buffer once the mover is done with it: no new allocation
         if self._free[kind]:
             buf = self._free[kind].pop().zero_()
         else:

@@ -243,3 +243,39 @@ def test_a_slot_path_gradient_is_staged_once_for_s_and_r():
     slot_backwards = sum(1 for _, kind, _ in ledger.events if kind.startswith("backward:") and "slot" in kind)
     assert len(calls) == slot_backwards > 0
     assert max(calls) == 2  # S and R from one staged copy
+
+
+def test_a_pending_fold_into_a_host_slot_runs_beside_the_learner():
+    """Host slots: folding a pending h_i into its group's slot is queued on the mover's threads like
+    a write (it returns before the add has run), and the pending buffer, released at once, is not
+    handed out again until the add that reads it is done."""
+    import threading
+
+    from megathunder.streaming import buffers
+
+    model = small_model("float32")
+    pool = buffers.BufferPool(TorchBackend(model, GRPOObjective()), slot_placement="host", host_threads=1)
+    pool.acquire()  # the accumulators' layout, as the ledger's P
+    slot, pend = pool.acquire_slot(), pool.acquire_slot()
+    pend.tensors[0].fill_(0.5)
+    gate = threading.Event()
+    original = buffers._add_chunk
+
+    def gated(*args):
+        assert gate.wait(timeout=30)
+        return original(*args)
+
+    buffers._add_chunk = gated
+    try:
+        pool.slot_add(slot, pend, alpha=2.0, first=True)  # returns with the add still waiting on the gate
+        assert pool._mover is not None and pool._mover.busy
+        pool.release([pend])  # does not wait for the mover either
+        assert pool._mover.busy and pool.num_live == 2  # the accumulator and the slot
+        gate.set()
+        again = pool.acquire_slot()  # the released buffer, once the add that read it is done
+    finally:
+        buffers._add_chunk = original
+        gate.set()
+    assert again is pend and pool.num_allocated == 3
+    assert torch.equal(slot.tensors[0], torch.ones_like(slot.tensors[0]))
+    assert torch.count_nonzero(again.tensors[0]) == 0  # handed out zeroed

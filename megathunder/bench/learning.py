@@ -25,7 +25,8 @@ Report (``DIR/learning.json``, ``learning.md``, ``learning.png``), reusing ``eva
 - **at a fixed budget** (the claim "better than async at the same cost"): the budget is the
   shortest run's wall time over every run (or ``--budget-s``); each run's score is its last
   evaluation within it; per schedule the mean over seeds with its standard error, and each
-  schedule's difference to thunder with a 95% interval (paired by seed).
+  schedule's difference to thunder with a 95% interval (paired by seed); and pass@1..k (``eval.k``)
+  at that evaluation, per schedule the mean over seeds with its standard error.
 - **staleness**: the mean and largest policy lag each schedule trained on.
 - **the picture**: score against wall time and against process-hours, one line per schedule (the
   mean over seeds at each evaluation) with the seeds' range as a band.
@@ -37,14 +38,17 @@ import argparse
 import json
 import math
 import os
+import re
 import statistics
 import subprocess
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from megathunder.config import SCHEDULE_MODES
 from megathunder.eval.cost_report import RunCurve, first_reaching, load_run
+
+PASS_AT = re.compile(r"eval/pass@\d+")
 
 T_95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228}
 """Student's t two-sided 95% quantile by degrees of freedom (more: 1.96)."""
@@ -61,6 +65,7 @@ class Run:
     lag_max: int = 0
     steps_per_hour: float = math.nan
     before: float | None = None  # held-out score before RL
+    evals: list[tuple[float, dict[str, float]]] = field(default_factory=list)  # (wall_s, pass@1..k) per evaluation
 
 
 def interval(values: list[float]) -> tuple[float, float]:
@@ -98,7 +103,24 @@ def load(out: Path, schedule: str, seed: int, metric: str) -> Run:
     run = Run(schedule, seed, curve, statistics.fmean(lags), max(r["policy_lag_max"] for r in rows))
     run.steps_per_hour = 3600 * len(rows) / rows[-1]["wall_s"] if rows[-1]["wall_s"] > 0 else math.nan
     run.before = summary.get("eval_pass@1_before_rl")
+    run.evals = [(r["wall_s"], {k: v for k, v in r.items() if PASS_AT.fullmatch(k)}) for r in rows if metric in r]
     return run
+
+
+def pass_at_budget(runs: list[Run], budget_s: float) -> dict[str, tuple[float, float]]:
+    """pass@1..k at the budget: each run's last evaluation within it, the mean over runs and its
+    standard error (nan for one run), per k every run evaluated."""
+    last = [[figures for wall, figures in r.evals if wall <= budget_s] for r in runs]
+    at = [evals[-1] for evals in last if evals]
+    if not at:
+        return {}
+    keys = sorted(set.intersection(*(set(a) for a in at)), key=lambda k: int(k.rsplit("@", 1)[1]))
+    out = {}
+    for key in keys:
+        values = [a[key] for a in at]
+        se = statistics.stdev(values) / math.sqrt(len(values)) if len(values) > 1 else math.nan
+        out[key.removeprefix("eval/")] = (statistics.fmean(values), se)
+    return out
 
 
 def time_ratio(sync: RunCurve, other: RunCurve, before: float | None) -> tuple[float | None, int, int]:
@@ -142,6 +164,7 @@ def report(runs: list[Run], budget_s: float | None = None) -> dict:
             mean = statistics.fmean(scores)
             se = statistics.stdev(scores) / math.sqrt(len(scores)) if len(scores) > 1 else math.nan
             row["score_at_budget"] = (mean, se)
+        row["pass_at_budget"] = pass_at_budget(mine, budget_s)
         if s != "sync" and all(("sync", k) in by for k in seeds):
             ratios, reached, total = [], 0, 0
             for k in seeds:
@@ -190,8 +213,16 @@ def markdown(result: dict) -> str:
             f"{fmt(row['score_at_budget']) if 'score_at_budget' in row else '--'} | "
             f"{fmt(row['thunder_minus_this_at_budget']) if 'thunder_minus_this_at_budget' in row else '--'} | "
             f"{row['policy_lag_mean']:.2f} / {row['policy_lag_max']} |")
+    ks = sorted({k for row in result["schedules"].values() for k in row.get("pass_at_budget", {})},
+                key=lambda k: int(k.rsplit("@", 1)[1]))
+    if ks:
+        lines += ["", "pass@k at the budget (mean over seeds ± its standard error):", "",
+                  "| schedule | " + " | ".join(ks) + " |", "|---|" + "---|" * len(ks)]
+        for s, row in result["schedules"].items():
+            got = row.get("pass_at_budget", {})
+            lines.append(f"| {s} | " + " | ".join(fmt(got[k]) if k in got else "--" for k in ks) + " |")
     lines.append("")
-    lines.append("± : 95% interval over seeds (Student's t); score at budget: mean ± its standard error.")
+    lines.append("± : 95% interval over seeds (Student's t); score and pass@k at budget: mean ± its standard error.")
     return "\n".join(lines) + "\n"
 
 

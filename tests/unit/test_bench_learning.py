@@ -25,7 +25,7 @@ def _run(root: Path, schedule: str, seed: int, scores: list[float], seconds_per_
         wall = seconds_per_step * (k + 1)
         rows.append({"step": k, "wall_s": wall, "gpu_hours": wall / 3600, "schedule": schedule,
                      "policy_lag_mean": lag, "policy_lag_max": lag,
-                     "eval/pass@1": score, "eval/pass@1_stderr": 0.05})
+                     "eval/pass@1": score, "eval/pass@1_stderr": 0.05, "eval/pass@2": min(1.0, 1.5 * score)})
     (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     (out / "summary.json").write_text(json.dumps({"eval_pass@1_before_rl": before}))
     return out
@@ -56,6 +56,10 @@ def test_time_to_score_budget_and_staleness_from_run_folders(tmp_path):
     assert result["schedules"]["sync"]["score_at_budget"][0] == pytest.approx(0.21)  # one evaluation in 15 s
     diff, half = asy["thunder_minus_this_at_budget"]  # paired by seed: 0.6 - 0.5, 0.42 - 0.52
     assert diff == pytest.approx(0.0, abs=1e-12) and half == pytest.approx(12.706 * 0.2 / math.sqrt(2) / math.sqrt(2))
+    # pass@k at the same evaluations: thunder's seeds 1.5 * 0.6 = 0.9 and 1.5 * 0.42 = 0.63
+    mean, se = thunder["pass_at_budget"]["pass@2"]
+    assert mean == pytest.approx((0.9 + 0.63) / 2) and se == pytest.approx(abs(0.9 - 0.63) / 2)
+    assert thunder["pass_at_budget"]["pass@1"][0] == thunder["score_at_budget"][0]
     assert asy["policy_lag_max"] == 1 and thunder["policy_lag_max"] == 0
     assert result["schedules"]["sync"]["steps_per_hour"][0] == pytest.approx(360.0)
 
@@ -68,5 +72,5 @@ def test_a_set_is_reported_from_its_folders_and_finished_runs_are_never_retraine
     assert status == 0
     assert (tmp_path / "learning.png").stat().st_size > 10_000
     table = (tmp_path / "learning.md").read_text()
-    assert "| thunder |" in table and "| async |" in table
+    assert "| thunder |" in table and "| async |" in table and "| schedule | pass@1 | pass@2 |" in table
     assert json.loads((tmp_path / "learning.json").read_text())["seeds"] == [0, 1]

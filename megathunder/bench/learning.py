@@ -12,8 +12,11 @@ for one sitting finishes across several.
 
 The clock of every run starts at its first step (``wall_s``; what comes before -- loading, the first
 push, the evaluation before RL -- is ``setup_s``, reported apart): time to a score compares runs
-like with like, not a cold first run's caches. Process-hours are wall time x learner processes
-(GPU-hours on GPUs).
+like with like, not a cold first run's caches. Evaluations are off the clock too: each one's own
+seconds (``eval/wall_s``) are taken off every later row (``training_clock``), and while it runs no
+training episode starts a turn (``AgentLoop.pause``: async's next batch waits), so no schedule
+trains during them; on a short run an evaluation takes as long as several steps and would pull
+every ratio towards 1. Process-hours are that time x learner processes (GPU-hours on GPUs).
 
 Report (``DIR/learning.json``, ``learning.md``, ``learning.png``), reusing ``eval-report``'s curves:
 
@@ -98,6 +101,13 @@ def load(out: Path, schedule: str, seed: int, metric: str) -> Run:
     """A finished run's curve, staleness and speed."""
     curve, _ = load_run(out, metric)
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    train_s = training_clock(rows)
+    at = {r["step"]: (t, r["wall_s"]) for r, t in zip(rows, train_s, strict=True)}
+    curve.gpu_hours = [h * at[k][0] / at[k][1] if at[k][1] > 0 else h
+                       for k, h in zip(curve.steps, curve.gpu_hours, strict=True)]
+    curve.wall_s = [at[k][0] for k in curve.steps]
+    for r, t in zip(rows, train_s, strict=True):
+        r["wall_s"] = t
     lags = [r["policy_lag_mean"] for r in rows]
     summary = json.loads((out / "summary.json").read_text())
     run = Run(schedule, seed, curve, statistics.fmean(lags), max(r["policy_lag_max"] for r in rows))
@@ -105,6 +115,17 @@ def load(out: Path, schedule: str, seed: int, metric: str) -> Run:
     run.before = summary.get("eval_pass@1_before_rl")
     run.evals = [(r["wall_s"], {k: v for k, v in r.items() if PASS_AT.fullmatch(k)}) for r in rows if metric in r]
     return run
+
+
+def training_clock(rows: list[dict]) -> list[float]:
+    """Each row's ``wall_s`` less the seconds of the evaluations before it (``eval/wall_s``; a row's
+    clock is read before its own evaluation runs): the run's training time, which no evaluation
+    dilutes (module docstring)."""
+    out, evals = [], 0.0
+    for r in rows:
+        out.append(r["wall_s"] - evals)
+        evals += float(r.get("eval/wall_s", 0.0))
+    return out
 
 
 def pass_at_budget(runs: list[Run], budget_s: float) -> dict[str, tuple[float, float]]:
@@ -248,7 +269,7 @@ def plot(runs: list[Run], path: Path, title: str) -> None:
                 x, ys = [0.0, *x], [start, *ys]
             line, = ax.plot(x, [statistics.fmean(y) for y in ys], marker="o", label=f"{s} ({len(mine)} seeds)")
             ax.fill_between(x, [min(y) for y in ys], [max(y) for y in ys], color=line.get_color(), alpha=0.2)
-    axes[0].set_xlabel("wall time from the first step (s)")
+    axes[0].set_xlabel("training time from the first step, evaluations excluded (s)")
     axes[1].set_xlabel("learner process-hours (GPU-hours on GPUs)")
     for ax in axes:
         ax.set_ylabel("held-out pass@1")

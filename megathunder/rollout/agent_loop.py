@@ -75,6 +75,41 @@ class Refill:
     announce: Callable[[int, list[int]], None]  # (group id, trajectory ids), before its episodes start
 
 
+class Pause:
+    """Closes a loop's episodes' next generate calls: ``async with loop.pause: ...`` (the trainer's
+    evaluation, on the same engine). An episode that reaches a turn while it is closed waits there,
+    and its wall-time deadline moves by the wait: a paused episode is neither slowed by nor timed
+    out for work not its own. What it is already doing (a turn generating, a tool call, its
+    verifier) runs on."""
+
+    def __init__(self) -> None:
+        self._open = asyncio.Event()
+        self._open.set()
+        self._depth = 0
+
+    async def __aenter__(self) -> Pause:
+        self._depth += 1
+        self._open.clear()
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        self._depth -= 1
+        if self._depth == 0:
+            self._open.set()
+
+    @property
+    def closed(self) -> bool:
+        return not self._open.is_set()
+
+    async def wait(self) -> float:
+        """Until open; the seconds waited."""
+        if self._open.is_set():
+            return 0.0
+        t0 = time.monotonic()
+        await self._open.wait()
+        return time.monotonic() - t0
+
+
 class AgentLoop:
     def __init__(
         self,
@@ -98,6 +133,7 @@ class AgentLoop:
         self.cfg, self.sandbox_cfg, self.verifiers = agent_cfg, sandbox_cfg, verifiers
         self.temperature, self.top_p, self.top_k = temperature, top_p, top_k
         self.emit = emit or (lambda event: None)
+        self.pause = Pause()
         self.tools: dict[str, Tool] = {t.name: t for t in task.tools}
         self._slots = asyncio.Semaphore(agent_cfg.max_concurrent_episodes)
 
@@ -245,6 +281,7 @@ class AgentLoop:
                 seed=None if seed is None else (seed * 1009 + index) % 2**63,
                 priority=self.priorities.of(ep.traj_id, ep.group_id),
             )
+            deadline += await self.pause.wait()
             t0 = time.monotonic()
             out: Completion = await asyncio.wait_for(
                 self.engine.generate(ep.token_ids, params, session_id=ep.traj_id), _remaining(deadline)

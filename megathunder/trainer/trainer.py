@@ -182,13 +182,16 @@ class Trainer:
                 and not self.records.checkpoint_due(step) and not self.records.acts_after(step))
 
     async def evaluate(self, step: int, force: bool = False) -> dict:
-        """pass@1..k on the held-out instances with the weights just pushed (``eval.every_n_steps``)."""
+        """pass@1..k on the held-out instances with the weights just pushed (``eval.every_n_steps``).
+        Training episodes still running (async, fully_async: the next batch) start no turn while it
+        runs (``AgentLoop.pause``), so its seconds (``eval/wall_s``) are no schedule's training time."""
         last = self.cfg.eval.every_n_steps and step + 1 == self.cfg.run.num_steps
         if not (force or eval_due(self.cfg, step + 1) or last):
             return {}
         if self.eval_set is None:
             self.eval_set = eval_instances(self.cfg, self.task)
-        result = await evaluate(self.cfg, self.engine, self.codec, self.task, self.eval_set)
+        async with self.agent_loop.pause:
+            result = await evaluate(self.cfg, self.engine, self.codec, self.task, self.eval_set)
         try:
             return result.metrics()
         except Exception as err:  # missing samples: recorded, never a score over fewer instances

@@ -74,3 +74,22 @@ def test_a_set_is_reported_from_its_folders_and_finished_runs_are_never_retraine
     table = (tmp_path / "learning.md").read_text()
     assert "| thunder |" in table and "| async |" in table and "| schedule | pass@1 | pass@2 |" in table
     assert json.loads((tmp_path / "learning.json").read_text())["seeds"] == [0, 1]
+
+
+def test_evaluations_are_off_the_clock(tmp_path):
+    """A row's clock is read before its own evaluation: each evaluation's seconds come off every later
+    row, so two runs of equal steps and unequal evaluation times have the same time to each score."""
+    out = _run(tmp_path, "sync", 0, [0.2, 0.4, 0.6], 10.0)
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    spent = 0.0
+    for k, row in enumerate(rows):  # every row evaluates, for 25 s more each time
+        row["wall_s"] += spent
+        row["gpu_hours"] = row["wall_s"] / 3600
+        row["eval/wall_s"] = 25.0 * (k + 1)
+        spent += row["eval/wall_s"]
+    (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert learning.training_clock(rows) == [10.0, 20.0, 30.0]
+    run = learning.load(out, "sync", 0, "eval/pass@1")
+    assert run.curve.wall_s == [10.0, 20.0, 30.0]
+    assert run.curve.gpu_hours == pytest.approx([10 / 3600, 20 / 3600, 30 / 3600])
+    assert run.steps_per_hour == pytest.approx(360.0)

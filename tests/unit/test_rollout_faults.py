@@ -391,3 +391,34 @@ def test_evaluation_counts_a_failed_episode_as_missing():
     assert [s.status for s in first.samples] == ["episode_error"] * 2
     assert all(s.reward is None and "nonfinite_logprob" in s.detail for s in first.samples)
     assert [s.status for s in second.samples] == ["ok"] * 2 and second.num_correct == 2
+
+
+def test_a_paused_loop_starts_no_turn_and_its_episodes_keep_their_time():
+    """``AgentLoop.pause`` (the trainer's evaluation): an episode reaching a turn while it is closed
+    asks the engine nothing until it opens, and the wait is not its wall time -- paused for three
+    times ``episode_wall_time_s``, it still ends with its answer, not at the deadline."""
+    task = _AnswerTask()
+    (inst,) = task.instances(1)
+    c = codec()
+    engine = ScriptedPolicy(c, {inst.prompt: [tool_call_text("nope"), "ok"]})
+    calls = []
+    generate = engine.generate
+
+    async def counted(*args, **kwargs):
+        calls.append(loop.pause.closed)
+        return await generate(*args, **kwargs)
+
+    engine.generate = counted  # type: ignore[method-assign]
+    loop = AgentLoop(engine, c, task, AgentLoopConfig(episode_wall_time_s=0.5), LocalSandboxConfig(),
+                     VerifierPool(VerifierConfig()))
+
+    async def main():
+        async with loop.pause:
+            batch = asyncio.create_task(loop.run_batch([inst], 1))
+            await asyncio.sleep(1.5)
+            assert not calls and not batch.done()
+        return await asyncio.wait_for(batch, timeout=30)
+
+    (ep,) = asyncio.run(main())
+    assert calls == [False, False]  # both turns asked once the pause had ended
+    assert ep.stop_reason != "wall_time" and ep.reward.reward == 1.0

@@ -409,13 +409,13 @@ def test_a_paused_loop_starts_no_turn_and_its_episodes_keep_their_time():
         return await generate(*args, **kwargs)
 
     engine.generate = counted  # type: ignore[method-assign]
-    loop = AgentLoop(engine, c, task, AgentLoopConfig(episode_wall_time_s=0.5), LocalSandboxConfig(),
+    loop = AgentLoop(engine, c, task, AgentLoopConfig(episode_wall_time_s=1.0), LocalSandboxConfig(),
                      VerifierPool(VerifierConfig()))
 
     async def main():
         async with loop.pause:
             batch = asyncio.create_task(loop.run_batch([inst], 1))
-            await asyncio.sleep(1.5)
+            await asyncio.sleep(3.0)
             assert not calls and not batch.done()
         return await asyncio.wait_for(batch, timeout=30)
 

@@ -223,7 +223,8 @@ class AgentLoop:
                     ep.failure, ep.stop_reason = f"{SANDBOX_FAILURE}{err}", "failed"
                     log.warning("episode %d: %s", traj_id, ep.failure)
                     return await self._finish(ep, inst, None)
-                ep.started_at = time.monotonic()  # the wall-time budget starts with the first turn
+                now = time.monotonic()
+                ep.setup_s, ep.started_at = now - ep.started_at, now  # the wall-time budget starts with the first turn
                 try:
                     return await self._episode(ep, inst, seed, sandbox)
                 except SandboxError as err:  # lost mid-episode and not re-run: an infrastructure failure

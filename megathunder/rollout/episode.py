@@ -77,6 +77,9 @@ class Episode:
     stop_reason: StopReason | None = None
     truncated: bool = False
     started_at: float = 0.0
+    setup_s: float = 0.0
+    """Seconds from the episode's creation to its first turn: its sandbox built and the task set up
+    in it (``started_at`` is when the first turn starts)."""
     finished_at: float = 0.0
     rewarded_at: float | None = None
     """When the reward event was emitted: after any added verifier latency and the verifier pool's

@@ -13,8 +13,9 @@ Fitted inputs (see ``README.md``, "Calibration against real runs"):
   concurrency c (turns generating at once): per bin of turns by mean concurrency, their tokens
   over their seconds, times c (``fit_decode_table``; prefill and request handling folded in);
 - the workload, replayed step by step: per trajectory its group, prompt and total tokens, its
-  turns' generated tokens, the time between turns (tool calls and the agent loop) and from its
-  last turn to its reward (verifier);
+  set-up before its first turn (sandbox built, task set up in it), its turns' generated tokens, the
+  time between turns (tool calls and the agent loop) and from its last turn to its reward
+  (verifier);
 - each step's learner work: *replayed* as its gradient calls' measured seconds (begin / finished /
   reward / close), shared by its trajectories by tokens; or *modelled* by
   ``learner.seconds_per_token``, those calls after the first step (which runs cold and is left
@@ -139,7 +140,7 @@ def replay_batch(episodes: list[Episode]) -> Batch:
                  turn_start=np.concatenate([[0], np.cumsum(turns)]).astype(np.int64),
                  decode_tokens=np.array(dec, dtype=np.int64), observation_tokens=np.array(obs, dtype=np.int64),
                  tool_latency_s=np.maximum(0.0, gaps), verifier_latency_s=np.maximum(0.0, verify),
-                 decode_s=np.array(gen))
+                 decode_s=np.array(gen), setup_s=np.array([e.setup_s for e in eps]))
 
 
 def _dist(values) -> Dist:

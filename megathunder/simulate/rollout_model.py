@@ -126,7 +126,8 @@ class RolloutCluster:
             self.finish_time.append(np.nan)
             self.reward_time.append(np.nan)
             self.turn_end_time.append([])
-            self._push(t + batch.prompt_tokens[i] / self.prefill, _READY, gid, None)
+            setup = 0.0 if batch.setup_s is None else float(batch.setup_s[i])
+            self._push(t + setup + batch.prompt_tokens[i] / self.prefill, _READY, gid, None)
         return ids
 
     def call_at(self, t: float, fn: Callable[[float], None]) -> None:

@@ -5,8 +5,8 @@ What calibration uses from ``trace.json`` (written by ``megathunder.trainer.time
 - process 0, thread 0: every learner call as a span named by its kind (``begin``, ``finished``,
   ``reward``, ``close``, ``step``, ``send_weights``, ``score``, ...);
 - process 0, thread 1: every weight sync (gather + load into vLLM + probe), ``weight sync vN``;
-- process 1: every episode's ``generate+tools`` span (args: step, group, prompt and total tokens)
-  followed by its ``verify`` span;
+- process 1: every episode's ``generate+tools`` span (args: step, group, prompt and total tokens,
+  ``setup_s``: the seconds its sandbox and task set-up took before it) followed by its ``verify`` span;
 - process 2, thread = the episode's index: each turn's ``generate`` span (args: tokens) and
   ``tool`` span.
 
@@ -56,6 +56,7 @@ class Episode:
     prompt_tokens: int
     tokens: int  # whole context: prompt, turns, tool outputs
     turns: list[Turn] = field(default_factory=list)
+    setup_s: float = 0.0  # before ``start``: its sandbox built and the task set up (older traces: 0)
 
 
 @dataclass
@@ -111,7 +112,7 @@ def _parse(events: list[dict]) -> tuple[list[Span], list[Span], list[Episode]]:
         a = ep["args"]
         episodes.append(Episode(a["step"], a.get("group", -1), ep["ts"] / 1e6, (ep["ts"] + ep["dur"]) / 1e6,
                                 (verify["ts"] + verify["dur"]) / 1e6, a.get("prompt_tokens", 0),
-                                a.get("tokens", 0)))
+                                a.get("tokens", 0), setup_s=a.get("setup_s", 0.0)))
     for e in spans:
         if e["pid"] == 2 and e["name"] == "generate":
             episodes[e["tid"]].turns.append(Turn(e["ts"] / 1e6, (e["ts"] + e["dur"]) / 1e6, e["args"]["tokens"]))

@@ -26,6 +26,7 @@ class Batch:
     verifier_latency_s: np.ndarray  # [B]
     decode_s: np.ndarray | None = None  # [num_turns] measured seconds each turn generated: replayed
     work_s: np.ndarray | None = None  # [B] measured learner seconds of each trajectory: replayed
+    setup_s: np.ndarray | None = None  # [B] seconds before its first turn (sandbox and task set-up): replayed
 
     @property
     def size(self) -> int:

@@ -43,7 +43,7 @@ class Timeline:
             self.episodes.append({
                 "step": step, "start": e.started_at, "finished": e.finished_at, "reward": e.reward_time,
                 "turns": len(e.turns), "group": e.group_id, "prompt_tokens": e.prompt_len,
-                "tokens": len(e.token_ids), "turn_spans": [
+                "tokens": len(e.token_ids), "setup_s": e.setup_s, "turn_spans": [
                     (t.started_at, t.generated_at, t.tools_done_at, t.end - t.start) for t in e.turns],
             })  # fmt: skip
 
@@ -86,7 +86,7 @@ def write_trace(path: Path, spans, episodes, syncs, t0: float, initial_version: 
         tid = k % 64
         events.append({"name": "generate+tools", "ph": "X", "pid": 1, "tid": tid, "ts": us(e["start"]),
                        "dur": us(e["finished"]) - us(e["start"]), "args": {"step": e["step"], "turns": e["turns"], "episode": k,
-                                **{key: e[key] for key in ("group", "prompt_tokens", "tokens") if key in e}}})
+                                **{key: e[key] for key in ("group", "prompt_tokens", "tokens", "setup_s") if key in e}}})
         events.append({"name": "verify", "ph": "X", "pid": 1, "tid": tid, "ts": us(e["finished"]),
                        "dur": us(e["reward"]) - us(e["finished"])})
         for started, generated, tools_done, tokens in e.get("turn_spans", ()):

@@ -28,10 +28,10 @@ PROMPT, OBS = 100, 15
 GROUPS, SAMPLES, STEPS = 2, 2, 3
 
 
-def write_sync_run(out: Path) -> list[float]:
-    """A sync run: every episode starts with its step, two turns with a tool call between, then
-    the verifier; after the last reward the batch's gradient, the optimizer step and the weight
-    sync. Returns the step times."""
+def write_sync_run(out: Path, setup_s: float = 0.0) -> list[float]:
+    """A sync run: every episode starts with its step (its first turn ``setup_s`` later: its
+    sandbox built), two turns with a tool call between, then the verifier; after the last reward
+    the batch's gradient, the optimizer step and the weight sync. Returns the step times."""
     spans, episodes, syncs, rows = [], [], [], []
 
     def learner(kind: str, start: float, dur: float, step: int) -> float:
@@ -45,13 +45,15 @@ def write_sync_run(out: Path) -> list[float]:
         start, tokens = t, 0
         for j in range(GROUPS * SAMPLES):
             d1, d2 = 20 + 10 * j + 5 * step, 10 + 5 * j
-            end1 = start + d1 / RATE
+            first = start + setup_s
+            end1 = first + d1 / RATE
             end2 = end1 + TOOL_S + d2 / RATE
             n = PROMPT + d1 + OBS + d2
             tokens += n
-            episodes.append({"step": step, "start": start, "finished": end2, "reward": end2 + VERIFY_S,
+            episodes.append({"step": step, "start": first, "finished": end2, "reward": end2 + VERIFY_S,
                              "turns": 2, "group": j // SAMPLES, "prompt_tokens": PROMPT, "tokens": n,
-                             "turn_spans": [(start, end1, end1 + TOOL_S, d1), (end1 + TOOL_S, end2, None, d2)]})
+                             "setup_s": setup_s,
+                             "turn_spans": [(first, end1, end1 + TOOL_S, d1), (end1 + TOOL_S, end2, None, d2)]})
         t = max(e["reward"] for e in episodes[-GROUPS * SAMPLES:])
         t = learner("close", t, SECONDS_PER_TOKEN * tokens, step)
         t = learner("step", t, STEP_S, step)
@@ -92,6 +94,19 @@ def test_calibration_recovers_component_times_and_predicts_the_step(tmp_path):
     assert result["predicted_step_s"] == pytest.approx(result["measured_step_s"], rel=1e-3)  # replayed
     assert result["model_step_s"] == pytest.approx(result["measured_step_s"], rel=1e-3)  # fitted rates
     assert result["predicted_learner_idle"] == pytest.approx(result["measured_learner_idle"], abs=1e-3)
+
+
+def test_each_episode_s_sandbox_set_up_is_replayed(tmp_path):
+    """Episodes whose sandbox takes 0.7 s to build before their first turn (the SWE-style set's
+    repositories): the set-up is read from the trace and replayed, so the predicted step is the
+    measured one; without it the prediction would be 0.7 s short."""
+    step_s = write_sync_run(tmp_path / "run", setup_s=0.7)
+    run = load_run(tmp_path / "run")
+    assert all(e.setup_s == pytest.approx(0.7) for e in run.episodes)
+    result = calibrate(run)
+    assert result["measured_step_s"] == pytest.approx(sum(step_s[1:]) / (STEPS - 1))
+    assert result["predicted_step_s"] == pytest.approx(result["measured_step_s"], rel=1e-3)
+    assert result["model_step_s"] == pytest.approx(result["measured_step_s"], rel=1e-3)
 
 
 def test_cli_prints_the_table_and_one_json_line(tmp_path, capsys):

@@ -26,7 +26,9 @@ Fitted inputs (see ``README.md``, "Calibration against real runs"):
 - the run's config: schedule, batch shape, the ledger's K, gradients before the reward
   (``ledger.max_pending`` not 0) and per-turn score gradients (``ledger.per_turn_scores``:
   kv_adjoint, forward_early; recompute runs its backward at the finish, as pending gradients
-  do), fully_async's groups in flight; and the trainer's order: async pushes before it trains.
+  do), whether thunder's learner held its work while an in-process engine decoded on its cores
+  (``ledger.hold_while_generating``), fully_async's groups in flight; and the trainer's order:
+  async pushes before it trains.
 """
 
 from __future__ import annotations
@@ -199,7 +201,7 @@ def fit(run: RunDir) -> Calibration:
             "verifier_latency_s": _dist(cat(lambda b: b.verifier_latency_s)),
             "max_context_tokens": int(max(b.total_tokens.max() for b in batches)),
         },
-        "schedules": {"max_group_slots": cfg["ledger"]["max_group_slots"], **_ledger_mechanisms(cfg["ledger"]),
+        "schedules": {"max_group_slots": cfg["ledger"]["max_group_slots"], **_ledger_mechanisms(cfg),
                       "max_staleness": num_steps + FULLY_ASYNC_IN_FLIGHT_BATCHES + 1,  # no launch rule
                       "max_in_flight_prompts": FULLY_ASYNC_IN_FLIGHT_BATCHES * P,
                       "async_push_overlaps_training": False},
@@ -208,11 +210,19 @@ def fit(run: RunDir) -> Calibration:
     return Calibration(run, profile, batches)
 
 
-def _ledger_mechanisms(ledger: dict) -> dict:
-    """The run's thunder mechanisms the simulator models (older runs' configs lack the keys: off)."""
+def _ledger_mechanisms(cfg: dict) -> dict:
+    """The run's thunder mechanisms the simulator models (older runs' configs lack the keys: off),
+    and whether its learner held its work while the in-process engine decoded on its cores
+    (``megathunder.host.Host.generation_hold``)."""
+    ledger = cfg["ledger"]
     per_turn = ledger.get("per_turn_scores", "off")
+    engine = cfg.get("rollout", {}).get("engine", {})
+    own_cores = cfg.get("learner", {}).get("cpu_cores") is not None and engine.get("cpu_cores") is not None
+    hold = (engine.get("deployment") == "in_process" and not own_cores and ledger.get("pack_window_s", 0.02) > 0
+            and ledger.get("hold_while_generating", "in_process") == "in_process")
     return {"pending_gradients": ledger.get("max_pending", 0) != 0,
-            "per_turn_scores": per_turn if per_turn in ("kv_adjoint", "forward_early") else "off"}
+            "per_turn_scores": per_turn if per_turn in ("kv_adjoint", "forward_early") else "off",
+            "hold_while_generating": hold}
 
 
 # ---------------------------------------------------------------------- predicting, measuring

@@ -236,6 +236,11 @@ class ScheduleSpec(_Strict):
     """With ``per_turn_scores``: trajectories streamed by turns at once per learner rank (their
     retained graphs, ``ledger.max_turn_streams`` as the plan fits it); the rest take the finish-time
     path. null: unbounded."""
+    hold_while_generating: bool = False
+    """thunder: no learner work starts while a rollout engine decodes; what is ready waits for the
+    engines to go idle (tool calls, verifiers, the batch's end). The trainer's
+    ``ledger.hold_while_generating: in_process``: an in-process engine on the learner's own cores
+    (calibration sets it from the run's config)."""
     async_push_overlaps_training: bool = True
     """async: the learner trains the next batch while it pushes the new weights (a copy, over its
     own link); false: the push (gather, load into the engines, probe) completes first, as

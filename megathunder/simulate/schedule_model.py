@@ -17,6 +17,8 @@ staleness is (learner version at its step) - (version its trajectories started w
 
 from __future__ import annotations
 
+import bisect
+import math
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -74,6 +76,7 @@ class Rolled:
     reward: np.ndarray
     finish: np.ndarray
     turn_end: np.ndarray
+    decoding: list[tuple[float, float]] = field(default_factory=list)  # when any engine decoded, merged
 
 
 def _rollout(profile: Profile, batch: Batch, t0: float, trace: Trace, step: int) -> Rolled:
@@ -87,7 +90,19 @@ def _rollout(profile: Profile, batch: Batch, t0: float, trace: Trace, step: int)
     trace.intervals += cluster.intervals
     trace.decoded_tokens += cluster.decoded_tokens
     turn_end = np.asarray([t for ends in cluster.turn_end_time for t in ends])
-    return Rolled(np.asarray(cluster.reward_time), np.asarray(cluster.finish_time), turn_end)
+    decoding: list[tuple[float, float]] = []
+    for iv in sorted((iv for iv in cluster.intervals if iv.kind == "decode"), key=lambda iv: iv.start):
+        if decoding and iv.start <= decoding[-1][1]:
+            decoding[-1] = (decoding[-1][0], max(decoding[-1][1], iv.end))
+        else:
+            decoding.append((iv.start, iv.end))
+    return Rolled(np.asarray(cluster.reward_time), np.asarray(cluster.finish_time), turn_end, decoding)
+
+
+def held_until_idle(ready: float, decoding: list[tuple[float, float]]) -> float:
+    """``ready``, or the end of the decoding span it falls in (``schedules.hold_while_generating``)."""
+    k = bisect.bisect_right(decoding, (ready, math.inf)) - 1
+    return max(ready, decoding[k][1]) if k >= 0 and decoding[k][0] <= ready < decoding[k][1] else ready
 
 
 def _learner(profile: Profile, bursts: list[Burst], trace: Trace, step: int) -> float:
@@ -180,6 +195,9 @@ def thunder_bursts(profile: Profile, batch: Batch, rolled: Rolled, work: np.ndar
         turns = (np.repeat(np.arange(batch.size), batch.num_turns), rolled.turn_end, items[:n], items[n:])
     jobs = ledger_jobs(LedgerRules.of(profile), batch.group, rolled.finish, rolled.reward, work,
                        owners(profile, batch, rolled), dp, turns)
+    if sched.hold_while_generating:
+        for job in (j for rank in jobs for j in rank):
+            job.ready = held_until_idle(job.ready, rolled.decoding)
     costs, p = Costs.of(profile), profile.learner.pipeline_parallel
     return [b for r in range(dp) for b in run_rank(r, jobs[r], t0, p, costs, profile.learner.max_microbatches_per_burst)]
 

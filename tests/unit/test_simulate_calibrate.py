@@ -178,3 +178,21 @@ def test_the_runs_gradients_before_the_reward_are_simulated_as_it_ran_them(tmp_p
     (tmp_path / "run" / "config.yaml").write_text(yaml.safe_dump(config))
     sched = fit(load_run(tmp_path / "run")).profile.schedules
     assert sched.pending_gradients is pending and sched.per_turn_scores == per_turn
+
+
+def test_a_held_learner_starts_no_work_while_an_engine_decodes():
+    """``schedules.hold_while_generating``: work ready while an engine decodes waits for the span's
+    end; calibration sets it exactly where the trainer holds (an in-process engine on the learner's
+    own cores, ``ledger.hold_while_generating: in_process``)."""
+    from megathunder.simulate.calibrate import _ledger_mechanisms
+    from megathunder.simulate.schedule_model import held_until_idle
+
+    decoding = [(0.0, 1.0), (2.0, 3.0)]
+    assert [held_until_idle(t, decoding) for t in (-1.0, 0.0, 0.5, 1.0, 1.5, 2.0, 2.9, 3.0)] == \
+        [-1.0, 1.0, 1.0, 1.0, 1.5, 3.0, 3.0, 3.0]
+    cfg = {"ledger": {"max_pending": 0}, "rollout": {"engine": {"deployment": "in_process"}}, "learner": {}}
+    assert _ledger_mechanisms(cfg)["hold_while_generating"]
+    never = {**cfg, "ledger": {"hold_while_generating": "never"}}
+    own = {**cfg, "learner": {"cpu_cores": [0]}, "rollout": {"engine": {"deployment": "in_process", "cpu_cores": [1]}}}
+    server = {**cfg, "rollout": {"engine": {"deployment": "server"}}}
+    assert not any(_ledger_mechanisms(c)["hold_while_generating"] for c in (never, own, server))

@@ -308,7 +308,7 @@ def write_profile(profile: Profile, out: Path) -> Path:
 def calibration_last_line(results: list[dict]) -> str:
     keys = ("run", "schedule", "measured_step_s", "predicted_step_s", "error", "measured_learner_idle",
             "predicted_learner_idle", "model_step_s", "model_error")
-    runs = [{k: round(r[k], 4) if isinstance(r[k], float) else r[k] for k in keys} for r in results]
-    worst = max(abs(r["error"]) for r in results)
+    runs = [{k: round(float(r[k]), 4) if isinstance(r[k], float) else r[k] for k in keys} for r in results]
+    worst = float(max(abs(r["error"]) for r in results))  # numpy scalars from the replay: plain for json
     return json.dumps({"calibration": runs, "max_abs_error": round(worst, 4),
                        "within_tolerance": worst <= CALIBRATION_TOLERANCE})

@@ -196,3 +196,14 @@ def test_a_held_learner_starts_no_work_while_an_engine_decodes():
     own = {**cfg, "learner": {"cpu_cores": [0]}, "rollout": {"engine": {"deployment": "in_process", "cpu_cores": [1]}}}
     server = {**cfg, "rollout": {"engine": {"deployment": "server"}}}
     assert not any(_ledger_mechanisms(c)["hold_while_generating"] for c in (never, own, server))
+
+
+def test_the_last_line_is_json_whatever_scalars_the_replay_gives():
+    """The replay's figures come back as numpy scalars; the machine-readable line is still JSON."""
+    from megathunder.simulate.sim_report import calibration_last_line
+
+    row = {"run": "r", "schedule": "thunder", "measured_step_s": np.float64(10.0), "predicted_step_s": np.float64(11.0),
+           "error": np.float64(0.1), "measured_learner_idle": 0.5, "predicted_learner_idle": np.float64(0.4),
+           "model_step_s": 10.5, "model_error": 0.05}
+    out = json.loads(calibration_last_line([row]))
+    assert out["max_abs_error"] == 0.1 and out["within_tolerance"] is True

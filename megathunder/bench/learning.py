@@ -97,6 +97,22 @@ def train(config: str, out: Path, seed: int, schedule: str, knobs: list[str], ov
         raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
 
 
+def correction(args: argparse.Namespace, schedule: str) -> list[str]:
+    """The off-policy correction a stale schedule needs where the config sets none: async and
+    fully_async train on older policies' samples and are refused without one, so they run with
+    token-level TIS (``objective.tis=token``); sync and thunder, on-policy, run the config as it is."""
+    if schedule in ("sync", "thunder"):
+        return []
+    from megathunder.config import load_config
+
+    cfg = load_config(args.config, [*args.overrides, f"schedule.mode={schedule}",
+                                    "objective.allow_uncorrected_off_policy=true"])
+    obj = cfg.objective
+    if getattr(obj, "tis", "none") != "none" or getattr(obj, "ppo_old_logprobs", None) == "rollout":
+        return []
+    return ["objective.tis=token"]
+
+
 def load(out: Path, schedule: str, seed: int, metric: str) -> Run:
     """A finished run's curve, staleness and speed."""
     curve, _ = load_run(out, metric)
@@ -304,7 +320,8 @@ def main(argv: list[str] | None = None) -> int:
             out = run_dir(root, schedule, seed)
             if not args.report_only:
                 print(f"bench learning: {schedule} seed {seed} -> {out}", flush=True)
-                train(args.config, out, seed, schedule, knobs, args.overrides, args.run_timeout_s)
+                train(args.config, out, seed, schedule, knobs, [*args.overrides, *correction(args, schedule)],
+                      args.run_timeout_s)
             if (out / "summary.json").is_file():
                 runs.append(load(out, schedule, seed, args.metric))
     if not runs:

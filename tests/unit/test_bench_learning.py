@@ -93,3 +93,16 @@ def test_evaluations_are_off_the_clock(tmp_path):
     assert run.curve.wall_s == [10.0, 20.0, 30.0]
     assert run.curve.gpu_hours == pytest.approx([10 / 3600, 20 / 3600, 30 / 3600])
     assert run.steps_per_hour == pytest.approx(360.0)
+
+
+def test_stale_schedules_get_the_correction_they_need_and_nothing_else_changes():
+    """async / fully_async are refused without an off-policy correction: where the config sets none
+    they run with token TIS; sync and thunder run the config as it is; a config's own correction
+    is kept."""
+    import argparse
+
+    args = argparse.Namespace(config="configs/quickstart.yaml", overrides=[])
+    assert learning.correction(args, "async") == learning.correction(args, "fully_async") == ["objective.tis=token"]
+    assert learning.correction(args, "sync") == learning.correction(args, "thunder") == []
+    args.overrides = ["objective.tis=sequence"]
+    assert learning.correction(args, "async") == []

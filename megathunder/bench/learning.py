@@ -26,7 +26,7 @@ Report (``DIR/learning.json``, ``learning.md``, ``learning.png``), reusing ``eva
   scores; across seeds the mean with a 95% interval (Student's t over the seeds). Since thunder's
   updates equal sync's, its expected ratio is its steps-per-hour ratio.
 - **at a fixed budget** (the claim "better than async at the same cost"): the budget is the
-  shortest run's wall time over every run (or ``--budget-s``); each run's score is its last
+  shortest run's training time over every run (or ``--budget-s``); each run's score is its last
   evaluation within it; per schedule the mean over seeds with its standard error, and each
   schedule's difference to thunder with a 95% interval (paired by seed); and pass@1..k (``eval.k``)
   at that evaluation, per schedule the mean over seeds with its standard error.
@@ -122,14 +122,13 @@ def load(out: Path, schedule: str, seed: int, metric: str) -> Run:
     curve.gpu_hours = [h * at[k][0] / at[k][1] if at[k][1] > 0 else h
                        for k, h in zip(curve.steps, curve.gpu_hours, strict=True)]
     curve.wall_s = [at[k][0] for k in curve.steps]
-    for r, t in zip(rows, train_s, strict=True):
-        r["wall_s"] = t
     lags = [r["policy_lag_mean"] for r in rows]
     summary = json.loads((out / "summary.json").read_text())
     run = Run(schedule, seed, curve, statistics.fmean(lags), max(r["policy_lag_max"] for r in rows))
-    run.steps_per_hour = 3600 * len(rows) / rows[-1]["wall_s"] if rows[-1]["wall_s"] > 0 else math.nan
+    run.steps_per_hour = 3600 * len(rows) / train_s[-1] if train_s[-1] > 0 else math.nan
     run.before = summary.get("eval_pass@1_before_rl")
-    run.evals = [(r["wall_s"], {k: v for k, v in r.items() if PASS_AT.fullmatch(k)}) for r in rows if metric in r]
+    run.evals = [(t, {k: v for k, v in r.items() if PASS_AT.fullmatch(k)})
+                 for r, t in zip(rows, train_s, strict=True) if metric in r]
     return run
 
 
@@ -238,7 +237,7 @@ def markdown(result: dict) -> str:
         mean, half = pair
         return f"{mean:.3f}" + ("" if math.isnan(half) else f" ± {half:.3f}")
 
-    lines = [f"seeds {result['seeds']}; budget {result['budget_s']:.0f} s of wall time", "",
+    lines = [f"seeds {result['seeds']}; budget {result['budget_s']:.0f} s of training time", "",
              "| schedule | steps/h | time to sync's scores (sync / this) | scores reached | score at budget "
              "| thunder - this at budget | policy lag mean / max |",
              "|---|---|---|---|---|---|---|"]

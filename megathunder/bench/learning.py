@@ -8,7 +8,10 @@ One ``megathunder train`` per schedule and seed (``python -m megathunder.bench.b
 workload's stand-in latencies), in ``DIR/SCHEDULE/seedK``, one after the other. Resumable: a run
 with a ``summary.json`` is done and kept; an unfinished one resumes from its last checkpoint (the
 same command, ``run.resume``); so a stopped invocation continues where it was, and a set too long
-for one sitting finishes across several.
+for one sitting finishes across several. ``--out results/learning/SET`` keeps a set across
+machines: ``results/.gitignore`` lets git see only each run's ``metrics.jsonl``,
+``summary.json`` and ``config.yaml`` (all the report reads) and the report, so committed finished runs are kept on the
+next machine and the rest is run there.
 
 The clock of every run starts at its first step (``wall_s``; what comes before -- loading, the first
 push, the evaluation before RL -- is ``setup_s``, reported apart): time to a score compares runs
@@ -29,7 +32,10 @@ Report (``DIR/learning.json``, ``learning.md``, ``learning.png``), reusing ``eva
   shortest run's training time over every run (or ``--budget-s``); each run's score is its last
   evaluation within it; per schedule the mean over seeds with its standard error, and each
   schedule's difference to thunder with a 95% interval (paired by seed); and pass@1..k (``eval.k``)
-  at that evaluation, per schedule the mean over seeds with its standard error.
+  at that evaluation, per schedule the mean over seeds with its standard error. A run with no
+  evaluation after RL within the budget (a slow schedule whose first one comes later) is left out
+  of these, and the report counts the seeds that had one: evaluate often enough that every run has
+  one (``eval.every_n_steps``).
 - **staleness**: the mean and largest policy lag each schedule trained on.
 - **the picture**: score against wall time and against process-hours, one line per schedule (the
   mean over seeds at each evaluation) with the seeds' range as a band.
@@ -55,6 +61,9 @@ PASS_AT = re.compile(r"eval/pass@\d+")
 
 T_95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228}
 """Student's t two-sided 95% quantile by degrees of freedom (more: 1.96)."""
+
+STYLES = {"sync": ("--", "o"), "thunder": ("-", "s"), "async": ("-.", "^"), "fully_async": (":", "D")}
+"""Line style and marker per schedule in the picture."""
 
 
 @dataclass
@@ -196,6 +205,7 @@ def report(runs: list[Run], budget_s: float | None = None) -> dict:
         }
         at_budget = [score_at(r.curve, budget_s) for r in mine]
         scores = [x for x in at_budget if x is not None]
+        row["evaluated_at_budget"] = f"{len(scores)}/{len(mine)}"  # a slow run may have no evaluation by then
         if scores:
             mean = statistics.fmean(scores)
             se = statistics.stdev(scores) / math.sqrt(len(scores)) if len(scores) > 1 else math.nan
@@ -239,14 +249,14 @@ def markdown(result: dict) -> str:
 
     lines = [f"seeds {result['seeds']}; budget {result['budget_s']:.0f} s of training time", "",
              "| schedule | steps/h | time to sync's scores (sync / this) | scores reached | score at budget "
-             "| thunder - this at budget | policy lag mean / max |",
-             "|---|---|---|---|---|---|---|"]
+             "| seeds evaluated by the budget | thunder - this at budget | policy lag mean / max |",
+             "|---|---|---|---|---|---|---|---|"]
     for s, row in result["schedules"].items():
         lines.append(
             f"| {s} | {fmt(row['steps_per_hour'])} | "
             f"{fmt(row['time_to_score_vs_sync']) if 'time_to_score_vs_sync' in row else '--'} | "
             f"{row.get('scores_reached', '--')} | "
-            f"{fmt(row['score_at_budget']) if 'score_at_budget' in row else '--'} | "
+            f"{fmt(row['score_at_budget']) if 'score_at_budget' in row else '--'} | {row['evaluated_at_budget']} | "
             f"{fmt(row['thunder_minus_this_at_budget']) if 'thunder_minus_this_at_budget' in row else '--'} | "
             f"{row['policy_lag_mean']:.2f} / {row['policy_lag_max']} |")
     ks = sorted({k for row in result["schedules"].values() for k in row.get("pass_at_budget", {})},
@@ -282,7 +292,9 @@ def plot(runs: list[Run], path: Path, title: str) -> None:
             ys = [[c.scores[i] for c in mine] for i in range(n)]
             if len(start) == len(own):
                 x, ys = [0.0, *x], [start, *ys]
-            line, = ax.plot(x, [statistics.fmean(y) for y in ys], marker="o", label=f"{s} ({len(mine)} seeds)")
+            style = STYLES.get(s, ("-", "o"))  # distinct marks: thunder's curve can lie on sync's
+            line, = ax.plot(x, [statistics.fmean(y) for y in ys], linestyle=style[0], marker=style[1],
+                            markersize=9 if s == "sync" else 5, label=f"{s} ({len(mine)} seeds)")
             ax.fill_between(x, [min(y) for y in ys], [max(y) for y in ys], color=line.get_color(), alpha=0.2)
     axes[0].set_xlabel("training time from the first step, evaluations excluded (s)")
     axes[1].set_xlabel("learner process-hours (GPU-hours on GPUs)")

@@ -54,6 +54,10 @@ def test_time_to_score_budget_and_staleness_from_run_folders(tmp_path):
     # each run's last evaluation within 15 s: thunder seed 0 at 15 s (0.6), seed 1 at 12 s (0.42)
     assert thunder["score_at_budget"][0] == pytest.approx((0.6 + 0.42) / 2)
     assert result["schedules"]["sync"]["score_at_budget"][0] == pytest.approx(0.21)  # one evaluation in 15 s
+    assert result["schedules"]["sync"]["evaluated_at_budget"] == thunder["evaluated_at_budget"] == "2/2"
+    late = learning.report(runs, budget_s=8.0)["schedules"]  # before sync's first evaluation (10 s)
+    assert late["sync"]["evaluated_at_budget"] == "0/2" and "score_at_budget" not in late["sync"]
+    assert late["thunder"]["evaluated_at_budget"] == "2/2"  # at 5 s and 6 s
     diff, half = asy["thunder_minus_this_at_budget"]  # paired by seed: 0.6 - 0.5, 0.42 - 0.52
     assert diff == pytest.approx(0.0, abs=1e-12) and half == pytest.approx(12.706 * 0.2 / math.sqrt(2) / math.sqrt(2))
     # pass@k at the same evaluations: thunder's seeds 1.5 * 0.6 = 0.9 and 1.5 * 0.42 = 0.63

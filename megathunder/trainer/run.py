@@ -226,7 +226,7 @@ async def _control(cfg: Config, task: Task, out: Path, service: LearnerService[L
     host.pin_rollout()
     engine = await start_engine(cfg.rollout.engine, model_dir, log_dir=out / "logs", policy_version=start,
                                 senders="learner", revive=revive)
-    service.window.hold_while(host.generation_hold(engine.generating if isinstance(engine, InProcessEngine) else None))
+    service.window.hold_while(host.generation_hold(engine.busy if isinstance(engine, InProcessEngine) else None))
     try:
         trainer = Trainer(cfg, out, LearnerClient(service), engine, codec, task, start, flops)
         if cfg.chaos.faults:

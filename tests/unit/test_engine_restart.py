@@ -231,3 +231,30 @@ def test_a_restarted_engine_the_learner_sends_to_gets_its_groups_from_its_owner(
         assert seen == [(engine, None, False)]
 
     asyncio.run(main())
+
+
+def test_busy_counts_a_request_from_its_call_not_from_the_engines_count(make_engine):
+    """The generation hold reads ``busy``: a turn whose request the engine has not counted yet (here
+    never: the stand-in's count is always 0) is in flight from its ``generate`` call to its return,
+    so a learner pass does not start beside it (``megathunder.learner.pack_window``)."""
+
+    async def go():
+        eng = make_engine()
+        assert not eng.busy()
+        task = asyncio.ensure_future(eng.generate([1, 2, 3], PARAMS))
+        await asyncio.sleep(0)
+        assert eng.busy() and not eng.generating()
+        eng.llm.release.set()
+        await task
+        assert not eng.busy()
+        eng.llm.release.clear()
+        failing = asyncio.ensure_future(eng.generate([4], PARAMS))
+        await asyncio.sleep(0)
+        assert eng.busy()
+        eng._restart_failed = "gone"  # a request that ends in an error leaves the count too
+        eng.llm.kill()
+        with pytest.raises(EngineRestartError):
+            await failing
+        assert not eng.busy()
+
+    asyncio.run(go())

@@ -255,7 +255,8 @@ class LedgerConfig(Strict):
     """With ``pack_window_s`` > 0: where the rollout engine generates on the learner's own cores or
     devices (in_process: ``rollout.engine.deployment=in_process``, unless ``learner.cpu_cores`` and
     ``rollout.engine.cpu_cores`` give each side its own cores), an event's window stays open
-    while any sequence is still generating, so no backward pass takes compute from them; the held
+    while any sequence is still generating (a turn counts from its call to the engine, before vLLM
+    has queued it: ``InProcessEngine.busy``), so no backward pass takes compute from them; the held
     work goes in one packed call when the next event comes or generation pauses (tool calls,
     verifiers, the batch's end) and ``pack_window_s`` more has passed (the sequences of the last
     engine steps arrive just after it stops). never: the window is ``pack_window_s`` alone. Only

@@ -9,9 +9,9 @@ workload's stand-in latencies), in ``DIR/SCHEDULE/seedK``, one after the other. 
 with a ``summary.json`` is done and kept; an unfinished one resumes from its last checkpoint (the
 same command, ``run.resume``); so a stopped invocation continues where it was, and a set too long
 for one sitting finishes across several. ``--out results/learning/SET`` keeps a set across
-machines: ``results/.gitignore`` lets git see only each run's ``metrics.jsonl``,
-``summary.json`` and ``config.yaml`` (all the report reads) and the report, so committed finished runs are kept on the
-next machine and the rest is run there.
+machines: ``results/.gitignore`` lets git see only each run's ``metrics.jsonl``, ``summary.json``
+and ``config.yaml`` (all the report reads) and the report, so committed finished runs are kept on
+the next machine and the rest is run there.
 
 The clock of every run starts at its first step (``wall_s``; what comes before -- loading, the first
 push, the evaluation before RL -- is ``setup_s``, reported apart): time to a score compares runs

@@ -70,6 +70,8 @@ ABLATIONS = {  # thunder with one mechanism off (the run's own overrides set the
     "pending": ["ledger.max_pending=0", "ledger.per_turn_scores=off"],  # per-turn scores fill pending buffers
     "per_turn": ["ledger.per_turn_scores=off"],
     "hold": ["ledger.hold_while_generating=never"],
+    "defer": ["ledger.defer_uniform_groups=false"],
+    "skip_zero": ["objective.skip_zero_advantage=false"],  # thunder's own (sync keeps skipping)
     "tail": ["probe.overlap=false"],  # sync keeps it: the probe is ours, not sync's algorithm
 }
 

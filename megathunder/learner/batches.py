@@ -269,11 +269,13 @@ class GRPOBatch(Batch):
             trajs, rewards = [self.trajs[t] for t in order], _kept_rewards(self.rewards, order)
             if _rl(self.learner).needs_old_logprobs:
                 z, _ = ppo_gradient(self.learner, trajs, rewards, owner)
+                skipped = 0
             else:
-                z, _ = grpo_gradient(self.learner, trajs, rewards, owner)
+                z, ran = grpo_gradient(self.learner, trajs, rewards, owner)
+                skipped = sum(1 for d in owner if d == self.learner.pgs.data_unit) - len(ran)
             result = BatchResult(normaliser=z, num_kept_groups=len(self.plan) - len(self.dropped),
                                  num_dropped_groups=len(self.dropped), num_kept_trajectories=len(order),
-                                 peak_buffers=1)
+                                 peak_buffers=1, num_skipped=skipped)
         return BatchOutcome(**asdict(result), backward_after_last_reward=self._left_after_last_reward())
 
 
@@ -329,14 +331,16 @@ def _reward_terms(learner: MegatronLearner, batch: Sequence[Trajectory], advanta
                   owner: Sequence[int] | None, old: Mapping[int, torch.Tensor] | None = None) -> list[int]:
     """This rank's kept trajectories' unnormalised loss gradients in DDP's buffers (zeroed first),
     the micro-batches of one schedule call (the ledger backend's ``backward_sum``); returns their
-    indices. ``old``: the PPO ratio's old logprobs by batch index (default: the current ones, ratio 1)."""
+    indices: those with advantage 0 and no reward-free term left out (``objective.
+    skip_zero_advantage``: their gradient is exactly 0). ``old``: the PPO ratio's old logprobs by batch index (default: the current ones, ratio 1)."""
     objective = _rl(learner)
+    reward_free = objective.has_reward_free_terms or learner.router_losses
+    skip = objective.skip_zero_advantage and not reward_free  # a gradient of exactly 0 runs nothing
     mine = [i for i, a in enumerate(advantages)
-            if a is not None and (owner is None or owner[i] == learner.pgs.data_unit)]
+            if a is not None and (owner is None or owner[i] == learner.pgs.data_unit) and not (skip and a == 0.0)]
     if not mine:
         learner.gradients.zero_()
         return mine
-    reward_free = objective.has_reward_free_terms or learner.router_losses
     specs = [LossSpec(advantage=advantages[i], reward_free=reward_free) for i in mine]
     learner.backend.backward_sum([batch[i] for i in mine], specs, None if old is None else [old[i] for i in mine])
     return mine

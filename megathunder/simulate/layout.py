@@ -216,7 +216,9 @@ def _ledger_fields(cfg: Config, rl: RLObjective, p: Plan) -> dict[str, Any]:
     return {
         "schedules": {"max_group_slots": p.ledger_slots, "pending_gradients": pending, "max_pending": cap,
                       "per_turn_scores": led.per_turn_scores if streams else "off",
-                      "max_turn_streams": _turn_streams(cfg) if streams else None},
+                      "max_turn_streams": _turn_streams(cfg) if streams else None,
+                      "skip_zero_advantage": rl.skip_zero_advantage and not rl.has_reward_free_terms,
+                      "defer_uniform_groups": led.defer_uniform_groups},
         "ledger": {"placement": led.slot_placement, "slot_dtype": "bfloat16" if led.slot_dtype == "bfloat16" else "float32",
                    "buffers_per_slot": per_slot, "host_threads": led.host_threads,
                    "host_chunk_mb": led.host_chunk_mb, "pack_own_passes": led.pack_own_passes},

@@ -42,10 +42,17 @@ operations, per parameter-sized buffer of B = ``buffer_params`` fp32 elements:
                    waits only for the mover's previous work)
     the step       ends once the mover is idle (``close_batch`` syncs it)
 
+Rewards (``workload.solve_rate``): binary values, as the ledger writes them: a trajectory whose
+reward equals its slot's shift b_g (the first reward processed there) writes S alone; at close R
+folds if it was written and S if mu_g != b_g, so a group whose rewards are all equal folds
+nothing. Without values every reward in a group is taken as distinct (each after a slot's first
+writes S and R). ``skip_zero_advantage``: a closed group's trajectory with A_i = 0 runs nothing
+(a pending h_i is dropped). ``defer_uniform_groups``: a group takes a slot only once two of its
+rewards differ; its rewarded trajectories wait until then (and are handed a slot only then).
+
 Paths are decided when the event happens. A learner that is behind its events would, with
 ``ledger.pack_ready_work``, find some groups closed by the time it runs their work and take the
 cheaper direct path: the model does not, so it is pessimistic for a backlogged learner.
-Rewards are taken as distinct within a group (every trajectory after a group's first writes R).
 """
 
 from __future__ import annotations
@@ -130,6 +137,8 @@ class _Rank:
     jobs: list[Job] = field(default_factory=list)
     slots_used: int = 0
     slot_of: dict[int, int] = field(default_factory=dict)  # group -> trajectories processed in its slot
+    shift: dict[int, float] = field(default_factory=dict)  # group -> its slot's b_g (with reward values)
+    wrote_r: set[int] = field(default_factory=set)  # groups whose slot's R was written
     waiting: dict[int, list[int]] = field(default_factory=lambda: defaultdict(list))  # group -> own trajs
     pending_used: int = 0
     streams_used: int = 0
@@ -145,13 +154,16 @@ class LedgerRules:
     per_turn: str = "off"  # off, kv_adjoint, forward_early
     max_streams: int | None = None
     buffers_per_slot: int = 2
+    skip_zero: bool = False  # ``skip_zero_advantage``
+    defer: bool = False  # ``defer_uniform_groups``
 
     @classmethod
     def of(cls, profile: Profile) -> LedgerRules:
         sc = profile.schedules
         per_turn = sc.per_turn_scores
         return cls(sc.max_group_slots, sc.pending_gradients or per_turn != "off", sc.max_pending, per_turn,
-                   sc.max_turn_streams, profile.ledger.buffers_per_slot)
+                   sc.max_turn_streams, profile.ledger.buffers_per_slot, sc.skip_zero_advantage,
+                   sc.defer_uniform_groups)
 
 
 def claim_owners(claim_time: np.ndarray, tokens: np.ndarray, dp: int) -> np.ndarray:
@@ -169,11 +181,18 @@ def claim_owners(claim_time: np.ndarray, tokens: np.ndarray, dp: int) -> np.ndar
 
 
 def ledger_jobs(rules: LedgerRules, group: np.ndarray, finish: np.ndarray, reward: np.ndarray, work: np.ndarray,
-                owner: np.ndarray, dp: int, turns: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = None
-                ) -> list[list[Job]]:
+                owner: np.ndarray, dp: int, turns: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = None,
+                value: np.ndarray | None = None) -> list[list[Job]]:
     """Per rank, the jobs the ledger's rules give (module docstring). ``turns`` (per-turn scores):
-    per turn its trajectory, end time and work share, and per trajectory the finish item's work."""
+    per turn its trajectory, end time and work share, and per trajectory the finish item's work.
+    ``value``: each trajectory's reward (None: distinct within every group)."""
     ranks = [_Rank() for _ in range(dp)]
+    values = value is not None
+    vals = np.zeros(len(group)) if value is None else value
+    mean = np.bincount(group, weights=vals) / np.bincount(group)
+    first_value: dict[int, float] = {}  # group -> its first reward (every rank sees every reward)
+    distinct: set[int] = set()  # groups with two different rewards seen
+    defer = rules.defer and values
     remaining = np.bincount(group).astype(np.int64)
     pend = np.zeros(len(group), dtype=bool)
     streamed = np.zeros(len(group), dtype=bool)
@@ -205,7 +224,12 @@ def ledger_jobs(rules: LedgerRules, group: np.ndarray, finish: np.ndarray, rewar
     def into_slot(rank: _Rank, g: int, i: int, t: float) -> None:
         n = rank.slot_of[g]
         rank.slot_of[g] = n + 1
-        writes = 1 if n == 0 or rules.buffers_per_slot == 1 else 2
+        if n == 0 and values:
+            rank.shift[g] = float(vals[i])
+        same = n == 0 or (values and float(vals[i]) == rank.shift[g])
+        writes = 1 if same or rules.buffers_per_slot == 1 else 2
+        if writes == 2:
+            rank.wrote_r.add(g)
         if pend[i]:
             pend[i] = False
             rank.pending_used -= 1
@@ -220,8 +244,13 @@ def ledger_jobs(rules: LedgerRules, group: np.ndarray, finish: np.ndarray, rewar
                 direct.append(last)
             if g in rank.slot_of:
                 n = rank.slot_of.pop(g)
-                folds = 1 if n == 1 or rules.buffers_per_slot == 1 else 2
-                add(rank, Job(t, OP, ops=folds, op="fold", path="slot_fold"))
+                if values:  # R if written, S if mu_g != b_g
+                    folds = int(g in rank.wrote_r) + int(float(mean[g]) != rank.shift.pop(g))
+                    rank.wrote_r.discard(g)
+                else:
+                    folds = 1 if n == 1 or rules.buffers_per_slot == 1 else 2
+                if folds:
+                    add(rank, Job(t, OP, ops=folds, op="fold", path="slot_fold"))
                 rank.slots_used -= 1
                 _direct(rank, direct, t)
                 _hand_over(rank, t)
@@ -230,18 +259,20 @@ def ledger_jobs(rules: LedgerRules, group: np.ndarray, finish: np.ndarray, rewar
 
     def _direct(rank: _Rank, members: list[int], t: float) -> None:
         for i in members:
+            zero = rules.skip_zero and values and float(vals[i]) == float(mean[group[i]])
             if pend[i]:
                 pend[i] = False
                 rank.pending_used -= 1
-                add(rank, Job(t, OP, ops=1, op="fold", traj=i, path="pending_fold"))
-            else:
+                if not zero:
+                    add(rank, Job(t, OP, ops=1, op="fold", traj=i, path="pending_fold"))
+            elif not zero:
                 add(rank, Job(t, DIRECT, work=float(work[i]), traj=i, path="direct"))
 
     def _hand_over(rank: _Rank, t: float) -> None:
         """The freed slot to the group with most own trajectories waiting (first on ties); its
         members, in sample order, go into it, and those finished but not rewarded take a free
         pending buffer (the ledger advances every member of the group)."""
-        waiting = [(len(ws), -g, g) for g, ws in rank.waiting.items() if ws]
+        waiting = [(len(ws), -g, g) for g, ws in rank.waiting.items() if ws and (not defer or g in distinct)]
         if not waiting:
             return
         g = max(waiting)[2]
@@ -286,10 +317,37 @@ def ledger_jobs(rules: LedgerRules, group: np.ndarray, finish: np.ndarray, rewar
             g = int(group[idx])
             rewarded[idx] = True
             remaining[g] -= 1
+            became_distinct = False
+            if values:
+                v = first_value.setdefault(g, float(vals[idx]))
+                if v != float(vals[idx]) and g not in distinct:
+                    distinct.add(g)
+                    became_distinct = True
             if remaining[g] == 0:
                 close(g, idx, t)
                 continue
             rank = ranks[owner[idx]]
+            if defer and g not in distinct:  # all its rewards equal so far: wait as data
+                rank.waiting[g].append(idx)
+                continue
+            if defer and became_distinct:  # every rank advances its members of the group: the
+                rank.waiting[g].append(idx)  # waiting ones first (their common reward is b_g)
+                for d, r in enumerate(ranks):
+                    ready = set(r.waiting.pop(g, []))
+                    for i in [*(i for i in members[g] if i != idx), idx]:
+                        if owner[i] != d:
+                            continue
+                        if i in ready:
+                            if g not in r.slot_of and (rules.max_slots is None or r.slots_used < rules.max_slots):
+                                r.slot_of[g] = 0
+                                r.slots_used += 1
+                            if g in r.slot_of:
+                                into_slot(r, g, i, t)
+                            else:  # no slot free: it waits for one
+                                r.waiting[g].append(i)
+                        elif finished[i] and not rewarded[i] and not pend[i] and pending_free(r):
+                            take_pending(r, i, t)
+                continue
             if g in rank.slot_of:
                 into_slot(rank, g, idx, t)
             elif rules.max_slots is None or rank.slots_used < rules.max_slots:

@@ -207,6 +207,14 @@ class WorkloadSpec(_Strict):
     """Time from a trajectory's end to its reward (running the tests)."""
     max_context_tokens: int = Field(ge=1)
     """A trajectory stops when its context would exceed this (SWE-agent's exit_context)."""
+    solve_rate: float | None = Field(None, ge=0, le=1)
+    """Binary rewards: the share of trajectories rewarded 1 (the rest 0). What the ledger's work
+    depends on: a trajectory whose reward equals its slot's shift writes S alone, a group whose
+    rewards are all equal has every advantage 0 (``skip_zero_advantage``). null: every reward in
+    a group distinct (each writes S and R; no advantage is 0)."""
+    solve_prompt_share: float = Field(0.0, ge=0, lt=1)
+    """With ``solve_rate``: share of the solving latent common to a group (a Gaussian copula):
+    hard tasks fail whole groups, easy ones pass them."""
 
     @property
     def batch_size(self) -> int:
@@ -236,6 +244,16 @@ class ScheduleSpec(_Strict):
     """With ``per_turn_scores``: trajectories streamed by turns at once per learner rank (their
     retained graphs, ``ledger.max_turn_streams`` as the plan fits it); the rest take the finish-time
     path. null: unbounded."""
+    skip_zero_advantage: bool = False
+    """Every schedule: a trajectory whose advantage is 0 (its group's rewards all equal, with
+    ``workload.solve_rate``) and whose loss has no reward-free term contributes exactly 0 to the
+    gradient, so no forward or backward runs for it (``objective.skip_zero_advantage``). thunder
+    knows A_i only once its group closes: a trajectory already in a slot or a pending buffer has
+    run."""
+    defer_uniform_groups: bool = False
+    """thunder: a group takes a slot only once two of its rewards differ (``ledger.
+    defer_uniform_groups``); until then its rewarded trajectories wait as data, and a group that
+    closes with all rewards equal runs none of them (with ``skip_zero_advantage``)."""
     hold_while_generating: bool = False
     """thunder: no learner work starts while a rollout engine decodes; what is ready waits for the
     engines to go idle (tool calls, verifiers, the batch's end). The trainer's

@@ -105,9 +105,13 @@ def held_until_idle(ready: float, decoding: list[tuple[float, float]]) -> float:
     return max(ready, decoding[k][1]) if k >= 0 and decoding[k][0] <= ready < decoding[k][1] else ready
 
 
-def _learner(profile: Profile, bursts: list[Burst], trace: Trace, step: int) -> float:
-    """Records bursts and the update tail on every rank; returns the time the weights are live."""
-    last = max(bursts, key=lambda b: b.end)
+def _learner(profile: Profile, bursts: list[Burst], trace: Trace, step: int, not_before: float = -math.inf) -> float:
+    """Records bursts and the update tail on every rank; returns the time the weights are live.
+    The update starts at ``not_before`` at the earliest (the last reward: with every advantage of
+    the last groups 0 nothing may be left to run after it)."""
+    last = max(bursts, key=lambda b: b.end, default=None)
+    if last is None or last.end < not_before:
+        last = Burst(0, not_before, not_before, 0, 0.0)
     end = last.end + update_tail_s(profile, last.last_backward_s)
     for b in bursts:
         trace.intervals.append(Interval(f"learner{b.rank}", b.start, b.end, b.kind, step))
@@ -121,6 +125,18 @@ def _push(profile: Profile, end: float, trace: Trace, step: int) -> None:
     s = min(profile.learner.weight_sync_s, end)
     for k in range(profile.num_engines):
         trace.intervals.append(Interval(f"rollout{k}", end - s, end, "weight_sync", step))
+
+
+def zero_advantage(profile: Profile, batch: Batch) -> np.ndarray:
+    """[B] trajectories whose gradient is exactly 0 and is skipped (``skip_zero_advantage``): their
+    group's binary rewards all equal."""
+    v = batch.reward_value
+    if not profile.schedules.skip_zero_advantage or v is None:
+        return np.zeros(batch.size, dtype=bool)
+    lo, hi = np.full(batch.group.max() + 1, np.inf), np.full(batch.group.max() + 1, -np.inf)
+    np.minimum.at(lo, batch.group, v)
+    np.maximum.at(hi, batch.group, v)
+    return (lo == hi)[batch.group]
 
 
 def arrival_bound_s(profile: Profile, reward: np.ndarray, work: np.ndarray) -> float:
@@ -147,15 +163,16 @@ def _zero_staleness(profile: Profile, batches: list[Batch], thunder: bool) -> Tr
         rolled = _rollout(profile, batch, t, trace, k)
         reward = rolled.reward
         work = trajectory_work_s(profile, batch)
+        needed = np.where(zero_advantage(profile, batch), 0.0, work)  # after the rewards
         if thunder:
             bursts = thunder_bursts(profile, batch, rolled, work, t)
         else:
-            bursts = sync_bursts(profile, batch, rolled, work)
-        end = _learner(profile, bursts, trace, k)
-        _push(profile, end, trace, k)
+            bursts = sync_bursts(profile, batch, rolled, needed)
         last_reward = float(reward.max())
+        end = _learner(profile, bursts, trace, k, not_before=last_reward)
+        _push(profile, end, trace, k)
         trace.steps.append(Step(k, end, last_reward - t, end - last_reward, np.zeros(batch.size),
-                                arrival_bound_s(profile, reward, work) - t, float(reward.min()) - t))
+                                arrival_bound_s(profile, reward, needed) - t, float(reward.min()) - t))
         t = end
     return trace
 
@@ -176,7 +193,7 @@ def sync_bursts(profile: Profile, batch: Batch, rolled: Rolled, work: np.ndarray
     t = float(rolled.reward.max())
     bursts = []
     for r in range(profile.num_dp):
-        ws = work[owner == r]
+        ws = work[(owner == r) & (work > 0)]
         if len(ws):
             end = t + profile.learner.call_overhead_s + burst_s(float(ws.sum()), len(ws), p)
             bursts.append(Burst(r, t, end, len(ws), BACKWARD_SHARE * float(ws[-1])))
@@ -194,7 +211,7 @@ def thunder_bursts(profile: Profile, batch: Batch, rolled: Rolled, work: np.ndar
         n = len(rolled.turn_end)
         turns = (np.repeat(np.arange(batch.size), batch.num_turns), rolled.turn_end, items[:n], items[n:])
     jobs = ledger_jobs(LedgerRules.of(profile), batch.group, rolled.finish, rolled.reward, work,
-                       owners(profile, batch, rolled), dp, turns)
+                       owners(profile, batch, rolled), dp, turns, batch.reward_value)
     if sched.hold_while_generating:
         for job in (j for rank in jobs for j in rank):
             job.ready = held_until_idle(job.ready, rolled.decoding)
@@ -239,8 +256,9 @@ def run_async(profile: Profile, batches: list[Batch]) -> Trace:
                 trace.intervals.append(Interval(f"learner{r}", t_learn, t_learn + profile.learner.push_busy_s,
                                                 "weight_sync", k))
             t_learn += s
-        bursts = train_batch(trajectory_work_s(profile, batch), dp, p, t_learn)
-        last = max(bursts, key=lambda b: b.end)
+        work = trajectory_work_s(profile, batch)
+        bursts = train_batch(work[~zero_advantage(profile, batch)], dp, p, t_learn)
+        last = max(bursts, key=lambda b: b.end, default=Burst(0, t_learn, t_learn, 0, 0.0))
         end = last.end + profile.learner.optimizer_step_s
         for b in bursts:
             trace.intervals.append(Interval(f"learner{b.rank}", b.start, b.end, "train", k))
@@ -264,7 +282,7 @@ class _FullyAsync:
         self.profile, self.batches = profile, batches
         self.P, self.S = profile.workload.num_prompts_per_batch, profile.workload.samples_per_prompt
         self.cap = profile.schedules.max_in_flight_prompts or self.P
-        self.work = [trajectory_work_s(profile, b) for b in batches]
+        self.work = [np.where(zero_advantage(profile, b), 0.0, trajectory_work_s(profile, b)) for b in batches]
         self.trace = Trace("fully_async", profile)
         self.cluster = RolloutCluster(profile, on_reward=self.on_reward)
         self.version = self.launched = self.in_flight = 0
@@ -315,8 +333,9 @@ class _FullyAsync:
         k = len(steps)
         groups = [self.closed.popleft() for _ in range(P)]
         work = np.concatenate([self.work[n // P][(n % P) * S:(n % P + 1) * S] for n in groups])
+        work = work[work > 0]  # skipped: advantage 0
         bursts = train_batch(work, self.profile.num_dp, self.profile.learner.pipeline_parallel, t)
-        end = _learner(self.profile, bursts, self.trace, k)
+        end = _learner(self.profile, bursts, self.trace, k, not_before=t)
         pause = min(self.profile.learner.weight_sync_s, end - t)
         if pause > 0:
             self.cluster.pause(end - pause, pause, k)

@@ -9,6 +9,7 @@ trajectory i's first turn), so thousands of trajectories cost a few numpy calls.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from statistics import NormalDist
 
 import numpy as np
 
@@ -27,6 +28,7 @@ class Batch:
     decode_s: np.ndarray | None = None  # [num_turns] measured seconds each turn generated: replayed
     work_s: np.ndarray | None = None  # [B] measured learner seconds of each trajectory: replayed
     setup_s: np.ndarray | None = None  # [B] seconds before its first turn (sandbox and task set-up): replayed
+    reward_value: np.ndarray | None = None  # [B] 0 / 1 (``solve_rate``); None: all distinct in a group
 
     @property
     def size(self) -> int:
@@ -83,4 +85,18 @@ def sample_batch(spec: WorkloadSpec, rng: np.random.Generator) -> Batch:
         tool[last] = 0.0
     return Batch(group=group, prompt_tokens=prompt, turn_start=start, decode_tokens=dec,
                  observation_tokens=obs, tool_latency_s=tool,
-                 verifier_latency_s=spec.verifier_latency_s.sample(rng, B))
+                 verifier_latency_s=spec.verifier_latency_s.sample(rng, B),
+                 reward_value=_rewards(spec, group, rng))
+
+
+def _rewards(spec: WorkloadSpec, group: np.ndarray, rng: np.random.Generator) -> np.ndarray | None:
+    """Binary rewards, 1 where a latent (its group's share ``solve_prompt_share``) falls below the
+    ``solve_rate`` quantile. Drawn after everything else, so a profile without them samples the
+    same batches."""
+    p = spec.solve_rate
+    if p is None:
+        return None
+    rho = spec.solve_prompt_share
+    x = np.sqrt(rho) * rng.standard_normal(int(group.max()) + 1)[group] + np.sqrt(1 - rho) * rng.standard_normal(len(group))
+    threshold = NormalDist().inv_cdf(p) if 0 < p < 1 else (np.inf if p == 1 else -np.inf)
+    return (x < threshold).astype(float)

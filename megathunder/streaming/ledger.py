@@ -73,6 +73,15 @@ before the trajectory even finishes. ``begin_turns`` takes the pending buffer at
 groupmate), ``drop_turns`` gives it back when the turns streamed do not make up the loss mask.
 At ``on_finished`` a buffer so filled is pend_i, and everything above applies unchanged.
 
+Zero advantages (``RLObjective.skip_zero_advantage``): a group whose rewards are all equal has
+A_i = 0 for every member, and -0 * h_i adds an exact 0 to P; with no reward-free term due, such a
+trajectory runs nothing once its group is closed (a pending h_i of it is dropped). A slot pass,
+though, runs before A_i is known: with ``LedgerConfig.defer_uniform_groups`` an open group takes
+a slot only once two of its rewards differ (every rank sees every reward, so every rank agrees);
+until then its trajectories wait as for a slot, and at the first differing reward the waiting ones
+go first, so b_g is their common reward and they write S_g alone. A group that closes uniform then
+runs nothing at all. Only when passes run changes (docs/exactness.md, section 2.12).
+
 Packed own gradients (a backend with ``backward_each``): when several trajectories become ready
 at once -- a slot handed to a waiting group with several rewards in, held work released, a group
 seen kept -- those whose work is a pass of their own (a slot's S and R, a pending h_i) need each
@@ -185,6 +194,7 @@ class _Group:
     slot: _Slot | None = None
     waiting_for_slot: bool = False
     failed: bool = False  # a trajectory failed: the group leaves the batch at close
+    distinct: bool = False  # two of its rewards differ (every rank sees every reward)
 
     @property
     def closed(self) -> bool:
@@ -211,6 +221,7 @@ class BatchResult:
     max_pending: int | None = 0  # pending buffers allowed (ledger.max_pending within the budget's rest)
     num_pending_backward: int = 0  # trajectories whose score backward ran at finish (pending)
     num_turn_scores: int = 0  # trajectories whose h_i was computed turn by turn (ledger.per_turn_scores)
+    num_skipped: int = 0  # trajectories whose advantage was 0 and nothing due: no pass (objective.skip_zero_advantage)
 
 
 class GradientLedger:
@@ -256,6 +267,8 @@ class GradientLedger:
         self._hold = self.config.hold_groups_until_close
         self._std_free = coef_known_before_close(objective) and not self._hold
         self._has_reward_free = objective.has_reward_free_terms or model_reward_free
+        self._skip_zero = objective.skip_zero_advantage
+        self._defer = self.config.defer_uniform_groups
         self._groups: dict[int, _Group] = {}
         self._trajs: dict[int, _Traj] = {}
         self._order: list[_Traj] = []  # sample order
@@ -268,6 +281,7 @@ class GradientLedger:
         self._peak_pending = 0
         self._num_pending_backward = 0
         self._num_turn_scores = 0
+        self._num_skipped = 0
         self.events: list[tuple[float, str, int]] = []  # (time, kind, id) for timelines
         self._held: list[_Traj] | None = None  # work held back for one packed call (``hold``)
 
@@ -290,6 +304,7 @@ class GradientLedger:
                                                  self.pool.slot_bytes(self._P), self.buffers_per_slot)
         self._num_slots_used = 0
         self._num_pending = self._peak_pending = self._num_pending_backward = self._num_turn_scores = 0
+        self._num_skipped = 0
         self.events = []
         self._log("begin_batch", -1)
 
@@ -385,9 +400,13 @@ class GradientLedger:
             return
         if g.failed or reward is None:
             return
-        if g.keep is None and not self._hold and any(m.reward not in (None, reward) for m in g.members):
+        became_distinct = not g.distinct and any(m.reward not in (None, reward) for m in g.members)
+        g.distinct = g.distinct or became_distinct
+        if g.keep is None and not self._hold and became_distinct:
             g.keep = True  # two distinct rewards: the group survives dynamic sampling
             self._advance_all(g.members)
+        elif self._defer and became_distinct:  # the waiting ones first: their common reward is b_g
+            self._advance_all([m for m in g.members if m is not t] + [t])
         else:
             self._advance(t)
 
@@ -479,6 +498,7 @@ class GradientLedger:
             max_pending=self.max_pending,
             num_pending_backward=self._num_pending_backward,
             num_turn_scores=self._num_turn_scores,
+            num_skipped=self._num_skipped,
         )
         self.pool.release([self._P, self._PA])
         self._P = self._PA = None
@@ -617,6 +637,9 @@ class GradientLedger:
         for m in batchable:  # a pending h_i needs no backward: fold it; only its q_i may still run
             if m.pend is not None:
                 self._fold_pending_direct(m)
+            fuse = self._has_reward_free and not m.reward_free_done
+            if not m.score_done and not fuse and self._skip_zero and advantage(m.known_reward, m.group.closed_stats) == 0.0:
+                self._skip(m)
         batchable = [m for m in batchable if not m.score_done or (self._has_reward_free and not m.reward_free_done)]
         if backward_sum is not None and len(batchable) > 1:
             specs = []
@@ -658,8 +681,11 @@ class GradientLedger:
                 else:
                     a = advantage(t.known_reward, g.closed_stats)
                     fuse = self._has_reward_free and not t.reward_free_done and self._PA is None
-                    plan.append(("direct+rf" if fuse else "direct", LossSpec(advantage=a, reward_free=fuse)))
-            elif t.reward is not None and self._slot(g) is not None:
+                    if a == 0.0 and not fuse and self._skip_zero:
+                        self._skip(t)
+                    else:
+                        plan.append(("direct+rf" if fuse else "direct", LossSpec(advantage=a, reward_free=fuse)))
+            elif t.reward is not None and (g.distinct or not self._defer) and self._slot(g) is not None:
                 if t.pend is not None:
                     self._fold_pending_into_slot(g, t)
                 else:
@@ -760,10 +786,13 @@ class GradientLedger:
         """Group closed and kept: sink += -A_i pend_i, the direct-mode backward's gradient."""
         assert t.pend is not None
         a = advantage(t.known_reward, t.group.closed_stats)
-        self.pool.fold(self._score_sink, t.pend, alpha=-a)
+        if a == 0.0 and self._skip_zero:  # -0 x pend_i: nothing to add
+            self._log("drop:pending-zero-advantage", t.traj_id)
+        else:
+            self.pool.fold(self._score_sink, t.pend, alpha=-a)
+            self._log("fold:pending->direct", t.traj_id)
         t.score_done = True
         self._discard_pending(t)
-        self._log("fold:pending->direct", t.traj_id)
 
     def _discard_pending(self, t: _Traj) -> None:
         if t.pend is not None:
@@ -771,6 +800,13 @@ class GradientLedger:
             t.pend = None
             self._num_pending -= 1
             self._log("pending:freed", t.traj_id)
+
+    def _skip(self, t: _Traj) -> None:
+        """A closed group's trajectory with A_i = 0 and no reward-free term due: its gradient is 0,
+        so nothing runs (``objective.skip_zero_advantage``)."""
+        t.score_done = True
+        self._num_skipped += 1
+        self._log("skip:zero-advantage", t.traj_id)
 
     def _close_group(self, g: _Group) -> None:
         if g.failed:

@@ -103,6 +103,7 @@ class StepRecords:
             "peak_pending": outcome.peak_pending,  # pending h_i buffers at their peak (in peak_buffers too)
             "pending_backward": outcome.num_pending_backward,  # score backwards run at finish (ledger.max_pending)
             "turn_scores": outcome.num_turn_scores,  # trajectories whose h_i ran turn by turn (ledger.per_turn_scores)
+            "skipped_zero_advantage": outcome.num_skipped,  # no pass: advantage 0 (objective.skip_zero_advantage)
             **({} if outcome.divergence is None else {_divergence_key(self.cfg): outcome.divergence}),
             "wall_s": wall,
             "gpu_hours": wall * self.learner.world_size / 3600.0,  # learner process-hours on CPU

@@ -111,7 +111,9 @@ def equivalence(args) -> None:
     restore(learner, before)
     for inner in getattr(learner.optimizer, "chained_optimizers", [learner.optimizer]):  # MoE: dense + experts
         inner.optimizer.state.clear()  # fresh Adam moments for the second path
+    passes = learner.forward_backward.num_passes
     grpo_gradient(learner, batch, rewards, owner)
+    out["sync_passes"] = learner.forward_backward.num_passes - passes
     learner.step()
     out["sync"] = full_params(learner)
     if not args.dist_opt:

@@ -291,6 +291,28 @@ def test_pending_gradients_give_the_sync_gradient_on_megatron(hf_qwen2, tmp_path
     assert _rel(_flat(run["stream"]), _flat(single["sync"])) <= GRAD_TOL
 
 
+def test_zero_advantages_run_no_pass_and_change_no_bit_on_megatron(hf_qwen2, tmp_path, single):
+    """The batch-synchronous gradient skips trajectories whose advantage is 0 (a group whose binary
+    rewards are all equal; ``objective.skip_zero_advantage``, on by default): the gradient with them
+    run, up to fp32 reassociation (the packed micro-batches hold other trajectories), in fewer
+    passes; the streamed gradient the same too."""
+    import json
+
+    from megathunder.trajectory import batch_plan
+    from tests.distributed.learner_worker import make_batch
+
+    batch, rewards, _ = make_batch(0, 64)
+    zero = sum(len(m) for _, m in batch_plan(batch) if len({rewards[i] for i in m}) == 1)
+    assert zero > 0  # the worker's batch has a uniform group
+    out = tmp_path / "noskip.pt"
+    launch(1, "equivalence", "--out", str(out), "--hf", str(hf_qwen2), "--optimizer", "sgd",
+           "--objective", json.dumps({"skip_zero_advantage": False}))
+    run = torch.load(out)
+    assert _rel(_flat(run["sync_grad"]), _flat(single["sync_grad"])) <= GRAD_TOL
+    assert run["sync_passes"] == len(batch) and single["sync_passes"] == len(batch) - zero
+    assert _rel(_flat(run["stream_grad"]), _flat(single["stream_grad"])) <= GRAD_TOL
+
+
 TURN_LAYOUTS = {  # name: (processes, --tp, strategy, objective)
     "single_kv_adjoint": (1, "1", "kv_adjoint", {}),
     "single_recompute_tis": (1, "1", "recompute", {"tis": "token"}),

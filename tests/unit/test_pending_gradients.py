@@ -195,11 +195,13 @@ def test_each_score_backward_runs_once_and_at_finish_when_a_buffer_is_free(model
     assert all(len(p) == 1 for p in passes.values()), passes  # never a second score backward
     kept_groups = {gid for gid, members in batch_plan(batch)
                    if not (objective.dapo_dynamic_sampling and len({rewards[i] for i in members}) == 1)}
+    log = [(kind, ident) for _, kind, ident in backend.ledger_events]
+    skipped = {ident for kind, ident in log if kind == "skip:zero-advantage"}  # A = 0: nothing to run
+    assert len(skipped) == result.num_skipped and not skipped & set(passes)
     for t in batch:
         if t.group_id in kept_groups:
-            assert t.traj_id in passes, f"trajectory {t.traj_id}: its score term never ran"
+            assert t.traj_id in passes or t.traj_id in skipped, f"trajectory {t.traj_id}: its score term never ran"
     # Replay the ledger's log: the pending buffers live at each finish, and the pass that follows.
-    log = [(kind, ident) for _, kind, ident in backend.ledger_events]
     pending_passes = {ident for kind, ident in log if kind.startswith("backward:") and "pending" in kind}
     assert len(pending_passes) == result.num_pending_backward
     assert all(passes[tid][0] == (-1.0, False) for tid in pending_passes)  # A = -1, before the reward

@@ -71,27 +71,32 @@ def _real_paths(batch, rewards, cfg: LedgerConfig, owner: np.ndarray, dp: int, f
     return seen
 
 
-@pytest.mark.parametrize("seed,slots,pending,dp", [(s, k, n, dp) for s in range(3) for k in (0, 1, 2, None)
-                                                   for n in (0, 1, 3) for dp in (1, 2)])
-def test_paths_are_the_real_ledger_s_event_by_event(seed, slots, pending, dp):
+@pytest.mark.parametrize("seed,slots,pending,dp,kind,defer", [
+    *((s, k, n, dp, "continuous", False) for s in range(3) for k in (0, 1, 2, None) for n in (0, 1, 3) for dp in (1, 2)),
+    *((s, k, n, 1, "binary", defer) for s in range(3, 9) for k in (1, None) for n in (0, 3) for defer in (False, True)),
+])
+def test_paths_are_the_real_ledger_s_event_by_event(seed, slots, pending, dp, kind, defer):
     """Every trajectory's score backward (slot, pending or direct) and every pending fold happen at
     the event the real ledger runs them at, with K slots and ``max_pending`` buffers per rank and
-    each rank's ledger seeing only its own trajectories' work (its slots taken by them)."""
+    each rank's ledger seeing only its own trajectories' work (its slots taken by them); with binary
+    rewards zero advantages run nothing in both, and with ``defer_uniform_groups`` a group takes
+    its slot at its first differing reward in both."""
     from tests.helpers import make_case
 
-    _, batch, rewards = make_case(seed, torch.float64, "continuous")
+    _, batch, rewards = make_case(seed, torch.float64, kind)
     n = len(batch)
     finish, reward = _events(n, seed)
     tokens = np.array([len(t.tokens) for t in batch])
     owner = claim_owners(finish, tokens, dp)
-    cfg = LedgerConfig(max_group_slots=slots, max_pending=pending)
+    cfg = LedgerConfig(max_group_slots=slots, max_pending=pending, defer_uniform_groups=defer)
     real = _real_paths(batch, rewards, cfg, owner, dp, finish, reward)
 
     group = np.empty(n, dtype=np.int64)
     for g, (_, ids) in enumerate(__import__("megathunder.trajectory", fromlist=["batch_plan"]).batch_plan(batch)):
         group[ids] = g
-    rules = LedgerRules(max_slots=slots, pending=pending != 0, max_pending=pending, buffers_per_slot=2)
-    jobs = ledger_jobs(rules, group, finish, reward, np.ones(n), owner, dp)
+    rules = LedgerRules(max_slots=slots, pending=pending != 0, max_pending=pending, buffers_per_slot=2,
+                        skip_zero=True, defer=defer)
+    jobs = ledger_jobs(rules, group, finish, reward, np.ones(n), owner, dp, value=np.asarray(rewards, dtype=float))
     model = {(j.traj, j.path): j.ready for rank_jobs in jobs for j in rank_jobs if j.traj >= 0}
     assert model == real
     for d, rank_jobs in enumerate(jobs):  # each rank runs its own trajectories only

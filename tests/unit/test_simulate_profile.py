@@ -59,9 +59,10 @@ def test_empirical_lengths_are_sampled_from_the_data():
 
 
 def test_cli_on_swe_smith_reports_the_published_comparison(tmp_path):
+    # the published sync ran every trajectory: the MFU is fitted with zero advantages not skipped
     proc = subprocess.run([sys.executable, "-m", "megathunder.cli", "simulate", "swe_smith",
-                           "--out", str(tmp_path)], capture_output=True, text=True, cwd=ROOT,
-                          timeout=300)
+                           "trainer.objective.skip_zero_advantage=false", "--out", str(tmp_path)],
+                          capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert proc.returncode == 0, proc.stderr
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     sched = result["schedules"]

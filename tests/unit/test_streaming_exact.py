@@ -271,7 +271,8 @@ def test_packed_own_gradients_are_bitwise_one_at_a_time(model64, case):
     rng, batch, rewards = make_case(15000 + case, torch.float64, reward_kind)
     objective = random_objective(rng, advantage, loss_agg)
     ledger_cfg = LedgerConfig(max_group_slots=slots, max_pending=rng.choice([0, 2, None]),
-                              reward_free_terms=rng.choice(["with_score", "at_finish"]))
+                              reward_free_terms=rng.choice(["with_score", "at_finish"]),
+                              defer_uniform_groups=case % 8 == 5)  # deferring can leave a case nothing to pack
     events = syn.random_event_order(rng, len(batch))
     queued = [rng.random() < 0.7 for _ in events]
     queued[-1] = False
@@ -288,7 +289,7 @@ def test_packed_own_gradients_are_bitwise_one_at_a_time(model64, case):
         ledger.close_batch()
         grads.append(backend.live.flat().clone())
     assert torch.equal(grads[0], grads[1]), (objective, ledger_cfg, rel_err(grads[0], grads[1]))
-    if slots != 0:
+    if slots != 0 and not ledger_cfg.defer_uniform_groups:
         assert runs and max(runs) >= 2, "no two own-gradient passes were ever packed"
 
 

@@ -299,8 +299,10 @@ class LedgerConfig(Strict):
     ``objective.skip_zero_advantage`` none of its trajectories ever runs (false: each ran its slot
     pass when its reward came). A group that turns out mixed processes its waiting trajectories the
     moment its first different reward arrives (those with the common reward first, so they write S
-    alone). Only when each pass runs changes, never what it computes. Simulated on the SWE-smith
-    profiles it is never slower and up to 1.19x faster (BENCHMARKS.md, ``megathunder simulate``)."""
+    alone). Only when each pass runs changes, never what it computes. It acts only where a uniform
+    group's passes are then skipped (``objective.skip_zero_advantage`` and no KL, entropy or router
+    loss term); elsewhere it would only delay them. Simulated on the SWE-smith profiles: thunder
+    1.19x faster on 8 GPUs, 1.03x on 128 (BENCHMARKS.md, ``megathunder simulate``)."""
     hold_groups_until_close: bool = False
     """Keep every part of a group's gradient in its slot until all its rewards are in, so a group
     can still be dropped at its last reward (a failed trajectory). Derived: true whenever

@@ -163,7 +163,7 @@ class LedgerRules:
         per_turn = sc.per_turn_scores
         return cls(sc.max_group_slots, sc.pending_gradients or per_turn != "off", sc.max_pending, per_turn,
                    sc.max_turn_streams, profile.ledger.buffers_per_slot, sc.skip_zero_advantage,
-                   sc.defer_uniform_groups)
+                   sc.defer_uniform_groups and sc.skip_zero_advantage)  # the ledger's rule
 
 
 def claim_owners(claim_time: np.ndarray, tokens: np.ndarray, dp: int) -> np.ndarray:

@@ -253,7 +253,8 @@ class ScheduleSpec(_Strict):
     defer_uniform_groups: bool = False
     """thunder: a group takes a slot only once two of its rewards differ (``ledger.
     defer_uniform_groups``); until then its rewarded trajectories wait as data, and a group that
-    closes with all rewards equal runs none of them (with ``skip_zero_advantage``)."""
+    closes with all rewards equal runs none of them. Only with ``skip_zero_advantage`` (as in the
+    ledger: otherwise it would only delay their passes)."""
     hold_while_generating: bool = False
     """thunder: no learner work starts while a rollout engine decodes; what is ready waits for the
     engines to go idle (tool calls, verifiers, the batch's end). The trainer's

@@ -268,7 +268,8 @@ class GradientLedger:
         self._std_free = coef_known_before_close(objective) and not self._hold
         self._has_reward_free = objective.has_reward_free_terms or model_reward_free
         self._skip_zero = objective.skip_zero_advantage
-        self._defer = self.config.defer_uniform_groups
+        # Deferring pays only where a uniform group's passes are then skipped; else it delays them.
+        self._defer = self.config.defer_uniform_groups and self._skip_zero and not self._has_reward_free
         self._groups: dict[int, _Group] = {}
         self._trajs: dict[int, _Traj] = {}
         self._order: list[_Traj] = []  # sample order

@@ -332,7 +332,8 @@ def _reward_terms(learner: MegatronLearner, batch: Sequence[Trajectory], advanta
     """This rank's kept trajectories' unnormalised loss gradients in DDP's buffers (zeroed first),
     the micro-batches of one schedule call (the ledger backend's ``backward_sum``); returns their
     indices: those with advantage 0 and no reward-free term left out (``objective.
-    skip_zero_advantage``: their gradient is exactly 0). ``old``: the PPO ratio's old logprobs by batch index (default: the current ones, ratio 1)."""
+    skip_zero_advantage``: their gradient is exactly 0). ``old``: the PPO ratio's old logprobs by
+    batch index (default: the current ones, ratio 1)."""
     objective = _rl(learner)
     reward_free = objective.has_reward_free_terms or learner.router_losses
     skip = objective.skip_zero_advantage and not reward_free  # a gradient of exactly 0 runs nothing

@@ -97,6 +97,7 @@ def _rewards(spec: WorkloadSpec, group: np.ndarray, rng: np.random.Generator) ->
     if p is None:
         return None
     rho = spec.solve_prompt_share
-    x = np.sqrt(rho) * rng.standard_normal(int(group.max()) + 1)[group] + np.sqrt(1 - rho) * rng.standard_normal(len(group))
+    task = rng.standard_normal(int(group.max()) + 1)[group]
+    x = np.sqrt(rho) * task + np.sqrt(1 - rho) * rng.standard_normal(len(group))
     threshold = NormalDist().inv_cdf(p) if 0 < p < 1 else (np.inf if p == 1 else -np.inf)
     return (x < threshold).astype(float)

@@ -639,7 +639,8 @@ class GradientLedger:
             if m.pend is not None:
                 self._fold_pending_direct(m)
             fuse = self._has_reward_free and not m.reward_free_done
-            if not m.score_done and not fuse and self._skip_zero and advantage(m.known_reward, m.group.closed_stats) == 0.0:
+            if (not m.score_done and not fuse and self._skip_zero
+                    and advantage(m.known_reward, m.group.closed_stats) == 0.0):
                 self._skip(m)
         batchable = [m for m in batchable if not m.score_done or (self._has_reward_free and not m.reward_free_done)]
         if backward_sum is not None and len(batchable) > 1:

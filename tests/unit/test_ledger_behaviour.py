@@ -110,12 +110,13 @@ def test_single_processed_trajectory_holds_one_buffer():
     rng = random.Random(24)
     batch = syn.random_batch(rng, [3, 3], VOCAB, MAX_LEN, torch.float32, empty_prob=0.0)
     events = [syn.Event("finished", i) for i in range(6)] + [syn.Event("reward", i) for i in (0, 3)]
-    backend = TorchBackend(model, GRPOObjective())
-    ledger = GradientLedger(backend, GRPOObjective(), LedgerConfig(max_group_slots=None))
-    ledger.begin_batch(batch_plan(batch))
-    for e in events:
-        (ledger.on_finished(batch[e.traj_id]) if e.kind == "finished" else ledger.on_reward(e.traj_id, 1.0))
-    assert ledger.pool.num_live == 1 + 2  # P + one S per group, no R yet
+    for defer, live in ((False, 1 + 2), (True, 1)):  # P + one S per group, no R yet; deferred: P alone
+        backend = TorchBackend(model, GRPOObjective())
+        ledger = GradientLedger(backend, GRPOObjective(), LedgerConfig(max_group_slots=None, defer_uniform_groups=defer))
+        ledger.begin_batch(batch_plan(batch))
+        for e in events:
+            (ledger.on_finished(batch[e.traj_id]) if e.kind == "finished" else ledger.on_reward(e.traj_id, 1.0))
+        assert ledger.pool.num_live == live
 
 
 @pytest.mark.parametrize("advantage", ["grpo", "rloo", "batch_std"])

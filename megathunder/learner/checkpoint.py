@@ -13,20 +13,14 @@ complete; ``latest`` names the newest. Before the first optimizer step there is 
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import multiprocessing
-import os
 import shutil
-import signal
-import sys
-import threading
-from multiprocessing.managers import SyncManager
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from megathunder.diskspace import replace_text, writing
+from megathunder.learner.checkpoint_writer import forked_results_queue
 from megathunder.learner.learner import MegatronLearner
 
 # The optimizer state layout that reshards across TP/PP/DP (Megatron's "fully reshardable").
@@ -90,40 +84,6 @@ def _adam_step_kept_out_of_param_state(optimizer):
                 state["step"] = state["step"].clone()
 
 
-_manager: SyncManager | None = None
-PR_SET_PDEATHSIG = 1  # linux/prctl.h
-
-
-def _forked_results_queue() -> None:
-    """Megatron's checkpoint writer (``FileSystemWriterAsync``) forks its writer processes and
-    collects their results through a queue served by a ``multiprocessing`` Manager, which it starts
-    with ``spawn`` at the first save: a fresh interpreter that imports this program's modules (~3 s
-    of CPU) and is joined at exit (~3 s). A manager forked from this process serves the same queue
-    without either cost (forking is what the writers already do); Megatron uses the queue it finds.
-    It dies with the thread that forked it (``_die_with_parent``)."""
-    global _manager
-    from megatron.core.dist_checkpointing.strategies import filesystem_async
-
-    if filesystem_async._results_queue is None:
-        _manager = SyncManager(ctx=multiprocessing.get_context("fork"))
-        _manager.start(_die_with_parent, (threading.get_native_id(),))
-        filesystem_async._results_queue = _manager.Queue()
-
-
-def _die_with_parent(parent_thread: int) -> None:
-    """In the forked manager, first: it is SIGKILLed when the thread that forked it ends (Linux's
-    parent-death signal; the thread that saves checkpoints lives as long as the learner). A rank
-    killed outright (``kill_learner``, the OOM killer) runs no exit hook that would stop it, and
-    the orphan would live on holding the launcher's stdout/stderr pipes (found by the real-run
-    test of the learner faults: the launcher never saw the job end)."""
-    if not sys.platform.startswith("linux"):
-        return
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    if not os.path.exists(f"/proc/{os.getppid()}/task/{parent_thread}"):  # it ended before prctl
-        os._exit(0)
-
-
 def save_checkpoint(learner: MegatronLearner, root: str | Path) -> Path | None:
     """The learner's state as ``root/step_N`` (N: its optimizer steps), or None before its first
     step: the weights are then the initial model's, which the same command builds again, and
@@ -132,7 +92,7 @@ def save_checkpoint(learner: MegatronLearner, root: str | Path) -> Path | None:
 
     if learner.num_steps == 0:
         return None
-    _forked_results_queue()
+    forked_results_queue()
     root = Path(root)
     final = root / f"step_{learner.num_steps}"
     tmp = root / f"step_{learner.num_steps}.tmp"

@@ -29,7 +29,7 @@ from megatron.core.optimizer import MegatronOptimizer, OptimizerConfig, get_mega
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from megathunder.config import ConfigError, LearnerConfig, LedgerConfig, ObjectiveConfig, PolicyModelConfig, RLObjective
-from megathunder.learner import hf
+from megathunder.learner import checkpoint_writer, hf
 from megathunder.learner.backend import MegatronBackend
 from megathunder.learner.forward_backward import ForwardBackward, GradientSpace
 from megathunder.learner.model import build_gpt_model, layer_offset, resolve_model_config
@@ -86,6 +86,7 @@ class MegatronLearner:
         sampling temperature; every logprob the learner computes is of softmax(logits / T)."""
         hf_dir = Path(hf_dir) if hf_dir is not None else (
             Path(cfg.model.hf_checkpoint) if cfg.model.hf_checkpoint is not None else None)
+        checkpoint_writer.start_results_queue()  # before the model: a manager forked later holds its memory
         model_cfg = resolve_model_config(cfg.model, hf_dir)
         if pgs.dims.expert_span > 1 and objective.kind != "grpo":
             raise ConfigError(f"learner.parallel.expert_parallel: an expert grid spanning data-parallel ranks trains "

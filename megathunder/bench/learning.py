@@ -44,10 +44,12 @@ Report (``DIR/learning.json``, ``learning.md``, ``learning.png``), reusing ``eva
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
 import re
+import signal
 import statistics
 import subprocess
 import sys
@@ -101,9 +103,31 @@ def train(config: str, out: Path, seed: int, schedule: str, knobs: list[str], ov
     cmd = [sys.executable, "-m", "megathunder.bench.bench_train", *knobs, config, f"run.output_dir={out}",
            f"run.seed={seed}", f"schedule.mode={schedule}", "run.resume=true", "run.progress=false", *overrides]
     env = {**os.environ, "VLLM_LOGGING_LEVEL": "WARNING", "TORCHDYNAMO_DISABLE": "1", "MEGATHUNDER_SUPERVISE": "0"}
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+    out.mkdir(parents=True, exist_ok=True)
+    log = out / "train.log"
+    code = run_logged(cmd, env, log, timeout_s)
+    if code != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed ({code}; -9: killed, e.g. by the OOM killer):\n"
+                           f"{log.read_text(errors='replace')[-4000:]}")
+
+
+def run_logged(cmd: list[str], env: dict[str, str], log: Path, timeout_s: float) -> int:
+    """Run ``cmd`` in a session of its own, its output into ``log``; when it ends (or runs past
+    ``timeout_s``), whatever it left behind in that session goes too. Its exit code (-N: signal N).
+
+    Not a pipe: a run killed outright (the OOM killer) leaves its engine's processes holding any
+    pipe it was given, and a reader would wait on them forever."""
+    with log.open("ab") as sink:
+        proc = subprocess.Popen(cmd, env=env, stdout=sink, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True)
+        try:
+            return proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            raise RuntimeError(f"{' '.join(cmd)} ran past {timeout_s:.0f} s; its log: {log}") from None
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
 
 
 def correction(args: argparse.Namespace, schedule: str) -> list[str]:

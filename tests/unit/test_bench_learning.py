@@ -70,7 +70,7 @@ def test_time_to_score_budget_and_staleness_from_run_folders(tmp_path):
 
 def test_a_set_is_reported_from_its_folders_and_finished_runs_are_never_retrained(tmp_path, monkeypatch):
     _set(tmp_path)
-    monkeypatch.setattr(learning.subprocess, "run", lambda *a, **k: pytest.fail("a finished run was retrained"))
+    monkeypatch.setattr(learning.subprocess, "Popen", lambda *a, **k: pytest.fail("a finished run was retrained"))
     status = learning.main(["configs/quickstart.yaml", "--out", str(tmp_path), "--schedules", "sync", "thunder",
                             "async", "--seeds", "0", "1"])
     assert status == 0
@@ -110,3 +110,24 @@ def test_stale_schedules_get_the_correction_they_need_and_nothing_else_changes()
     assert learning.correction(args, "sync") == learning.correction(args, "thunder") == []
     args.overrides = ["objective.tis=sequence"]
     assert learning.correction(args, "async") == []
+
+
+def test_a_run_killed_outright_ends_with_its_code_and_takes_what_it_left_behind(tmp_path):
+    """A run the OOM killer ends leaves its engine's processes behind, holding whatever output it
+    was given: ``run_logged`` returns its exit code at once (a pipe's reader waited for them) and
+    kills them."""
+    import os
+    import sys
+    import time
+
+    child = ("import subprocess, sys; p = subprocess.Popen(['sleep', '600']); print(p.pid, flush=True); "
+             "sys.exit(3)")
+    log = tmp_path / "train.log"
+    start = time.monotonic()
+    code = learning.run_logged([sys.executable, "-c", child], dict(os.environ), log, timeout_s=120)
+    assert code == 3 and time.monotonic() - start < 60
+    orphan = int(log.read_text().split()[0])
+    deadline = time.monotonic() + 30
+    while os.path.exists(f"/proc/{orphan}") and open(f"/proc/{orphan}/stat").read().split(")")[-1].split()[0] != "Z":
+        assert time.monotonic() < deadline, "the orphan outlived the run"
+        time.sleep(0.05)

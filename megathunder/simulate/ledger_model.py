@@ -218,6 +218,9 @@ def ledger_jobs(rules: LedgerRules, group: np.ndarray, finish: np.ndarray, rewar
         seq += 1
         rank.jobs.append(job)
 
+    def slot_free(rank: _Rank) -> bool:
+        return rules.max_slots is None or rank.slots_used < rules.max_slots
+
     def pending_free(rank: _Rank) -> bool:
         return rules.pending and (rules.max_pending is None or rank.pending_used < rules.max_pending)
 
@@ -338,7 +341,7 @@ def ledger_jobs(rules: LedgerRules, group: np.ndarray, finish: np.ndarray, rewar
                         if owner[i] != d:
                             continue
                         if i in ready:
-                            if g not in r.slot_of and (rules.max_slots is None or r.slots_used < rules.max_slots):
+                            if g not in r.slot_of and slot_free(r):
                                 r.slot_of[g] = 0
                                 r.slots_used += 1
                             if g in r.slot_of:
@@ -350,7 +353,7 @@ def ledger_jobs(rules: LedgerRules, group: np.ndarray, finish: np.ndarray, rewar
                 continue
             if g in rank.slot_of:
                 into_slot(rank, g, idx, t)
-            elif rules.max_slots is None or rank.slots_used < rules.max_slots:
+            elif slot_free(rank):
                 rank.slot_of[g] = 0
                 rank.slots_used += 1
                 into_slot(rank, g, idx, t)

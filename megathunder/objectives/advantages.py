@@ -38,12 +38,18 @@ def group_stats(rewards: Sequence[float], cfg: RLObjective) -> GroupStats:
         raise ValueError("group_stats: empty group")
     if size == 1 and cfg.singleton_group == "raw_score":  # verl: mean 0, std 1
         return GroupStats(mean=0.0, std=1.0, coef=1.0 / (1.0 + cfg.std_eps) if cfg.advantage == "grpo" else 1.0)
-    shift = rewards[0]
-    mean = shift + math.fsum(r - shift for r in rewards) / size
+    mean = group_mean(rewards)
     dof = size - 1 if cfg.std_unbiased else size
     std = math.sqrt(math.fsum((r - mean) ** 2 for r in rewards) / dof) if dof > 0 else 0.0
     coef = 1.0 / (std + cfg.std_eps) if cfg.advantage == "grpo" else size_coef(size, cfg)
     return GroupStats(mean=mean, std=std, coef=coef)
+
+
+def group_mean(rewards: Sequence[float]) -> float:
+    """``mu_g``: float64, sample order, shifted by the first reward (an all-equal group's mean is
+    its reward exactly)."""
+    shift = rewards[0]
+    return shift + math.fsum(r - shift for r in rewards) / len(rewards)
 
 
 def coef_known_before_close(cfg: RLObjective) -> bool:

@@ -64,6 +64,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from megathunder.objectives.advantages import group_mean
 from megathunder.simulate.learner_model import BACKWARD_SHARE, Burst
 from megathunder.simulate.profile import Profile
 
@@ -166,6 +167,23 @@ class LedgerRules:
                    sc.defer_uniform_groups and sc.skip_zero_advantage)  # the ledger's rule
 
 
+def group_means(group: np.ndarray, value: np.ndarray) -> np.ndarray:
+    """[G] each group's mean reward, bitwise as the ledger computes it (``group_mean``)."""
+    members: list[list[float]] = [[] for _ in range(int(group.max()) + 1)]
+    for g, v in zip(group.tolist(), value.tolist(), strict=True):
+        members[g].append(v)
+    return np.array([group_mean(m) if m else math.nan for m in members])
+
+
+def zero_advantage(group: np.ndarray, value: np.ndarray | None) -> np.ndarray:
+    """[B] trajectories whose advantage ``coef_g * (r_i - mu_g)`` is exactly 0: a reward equal to
+    its group's mean (every member of an all-equal group). None (rewards distinct within every
+    group): none."""
+    if value is None:
+        return np.zeros(len(group), dtype=bool)
+    return value == group_means(group, value)[group]
+
+
 def claim_owners(claim_time: np.ndarray, tokens: np.ndarray, dp: int) -> np.ndarray:
     """Each trajectory's rank: the least loaded by tokens (lowest on ties) when it is claimed, in
     claim order (``Ownership.claim``)."""
@@ -189,7 +207,8 @@ def ledger_jobs(rules: LedgerRules, group: np.ndarray, finish: np.ndarray, rewar
     ranks = [_Rank() for _ in range(dp)]
     values = value is not None
     vals = np.zeros(len(group)) if value is None else value
-    mean = np.bincount(group, weights=vals) / np.bincount(group)
+    mean = group_means(group, vals)
+    zero = rules.skip_zero & zero_advantage(group, value)
     first_value: dict[int, float] = {}  # group -> its first reward (every rank sees every reward)
     distinct: set[int] = set()  # groups with two different rewards seen
     defer = rules.defer and values
@@ -262,13 +281,12 @@ def ledger_jobs(rules: LedgerRules, group: np.ndarray, finish: np.ndarray, rewar
 
     def _direct(rank: _Rank, members: list[int], t: float) -> None:
         for i in members:
-            zero = rules.skip_zero and values and float(vals[i]) == float(mean[group[i]])
             if pend[i]:
                 pend[i] = False
                 rank.pending_used -= 1
-                if not zero:
+                if not zero[i]:
                     add(rank, Job(t, OP, ops=1, op="fold", traj=i, path="pending_fold"))
-            elif not zero:
+            elif not zero[i]:
                 add(rank, Job(t, DIRECT, work=float(work[i]), traj=i, path="direct"))
 
     def _hand_over(rank: _Rank, t: float) -> None:

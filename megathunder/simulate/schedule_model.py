@@ -35,6 +35,7 @@ from megathunder.simulate.learner_model import (
     update_tail_s,
 )
 from megathunder.simulate.ledger_model import Costs, LedgerRules, claim_owners, ledger_jobs, run_rank
+from megathunder.simulate.ledger_model import zero_advantage as ledger_zero_advantage
 from megathunder.simulate.profile import Profile
 from megathunder.simulate.rollout_model import Interval, RolloutCluster
 from megathunder.simulate.workload import Batch, sample_batch
@@ -128,15 +129,10 @@ def _push(profile: Profile, end: float, trace: Trace, step: int) -> None:
 
 
 def zero_advantage(profile: Profile, batch: Batch) -> np.ndarray:
-    """[B] trajectories whose gradient is exactly 0 and is skipped (``skip_zero_advantage``): their
-    group's binary rewards all equal."""
-    v = batch.reward_value
-    if not profile.schedules.skip_zero_advantage or v is None:
+    """[B] trajectories whose gradient is exactly 0 and is skipped (``skip_zero_advantage``)."""
+    if not profile.schedules.skip_zero_advantage:
         return np.zeros(batch.size, dtype=bool)
-    lo, hi = np.full(batch.group.max() + 1, np.inf), np.full(batch.group.max() + 1, -np.inf)
-    np.minimum.at(lo, batch.group, v)
-    np.maximum.at(hi, batch.group, v)
-    return (lo == hi)[batch.group]
+    return ledger_zero_advantage(batch.group, batch.reward_value)
 
 
 def arrival_bound_s(profile: Profile, reward: np.ndarray, work: np.ndarray) -> float:

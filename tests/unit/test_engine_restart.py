@@ -56,7 +56,8 @@ class FakeLLM:
         if self.dead:
             raise EngineDeadError()
         tokens = list(reversed(prompt["prompt_token_ids"]))
-        yield SimpleNamespace(finished=True, outputs=[SimpleNamespace(
+        yield SimpleNamespace(finished=True, num_cached_tokens=0, prompt_logprobs=[None] + [
+            {t: SimpleNamespace(logprob=-2.0)} for t in prompt["prompt_token_ids"][1:]], outputs=[SimpleNamespace(
             token_ids=tokens, logprobs=[{t: SimpleNamespace(logprob=-1.0)} for t in tokens], finish_reason="length",
             weight_versions=[SimpleNamespace(version="1" if self.loaded else "0")])])
 
@@ -255,6 +256,22 @@ def test_busy_counts_a_request_from_its_call_not_from_the_engines_count(make_eng
         eng.llm.kill()
         with pytest.raises(EngineRestartError):
             await failing
+        assert not eng.busy()
+
+    asyncio.run(go())
+
+
+def test_busy_counts_a_teacher_s_scoring_request_too(make_engine):
+    """A prompt-logprob request (a teacher scoring a turn) takes the engine as a turn does: a
+    learner pass does not start beside it while the engine has not counted it yet."""
+
+    async def go():
+        eng = make_engine()
+        task = asyncio.ensure_future(eng.prompt_logprobs([5, 6, 7], 1))
+        await asyncio.sleep(0)
+        assert eng.busy() and not eng.generating()
+        eng.llm.release.set()
+        assert await task == ([-2.0, -2.0], 0)
         assert not eng.busy()
 
     asyncio.run(go())

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from megathunder.config import GRPOObjective, LedgerConfig
+from megathunder.objectives.advantages import advantage, group_stats
 from megathunder.simulate.ledger_model import (
     CALL,
     DIRECT,
@@ -22,6 +23,7 @@ from megathunder.simulate.ledger_model import (
     claim_owners,
     ledger_jobs,
     run_rank,
+    zero_advantage,
 )
 from megathunder.simulate.learner_model import BACKWARD_SHARE
 
@@ -101,6 +103,28 @@ def test_paths_are_the_real_ledger_s_event_by_event(seed, slots, pending, dp, ki
     assert model == real
     for d, rank_jobs in enumerate(jobs):  # each rank runs its own trajectories only
         assert all(owner[j.traj] == d for j in rank_jobs if j.traj >= 0)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_zero_advantages_are_the_ones_the_real_advantage_gives(seed):
+    """The simulator skips exactly the trajectories whose real GRPO advantage is 0.0. Rewards from
+    a few values that are not binary fractions, so groups are often all equal and a plain mean
+    misses them (0.1 + 0.1 + 0.1 over 3 is not 0.1), and a group's own reward can be its mean
+    ({0.1, 0.1, 0.3, 0.7}); members of a group interleaved in sample order."""
+    rng = np.random.default_rng(seed)
+    sizes = rng.integers(2, 9, size=40)
+    group = rng.permutation(np.repeat(np.arange(len(sizes)), sizes))
+    pick = rng.choice([0.1, 0.3, 0.7], size=len(sizes))
+    value = np.where(rng.random(len(group)) < 0.5, pick[group], rng.choice([0.1, 0.3, 0.7], size=len(group)))
+    cfg = GRPOObjective()
+    expected = np.zeros(len(group), dtype=bool)
+    for g in range(len(sizes)):
+        ids = np.flatnonzero(group == g)
+        stats = group_stats(value[ids].tolist(), cfg)
+        expected[ids] = [advantage(float(value[i]), stats) == 0.0 for i in ids]
+    assert expected.any() and not expected.all()
+    assert zero_advantage(group, value).tolist() == expected.tolist()
+    assert not zero_advantage(group, None).any()
 
 
 def test_owners_are_the_least_loaded_rank_by_tokens_in_claim_order():

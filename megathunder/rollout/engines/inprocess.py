@@ -176,7 +176,7 @@ class InProcessEngine:
         self.llm: AsyncLLM | None = llm
         self._policy_version = policy_version
         self._request_ids = itertools.count()
-        self._calls_in_flight = 0  # ``generate`` calls between their entry and their return (``busy``)
+        self._calls_in_flight = 0  # ``generate`` / ``prompt_logprobs`` calls in flight (``busy``)
         self._update_lock = asyncio.Lock()
         self.transfer: WeightTransfer | None = None  # weight_transfer=collective
         self.senders = senders
@@ -487,7 +487,7 @@ class InProcessEngine:
         return llm is not None and llm.get_num_unfinished_requests() > 0
 
     def busy(self) -> bool:
-        """Is a ``generate`` call in flight, the engine's count or not? A turn's call reaches the
+        """Is a ``generate`` or ``prompt_logprobs`` call in flight, the engine's count or not? A turn's call reaches the
         engine's count only once the request is added, 20-40 ms after the call on the 2-core machine
         while a burst of turns is handled (measured on ``swe_local``): a learner pass that starts in
         that gap (``ledger.hold_while_generating``) decodes beside the new turns. (Safe from another
@@ -547,11 +547,18 @@ class InProcessEngine:
         the cache reaches into the span to score (num_cached >= start) the request is repeated
         without reading the cache.
         """
+        if not 1 <= start <= len(token_ids):
+            raise ValueError(f"prompt_logprobs: start {start} outside 1..{len(token_ids)}")
+        self._calls_in_flight += 1
+        try:
+            return await self._score_prompt(token_ids, start)
+        finally:
+            self._calls_in_flight -= 1
+
+    async def _score_prompt(self, token_ids: Sequence[int], start: int) -> tuple[list[float], int]:
         import vllm
         from vllm.inputs import TokensPrompt
 
-        if not 1 <= start <= len(token_ids):
-            raise ValueError(f"prompt_logprobs: start {start} outside 1..{len(token_ids)}")
         for read_cache in (True, False):
             params = vllm.SamplingParams(
                 max_tokens=1, prompt_logprobs=0, detokenize=False, skip_reading_prefix_cache=not read_cache,

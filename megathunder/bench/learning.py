@@ -317,8 +317,9 @@ def plot(runs: list[Run], path: Path, title: str) -> None:
             if len(start) == len(own):
                 x, ys = [0.0, *x], [start, *ys]
             style = STYLES.get(s, ("-", "o"))  # distinct marks: thunder's curve can lie on sync's
+            seeds = f"{len(mine)} seed" + "s" * (len(mine) != 1)
             line, = ax.plot(x, [statistics.fmean(y) for y in ys], linestyle=style[0], marker=style[1],
-                            markersize=9 if s == "sync" else 5, label=f"{s} ({len(mine)} seeds)")
+                            markersize=9 if s == "sync" else 5, label=f"{s} ({seeds})")
             ax.fill_between(x, [min(y) for y in ys], [max(y) for y in ys], color=line.get_color(), alpha=0.2)
     axes[0].set_xlabel("training time from the first step, evaluations excluded (s)")
     axes[1].set_xlabel("learner process-hours (GPU-hours on GPUs)")

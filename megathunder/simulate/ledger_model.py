@@ -175,13 +175,13 @@ def group_means(group: np.ndarray, value: np.ndarray) -> np.ndarray:
     return np.array([group_mean(m) if m else math.nan for m in members])
 
 
-def zero_advantage(group: np.ndarray, value: np.ndarray | None) -> np.ndarray:
+def zero_advantage(group: np.ndarray, value: np.ndarray | None, means: np.ndarray | None = None) -> np.ndarray:
     """[B] trajectories whose advantage ``coef_g * (r_i - mu_g)`` is exactly 0: a reward equal to
     its group's mean (every member of an all-equal group). None (rewards distinct within every
-    group): none."""
+    group): none. ``means``: ``group_means`` if already computed."""
     if value is None:
         return np.zeros(len(group), dtype=bool)
-    return value == group_means(group, value)[group]
+    return value == (group_means(group, value) if means is None else means)[group]
 
 
 def claim_owners(claim_time: np.ndarray, tokens: np.ndarray, dp: int) -> np.ndarray:
@@ -208,7 +208,7 @@ def ledger_jobs(rules: LedgerRules, group: np.ndarray, finish: np.ndarray, rewar
     values = value is not None
     vals = np.zeros(len(group)) if value is None else value
     mean = group_means(group, vals)
-    zero = rules.skip_zero & zero_advantage(group, value)
+    zero = rules.skip_zero & zero_advantage(group, value, mean)
     first_value: dict[int, float] = {}  # group -> its first reward (every rank sees every reward)
     distinct: set[int] = set()  # groups with two different rewards seen
     defer = rules.defer and values

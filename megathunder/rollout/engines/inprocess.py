@@ -487,11 +487,11 @@ class InProcessEngine:
         return llm is not None and llm.get_num_unfinished_requests() > 0
 
     def busy(self) -> bool:
-        """Is a ``generate`` or ``prompt_logprobs`` call in flight, the engine's count or not? A turn's call reaches the
-        engine's count only once the request is added, 20-40 ms after the call on the 2-core machine
-        while a burst of turns is handled (measured on ``swe_local``): a learner pass that starts in
-        that gap (``ledger.hold_while_generating``) decodes beside the new turns. (Safe from another
-        thread: it reads two counts.)"""
+        """Is a ``generate`` or ``prompt_logprobs`` call in flight, the engine's count or not? A
+        turn's call reaches the engine's count only once the request is added, 20-40 ms after the
+        call on the 2-core machine while a burst of turns is handled (measured on ``swe_local``): a
+        learner pass that starts in that gap (``ledger.hold_while_generating``) decodes beside the
+        new turns. (Safe from another thread: it reads two counts.)"""
         return self._calls_in_flight > 0 or self.generating()
 
     @property

@@ -34,8 +34,8 @@ from megathunder.simulate.learner_model import (
     turn_items,
     update_tail_s,
 )
+from megathunder.simulate import ledger_model
 from megathunder.simulate.ledger_model import Costs, LedgerRules, claim_owners, ledger_jobs, run_rank
-from megathunder.simulate.ledger_model import zero_advantage as ledger_zero_advantage
 from megathunder.simulate.profile import Profile
 from megathunder.simulate.rollout_model import Interval, RolloutCluster
 from megathunder.simulate.workload import Batch, sample_batch
@@ -132,7 +132,7 @@ def zero_advantage(profile: Profile, batch: Batch) -> np.ndarray:
     """[B] trajectories whose gradient is exactly 0 and is skipped (``skip_zero_advantage``)."""
     if not profile.schedules.skip_zero_advantage:
         return np.zeros(batch.size, dtype=bool)
-    return ledger_zero_advantage(batch.group, batch.reward_value)
+    return ledger_model.zero_advantage(batch.group, batch.reward_value)
 
 
 def arrival_bound_s(profile: Profile, reward: np.ndarray, work: np.ndarray) -> float:
